@@ -1,0 +1,1 @@
+"""Adapters: the only code that talks to Kubernetes, ZooKeeper and the engines over HTTP."""

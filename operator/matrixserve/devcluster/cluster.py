@@ -1,0 +1,523 @@
+"""Bring the local control plane and ZooKeeper up and down, report it, export its address.
+
+Components, in start order, all bound to 127.0.0.1 on free ports:
+
+1. etcd (Debian's etcd-server), data in ``<state>/data/etcd``;
+2. kube-apiserver (RBAC + Node authorization, static-token admin in ``system:masters``, service
+   accounts signed by our key pair, serving certificate from our CA, insecure port off);
+3. kube-controller-manager (all controllers but node lifecycle: there is no kubelet here, so
+   NotReady eviction is the node emulator's business) with the service-account token controller;
+4. kube-scheduler;
+5. ZooKeeper (``ZooKeeperServerMain``, 4-letter ``ruok`` for readiness).
+
+Each waits for its own readiness endpoint with a timeout; a component that dies while we wait
+fails the step with its log. ``down`` stops exactly the processes recorded in ``<state>/pids``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import shlex
+import shutil
+import socket
+import ssl
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from matrixserve.devcluster import pki, tools
+from matrixserve.devcluster.errors import DevClusterError, tail
+from matrixserve.devcluster.procs import Supervisor
+
+SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"
+SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "zookeeper")
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Ports:
+    etcd_client: int
+    etcd_peer: int
+    apiserver: int
+    controller_manager: int
+    scheduler: int
+    zookeeper: int
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """What scripts and tests need to reach a running cluster (``<state>/cluster.json``)."""
+
+    state_dir: str
+    kubeconfig: str
+    server: str
+    ca_file: str
+    admin_token: str
+    zookeeper: str
+    ports: Ports
+    bin_dir: str
+    helm: str
+
+    @classmethod
+    def load(cls, path: Path) -> ClusterInfo:
+        data = json.loads(path.read_text())
+        data["ports"] = Ports(**data["ports"])
+        return cls(**data)
+
+    def env(self) -> dict[str, str]:
+        return {
+            "KUBECONFIG": self.kubeconfig,
+            "MATRIXSERVE_ZK": self.zookeeper,
+            "MATRIXSERVE_STATE_DIR": self.state_dir,
+            "MATRIXSERVE_HELM": self.helm,
+        }
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free TCP ports on 127.0.0.1 (held open together so they differ)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((LOOPBACK, 0))
+            sockets.append(sock)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+class DevCluster:
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.supervisor = Supervisor(state_dir)
+        self.info_path = state_dir / "cluster.json"
+        self.setup_log = state_dir / "logs" / "setup.log"
+
+    # ----------------------------------------------------------------- queries
+    def info(self) -> ClusterInfo | None:
+        if not self.info_path.exists():
+            return None
+        try:
+            return ClusterInfo.load(self.info_path)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return None
+
+    def component_alive(self) -> dict[str, bool]:
+        alive = {}
+        for name in COMPONENTS:
+            record = self.supervisor.record(name)
+            alive[name] = record is not None and record.alive()
+        return alive
+
+    def is_running(self) -> bool:
+        info = self.info()
+        return info is not None and all(self.component_alive().values()) and _apiserver_ready(info)
+
+    def status(self) -> dict[str, object]:
+        info = self.info()
+        components = []
+        for name in COMPONENTS:
+            record = self.supervisor.record(name)
+            components.append(
+                {
+                    "name": name,
+                    "pid": record.pid if record else None,
+                    "alive": bool(record and record.alive()),
+                    "log": str(self.supervisor.log_path(name)),
+                }
+            )
+        return {
+            "stateDir": str(self.state_dir),
+            "running": self.is_running(),
+            "server": info.server if info else None,
+            "zookeeper": info.zookeeper if info else None,
+            "kubeconfig": info.kubeconfig if info else None,
+            "components": components,
+        }
+
+    # ----------------------------------------------------------------- up/down
+    def up(self, *, timeout: float = 120.0) -> ClusterInfo:
+        """Start the cluster (idempotent: a healthy running cluster is returned as it is)."""
+        info = self.info()
+        if info is not None and self.is_running():
+            return info
+        if any(self.component_alive().values()):
+            tools.say(f"a partial cluster is running in {self.state_dir}; stopping it first")
+        self.down(quiet=True)
+
+        bin_dir = tools.setup(self.setup_log)
+        helm = tools.helm_path()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        ports = Ports(*free_ports(6))
+        pki_dir = self.state_dir / "pki"
+        ca = pki.ensure_ca(pki_dir)
+        serving = pki.issue_certificate(
+            ca,
+            pki_dir,
+            "apiserver",
+            "kube-apiserver",
+            [
+                f"IP:{LOOPBACK}",
+                "IP:10.96.0.1",
+                "DNS:localhost",
+                "DNS:kubernetes",
+                "DNS:kubernetes.default",
+                "DNS:kubernetes.default.svc",
+                "DNS:kubernetes.default.svc.cluster.local",
+            ],
+        )
+        sa = pki.ensure_service_account_keys(pki_dir)
+        token = secrets.token_hex(24)
+        tokens_csv = pki_dir / "tokens.csv"
+        tokens_csv.write_text(f'{token},matrixserve-admin,matrixserve-admin,"system:masters"\n')
+        tokens_csv.chmod(0o600)
+        kubeconfig = self.state_dir / "kubeconfig"
+        server = f"https://{LOOPBACK}:{ports.apiserver}"
+        _write_kubeconfig(kubeconfig, server, ca.cert, token)
+        info = ClusterInfo(
+            state_dir=str(self.state_dir),
+            kubeconfig=str(kubeconfig),
+            server=server,
+            ca_file=str(ca.cert),
+            admin_token=token,
+            zookeeper=f"{LOOPBACK}:{ports.zookeeper}",
+            ports=ports,
+            bin_dir=str(bin_dir),
+            helm=str(helm),
+        )
+        self.info_path.write_text(json.dumps(asdict(info), indent=2))
+        self.info_path.chmod(0o600)
+
+        deadline = time.monotonic() + timeout
+        try:
+            self._start_etcd(info, deadline)
+            self._start_apiserver(
+                info, ca=ca, serving=serving, sa=sa, tokens_csv=tokens_csv, deadline=deadline
+            )
+            self._start_controller_manager(info, ca, sa, kubeconfig, deadline)
+            self._start_scheduler(info, kubeconfig, deadline)
+            self._start_zookeeper(info, deadline)
+            self._wait(
+                "controller-manager: default service account",
+                "kube-controller-manager",
+                deadline,
+                lambda: _default_service_account_ready(info),
+            )
+        except BaseException:
+            self.down(quiet=True, keep_logs=True)
+            raise
+        return info
+
+    def down(self, *, quiet: bool = False, keep_logs: bool = True) -> list[str]:
+        """Stop every process this state directory started (reverse order); remove its data."""
+        stopped = []
+        names = [r.name for r in self.supervisor.records()]
+        ordered = [n for n in reversed(COMPONENTS) if n in names] + [
+            n for n in names if n not in COMPONENTS
+        ]
+        for name in ordered:
+            if self.supervisor.stop(name):
+                stopped.append(name)
+        for sub in ("data", "pki", "run"):
+            shutil.rmtree(self.state_dir / sub, ignore_errors=True)
+        for path in (self.info_path, self.state_dir / "kubeconfig"):
+            path.unlink(missing_ok=True)
+        if not keep_logs:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+        if stopped and not quiet:
+            tools.say(f"stopped {', '.join(stopped)}")
+        return stopped
+
+    # ----------------------------------------------------------------- components
+    def _wait(self, step: str, component: str, deadline: float, ready: Callable[[], bool]) -> None:
+        log = self.supervisor.log_path(component)
+        while True:
+            if self.supervisor.exited(component):
+                raise DevClusterError(
+                    step, f"{component} exited during start-up", log=log, hint=_hint_from_log(log)
+                )
+            try:
+                if ready():
+                    return
+            except Exception:
+                pass
+            if time.monotonic() > deadline:
+                raise DevClusterError(
+                    step,
+                    f"{component} not ready before the timeout",
+                    log=log,
+                    hint=_hint_from_log(log),
+                )
+            time.sleep(0.2)
+
+    def _start_etcd(self, info: ClusterInfo, deadline: float) -> None:
+        data = self.state_dir / "data" / "etcd"
+        data.mkdir(parents=True, exist_ok=True)
+        data.chmod(0o700)
+        client = f"http://{LOOPBACK}:{info.ports.etcd_client}"
+        peer = f"http://{LOOPBACK}:{info.ports.etcd_peer}"
+        self.supervisor.start(
+            "etcd",
+            [
+                shutil.which("etcd") or "/usr/bin/etcd",
+                "--name=devcluster",
+                f"--data-dir={data}",
+                f"--listen-client-urls={client}",
+                f"--advertise-client-urls={client}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=devcluster={peer}",
+                "--initial-cluster-state=new",
+                "--unsafe-no-fsync",
+                "--log-level=warn",
+            ],
+        )
+        self._wait("etcd", "etcd", deadline, lambda: b'"true"' in _http_get(f"{client}/health"))
+
+    def _start_apiserver(
+        self,
+        info: ClusterInfo,
+        *,
+        ca: pki.KeyPair,
+        serving: pki.KeyPair,
+        sa: pki.KeyPair,
+        tokens_csv: Path,
+        deadline: float,
+    ) -> None:
+        bins = Path(info.bin_dir)
+        self.supervisor.start(
+            "kube-apiserver",
+            [
+                str(bins / "kube-apiserver"),
+                f"--etcd-servers=http://{LOOPBACK}:{info.ports.etcd_client}",
+                f"--bind-address={LOOPBACK}",
+                f"--advertise-address={LOOPBACK}",
+                f"--secure-port={info.ports.apiserver}",
+                "--insecure-port=0",
+                f"--tls-cert-file={serving.cert}",
+                f"--tls-private-key-file={serving.key}",
+                f"--client-ca-file={ca.cert}",
+                f"--cert-dir={self.state_dir / 'pki' / 'apiserver'}",
+                f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+                f"--service-account-key-file={sa.cert}",
+                f"--service-account-signing-key-file={sa.key}",
+                "--authorization-mode=Node,RBAC",
+                f"--token-auth-file={tokens_csv}",
+                f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+                # Nothing routes to Service IPs here; don't reconcile the kubernetes endpoint
+                # (it would log "may not be in the loopback range" every few seconds).
+                "--endpoint-reconciler-type=none",
+                "--allow-privileged=true",
+                "--profiling=false",
+                "--v=1",
+            ],
+        )
+        self._wait("kube-apiserver", "kube-apiserver", deadline, lambda: _apiserver_ready(info))
+
+    def _start_controller_manager(
+        self, info: ClusterInfo, ca: pki.KeyPair, sa: pki.KeyPair, kubeconfig: Path, deadline: float
+    ) -> None:
+        bins = Path(info.bin_dir)
+        port = info.ports.controller_manager
+        self.supervisor.start(
+            "kube-controller-manager",
+            [
+                str(bins / "kube-controller-manager"),
+                f"--kubeconfig={kubeconfig}",
+                f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}",
+                f"--bind-address={LOOPBACK}",
+                f"--secure-port={port}",
+                "--port=0",
+                f"--cert-dir={self.state_dir / 'pki' / 'controller-manager'}",
+                "--leader-elect=false",
+                "--controllers=*,-nodelifecycle",
+                f"--service-account-private-key-file={sa.key}",
+                f"--root-ca-file={ca.cert}",
+                f"--cluster-signing-cert-file={ca.cert}",
+                f"--cluster-signing-key-file={ca.key}",
+                "--profiling=false",
+                "--v=1",
+            ],
+        )
+        self._wait(
+            "kube-controller-manager",
+            "kube-controller-manager",
+            deadline,
+            lambda: _http_get(f"https://{LOOPBACK}:{port}/healthz", insecure=True) == b"ok",
+        )
+
+    def _start_scheduler(self, info: ClusterInfo, kubeconfig: Path, deadline: float) -> None:
+        bins = Path(info.bin_dir)
+        port = info.ports.scheduler
+        self.supervisor.start(
+            "kube-scheduler",
+            [
+                str(bins / "kube-scheduler"),
+                f"--kubeconfig={kubeconfig}",
+                f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}",
+                f"--bind-address={LOOPBACK}",
+                f"--secure-port={port}",
+                "--port=0",
+                f"--cert-dir={self.state_dir / 'pki' / 'scheduler'}",
+                "--leader-elect=false",
+                "--profiling=false",
+                "--v=1",
+            ],
+        )
+        self._wait(
+            "kube-scheduler",
+            "kube-scheduler",
+            deadline,
+            lambda: _http_get(f"https://{LOOPBACK}:{port}/healthz", insecure=True) == b"ok",
+        )
+
+    def _start_zookeeper(self, info: ClusterInfo, deadline: float) -> None:
+        data = self.state_dir / "data" / "zookeeper"
+        data.mkdir(parents=True, exist_ok=True)
+        cfg = self.state_dir / "data" / "zoo.cfg"
+        cfg.write_text(
+            "tickTime=2000\n"
+            "initLimit=10\n"
+            "syncLimit=5\n"
+            f"dataDir={data}\n"
+            f"clientPort={info.ports.zookeeper}\n"
+            f"clientPortAddress={LOOPBACK}\n"
+            "admin.enableServer=false\n"
+            "maxClientCnxns=0\n"
+            "4lw.commands.whitelist=ruok,srvr,stat,mntr\n"
+            # Sessions may be as short as 2 s: tests expire them on purpose.
+            "minSessionTimeout=2000\n"
+        )
+        self.supervisor.start(
+            "zookeeper",
+            [
+                str(tools.java_path()),
+                "-Xmx256m",
+                f"-Dzookeeper.log.dir={self.state_dir / 'logs'}",
+                "-Dzookeeper.root.logger=WARN,CONSOLE",
+                "-cp",
+                "/usr/share/java/*",
+                "org.apache.zookeeper.server.ZooKeeperServerMain",
+                str(cfg),
+            ],
+        )
+        self._wait(
+            "zookeeper",
+            "zookeeper",
+            deadline,
+            lambda: _four_letter(LOOPBACK, info.ports.zookeeper, b"ruok") == b"imok",
+        )
+
+
+# --------------------------------------------------------------------- helpers
+def _write_kubeconfig(path: Path, server: str, ca: Path, token: str) -> None:
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "matrixserve-dev",
+                "cluster": {"server": server, "certificate-authority": str(ca)},
+            }
+        ],
+        "users": [{"name": "matrixserve-admin", "user": {"token": token}}],
+        "contexts": [
+            {
+                "name": "matrixserve-dev",
+                "context": {"cluster": "matrixserve-dev", "user": "matrixserve-admin"},
+            }
+        ],
+        "current-context": "matrixserve-dev",
+    }
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    path.chmod(0o600)
+
+
+def _http_get(
+    url: str, *, token: str | None = None, ca_file: str | None = None, insecure: bool = False
+) -> bytes:
+    context = None
+    if url.startswith("https"):
+        context = ssl.create_default_context(cafile=ca_file)
+        if insecure:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+    request = urllib.request.Request(url)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=2, context=context) as response:
+        body: bytes = response.read()
+        return body
+
+
+def _apiserver_ready(info: ClusterInfo) -> bool:
+    try:
+        return (
+            _http_get(f"{info.server}/readyz", token=info.admin_token, ca_file=info.ca_file)
+            == b"ok"
+        )
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def _default_service_account_ready(info: ClusterInfo) -> bool:
+    body = _http_get(
+        f"{info.server}/api/v1/namespaces/default/serviceaccounts/default",
+        token=info.admin_token,
+        ca_file=info.ca_file,
+    )
+    return bool(json.loads(body).get("secrets"))
+
+
+def _four_letter(host: str, port: int, word: bytes) -> bytes:
+    with socket.create_connection((host, port), timeout=2) as sock:
+        sock.sendall(word)
+        chunks = []
+        with contextlib.suppress(TimeoutError):
+            while chunk := sock.recv(4096):
+                chunks.append(chunk)
+        return b"".join(chunks)
+
+
+_HINTS = (
+    (
+        "address already in use",
+        "another process holds one of the chosen ports; run the command again "
+        "(ports are picked afresh)",
+    ),
+    (
+        "bind: permission denied",
+        "the port is not allowed for this user; run as root or pick higher ports",
+    ),
+    ("no space left", "free some disk space under the state directory"),
+    (
+        "java.lang",
+        "ZooKeeper's Java failed: check that the zookeeper package and a JRE are installed",
+    ),
+    ("unable to create storage backend", "etcd is not reachable: see etcd.log in the same folder"),
+)
+
+
+def _hint_from_log(log: Path) -> str:
+    text = tail(log, 200).lower()
+    for needle, hint in _HINTS:
+        if needle in text:
+            return hint
+    return (
+        "read the log above; 'python -m matrixserve.devcluster down' cleans up, then try 'up' again"
+    )
+
+
+def export_lines(info: ClusterInfo) -> str:
+    return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in info.env().items())

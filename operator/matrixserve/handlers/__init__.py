@@ -1,0 +1,1 @@
+"""kopf handlers: thin, level-based reconcilers that call adapters and the pure domain."""

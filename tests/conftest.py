@@ -1,0 +1,149 @@
+"""Shared fixtures: one real local cluster per run; a fresh namespace and ZooKeeper chroot per test.
+
+Markers are applied here, not by hand: tests under ``tests/unit`` are ``unit``; any test that
+uses the ``cluster`` fixture (directly or through another fixture) is ``cluster``. So
+``pytest -m unit`` is the fast, cluster-free subset.
+
+Set ``MATRIXSERVE_TEST_STATE_DIR`` to the state dir of a running dev cluster (``make cluster-up``)
+to reuse it instead of starting a private one for the session (faster iteration); a private one
+is always stopped at the end of the session.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from matrixserve.devcluster.cluster import ClusterInfo, DevCluster
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unit_dir = REPO / "tests" / "unit"
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(unit_dir):
+            item.add_marker(pytest.mark.unit)
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterInfo]:
+    reuse = os.environ.get("MATRIXSERVE_TEST_STATE_DIR")
+    if reuse:
+        existing = DevCluster(Path(reuse))
+        info = existing.info()
+        if info is None or not existing.is_running():
+            pytest.fail(f"MATRIXSERVE_TEST_STATE_DIR={reuse} has no running cluster")
+        yield info
+        return
+    dev = DevCluster(tmp_path_factory.mktemp("devcluster"))
+    info = dev.up(timeout=180)
+    try:
+        yield info
+    finally:
+        dev.down(quiet=True)
+
+
+@pytest.fixture(scope="session")
+def api_client(cluster: ClusterInfo) -> Iterator[object]:
+    from kubernetes import config
+
+    client = config.new_client_from_config(config_file=cluster.kubeconfig)
+    yield client
+    client.close()
+
+
+def _dns_label(text: str, limit: int) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:limit].strip("-")
+
+
+@pytest.fixture
+def namespace(request: pytest.FixtureRequest, api_client: object) -> Iterator[str]:
+    """A fresh namespace, ready for pods (its default service account has its token)."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(api_client)
+    name = f"t-{_dns_label(request.node.name, 40)}-{secrets.token_hex(3)}"
+    core.create_namespace(
+        client.V1Namespace(
+            metadata=client.V1ObjectMeta(name=name, labels={"matrixserve.io/test": "true"})
+        )
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if core.read_namespaced_service_account("default", name).secrets:
+                break
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+        if time.monotonic() > deadline:
+            pytest.fail(f"namespace {name}: default service account got no token within 30s")
+        time.sleep(0.1)
+    yield name
+    core.delete_namespace(name, propagation_policy="Background")
+
+
+@pytest.fixture
+def zk(cluster: ClusterInfo) -> Iterator[object]:
+    """A started kazoo client whose root is a fresh chroot, removed afterwards."""
+    from kazoo.client import KazooClient
+
+    root = f"/tests/{secrets.token_hex(6)}"
+    admin = KazooClient(hosts=cluster.zookeeper, timeout=10)
+    admin.start(timeout=15)
+    admin.ensure_path(root)
+    client = KazooClient(hosts=f"{cluster.zookeeper}{root}", timeout=10)
+    client.start(timeout=15)
+    yield client
+    client.stop()
+    client.close()
+    admin.delete(root, recursive=True)
+    admin.stop()
+    admin.close()
+
+
+@pytest.fixture(scope="session")
+def cli_env(cluster: ClusterInfo) -> dict[str, str]:
+    """Environment for kubectl/helm subprocesses aimed at the test cluster."""
+    return {
+        **os.environ,
+        **cluster.env(),
+        "HELM_CACHE_HOME": str(Path(cluster.state_dir) / "helm-cache"),
+        "HELM_CONFIG_HOME": str(Path(cluster.state_dir) / "helm-config"),
+        "HELM_DATA_HOME": str(Path(cluster.state_dir) / "helm-data"),
+    }
+
+
+@pytest.fixture(scope="session")
+def run_tool(cli_env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run kubectl or helm against the test cluster; a non-zero exit fails the test unless told."""
+    from matrixserve.devcluster import tools
+
+    paths = {"kubectl": str(tools.kubectl_path()), "helm": str(tools.helm_path())}
+
+    def run(
+        tool: str, *args: str, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [paths[tool], *args],
+            env=cli_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if check and result.returncode != 0:
+            pytest.fail(f"{tool} {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
+        return result
+
+    return run
