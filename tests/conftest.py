@@ -50,7 +50,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterInfo]:
     try:
         yield info
     finally:
-        dev.down(quiet=True)
+        dev.down()
 
 
 @pytest.fixture(scope="session")
@@ -147,3 +147,111 @@ def run_tool(cli_env: dict[str, str]) -> Callable[..., subprocess.CompletedProce
         return result
 
     return run
+
+
+class EmulatorHandle:
+    """A node emulator process started for one test, with its own SuperPod(s) and nodes."""
+
+    def __init__(
+        self, state_dir: Path, supervisor: object, prefix: str, node_names: list[str]
+    ) -> None:
+        self.state_dir = state_dir
+        self.supervisor = supervisor
+        self.prefix = prefix
+        self.nodes = node_names
+        self.control = ""
+
+    def http(self) -> object:
+        import httpx
+
+        return httpx.Client(base_url=self.control, timeout=10, trust_env=False)
+
+    def pods(self) -> list[dict[str, object]]:
+        with self.http() as http:  # type: ignore[attr-defined]
+            return list(http.get("/pods").json())
+
+    def fault(self, heal: bool = False, **body: object) -> dict[str, object]:
+        with self.http() as http:  # type: ignore[attr-defined]
+            response = http.request("DELETE" if heal else "POST", "/faults", json=body)
+            assert response.is_success, response.text
+            return dict(response.json())
+
+
+@pytest.fixture
+def start_emulator(
+    cluster: ClusterInfo, api_client: object, tmp_path: Path
+) -> Iterator[Callable[..., EmulatorHandle]]:
+    """Start a private node emulator: ``start_emulator(servers=1, superpods=1, extra=[...])``."""
+    import json
+    import sys
+
+    from kubernetes import client
+
+    from matrixserve.devcluster.procs import Supervisor
+
+    started: list[tuple[Supervisor, str]] = []
+
+    def start(servers: int = 1, superpods: int = 1, extra: tuple[str, ...] = ()) -> EmulatorHandle:
+        prefix = "e" + secrets.token_hex(3)
+        state = tmp_path / f"emulator-{prefix}"
+        sup = Supervisor(state)
+        sup.start(
+            "node-emulator",
+            [
+                sys.executable,
+                "-m",
+                "enginestub.node",
+                "run",
+                "--state-dir",
+                str(state / "data"),
+                "--superpods",
+                str(superpods),
+                "--servers",
+                str(servers),
+                "--superpod-prefix",
+                prefix,
+                "--backoff-base",
+                "0.5",
+                "--backoff-max",
+                "8",
+                "--lease-interval",
+                "2",
+                "--delete-nodes-on-exit",
+                *extra,
+            ],
+            env={**os.environ, "KUBECONFIG": cluster.kubeconfig},
+        )
+        started.append((sup, prefix))
+        names = [f"{prefix}{p}-server-{s:02d}" for p in range(superpods) for s in range(servers)]
+        handle = EmulatorHandle(state / "data", sup, prefix, names)
+        core = client.CoreV1Api(api_client)
+        deadline = time.monotonic() + 30
+        info_file = state / "data" / "emulator.json"
+        while True:
+            if sup.exited("node-emulator"):
+                pytest.fail(
+                    "node emulator exited:\n" + sup.log_path("node-emulator").read_text()[-3000:]
+                )
+            ready = 0
+            if info_file.exists():
+                handle.control = json.loads(info_file.read_text())["control"]
+                for name in names:
+                    try:
+                        node = core.read_node(name)
+                    except client.ApiException:
+                        break
+                    conditions = {c.type: c.status for c in node.status.conditions or []}
+                    if conditions.get("Ready") == "True" and not node.spec.taints:
+                        ready += 1
+            if ready == len(names):
+                return handle
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    "emulated nodes not Ready within 30s:\n"
+                    + sup.log_path("node-emulator").read_text()[-3000:]
+                )
+            time.sleep(0.1)
+
+    yield start
+    for sup, _ in started:
+        sup.stop("node-emulator", grace=15)

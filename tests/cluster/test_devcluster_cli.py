@@ -67,6 +67,9 @@ def test_up_is_idempotent_and_down_leaves_no_process(cluster: ClusterInfo, tmp_p
         assert first.ports.apiserver != cluster.ports.apiserver
         records = {r.name: r for r in dev.supervisor.records()}
         assert set(records) == set(COMPONENTS)
+        # Its emulated nodes never share a pod /24 with the session cluster's (machine-wide locks).
+        assert set(_pod_cidrs(first)).isdisjoint(_pod_cidrs(cluster))
+        assert len(_pod_cidrs(first)) == 4
         again = dev.up(timeout=60)
         assert again == first, "up on a running cluster must not restart it"
         assert {r.name: r.pid for r in dev.supervisor.records()} == {
@@ -80,6 +83,13 @@ def test_up_is_idempotent_and_down_leaves_no_process(cluster: ClusterInfo, tmp_p
     assert dev.supervisor.records() == []
     # The session cluster is untouched.
     assert DevCluster(Path(cluster.state_dir)).is_running()
+
+
+def _pod_cidrs(info: ClusterInfo) -> list[str]:
+    from kubernetes import client, config
+
+    with config.new_client_from_config(config_file=info.kubeconfig) as api:
+        return [n.spec.pod_cidr for n in client.CoreV1Api(api).list_node().items if n.spec.pod_cidr]
 
 
 def test_env_without_a_cluster_exits_3_with_a_clear_message(tmp_path: Path) -> None:

@@ -19,6 +19,16 @@ from matrixserve.devcluster.paths import default_state_dir
 NOT_RUNNING = 3
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value <= 48:
+        raise argparse.ArgumentTypeError(f"{value} is out of range 1..48")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m matrixserve.devcluster",
@@ -35,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("setup", help="install packages and build/cache Kubernetes; start nothing")
     up = sub.add_parser("up", help="start the cluster (idempotent) and print what runs")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
+    up.add_argument("--superpods", type=_positive, default=1, help="emulated SuperPods (default 1)")
+    up.add_argument(
+        "--servers",
+        type=_positive,
+        default=4,
+        help="emulated 8-NPU servers per SuperPod (default 4)",
+    )
     sub.add_parser("down", help="stop exactly the processes 'up' started")
     status = sub.add_parser("status", help="show components, pids and addresses")
     status.add_argument("--json", action="store_true", help="machine-readable output")
@@ -49,6 +66,7 @@ def print_status(cluster: DevCluster) -> bool:
     print(f"API server: {report['server']}")
     print(f"ZooKeeper:  {report['zookeeper']}")
     print(f"kubeconfig: {report['kubeconfig']}")
+    print(f"nodes:      {report['nodeEmulator'] or '-'} (node emulator control API)")
     print(f"{'COMPONENT':<26}{'PID':>8}  STATE")
     for component in report["components"]:  # type: ignore[attr-defined]
         state = "running" if component["alive"] else "stopped"
@@ -67,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"helm at {tools.helm_path()}"
             )
         elif args.command == "up":
-            info = cluster.up(timeout=args.timeout)
+            info = cluster.up(timeout=args.timeout, superpods=args.superpods, servers=args.servers)
             print_status(cluster)
             print(
                 '\nTo use it:  eval "$(python -m matrixserve.devcluster env)"'

@@ -8,7 +8,9 @@ Components, in start order, all bound to 127.0.0.1 on free ports:
 3. kube-controller-manager (all controllers but node lifecycle: there is no kubelet here, so
    NotReady eviction is the node emulator's business) with the service-account token controller;
 4. kube-scheduler;
-5. ZooKeeper (``ZooKeeperServerMain``, 4-letter ``ruok`` for readiness).
+5. ZooKeeper (``ZooKeeperServerMain``, 4-letter ``ruok`` for readiness);
+6. the node emulator (``python -m enginestub.node``): emulated NPU servers that run pods as local
+   processes (SYSTEM.md §5), one SuperPod of four 8-NPU servers by default.
 
 Each waits for its own readiness endpoint with a timeout; a component that dies while we wait
 fails the step with its log. ``down`` stops exactly the processes recorded in ``<state>/pids``.
@@ -17,17 +19,20 @@ fails the step with its log. ``down`` stops exactly the processes recorded in ``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import os
 import secrets
 import shlex
 import shutil
 import socket
 import ssl
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -38,7 +43,14 @@ from matrixserve.devcluster.procs import Supervisor
 
 SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "zookeeper")
+COMPONENTS = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "zookeeper",
+    "node-emulator",
+)
 LOOPBACK = "127.0.0.1"
 
 
@@ -65,6 +77,7 @@ class ClusterInfo:
     ports: Ports
     bin_dir: str
     helm: str
+    node_emulator: str = ""  # control API URL of the node emulator
 
     @classmethod
     def load(cls, path: Path) -> ClusterInfo:
@@ -78,6 +91,7 @@ class ClusterInfo:
             "MATRIXSERVE_ZK": self.zookeeper,
             "MATRIXSERVE_STATE_DIR": self.state_dir,
             "MATRIXSERVE_HELM": self.helm,
+            "MATRIXSERVE_NODE_EMULATOR": self.node_emulator,
         }
 
 
@@ -141,18 +155,19 @@ class DevCluster:
             "server": info.server if info else None,
             "zookeeper": info.zookeeper if info else None,
             "kubeconfig": info.kubeconfig if info else None,
+            "nodeEmulator": info.node_emulator if info else None,
             "components": components,
         }
 
     # ----------------------------------------------------------------- up/down
-    def up(self, *, timeout: float = 120.0) -> ClusterInfo:
+    def up(self, *, timeout: float = 120.0, superpods: int = 1, servers: int = 4) -> ClusterInfo:
         """Start the cluster (idempotent: a healthy running cluster is returned as it is)."""
-        info = self.info()
-        if info is not None and self.is_running():
-            return info
+        existing = self.info()
+        if existing is not None and self.is_running():
+            return existing
         if any(self.component_alive().values()):
             tools.say(f"a partial cluster is running in {self.state_dir}; stopping it first")
-        self.down(quiet=True)
+        self.down()
 
         bin_dir = tools.setup(self.setup_log)
         helm = tools.helm_path()
@@ -194,7 +209,7 @@ class DevCluster:
             bin_dir=str(bin_dir),
             helm=str(helm),
         )
-        self.info_path.write_text(json.dumps(asdict(info), indent=2))
+        self.info_path.write_text(json.dumps(dataclasses.asdict(info), indent=2))
         self.info_path.chmod(0o600)
 
         deadline = time.monotonic() + timeout
@@ -212,12 +227,14 @@ class DevCluster:
                 deadline,
                 lambda: _default_service_account_ready(info),
             )
+            info = self._start_node_emulator(info, kubeconfig, superpods, servers, deadline)
+            self.info_path.write_text(json.dumps(dataclasses.asdict(info), indent=2))
         except BaseException:
-            self.down(quiet=True, keep_logs=True)
+            self.down(keep_logs=True)
             raise
         return info
 
-    def down(self, *, quiet: bool = False, keep_logs: bool = True) -> list[str]:
+    def down(self, *, keep_logs: bool = True) -> list[str]:
         """Stop every process this state directory started (reverse order); remove its data."""
         stopped = []
         names = [r.name for r in self.supervisor.records()]
@@ -227,14 +244,12 @@ class DevCluster:
         for name in ordered:
             if self.supervisor.stop(name):
                 stopped.append(name)
-        for sub in ("data", "pki", "run"):
+        for sub in ("data", "pki", "run", "emulator"):
             shutil.rmtree(self.state_dir / sub, ignore_errors=True)
         for path in (self.info_path, self.state_dir / "kubeconfig"):
             path.unlink(missing_ok=True)
         if not keep_logs:
             shutil.rmtree(self.state_dir, ignore_errors=True)
-        if stopped and not quiet:
-            tools.say(f"stopped {', '.join(stopped)}")
         return stopped
 
     # ----------------------------------------------------------------- components
@@ -419,8 +434,52 @@ class DevCluster:
             lambda: _four_letter(LOOPBACK, info.ports.zookeeper, b"ruok") == b"imok",
         )
 
+    def _start_node_emulator(
+        self, info: ClusterInfo, kubeconfig: Path, superpods: int, servers: int, deadline: float
+    ) -> ClusterInfo:
+        state = self.state_dir / "emulator"
+        self.supervisor.start(
+            "node-emulator",
+            [
+                sys.executable,
+                "-m",
+                "enginestub.node",
+                "run",
+                "--state-dir",
+                str(state),
+                "--superpods",
+                str(superpods),
+                "--servers",
+                str(servers),
+                "--delete-nodes-on-exit",
+            ],
+            env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+        )
+        names = [f"sp{p}-server-{s:02d}" for p in range(superpods) for s in range(servers)]
+        self._wait(
+            "node-emulator",
+            "node-emulator",
+            deadline,
+            lambda: (state / "emulator.json").exists() and _nodes_ready(info, names),
+        )
+        control = json.loads((state / "emulator.json").read_text())["control"]
+        return dataclasses.replace(info, node_emulator=control)
+
 
 # --------------------------------------------------------------------- helpers
+def _nodes_ready(info: ClusterInfo, names: list[str]) -> bool:
+    for name in names:
+        node = json.loads(
+            _http_get(
+                f"{info.server}/api/v1/nodes/{name}", token=info.admin_token, ca_file=info.ca_file
+            )
+        )
+        conditions = {c["type"]: c["status"] for c in node.get("status", {}).get("conditions", [])}
+        if conditions.get("Ready") != "True" or node.get("spec", {}).get("taints"):
+            return False
+    return True
+
+
 def _write_kubeconfig(path: Path, server: str, ca: Path, token: str) -> None:
     config = {
         "apiVersion": "v1",

@@ -1,0 +1,262 @@
+"""From a Pod (its JSON as the API server returns it) to the processes that stand in for its
+containers: image → local command, command/args with ``$(VAR)`` expansion, env with the downward
+API, probes. Pure: secrets and config maps come through a lookup callable.
+
+Docker semantics: ``command`` replaces the image's entrypoint; ``args`` replace its default
+arguments. The image map names, per image repository (tag ignored), the local entrypoint; the
+special entrypoint ``[]`` means "run the container's command on the host" (for sleep-like test
+pods).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from enginestub.node.topology import NPU_RESOURCE
+
+SecretLookup = Callable[[str, str], Mapping[str, str] | None]  # (kind, name) -> data or None
+
+
+class ContainerConfigError(Exception):
+    """The container cannot be started as specified (kubelet's CreateContainerConfigError)."""
+
+
+class UnknownImageError(Exception):
+    """No local command is mapped for the image (reported like ErrImagePull)."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    kind: str  # "http", "tcp" or "exec"
+    port: int = 0
+    path: str = "/"
+    command: tuple[str, ...] = ()
+    initial_delay: float = 0.0
+    period: float = 10.0
+    timeout: float = 1.0
+    failure_threshold: int = 3
+    success_threshold: int = 1
+
+
+@dataclass(frozen=True)
+class ContainerPlan:
+    name: str
+    image: str
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    working_dir: str | None
+    readiness: Probe | None
+    liveness: Probe | None
+    ports: dict[str, int] = field(default_factory=dict)
+
+
+def image_repository(image: str) -> str:
+    """``registry:5000/org/name:tag@sha256:…`` → ``registry:5000/org/name``."""
+    name = image.split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    if ":" in last:
+        name = name[: len(name) - len(last)] + last.split(":", 1)[0]
+    return name
+
+
+def resolve_entrypoint(image: str, image_map: Mapping[str, list[str]]) -> list[str]:
+    repo = image_repository(image)
+    candidates = [repo]
+    first, _, rest = repo.partition("/")
+    if rest and ("." in first or ":" in first or first == "localhost"):
+        candidates.append(rest)  # registry host stripped: registry.local/org/name -> org/name
+        if rest.startswith("library/"):
+            candidates.append(rest.removeprefix("library/"))
+    for candidate in candidates:
+        if candidate in image_map:
+            return list(image_map[candidate])
+    known = ", ".join(sorted(image_map)) or "none"
+    raise UnknownImageError(
+        f'image "{image}" is not known to the node emulator (known images: {known}); '
+        "add it to the emulator's image map"
+    )
+
+
+_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand(text: str, env: Mapping[str, str]) -> str:
+    """Kubernetes ``$(VAR)`` expansion: defined vars expand, ``$$`` escapes, unknown stay as is."""
+
+    def replace(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1)
+        return env.get(name, match.group(0))
+
+    return _VAR.sub(replace, text)
+
+
+def field_ref(pod: Mapping[str, Any], path: str) -> str:
+    meta = pod.get("metadata", {})
+    spec = pod.get("spec", {})
+    status = pod.get("status", {})
+    simple = {
+        "metadata.name": meta.get("name", ""),
+        "metadata.namespace": meta.get("namespace", ""),
+        "metadata.uid": meta.get("uid", ""),
+        "spec.nodeName": spec.get("nodeName", ""),
+        "spec.serviceAccountName": spec.get("serviceAccountName", ""),
+        "status.hostIP": status.get("hostIP", ""),
+        "status.podIP": status.get("podIP", ""),
+    }
+    if path in simple:
+        return str(simple[path])
+    for prefix, source in (("metadata.labels", "labels"), ("metadata.annotations", "annotations")):
+        match = re.fullmatch(rf"{re.escape(prefix)}\['([^']+)'\]", path)
+        if match:
+            return str((meta.get(source) or {}).get(match.group(1), ""))
+    raise ContainerConfigError(f"unsupported fieldRef fieldPath {path!r}")
+
+
+def resource_ref(container: Mapping[str, Any], resource: str) -> str:
+    kind, _, name = resource.partition(".")
+    if kind not in {"limits", "requests"} or not name:
+        raise ContainerConfigError(f"unsupported resourceFieldRef resource {resource!r}")
+    value = ((container.get("resources") or {}).get(kind) or {}).get(name)
+    return str(value) if value is not None else "0"
+
+
+def _key_ref(ref: Mapping[str, Any], kind: str, lookup: SecretLookup, var: str) -> str | None:
+    data = lookup(kind, ref["name"])
+    optional = bool(ref.get("optional"))
+    if data is None:
+        if optional:
+            return None
+        raise ContainerConfigError(f'{kind} "{ref["name"]}" not found (env {var})')
+    if ref["key"] not in data:
+        if optional:
+            return None
+        raise ContainerConfigError(f"couldn't find key {ref['key']} in {kind} {ref['name']}")
+    return data[ref["key"]]
+
+
+def container_env(
+    pod: Mapping[str, Any],
+    container: Mapping[str, Any],
+    lookup: SecretLookup,
+    base: Mapping[str, str],
+) -> dict[str, str]:
+    env = dict(base)
+    for source in container.get("envFrom") or []:
+        prefix = source.get("prefix", "")
+        for kind, key in (("ConfigMap", "configMapRef"), ("Secret", "secretRef")):
+            if key not in source:
+                continue
+            data = lookup(kind, source[key]["name"])
+            if data is None:
+                if source[key].get("optional"):
+                    continue
+                raise ContainerConfigError(f'{kind} "{source[key]["name"]}" not found (envFrom)')
+            env.update({prefix + k: v for k, v in data.items()})
+    for item in container.get("env") or []:
+        name = item["name"]
+        if "value" in item:
+            env[name] = expand(str(item["value"]), env)
+            continue
+        source = item.get("valueFrom") or {}
+        value: str | None
+        if "fieldRef" in source:
+            value = field_ref(pod, source["fieldRef"]["fieldPath"])
+        elif "resourceFieldRef" in source:
+            value = resource_ref(container, source["resourceFieldRef"]["resource"])
+        elif "secretKeyRef" in source:
+            value = _key_ref(source["secretKeyRef"], "Secret", lookup, name)
+        elif "configMapKeyRef" in source:
+            value = _key_ref(source["configMapKeyRef"], "ConfigMap", lookup, name)
+        else:
+            value = ""
+        if value is not None:
+            env[name] = value
+    return env
+
+
+def _port(value: Any, ports: Mapping[str, int]) -> int:
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    if isinstance(value, str) and value in ports:
+        return ports[value]
+    raise ContainerConfigError(f"probe port {value!r} is neither a number nor a named port")
+
+
+def probe(spec: Mapping[str, Any] | None, ports: Mapping[str, int]) -> Probe | None:
+    if not spec:
+        return None
+    if "httpGet" in spec:
+        http = spec["httpGet"]
+        base = Probe("http", port=_port(http["port"], ports), path=http.get("path", "/"))
+    elif "tcpSocket" in spec:
+        base = Probe("tcp", port=_port(spec["tcpSocket"]["port"], ports))
+    elif "exec" in spec:
+        base = Probe("exec", command=tuple(spec["exec"].get("command") or ()))
+    else:
+        raise ContainerConfigError("probe has none of httpGet, tcpSocket, exec")
+    return replace(
+        base,
+        initial_delay=float(spec.get("initialDelaySeconds", 0)),
+        period=float(spec.get("periodSeconds", 10)),
+        timeout=float(spec.get("timeoutSeconds", 1)),
+        failure_threshold=int(spec.get("failureThreshold", 3)),
+        success_threshold=int(spec.get("successThreshold", 1)),
+    )
+
+
+def npu_request(pod: Mapping[str, Any]) -> int:
+    """NPUs the pod asks for: the sum over containers (limits win, as for extended resources)."""
+    total = 0
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        resources = container.get("resources") or {}
+        value = (resources.get("limits") or {}).get(NPU_RESOURCE) or (
+            resources.get("requests") or {}
+        ).get(NPU_RESOURCE)
+        if value is not None:
+            total += int(str(value))
+    return total
+
+
+def plan_containers(
+    pod: Mapping[str, Any],
+    image_map: Mapping[str, list[str]],
+    lookup: SecretLookup,
+    base_env: Mapping[str, str],
+) -> list[ContainerPlan]:
+    """Plans for every container of the pod; raises UnknownImageError/ContainerConfigError."""
+    plans = []
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        entrypoint = resolve_entrypoint(container.get("image", ""), image_map)
+        env = container_env(pod, container, lookup, base_env)
+        command = [expand(c, env) for c in container.get("command") or []]
+        args = [expand(a, env) for a in container.get("args") or []]
+        argv = (command or entrypoint) + args
+        if not argv:
+            raise ContainerConfigError(
+                f'container "{container["name"]}" has no command and its image maps to none'
+            )
+        ports = {
+            p["name"]: int(p["containerPort"])
+            for p in container.get("ports") or []
+            if p.get("name")
+        }
+        plans.append(
+            ContainerPlan(
+                name=container["name"],
+                image=container.get("image", ""),
+                argv=tuple(argv),
+                env=env,
+                working_dir=container.get("workingDir"),
+                readiness=probe(container.get("readinessProbe"), ports),
+                liveness=probe(container.get("livenessProbe"), ports),
+                ports=ports,
+            )
+        )
+    return plans

@@ -1,0 +1,122 @@
+"""Pod status as the kubelet reports it, derived from the containers' states (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from enginestub.node.runner import ContainerState, Terminated, rfc3339
+
+
+def _terminated(t: Terminated) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "exitCode": t.exit_code,
+        "reason": t.reason,
+        "startedAt": rfc3339(t.started_at),
+        "finishedAt": rfc3339(t.finished_at),
+    }
+    if t.message:
+        out["message"] = t.message
+    if t.signal is not None:
+        out["signal"] = t.signal
+    return out
+
+
+def container_status(state: ContainerState, container_id_prefix: str) -> dict[str, Any]:
+    current: dict[str, Any]
+    if state.phase == "running" and state.started_at is not None:
+        current = {"running": {"startedAt": rfc3339(state.started_at)}}
+    elif state.phase == "terminated" and state.terminated is not None:
+        current = {"terminated": _terminated(state.terminated)}
+    else:
+        waiting: dict[str, Any] = {"reason": state.waiting_reason}
+        if state.waiting_message:
+            waiting["message"] = state.waiting_message
+        current = {"waiting": waiting}
+    out: dict[str, Any] = {
+        "name": state.name,
+        "image": state.image,
+        "imageID": "",
+        "ready": state.ready,
+        "started": state.phase == "running",
+        "restartCount": state.restart_count,
+        "state": current,
+        "lastState": (
+            {"terminated": _terminated(state.last_terminated)} if state.last_terminated else {}
+        ),
+    }
+    if state.pid is not None:
+        out["containerID"] = f"{container_id_prefix}://{state.pid}"
+    return out
+
+
+def pod_phase(states: Sequence[ContainerState], restart_policy: str) -> str:
+    if not states:
+        return "Pending"
+    if any(s.phase == "running" for s in states):
+        return "Running"
+    finished = [s for s in states if s.phase == "terminated" and s.terminated is not None]
+    if len(finished) == len(states):
+        codes = [s.terminated.exit_code for s in finished if s.terminated is not None]
+        if restart_policy == "Always":
+            return "Running"
+        if all(c == 0 for c in codes):
+            return "Succeeded"
+        if restart_policy == "Never":
+            return "Failed"
+        return "Running"
+    if any(s.restart_count > 0 or s.terminated is not None for s in states):
+        return "Running"  # crash-looping containers keep the pod Running
+    return "Pending"
+
+
+def _condition(kind: str, ok: bool, now: str, reason: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "type": kind,
+        "status": "True" if ok else "False",
+        "lastProbeTime": None,
+        "lastTransitionTime": now,
+    }
+    if reason and not ok:
+        out["reason"] = reason
+    return out
+
+
+def render(
+    states: Sequence[ContainerState],
+    *,
+    restart_policy: str,
+    pod_ip: str,
+    host_ip: str,
+    started_at: float,
+    now: float,
+    previous_conditions: Sequence[dict[str, Any]] = (),
+    node_ready: bool = True,
+) -> dict[str, Any]:
+    """The pod's ``status``; ``lastTransitionTime`` only moves when a condition flips."""
+    all_ready = bool(states) and all(s.ready for s in states) and node_ready
+    stamp = rfc3339(now)
+    wanted = [
+        _condition("Initialized", True, stamp),
+        _condition("Ready", all_ready, stamp, "ContainersNotReady"),
+        _condition("ContainersReady", all_ready, stamp, "ContainersNotReady"),
+        _condition("PodScheduled", True, stamp),
+    ]
+    before = {c.get("type"): c for c in previous_conditions}
+    for cond in wanted:
+        old = before.get(cond["type"])
+        if (
+            old is not None
+            and old.get("status") == cond["status"]
+            and old.get("lastTransitionTime")
+        ):
+            cond["lastTransitionTime"] = old["lastTransitionTime"]
+    return {
+        "phase": pod_phase(states, restart_policy),
+        "conditions": wanted,
+        "hostIP": host_ip,
+        "podIP": pod_ip,
+        "podIPs": [{"ip": pod_ip}],
+        "startTime": rfc3339(started_at),
+        "containerStatuses": [container_status(s, "emulated") for s in states],
+    }

@@ -1,0 +1,312 @@
+"""Run a pod's containers as local processes, the kubelet's way.
+
+Each container is one process in its own session (its process group is the "container"), with
+stdout/stderr in ``<pod dir>/<container>.log``. Readiness and liveness probes run on the pod's
+loopback IP. Restarts follow ``restartPolicy`` with the kubelet's exponential back-off
+(base doubling to a cap, reset after 10 minutes of good running). Stopping sends SIGTERM to the
+group, then SIGKILL after the grace period.
+
+Faults for tests: :meth:`PodRunner.hang` (SIGSTOP, the P/D-Serve "hang"), :meth:`PodRunner.kill`
+(node down: everything SIGKILLed and held down until :meth:`PodRunner.revive`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from enginestub.node.podspec import ContainerPlan, Probe
+
+BACKOFF_RESET_AFTER = 600.0  # kubelet: back-off resets after 10 min of running
+
+
+def rfc3339(epoch: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
+
+
+@dataclass
+class Terminated:
+    exit_code: int
+    reason: str
+    started_at: float
+    finished_at: float
+    message: str = ""
+    signal: int | None = None
+
+
+@dataclass
+class ContainerState:
+    """What the kubelet would report for one container."""
+
+    name: str
+    image: str
+    phase: str = "waiting"  # waiting | running | terminated
+    waiting_reason: str = "ContainerCreating"
+    waiting_message: str = ""
+    started_at: float | None = None
+    terminated: Terminated | None = None
+    last_terminated: Terminated | None = None
+    restart_count: int = 0
+    ready: bool = False
+    pid: int | None = None
+
+
+@dataclass
+class PodRunner:
+    """The processes of one pod on one emulated node."""
+
+    namespace: str
+    name: str
+    uid: str
+    pod_ip: str
+    plans: list[ContainerPlan]
+    restart_policy: str
+    workdir: Path
+    on_change: Callable[[PodRunner], None]
+    backoff_base: float = 10.0
+    backoff_max: float = 300.0
+    containers: dict[str, ContainerState] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.time)
+    _procs: dict[str, asyncio.subprocess.Process] = field(default_factory=dict)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _stopping: bool = False
+    _held: bool = False  # node down: do not restart
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _http: httpx.AsyncClient | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for plan in self.plans:
+            self.containers[plan.name] = ContainerState(plan.name, plan.image)
+            self._tasks.append(asyncio.create_task(self._run(plan), name=f"{self.key}/{plan.name}"))
+
+    def pids(self) -> dict[str, int]:
+        return {n: p.pid for n, p in self._procs.items() if p.returncode is None}
+
+    # ------------------------------------------------------------------ lifecycle
+    async def _run(self, plan: ContainerPlan) -> None:
+        state = self.containers[plan.name]
+        backoff = self.backoff_base
+        while not self._stopping:
+            if self._held:
+                await self._wait_wake(None)
+                continue
+            began = time.time()
+            proc = await self._spawn(plan, state)
+            if proc is None:
+                exit_code = 128
+            else:
+                probes = [
+                    asyncio.create_task(self._probe_loop(plan, state, plan.readiness, "readiness")),
+                    asyncio.create_task(self._probe_loop(plan, state, plan.liveness, "liveness")),
+                ]
+                exit_code = await proc.wait()
+                for task in probes:
+                    task.cancel()
+                for task in probes:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                self._procs.pop(plan.name, None)
+            ended = time.time()
+            if proc is not None:
+                sig = -exit_code if exit_code < 0 else None
+                code = 128 + sig if sig is not None else exit_code
+                reason = "Completed" if code == 0 else "Error"
+                message = ""
+                if self._held and not self._stopping:
+                    reason, message = "NodeDown", "the node went down (injected fault)"
+                state.terminated = Terminated(code, reason, began, ended, message, sig)
+            state.phase, state.ready, state.pid = "terminated", False, None
+            self._notify()
+            if self._stopping:
+                return
+            if self._held:
+                continue
+            if self.restart_policy == "Never" or (
+                self.restart_policy == "OnFailure"
+                and state.terminated
+                and state.terminated.exit_code == 0
+            ):
+                return
+            if ended - began > BACKOFF_RESET_AFTER:
+                backoff = self.backoff_base
+            state.phase = "waiting"
+            state.waiting_reason = "CrashLoopBackOff"
+            code_now = state.terminated.exit_code if state.terminated else -1
+            state.waiting_message = (
+                f"back-off {backoff:g}s restarting failed container={plan.name} "
+                f"pod={self.name}_{self.namespace}({self.uid}) (exit code {code_now})"
+            )
+            self._notify()
+            await self._wait_wake(backoff)
+            backoff = min(backoff * 2, self.backoff_max)
+            if self._stopping:
+                return
+            state.last_terminated = state.terminated
+            state.terminated = None
+            state.restart_count += 1
+
+    async def _spawn(
+        self, plan: ContainerPlan, state: ContainerState
+    ) -> asyncio.subprocess.Process | None:
+        log = self.workdir / f"{plan.name}.log"
+        cwd = (
+            plan.working_dir
+            if plan.working_dir and Path(plan.working_dir).is_dir()
+            else self.workdir
+        )
+        try:
+            with log.open("ab") as out:
+                out.write(f"=== start {rfc3339(time.time())}: {' '.join(plan.argv)}\n".encode())
+                out.flush()
+                proc = await asyncio.create_subprocess_exec(
+                    *plan.argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=asyncio.subprocess.STDOUT,
+                    env=plan.env,
+                    cwd=str(cwd),
+                    start_new_session=True,
+                )
+        except OSError as exc:
+            now = time.time()
+            state.terminated = Terminated(
+                128,
+                "StartError",
+                now,
+                now,
+                f"failed to start {plan.argv[0]!r}: {exc.strerror or exc}",
+            )
+            return None
+        self._procs[plan.name] = proc
+        state.phase, state.started_at, state.pid = "running", time.time(), proc.pid
+        state.ready = plan.readiness is None
+        self._notify()
+        return proc
+
+    async def _wait_wake(self, timeout: float | None) -> None:
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout)
+
+    # ------------------------------------------------------------------ probes
+    async def _probe_loop(
+        self, plan: ContainerPlan, state: ContainerState, spec: Probe | None, kind: str
+    ) -> None:
+        if spec is None:
+            return
+        await asyncio.sleep(spec.initial_delay)
+        successes = failures = 0
+        while True:
+            ok = await self._probe_once(spec, plan)
+            successes, failures = (successes + 1, 0) if ok else (0, failures + 1)
+            if kind == "readiness":
+                if ok and successes >= spec.success_threshold and not state.ready:
+                    state.ready = True
+                    self._notify()
+                elif not ok and failures >= spec.failure_threshold and state.ready:
+                    state.ready = False
+                    self._notify()
+            elif not ok and failures >= spec.failure_threshold:
+                proc = self._procs.get(plan.name)
+                if proc is not None:
+                    _signal_group(proc.pid, signal.SIGKILL)
+                return
+            await asyncio.sleep(spec.period)
+
+    async def _probe_once(self, spec: Probe, plan: ContainerPlan) -> bool:
+        try:
+            if spec.kind == "http":
+                if self._http is None:
+                    self._http = httpx.AsyncClient(trust_env=False)
+                response = await self._http.get(
+                    f"http://{self.pod_ip}:{spec.port}{spec.path}", timeout=spec.timeout
+                )
+                return 200 <= response.status_code < 400
+            if spec.kind == "tcp":
+                _, writer = await asyncio.wait_for(
+                    asyncio.open_connection(self.pod_ip, spec.port), spec.timeout
+                )
+                writer.close()
+                return True
+            proc = await asyncio.create_subprocess_exec(
+                *spec.command,
+                env=plan.env,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+            try:
+                return await asyncio.wait_for(proc.wait(), spec.timeout) == 0
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+                return False
+        except (httpx.HTTPError, OSError, TimeoutError):
+            return False
+
+    # ------------------------------------------------------------------ control
+    async def stop(self, grace: float) -> None:
+        """SIGTERM every container's group, SIGKILL after ``grace`` seconds; wait for exit."""
+        self._stopping = True
+        self._wake.set()
+        for proc in list(self._procs.values()):
+            if proc.returncode is None:
+                _signal_group(proc.pid, signal.SIGCONT)  # a hung (stopped) process must see TERM
+                _signal_group(proc.pid, signal.SIGTERM)
+        if self._tasks:
+            _, pending = await asyncio.wait(self._tasks, timeout=max(grace, 0.0))
+            if pending:
+                for proc in list(self._procs.values()):
+                    if proc.returncode is None:
+                        _signal_group(proc.pid, signal.SIGKILL)
+                await asyncio.wait(pending, timeout=10)
+        if self._http is not None:
+            await self._http.aclose()
+
+    def kill(self) -> None:
+        """Node down: SIGKILL everything now and keep it down until :meth:`revive`."""
+        self._held = True
+        for proc in list(self._procs.values()):
+            if proc.returncode is None:
+                _signal_group(proc.pid, signal.SIGKILL)
+
+    def revive(self) -> None:
+        """Node back: start the containers again (each counts a restart)."""
+        if not self._held:
+            return
+        self._held = False
+        for state in self.containers.values():
+            if state.phase == "terminated":
+                state.last_terminated = state.terminated
+                state.terminated = None
+                state.restart_count += 1
+        self._wake.set()
+
+    def hang(self, stopped: bool) -> list[int]:
+        """SIGSTOP (hang) or SIGCONT every container's group; returns the pids touched."""
+        touched = []
+        for proc in list(self._procs.values()):
+            if proc.returncode is None:
+                _signal_group(proc.pid, signal.SIGSTOP if stopped else signal.SIGCONT)
+                touched.append(proc.pid)
+        return touched
+
+    def _notify(self) -> None:
+        self.on_change(self)
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)

@@ -1,0 +1,410 @@
+"""The node emulator on the real local control plane: scheduling by NPUs, processes on pod IPs,
+deletion, restarts with back-off, device status faults, node down, hang, bad input."""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from kubernetes import client
+
+from matrixserve.devcluster.procs import process_start_time
+
+NPU = "huawei.com/Ascend910"
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 30, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def stub_container(npus: int = 0, **extra: Any) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": "matrixserve/engine-stub:dev",
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {
+                "name": "POD_NAMESPACE",
+                "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+            },
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        ],
+        "args": ["--host", "$(POD_IP)", "--port", "8000"],
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": 8000}, "periodSeconds": 1},
+    }
+    if npus:
+        container["resources"] = {"limits": {NPU: str(npus)}}
+    container.update(extra)
+    return container
+
+
+def pod_body(name: str, node: str, containers: list[dict[str, Any]], **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": node},
+            "containers": containers,
+            **spec,
+        },
+    }
+
+
+def ready(pod: client.V1Pod) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+
+def emulated_pid(emulator: Any, name: str) -> tuple[int, int]:
+    entry = next(p for p in emulator.pods() if p["name"] == name)
+    pid = (
+        entry["pids"]["engine"] if "engine" in entry["pids"] else next(iter(entry["pids"].values()))
+    )
+    start = process_start_time(pid)
+    assert start is not None
+    return pid, start
+
+
+def test_three_4npu_pods_on_an_8npu_node_two_run_one_pending(
+    api_client: client.ApiClient, namespace: str, start_emulator: Callable[..., Any]
+) -> None:
+    emulator = start_emulator(servers=1)
+    node = emulator.nodes[0]
+    apps, core = client.AppsV1Api(api_client), client.CoreV1Api(api_client)
+    template = pod_body("x", node, [stub_container(npus=4)])
+    apps.create_namespaced_deployment(
+        namespace,
+        {
+            "metadata": {"name": "stub"},
+            "spec": {
+                "replicas": 3,
+                "selector": {"matchLabels": {"app": "stub"}},
+                "template": {"metadata": {"labels": {"app": "stub"}}, "spec": template["spec"]},
+            },
+        },
+    )
+
+    def settled() -> Any:
+        pods = core.list_namespaced_pod(namespace).items
+        running = [p for p in pods if p.status.phase == "Running" and ready(p)]
+        pending = [p for p in pods if p.status.phase == "Pending" and not p.spec.node_name]
+        return (
+            (running, pending)
+            if len(pods) == 3 and len(running) == 2 and len(pending) == 1
+            else None
+        )
+
+    running, pending = wait_for(settled, what="2 pods Running+Ready and 1 Pending")
+    message = next(c.message for c in pending[0].status.conditions if c.type == "PodScheduled")
+    assert f"Insufficient {NPU}" in message
+
+    granted: list[set[str]] = []
+    for pod in running:
+        info = httpx.get(
+            f"http://{pod.status.pod_ip}:8000/v1/info", timeout=5, trust_env=False
+        ).json()
+        assert info["pod"] == pod.metadata.name
+        assert info["namespace"] == namespace
+        assert info["node"] == node
+        assert len(info["npus"]) == 4
+        assert len(info["dies"]) == 8
+        assert all(
+            ipaddress.ip_address(ip) in ipaddress.ip_network("198.18.0.0/15")
+            for ip in info["roceIps"]
+        )
+        assert pod.metadata.annotations[NPU] == ",".join(f"Ascend910-{n}" for n in info["npus"])
+        granted.append(set(info["npus"]))
+        assert ipaddress.ip_address(pod.status.pod_ip).is_loopback
+    assert granted[0].isdisjoint(granted[1]), "two pods were given the same NPU"
+    assert running[0].status.pod_ip != running[1].status.pod_ip
+
+
+def test_deleting_a_pod_stops_its_process_and_frees_its_npus(
+    api_client: client.ApiClient, namespace: str, start_emulator: Callable[..., Any]
+) -> None:
+    emulator = start_emulator(servers=1)
+    core = client.CoreV1Api(api_client)
+    core.create_namespaced_pod(
+        namespace, pod_body("victim", emulator.nodes[0], [stub_container(npus=8)])
+    )
+    wait_for(lambda: ready(core.read_namespaced_pod("victim", namespace)), what="victim Ready")
+    pid, start = emulated_pid(emulator, "victim")
+
+    core.delete_namespaced_pod("victim", namespace)
+
+    def gone() -> bool:
+        try:
+            core.read_namespaced_pod("victim", namespace)
+        except client.ApiException as exc:
+            return exc.status == 404
+        return False
+
+    wait_for(gone, timeout=40, what="the pod object to be finalised")
+    assert process_start_time(pid) != start, "the pod's process outlived the pod"
+    # Its 8 NPUs are free again: a new 8-NPU pod runs on the same node.
+    core.create_namespaced_pod(
+        namespace, pod_body("next", emulator.nodes[0], [stub_container(npus=8)])
+    )
+    wait_for(lambda: ready(core.read_namespaced_pod("next", namespace)), what="next pod Ready")
+    events = core.list_namespaced_event(
+        namespace, field_selector="involvedObject.name=victim"
+    ).items
+    assert any(e.reason == "Killing" for e in events)
+
+
+def test_crashing_container_restarts_with_backoff_and_reports_exit_code(
+    api_client: client.ApiClient, namespace: str, start_emulator: Callable[..., Any], tmp_path: Path
+) -> None:
+    emulator = start_emulator(servers=1)
+    core = client.CoreV1Api(api_client)
+    starts = tmp_path / "starts"
+    crash = {
+        "name": "main",
+        "image": "busybox",
+        "command": ["sh", "-c", f"date +%s.%N >> {starts}; exit 3"],
+    }
+    core.create_namespaced_pod(namespace, pod_body("crasher", emulator.nodes[0], [crash]))
+
+    def crash_looping() -> Any:
+        status = core.read_namespaced_pod("crasher", namespace).status
+        cs = (status.container_statuses or [None])[0]
+        if cs is None or cs.restart_count < 3 or cs.state.waiting is None:
+            return None
+        return cs
+
+    cs = wait_for(crash_looping, timeout=40, what="3 restarts")
+    assert cs.state.waiting.reason == "CrashLoopBackOff"
+    assert cs.last_state.terminated.exit_code == 3
+    assert cs.last_state.terminated.reason == "Error"
+    times = [float(x) for x in starts.read_text().split()]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert len(gaps) >= 3
+    # Exponential back-off from 0.5 s: each gap roughly doubles.
+    assert gaps[0] >= 0.4
+    assert gaps[2] > 2.5 * gaps[0], f"back-off did not grow: {gaps}"
+    events = core.list_namespaced_event(
+        namespace, field_selector="involvedObject.name=crasher"
+    ).items
+    assert any(e.reason == "BackOff" and e.type == "Warning" for e in events)
+
+
+def test_die_fault_appears_in_the_node_device_file_within_one_second(
+    api_client: client.ApiClient, namespace: str, start_emulator: Callable[..., Any]
+) -> None:
+    emulator = start_emulator(servers=1)
+    core = client.CoreV1Api(api_client)
+    core.create_namespaced_pod(
+        namespace, pod_body("reader", emulator.nodes[0], [stub_container(npus=2)])
+    )
+    pod = wait_for(
+        lambda: (p := core.read_namespaced_pod("reader", namespace)) and ready(p) and p,
+        what="reader Ready",
+    )
+    info = httpx.get(f"http://{pod.status.pod_ip}:8000/v1/info", timeout=5, trust_env=False).json()
+    device_file = Path(info["deviceStatusFile"])
+    die = int(info["dies"][1])
+    before = json.loads(device_file.read_text())
+
+    injected_at = time.monotonic()
+    result = emulator.fault(kind="die-down", node=emulator.nodes[0], die=die)
+    assert result["changed"] is True
+
+    def faulted() -> Any:
+        data = json.loads(device_file.read_text())
+        dies = {d["id"]: d for n in data["npus"] for d in n["dies"]}
+        return data if dies[die]["health"] == "Unhealthy" else None
+
+    after = wait_for(faulted, timeout=1.0, what="the die fault in the device file")
+    assert time.monotonic() - injected_at < 1.0
+    assert after["generation"] == before["generation"] + 1
+    fault = next(d for n in after["npus"] for d in n["dies"] if d["id"] == die)["faults"][0]
+    assert (fault["type"], fault["level"], fault["code"]) == (
+        "CardUnhealthy",
+        "SeparateNPU",
+        "DIE_DOWN",
+    )
+    others = [d for n in after["npus"] for d in n["dies"] if d["id"] != die]
+    assert all(d["health"] == "Healthy" for d in others)
+
+    emulator.fault(heal=True, kind="die-down", node=emulator.nodes[0], die=die)
+    healed = json.loads(device_file.read_text())
+    assert all(d["health"] == "Healthy" for n in healed["npus"] for d in n["dies"])
+
+
+def test_link_down_is_recorded_on_both_ends(start_emulator: Callable[..., Any]) -> None:
+    emulator = start_emulator(servers=2)
+    a, b = emulator.nodes
+    emulator.fault(kind="link-down", node=a, die=3, peerNode=b, peerDie=3)
+    with emulator.http() as http:
+        side_a = http.get(f"/nodes/{a}/device-status").json()
+        side_b = http.get(f"/nodes/{b}/device-status").json()
+    roce = {
+        n: {d["id"]: d["roceIp"] for npu in s["npus"] for d in npu["dies"]}
+        for n, s in ((a, side_a), (b, side_b))
+    }
+    assert side_a["links"] == [
+        {
+            **side_a["links"][0],
+            "die": 3,
+            "peerRoceIp": roce[b][3],
+            "health": "Down",
+            "plane": "RoCE",
+        }
+    ]
+    assert side_b["links"][0]["peerRoceIp"] == roce[a][3]
+    assert side_a["links"][0]["type"] == "CardNetworkUnhealthy"
+
+
+def test_node_down_makes_the_node_notready_and_its_processes_gone(
+    api_client: client.ApiClient, namespace: str, start_emulator: Callable[..., Any]
+) -> None:
+    emulator = start_emulator(servers=2)
+    down_node, other_node = emulator.nodes
+    core = client.CoreV1Api(api_client)
+    core.create_namespaced_pod(namespace, pod_body("on-down", down_node, [stub_container(npus=1)]))
+    core.create_namespaced_pod(
+        namespace, pod_body("on-other", other_node, [stub_container(npus=1)])
+    )
+    for name in ("on-down", "on-other"):
+        wait_for(lambda n=name: ready(core.read_namespaced_pod(n, namespace)), what=f"{name} Ready")
+    pid, start = emulated_pid(emulator, "on-down")
+    other_pid, other_start = emulated_pid(emulator, "on-other")
+
+    emulator.fault(kind="node-down", node=down_node)
+
+    def node_not_ready() -> bool:
+        node = core.read_node(down_node)
+        conditions = {c.type: c.status for c in node.status.conditions}
+        return conditions["Ready"] != "True"
+
+    wait_for(node_not_ready, timeout=5, what="node NotReady")
+    wait_for(lambda: process_start_time(pid) != start, timeout=5, what="the pod's process to die")
+    wait_for(
+        lambda: not ready(core.read_namespaced_pod("on-down", namespace)),
+        timeout=5,
+        what="pod not Ready",
+    )
+    taints = {(t.key, t.effect) for t in core.read_node(down_node).spec.taints or []}
+    assert ("node.kubernetes.io/unreachable", "NoSchedule") in taints
+    # Nothing on the other node was touched.
+    assert process_start_time(other_pid) == other_start
+    assert ready(core.read_namespaced_pod("on-other", namespace))
+
+    emulator.fault(heal=True, kind="node-down", node=down_node)
+    wait_for(lambda: not node_not_ready(), timeout=5, what="node Ready again")
+    revived = wait_for(
+        lambda: (p := core.read_namespaced_pod("on-down", namespace)) and ready(p) and p,
+        what="pod Ready again",
+    )
+    assert revived.status.container_statuses[0].restart_count == 1
+    assert not core.read_node(down_node).spec.taints
+
+
+def test_hang_stops_the_process_until_healed(
+    api_client: client.ApiClient, namespace: str, start_emulator: Callable[..., Any]
+) -> None:
+    emulator = start_emulator(servers=1)
+    core = client.CoreV1Api(api_client)
+    container = stub_container(npus=1)
+    container["readinessProbe"] |= {"failureThreshold": 1, "timeoutSeconds": 1}
+    core.create_namespaced_pod(namespace, pod_body("sleepy", emulator.nodes[0], [container]))
+    wait_for(lambda: ready(core.read_namespaced_pod("sleepy", namespace)), what="Ready")
+    pid, _ = emulated_pid(emulator, "sleepy")
+
+    result = emulator.fault(kind="hang", namespace=namespace, pod="sleepy")
+    assert result["pids"] == [pid]
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    assert state == "T", "the process is not stopped"
+    wait_for(
+        lambda: not ready(core.read_namespaced_pod("sleepy", namespace)),
+        timeout=10,
+        what="not Ready",
+    )
+
+    emulator.fault(heal=True, kind="hang", namespace=namespace, pod="sleepy")
+    wait_for(
+        lambda: ready(core.read_namespaced_pod("sleepy", namespace)), timeout=10, what="Ready again"
+    )
+    assert emulated_pid(emulator, "sleepy")[0] == pid, "hang/heal must not restart the process"
+
+
+def test_unknown_image_fails_with_a_clear_reason(
+    api_client: client.ApiClient, namespace: str, start_emulator: Callable[..., Any]
+) -> None:
+    emulator = start_emulator(servers=1)
+    core = client.CoreV1Api(api_client)
+    core.create_namespaced_pod(
+        namespace,
+        pod_body("mystery", emulator.nodes[0], [{"name": "main", "image": "example.com/nope:1"}]),
+    )
+
+    def waiting() -> Any:
+        statuses = core.read_namespaced_pod("mystery", namespace).status.container_statuses
+        return statuses and statuses[0].state.waiting
+
+    state = wait_for(waiting, what="a waiting reason")
+    assert state.reason == "ErrImagePull"
+    assert 'image "example.com/nope:1" is not known to the node emulator' in state.message
+    events = core.list_namespaced_event(
+        namespace, field_selector="involvedObject.name=mystery"
+    ).items
+    assert any(e.reason == "Failed" and e.type == "Warning" for e in events)
+
+
+def test_missing_secret_reference_is_a_config_error(
+    api_client: client.ApiClient, namespace: str, start_emulator: Callable[..., Any]
+) -> None:
+    emulator = start_emulator(servers=1)
+    core = client.CoreV1Api(api_client)
+    container = {
+        "name": "main",
+        "image": "busybox",
+        "command": ["sleep", "60"],
+        "env": [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "absent", "key": "t"}}}],
+    }
+    core.create_namespaced_pod(namespace, pod_body("needs-secret", emulator.nodes[0], [container]))
+
+    def waiting() -> Any:
+        statuses = core.read_namespaced_pod("needs-secret", namespace).status.container_statuses
+        return statuses and statuses[0].state.waiting
+
+    state = wait_for(waiting, what="a waiting reason")
+    assert state.reason == "CreateContainerConfigError"
+    assert 'Secret "absent" not found' in state.message
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        ({"kind": "die-down"}, 400, "node is required"),
+        ({"kind": "die-down", "node": "no-such-node", "die": 0}, 404, "is not emulated here"),
+        ({"kind": "die-down", "node": "NODE", "die": 99}, 400, "needs die in 0..15"),
+        ({"kind": "melt", "node": "NODE"}, 400, "invalid fault"),
+        ({"kind": "link-down", "node": "NODE", "die": 1}, 400, "needs peerNode and peerDie"),
+        ({"kind": "hang", "namespace": "x", "pod": "y"}, 404, "is not running here"),
+    ],
+)
+def test_bad_fault_requests_get_clear_errors_and_change_nothing(
+    start_emulator: Callable[..., Any], body: dict[str, Any], status: int, message: str
+) -> None:
+    emulator = start_emulator(servers=1)
+    body = {k: (emulator.nodes[0] if v == "NODE" else v) for k, v in body.items()}
+    with emulator.http() as http:
+        response = http.post("/faults", json=body)
+        assert response.status_code == status
+        assert message in response.json()["error"]
+        assert http.get(f"/nodes/{emulator.nodes[0]}/device-status").json()["generation"] == 0

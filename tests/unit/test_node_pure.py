@@ -1,0 +1,367 @@
+"""Pure parts of the node emulator: topology, NPU allocation, addressing, pod specs, status."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from enginestub.node import allocator, devicestatus, podspec, podstatus
+from enginestub.node.network import AddressExhausted, NodeAddresses, choose_cidrs
+from enginestub.node.runner import ContainerState, Terminated
+from enginestub.node.topology import (
+    NPU_RESOURCE,
+    SuperPodSpec,
+    TopologySpec,
+    build,
+    server_for_existing_node,
+)
+
+# ----------------------------------------------------------------------------- topology
+
+
+def test_a_full_superpod_is_384_npus_768_dies_with_unique_roce_ips() -> None:
+    servers = build(TopologySpec(superpods=[SuperPodSpec(name="sp0", servers=48)]))
+    assert len(servers) == 48
+    assert sum(s.npus for s in servers) == 384
+    dies = [d for s in servers for d in s.dies]
+    assert len(dies) == 768
+    ips = [d.roce_ip for d in dies]
+    assert len(set(ips)) == 768
+    assert all(ipaddress.ip_address(ip) in ipaddress.ip_network("198.18.0.0/15") for ip in ips)
+    assert len({s.rack for s in servers}) == 16
+
+
+def test_dies_of_npus_are_ordered_by_device_id() -> None:
+    server = build(TopologySpec(superpods=[SuperPodSpec(name="sp0", servers=1)]))[0]
+    assert [d.index for d in server.dies_of([3, 1])] == [2, 3, 6, 7]
+    assert server.capacity[NPU_RESOURCE] == "8"
+    assert server.labels["matrixserve.io/superpod"] == "sp0"
+
+
+def test_roce_ips_differ_across_superpods() -> None:
+    spec = TopologySpec(
+        superpods=[SuperPodSpec(name="a", servers=2), SuperPodSpec(name="b", servers=2)]
+    )
+    ips = [d.roce_ip for s in build(spec) for d in s.dies]
+    assert len(ips) == len(set(ips)) == 64
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"superpods": []},
+        {"superpods": [{"name": "Bad_Name", "servers": 1}]},
+        {"superpods": [{"name": "sp", "servers": 49}]},
+        {"superpods": [{"name": "sp", "servers": 1}, {"name": "sp", "servers": 1}]},
+        {"superpods": [{"name": "sp", "servers": 1, "colour": "red"}]},
+    ],
+)
+def test_invalid_topologies_are_rejected(data: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        TopologySpec.model_validate(data)
+
+
+def test_advertise_mode_server_comes_from_node_labels() -> None:
+    server = server_for_existing_node(
+        "kind-worker2",
+        {"matrixserve.io/superpod": "sp-1", "matrixserve.io/server": "sp-1-server-1"},
+    )
+    assert (server.superpod_index, server.server_index) == (1, 1)
+    assert server.dies[0].roce_ip == "198.18.65.1"
+
+
+# ----------------------------------------------------------------------------- allocation
+
+
+def test_allocation_never_double_grants_and_prefers_contiguous() -> None:
+    alloc = allocator.NodeAllocator(8)
+    assert alloc.allocate("a", 2) == [0, 1]
+    assert alloc.allocate("b", 4) == [2, 3, 4, 5]
+    alloc.release("a")
+    # Free: 0, 1, 6, 7 - no run of three, so the lowest ids.
+    assert alloc.allocate("c", 3) == [0, 1, 6]
+    with pytest.raises(allocator.AllocationError):
+        alloc.allocate("d", 2)  # only NPU 7 is left
+
+
+def test_allocation_is_idempotent_per_pod() -> None:
+    alloc = allocator.NodeAllocator(8)
+    assert alloc.allocate("a", 4) == alloc.allocate("a", 4) == [0, 1, 2, 3]
+    with pytest.raises(allocator.AllocationError, match="already holds"):
+        alloc.allocate("a", 2)
+
+
+def test_adopting_a_grant_owned_by_another_pod_is_refused() -> None:
+    alloc = allocator.NodeAllocator(8)
+    alloc.adopt("a", [0, 1])
+    with pytest.raises(allocator.AllocationError, match="already granted"):
+        alloc.adopt("b", [1, 2])
+    with pytest.raises(allocator.AllocationError, match="does not exist"):
+        alloc.adopt("b", [8])
+    assert alloc.free() == [2, 3, 4, 5, 6, 7]
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from("abcdef"), st.integers(0, 4), st.booleans()), max_size=40)
+)
+def test_allocation_invariants_hold_for_any_sequence(ops: list[tuple[str, int, bool]]) -> None:
+    alloc = allocator.NodeAllocator(8)
+    for pod, count, release in ops:
+        if release:
+            alloc.release(pod)
+            continue
+        try:
+            got = alloc.allocate(pod, count)
+        except allocator.AllocationError:
+            continue
+        assert len(got) == count or alloc.held_by(pod) == got
+    owners = list(alloc.owners.items())
+    assert len({n for n, _ in owners}) == len(owners)
+    assert all(0 <= n < 8 for n, _ in owners)
+
+
+def test_grant_annotation_round_trips_and_rejects_garbage() -> None:
+    assert allocator.parse_grant(allocator.format_grant([3, 1])) == [1, 3]
+    assert allocator.parse_grant("") == []
+    with pytest.raises(ValueError, match="bad NPU grant"):
+        allocator.parse_grant("GPU-0")
+
+
+# ----------------------------------------------------------------------------- addressing
+
+
+def test_cidrs_avoid_those_taken_and_addresses_are_unique() -> None:
+    cidrs = choose_cidrs(3, ["127.64.0.0/24", "127.64.2.0/24"])
+    assert cidrs == ["127.64.1.0/24", "127.64.3.0/24", "127.64.4.0/24"]
+    node = NodeAddresses("127.64.1.0/24")
+    assert node.host_ip == "127.64.1.1"
+    first, second = node.claim(), node.claim()
+    assert (first, second) == ("127.64.1.2", "127.64.1.3")
+    assert node.claim("127.64.1.77") == "127.64.1.77"
+    assert node.claim("127.64.1.2") == "127.64.1.4", "a taken preferred address is not reused"
+    assert node.claim("10.0.0.5") == "127.64.1.5", "an address outside the CIDR is never used"
+    node.release(first)
+    assert node.claim() == first
+
+
+def test_a_full_node_cidr_is_reported() -> None:
+    node = NodeAddresses("127.64.9.0/30")
+    node.claim()
+    with pytest.raises(AddressExhausted):
+        node.claim()
+
+
+# ----------------------------------------------------------------------------- pod specs
+
+POD = {
+    "metadata": {"name": "p", "namespace": "ns", "uid": "u1", "labels": {"app": "x"}},
+    "spec": {"nodeName": "n1", "serviceAccountName": "sa"},
+    "status": {"podIP": "127.64.0.9", "hostIP": "127.64.0.1"},
+}
+
+
+@pytest.mark.parametrize(
+    ("image", "repo"),
+    [
+        ("matrixserve/engine-stub:dev", "matrixserve/engine-stub"),
+        (
+            "localhost:5000/matrixserve/engine-stub:1.2@sha256:abc",
+            "localhost:5000/matrixserve/engine-stub",
+        ),
+        ("busybox", "busybox"),
+        ("docker.io/library/busybox:1.36", "docker.io/library/busybox"),
+    ],
+)
+def test_image_repository(image: str, repo: str) -> None:
+    assert podspec.image_repository(image) == repo
+
+
+def test_entrypoint_resolution_and_unknown_image_message() -> None:
+    images = {"matrixserve/engine-stub": ["python", "-m", "enginestub"], "busybox": []}
+    assert podspec.resolve_entrypoint("registry.local/matrixserve/engine-stub:1", images) == [
+        "python",
+        "-m",
+        "enginestub",
+    ]
+    assert podspec.resolve_entrypoint("localhost:5000/matrixserve/engine-stub", images)[0] == "python"
+    assert podspec.resolve_entrypoint("docker.io/library/busybox:1.36", images) == []
+    with pytest.raises(podspec.UnknownImageError, match='image "nginx" is not known'):
+        podspec.resolve_entrypoint("nginx", images)
+    with pytest.raises(podspec.UnknownImageError):
+        podspec.resolve_entrypoint("other/engine-stub", images)
+
+
+def test_env_downward_api_expansion_and_lookups() -> None:
+    container = {
+        "name": "c",
+        "image": "busybox",
+        "command": ["echo", "$(GREETING) $(POD) $$(NOT) $(MISSING)"],
+        "env": [
+            {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+            {"name": "GREETING", "value": "hi-$(POD)"},
+            {
+                "name": "NPUS",
+                "valueFrom": {"resourceFieldRef": {"resource": f"limits.{NPU_RESOURCE}"}},
+            },
+            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "t"}}},
+        ],
+        "resources": {"limits": {NPU_RESOURCE: "4"}},
+    }
+    pod = {**POD, "spec": {**POD["spec"], "containers": [container]}}  # type: ignore[dict-item]
+    lookup = {("Secret", "s"): {"t": "secret-value"}}
+    plans = podspec.plan_containers(
+        pod, {"busybox": []}, lambda k, n: lookup.get((k, n)), {"PATH": "/bin"}
+    )
+    env = plans[0].env
+    assert env["POD"] == "p"
+    assert env["IP"] == "127.64.0.9"
+    assert env["APP"] == "x"
+    assert env["GREETING"] == "hi-p"
+    assert env["NPUS"] == "4"
+    assert env["TOKEN"] == "secret-value"
+    assert env["PATH"] == "/bin"
+    assert plans[0].argv == ("echo", "hi-p p $(NOT) $(MISSING)")
+    assert podspec.npu_request(pod) == 4
+
+
+def test_missing_secret_key_and_optional_refs() -> None:
+    def lookup(kind: str, name: str) -> dict[str, str] | None:
+        return {"other": "x"} if name == "s" else None
+
+    missing_key = {"name": "T", "valueFrom": {"secretKeyRef": {"name": "s", "key": "t"}}}
+    with pytest.raises(podspec.ContainerConfigError, match="couldn't find key t in Secret s"):
+        podspec.container_env(POD, {"env": [missing_key]}, lookup, {})
+    optional = {
+        "name": "T",
+        "valueFrom": {"configMapKeyRef": {"name": "absent", "key": "t", "optional": True}},
+    }
+    assert "T" not in podspec.container_env(POD, {"env": [optional]}, lookup, {})
+
+
+def test_probes_resolve_named_ports_and_reject_bad_ones() -> None:
+    container = {
+        "name": "c",
+        "image": "busybox",
+        "command": ["x"],
+        "ports": [{"name": "http", "containerPort": 8000}],
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2},
+        "livenessProbe": {"tcpSocket": {"port": 8000}, "failureThreshold": 5},
+    }
+    pod = {**POD, "spec": {"containers": [container]}}
+    plan = podspec.plan_containers(pod, {"busybox": []}, lambda k, n: None, {})[0]
+    assert plan.readiness is not None
+    assert (plan.readiness.kind, plan.readiness.port, plan.readiness.path) == (
+        "http",
+        8000,
+        "/readyz",
+    )
+    assert plan.readiness.period == 2
+    assert plan.liveness is not None
+    assert (plan.liveness.kind, plan.liveness.failure_threshold) == ("tcp", 5)
+    bad = {**container, "readinessProbe": {"httpGet": {"port": "grpc"}}}
+    with pytest.raises(podspec.ContainerConfigError, match="named port"):
+        podspec.plan_containers(
+            {**POD, "spec": {"containers": [bad]}}, {"busybox": []}, lambda k, n: None, {}
+        )
+
+
+def test_host_image_without_command_is_a_config_error() -> None:
+    pod = {**POD, "spec": {"containers": [{"name": "c", "image": "busybox"}]}}
+    with pytest.raises(podspec.ContainerConfigError, match="has no command"):
+        podspec.plan_containers(pod, {"busybox": []}, lambda k, n: None, {})
+
+
+# ----------------------------------------------------------------------------- pod status
+
+
+def _state(
+    phase: str, code: int | None = None, restarts: int = 0, ready: bool = False
+) -> ContainerState:
+    s = ContainerState("c", "img", phase=phase, restart_count=restarts, ready=ready, started_at=1.0)
+    if code is not None:
+        s.terminated = Terminated(code, "Completed" if code == 0 else "Error", 1.0, 2.0)
+    return s
+
+
+@pytest.mark.parametrize(
+    ("states", "policy", "phase"),
+    [
+        ([_state("waiting")], "Always", "Pending"),
+        ([_state("running")], "Always", "Running"),
+        ([_state("terminated", 0)], "Never", "Succeeded"),
+        ([_state("terminated", 1)], "Never", "Failed"),
+        ([_state("terminated", 0)], "OnFailure", "Succeeded"),
+        ([_state("waiting", 1, restarts=2)], "Always", "Running"),
+        ([_state("terminated", 1)], "Always", "Running"),
+    ],
+)
+def test_pod_phase(states: list[ContainerState], policy: str, phase: str) -> None:
+    assert podstatus.pod_phase(states, policy) == phase
+
+
+def test_conditions_keep_transition_time_until_they_flip() -> None:
+    first = podstatus.render(
+        [_state("running", ready=True)],
+        restart_policy="Always",
+        pod_ip="127.64.0.2",
+        host_ip="127.64.0.1",
+        started_at=0,
+        now=100,
+    )
+    same = podstatus.render(
+        [_state("running", ready=True)],
+        restart_policy="Always",
+        pod_ip="127.64.0.2",
+        host_ip="127.64.0.1",
+        started_at=0,
+        now=200,
+        previous_conditions=first["conditions"],
+    )
+    flipped = podstatus.render(
+        [_state("running", ready=True)],
+        restart_policy="Always",
+        pod_ip="127.64.0.2",
+        host_ip="127.64.0.1",
+        started_at=0,
+        now=300,
+        previous_conditions=same["conditions"],
+        node_ready=False,
+    )
+    ready = {c["type"]: c for c in same["conditions"]}["Ready"]
+    assert (
+        ready["lastTransitionTime"]
+        == {c["type"]: c for c in first["conditions"]}["Ready"]["lastTransitionTime"]
+    )
+    flipped_ready = {c["type"]: c for c in flipped["conditions"]}["Ready"]
+    assert flipped_ready["status"] == "False"
+    assert flipped_ready["lastTransitionTime"] != ready["lastTransitionTime"]
+
+
+# ----------------------------------------------------------------------------- device status
+
+
+def test_device_status_render_inject_heal(tmp_path: Path) -> None:
+    server = build(TopologySpec(superpods=[SuperPodSpec(name="sp0", servers=1)]))[0]
+    status = devicestatus.DeviceStatus(server)
+    fault = devicestatus.Fault(devicestatus.FaultKind.HBM_ERROR, 5, "t0")
+    assert status.inject(fault)
+    assert not status.inject(fault), "the same fault twice is one fault"
+    assert status.unhealthy_dies() == {5}
+    path = tmp_path / "status.json"
+    devicestatus.write_atomically(path, status.render("t1"))
+    data = json.loads(path.read_text())
+    assert data["generation"] == 1
+    npu2 = data["npus"][2]
+    assert npu2["health"] == "Unhealthy"
+    assert npu2["dies"][1]["faults"][0]["level"] == "RestartBusiness"
+    assert status.heal(devicestatus.FaultKind.HBM_ERROR, 5)
+    assert status.render("t2")["npus"][2]["health"] == "Healthy"
+    assert not list(tmp_path.glob(".status.json.*")), "no temp files left behind"
