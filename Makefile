@@ -11,7 +11,8 @@ DEVCLUSTER := $(PY) -m matrixserve.devcluster
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv setup test test-unit lint demo cluster-up cluster-down cluster-status \
+.PHONY: help venv setup test test-unit lint demo cluster-up cluster-down cluster-status bench \
+        bench-node-emulator \
         kind-up kind-down clean
 
 help:
@@ -19,6 +20,7 @@ help:
 	@echo "make test          the whole suite (unit + real local cluster), all set-up included"
 	@echo "make test-unit     pure tests only (no cluster)"
 	@echo "make lint          ruff, mypy, import-linter"
+	@echo "make bench         every benchmark (each alone: make bench-<name>)"
 	@echo "make cluster-up    start the dev cluster (see 'python -m matrixserve.devcluster env')"
 	@echo "make cluster-down  stop exactly what cluster-up started"
 	@echo "make kind-up       a kind cluster for users with Docker"
@@ -47,13 +49,9 @@ lint: venv
 	$(VENV)/bin/lint-imports
 
 demo: setup
-	$(DEVCLUSTER) up
+	$(DEVCLUSTER) demo
 	@echo
-	@echo "Nodes, namespaces and API resources of the local cluster:"
-	@eval "$$($(DEVCLUSTER) env)" && $(VENV)/bin/kubectl get namespaces && \
-	  $(VENV)/bin/kubectl get --raw /version && echo && \
-	  $(VENV)/bin/kubectl -n default get serviceaccounts
-	@echo
+	@echo "The cluster keeps running: eval \"\$$($(DEVCLUSTER) env)\"; $(VENV)/bin/kubectl get pods -A"
 	@echo "Stop it with: make cluster-down"
 
 cluster-up: setup

@@ -408,3 +408,69 @@ def test_bad_fault_requests_get_clear_errors_and_change_nothing(
         assert response.status_code == status
         assert message in response.json()["error"]
         assert http.get(f"/nodes/{emulator.nodes[0]}/device-status").json()["generation"] == 0
+
+
+def test_advertise_mode_adds_npus_and_device_file_to_an_existing_node_and_runs_no_pods(
+    api_client: client.ApiClient, cluster: Any, namespace: str, tmp_path: Path
+) -> None:
+    """Kind mode: real kubelets run containers; the emulator is only device plugin + fault file."""
+    import os
+    import secrets
+    import sys
+
+    from matrixserve.devcluster.procs import Supervisor
+
+    core = client.CoreV1Api(api_client)
+    name = f"kind-worker-{secrets.token_hex(3)}"
+    labels = {
+        "matrixserve.io/superpod": "sp-1",
+        "matrixserve.io/server": "sp-1-server-1",
+        "kubernetes.io/hostname": name,
+    }
+    core.create_node({"metadata": {"name": name, "labels": labels}})
+    sup = Supervisor(tmp_path / "advertise")
+    try:
+        sup.start(
+            "advertise",
+            [
+                sys.executable,
+                "-m",
+                "enginestub.node",
+                "run",
+                "--mode",
+                "advertise",
+                "--node-name",
+                name,
+                "--state-dir",
+                str(tmp_path / "advertise" / "data"),
+            ],
+            env={**os.environ, "KUBECONFIG": cluster.kubeconfig},
+        )
+
+        def advertised() -> Any:
+            node = core.read_node(name)
+            return node if (node.status.capacity or {}).get(NPU) == "8" else None
+
+        node = wait_for(advertised, what="NPU capacity on the node")
+        assert node.status.allocatable[NPU] == "8"
+        assert node.metadata.labels["matrixserve.io/emulated-node"] == "advertised"
+        device_file = tmp_path / "advertise" / "data" / "nodes" / name / "device-status.json"
+        first_die = json.loads(device_file.read_text())["npus"][0]["dies"][0]
+        assert first_die["roceIp"] == "198.18.65.1"  # SuperPod 1, server 1, die 0
+        # The taint the admission plugin set stays: a real kubelet owns readiness in kind mode.
+        assert any(t.key == "node.kubernetes.io/not-ready" for t in node.spec.taints or [])
+        core.create_namespaced_pod(
+            namespace,
+            {
+                "metadata": {"name": "not-ours"},
+                "spec": {
+                    "nodeName": name,
+                    "containers": [{"name": "c", "image": "busybox", "command": ["sleep", "60"]}],
+                },
+            },
+        )
+        time.sleep(2)
+        assert core.read_namespaced_pod("not-ours", namespace).status.pod_ip is None
+    finally:
+        sup.stop("advertise", grace=10)
+        core.delete_node(name)

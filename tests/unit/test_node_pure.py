@@ -189,7 +189,9 @@ def test_entrypoint_resolution_and_unknown_image_message() -> None:
         "-m",
         "enginestub",
     ]
-    assert podspec.resolve_entrypoint("localhost:5000/matrixserve/engine-stub", images)[0] == "python"
+    assert (
+        podspec.resolve_entrypoint("localhost:5000/matrixserve/engine-stub", images)[0] == "python"
+    )
     assert podspec.resolve_entrypoint("docker.io/library/busybox:1.36", images) == []
     with pytest.raises(podspec.UnknownImageError, match='image "nginx" is not known'):
         podspec.resolve_entrypoint("nginx", images)

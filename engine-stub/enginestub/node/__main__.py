@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(
             level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe is noise
         _use_pidfd_child_watcher()
         try:
             return asyncio.run(_run(args))
