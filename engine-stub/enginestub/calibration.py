@@ -1,0 +1,105 @@
+"""Every constant of the emulator, with the paper and section it comes from.
+
+Papers (``../shared/papers``): 000 xDeepServe, 001 CloudMatrix-Infer ("Serving Large Language
+Models on Huawei CloudMatrix384"), 002 DeepServe, 003 Expert-as-a-Service, 004 P/D-Serve.
+[derived] marks arithmetic on the papers' numbers; [external] a fact from outside the papers
+(model shapes), stated with its source. Never change a value here to make a benchmark pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+GIB = 1024**3
+MIB = 1024**2
+KIB = 1024
+GBIT = 1e9 / 8  # bytes per second in one Gbit/s
+
+# --------------------------------------------------------------------------- hardware (001 §3)
+SERVERS_PER_SUPERPOD = 48  # 001 §3.3.3 "48 Ascend 910C nodes"
+NPUS_PER_SERVER = 8  # 001 §3.3.2
+DIES_PER_NPU = 2  # 001 §3.3.1 "dual-die package"
+DIE_BF16_FLOPS = 376e12  # 001 §3.3.1 "Each die sustains approximately 376 TFLOPS of dense BF16"
+DIE_INT8_OPS = 752e12  # 001 §5.5.3 / T10 "the die's 752 peak INT8 TFLOPS"
+DIE_HBM_BYTES = 64 * GB  # 001 §3.3.1 "64 GB per die"
+DIE_HBM_BANDWIDTH = 1.6e12  # 001 §3.3.1 "1.6 TB/s available per die"
+
+# Unified Bus, per die (001 §3.3.1 and T1)
+UB_DIE_BANDWIDTH = 196 * GB  # "196 GB/s unidirectional" to the UB plane
+UB_READ_BANDWIDTH_INTRA = 167 * GB  # T1 NPU-NPU read, intra-node
+UB_READ_BANDWIDTH_INTER = 164 * GB  # T1 NPU-NPU read, inter-node
+UB_LATENCY_INTRA = 1.2e-6  # T1, 512-byte read
+UB_LATENCY_INTER = 1.9e-6  # T1
+
+# RoCE (RDMA plane) and VPC
+ROCE_DIE_BANDWIDTH = 200 * GBIT  # 001 §3.3.1 "200 Gbps of unidirectional bandwidth" per die
+ROCE_LATENCY = 10e-6  # [external] typical RoCE v2 one-hop latency; the papers give none
+VPC_NODE_BANDWIDTH = 400 * GBIT  # 001 §3.2 "up to 400 Gbps of unidirectional bandwidth per node"
+VPC_LATENCY = 50e-6  # [external] datacenter TCP round trip order; the papers give none
+ROCE_CONFLICT_PENALTY = (
+    0.3  # 004 §2.2.3/§3.7: a conflict "even leading to hundreds of milliseconds"
+)
+
+# Host and storage
+HOST_DRAM_BYTES = 1.5e12  # 002 §6.2 "each machine has 1.5TB of DRAM"
+SHARED_FILE_SERVICE_BANDWIDTH = (
+    2.5 * GB
+)  # 001 §4.4.3 "standard 2.5 GB/s access bandwidth per bucket"
+SSD_NODE_BANDWIDTH = 400 * GBIT  # 001 §4.4.1 EVS access per node "typically under 400 Gbps"
+# 001 T2: a 671B INT8 model (~671 GB) warm-starts from DRAM in ~5 s on one 16-NPU prefill
+# instance [derived]: 671 GB / 5 s / 16 NPUs = 8.4 GB/s per NPU from host DRAM.
+DRAM_TO_NPU_BANDWIDTH = 671 * GB / 5.0 / 16
+TENSOR_INIT_SECONDS = 0.3  # 002 §6.2 "PyTorch-model tensor initialization (about 0.3s)"
+
+# --------------------------------------------------------------------------- MoE communication (001 T7)
+# CANN EP on CM384 at EP >= 128, batch 128 per rank: dispatch 54 GB/s, combine 103 GB/s.
+DISPATCH_BANDWIDTH = 54 * GB
+COMBINE_BANDWIDTH = 103 * GB
+DISPATCH_BYTES_PER_TOKEN = 7.5 * KIB  # 001 §4.2.1 "transfer message size for each token is 7.5 KB"
+COMBINE_BYTES_PER_TOKEN = 14 * KIB  # 001 §4.2.1 "14 KB"
+MTP_GRAPH_LAUNCH_SECONDS = 0.7e-3  # 001 §4.2.4 "startup latency of 0.6-0.8 ms" per graph
+MTP_ACCEPTED_TOKENS_PER_STEP = 1.7  # 001 §4.2.4 "1.7 tokens ... per MTP-enabled iteration"
+MOE_ATTENTION_A2E_SECONDS = 172e-6  # 000: attention-to-expert
+MOE_ATTENTION_E2A_SECONDS = 193e-6  # 000: expert-to-attention
+
+# --------------------------------------------------------------------------- measured profiles (001 T3, T5)
+# DeepSeek-R1 INT8, prefill EP32 on 16 NPUs, 4K-token prompts (T3).
+PREFILL_TOKENS_PER_NPU_IDEAL_EPLB = 6688.0  # "Perfect EPLB"
+PREFILL_TOKENS_PER_NPU_DEFAULT_EPLB = 5655.0  # "Default"
+PREFILL_PROFILE_PROMPT_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    """One measured decode operating point: requests per NPU -> TPOT (001 T5, 4K prompt)."""
+
+    batch_per_npu: int
+    tpot_seconds: float
+    tokens_per_npu_per_second: float
+    kv_tokens: int
+
+
+DECODE_PROFILE: tuple[DecodePoint, ...] = (
+    DecodePoint(8, 14.9e-3, 538.0, 4096 + 256),  # T5, SLO 15 ms
+    DecodePoint(24, 24.6e-3, 974.0, 4096 + 256),  # T5, SLO 30 ms
+    DecodePoint(96, 49.4e-3, 1943.0, 4096 + 256),  # T4/T5, SLO 50 ms
+)
+ROOFLINE_FIT_BATCH = 96  # the roofline's efficiency is fitted on this point only
+
+# --------------------------------------------------------------------------- model caching (001 T2)
+COLD_START_8_INSTANCES_SECONDS = 2560.0  # T2, OBS, 8 concurrent instances
+CACHED_COLD_START_SECONDS = 320.0  # T2, EMS
+WARM_START_SECONDS = 5.0  # T2, DRAM -> NPU
+
+# --------------------------------------------------------------------------- scaling and failures
+DEEPSERVE_COLD_SCALE_SECONDS = 42.12  # 002 [secondary], Llama3-8B, per instance
+DEEPSERVE_FORK_SCALE_SECONDS = 4.75  # 002 [secondary], with pre-warmed pod + NPU-fork
+FAILURES_PER_WEEK_PER_400 = 1.5  # 004 §3.4 "about 1 or 2 faults occur per week ... 400 GPUs"
+FAILURES_PER_WEEK_PER_4096 = 8.8  # 003
+
+# --------------------------------------------------------------------------- P/D-Serve (004)
+HEALTH_REPORT_INTERVAL_SECONDS = 20.0  # 004 §3.2 "tens of seconds per followup reports"
+GPT3_HIDDEN = 12288  # 004 §2.1 (GPT-3 175B)
+GPT3_LAYERS = 96  # 004 §2.1
+FP16_BYTES = 2  # 004 §2.1 "2 (bytes for fp16)"

@@ -1,0 +1,277 @@
+"""Serving timing model: prefill time, decode step time (TPOT), KV size and transfer, model load.
+
+Two sources, as serving engines use them (001 §5.2; 004 §2.1):
+
+- **Measured profile**: where CloudMatrix-Infer measured a configuration (DeepSeek-R1 INT8:
+  prefill 6,688 tokens/s per NPU at 4K prompts with ideal EPLB, T3; decode TPOT 14.9 / 24.6 /
+  49.4 ms at 8 / 24 / 96 requests per NPU, T5) the engine interpolates between those points.
+- **Roofline** elsewhere: per die, ``max(compute / peak, memory / bandwidth) / efficiency`` plus
+  MoE dispatch/combine over UB (001 T7 bandwidths and §4.2.1 message sizes) and MTP graph
+  launches (§4.2.4). One efficiency factor is fitted on one documented point (decode: batch 96,
+  :data:`calibration.ROOFLINE_FIT_BATCH`; prefill: the 4K T3 point); the other profile points
+  are then *predicted*, and the tests print the error.
+
+Decode semantics (001 §1.11 note 3): the T5 batch is requests per NPU; with MTP one speculative
+token is computed per request per step and 1.7 tokens are accepted, so TPOT = step / 1.7.
+
+Everything is pure and in emulated seconds.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import cache
+
+from enginestub import calibration as cal
+from enginestub.models import DEEPSEEK_V3, ModelShape
+
+
+@dataclass(frozen=True)
+class InstanceShape:
+    """How one instance spreads over dies (DeepSeek decode: 320 dies, DP320 attention, EP320)."""
+
+    dies: int
+    tp: int = 1  # tensor parallel degree for attention and dense layers
+    ep: int = 1  # expert parallel degree (MoE)
+    mtp: bool = False  # one speculative token per step (001 §4.2.4)
+    precision_ops: float = cal.DIE_INT8_OPS  # GEMM peak per die
+
+    def __post_init__(self) -> None:
+        if self.dies < 1 or self.tp < 1 or self.ep < 1:
+            raise ValueError("dies, tp and ep must be >= 1")
+        if self.dies % self.tp:
+            raise ValueError(f"tp {self.tp} does not divide dies {self.dies}")
+
+    @property
+    def dp(self) -> int:
+        return self.dies // self.tp
+
+    @property
+    def npus(self) -> float:
+        return self.dies / cal.DIES_PER_NPU
+
+    @property
+    def tokens_per_step(self) -> int:
+        return 2 if self.mtp else 1
+
+    @property
+    def accepted_per_step(self) -> float:
+        return cal.MTP_ACCEPTED_TOKENS_PER_STEP if self.mtp else 1.0
+
+
+PAPER_DECODE_SHAPE = InstanceShape(dies=320, tp=1, ep=320, mtp=True)  # 001 §4.1, §5.1
+PAPER_PREFILL_SHAPE = InstanceShape(dies=32, tp=1, ep=32, mtp=False)  # 001 §4.1 (EP32, 16 NPUs)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The parts of one decode step on one die, in seconds at 100% efficiency (comm excluded)."""
+
+    compute: float
+    memory: float
+    comm: float
+
+    def time(self, efficiency: float) -> float:
+        return max(self.compute, self.memory) / efficiency + self.comm
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute >= self.memory else "memory"
+
+
+def _weights_per_die(model: ModelShape, shape: InstanceShape) -> float:
+    """Bytes of weights each die reads per step: its share of the replicated/TP'd layers and
+    the experts it hosts (routed experts spread over the EP ranks)."""
+    non_expert = (
+        model.layers * model.attention_params_per_layer
+        + model.dense_ffn_params
+        + model.embedding_params
+    ) / shape.tp
+    experts = 0.0
+    if model.moe is not None:
+        all_experts = model.routed_expert_params + model.shared_expert_params
+        experts = (
+            all_experts / min(shape.ep, shape.dies) if shape.ep > 1 else all_experts / shape.tp
+        )
+    return (non_expert + experts) * model.weight_bytes
+
+
+def decode_step_cost(
+    model: ModelShape, shape: InstanceShape, batch_per_npu: float, kv_tokens: int
+) -> StepCost:
+    requests = batch_per_npu * shape.npus  # the instance's batch
+    tokens = requests * shape.tokens_per_step
+    tokens_per_die_group = tokens / shape.dp  # tokens each DP group (of tp dies) computes
+    # Compute: GEMMs over active parameters (INT8/BF16 peak) + attention over the context (BF16).
+    gemm_flops = 2.0 * model.active_params_per_token * tokens / shape.dies
+    attn_flops = (
+        model.attention_flops_per_context_token(decode=True)
+        * kv_tokens
+        * tokens_per_die_group
+        / shape.tp
+    )
+    compute = gemm_flops / shape.precision_ops + attn_flops / cal.DIE_BF16_FLOPS
+    # Memory: weights once per step + the KV of the requests this die serves.
+    kv_share = requests / shape.dp if model.mla is not None else requests / shape.dies
+    memory = (
+        _weights_per_die(model, shape) + kv_share * kv_tokens * model.kv_bytes_per_token
+    ) / cal.DIE_HBM_BANDWIDTH
+    # MoE dispatch/combine over UB (001 T7, §4.2.1) and MTP graph launches (§4.2.4).
+    comm = 0.0
+    if model.moe is not None and shape.ep > 1:
+        per_layer = (
+            tokens_per_die_group
+            * model.moe.top_k
+            * (
+                cal.DISPATCH_BYTES_PER_TOKEN / cal.DISPATCH_BANDWIDTH
+                + cal.COMBINE_BYTES_PER_TOKEN / cal.COMBINE_BANDWIDTH
+            )
+        )
+        comm += per_layer * model.moe.moe_layers
+    if shape.mtp:
+        comm += shape.tokens_per_step * cal.MTP_GRAPH_LAUNCH_SECONDS
+    return StepCost(compute, memory, comm)
+
+
+@cache
+def decode_efficiency() -> float:
+    """The one roofline efficiency, fitted on the paper's batch-96 decode point."""
+    point = next(p for p in cal.DECODE_PROFILE if p.batch_per_npu == cal.ROOFLINE_FIT_BATCH)
+    cost = decode_step_cost(DEEPSEEK_V3, PAPER_DECODE_SHAPE, point.batch_per_npu, point.kv_tokens)
+    measured_step = point.tpot_seconds * PAPER_DECODE_SHAPE.accepted_per_step
+    return max(cost.compute, cost.memory) / (measured_step - cost.comm)
+
+
+def roofline_tpot(
+    model: ModelShape, shape: InstanceShape, batch_per_npu: float, kv_tokens: int
+) -> float:
+    cost = decode_step_cost(model, shape, batch_per_npu, kv_tokens)
+    return cost.time(decode_efficiency()) / shape.accepted_per_step
+
+
+def profile_tpot(batch_per_npu: float) -> float:
+    """TPOT from the measured points, linear in batch between them (001 T5, 4K prompts)."""
+    points = cal.DECODE_PROFILE
+    batches = [p.batch_per_npu for p in points]
+    if batch_per_npu <= batches[0] or batch_per_npu >= batches[-1]:
+        edge = points[0] if batch_per_npu <= batches[0] else points[-1]
+        ratio = roofline_tpot(
+            DEEPSEEK_V3, PAPER_DECODE_SHAPE, batch_per_npu, edge.kv_tokens
+        ) / roofline_tpot(DEEPSEEK_V3, PAPER_DECODE_SHAPE, edge.batch_per_npu, edge.kv_tokens)
+        return edge.tpot_seconds * ratio
+    i = bisect_left(batches, batch_per_npu)
+    lo, hi = points[i - 1], points[i]
+    if hi.batch_per_npu == batch_per_npu:
+        return hi.tpot_seconds
+    w = (batch_per_npu - lo.batch_per_npu) / (hi.batch_per_npu - lo.batch_per_npu)
+    return lo.tpot_seconds + w * (hi.tpot_seconds - lo.tpot_seconds)
+
+
+def has_profile(model: ModelShape, shape: InstanceShape) -> bool:
+    return model == DEEPSEEK_V3 and shape == PAPER_DECODE_SHAPE
+
+
+def tpot(model: ModelShape, shape: InstanceShape, batch_per_npu: float, kv_tokens: int) -> float:
+    """Seconds per output token per request: the profile where measured, else the roofline."""
+    if batch_per_npu <= 0:
+        raise ValueError("batch must be positive")
+    if has_profile(model, shape):
+        profiled_kv = cal.DECODE_PROFILE[0].kv_tokens
+        scale = roofline_tpot(model, shape, batch_per_npu, kv_tokens) / roofline_tpot(
+            model, shape, batch_per_npu, profiled_kv
+        )
+        return profile_tpot(batch_per_npu) * scale
+    return roofline_tpot(model, shape, batch_per_npu, kv_tokens)
+
+
+# --------------------------------------------------------------------------- prefill
+def _prefill_seconds_per_token_peak(
+    model: ModelShape, shape: InstanceShape, prompt_tokens: int
+) -> float:
+    gemm = 2.0 * model.active_params_per_token / (shape.precision_ops * shape.dies)
+    # Causal attention: on average each token attends to half the prompt.
+    attn = (
+        model.attention_flops_per_context_token(decode=False)
+        * prompt_tokens
+        / 2
+        / (cal.DIE_BF16_FLOPS * shape.dies)
+    )
+    return gemm + attn
+
+
+@cache
+def prefill_efficiency(ideal_eplb: bool = True) -> float:
+    measured = (
+        cal.PREFILL_TOKENS_PER_NPU_IDEAL_EPLB
+        if ideal_eplb
+        else cal.PREFILL_TOKENS_PER_NPU_DEFAULT_EPLB
+    )
+    peak = _prefill_seconds_per_token_peak(
+        DEEPSEEK_V3, PAPER_PREFILL_SHAPE, cal.PREFILL_PROFILE_PROMPT_TOKENS
+    )
+    measured_per_token = 1.0 / (measured * PAPER_PREFILL_SHAPE.npus)
+    return peak / measured_per_token
+
+
+def prefill_seconds(
+    model: ModelShape,
+    shape: InstanceShape,
+    prompt_tokens: int,
+    cached_tokens: int = 0,
+    ideal_eplb: bool = True,
+) -> float:
+    """Time to prefill one prompt on the instance (compute-bound; cached prefix skipped)."""
+    if prompt_tokens < 1:
+        raise ValueError("a prompt has at least one token")
+    new_tokens = max(prompt_tokens - cached_tokens, 1)
+    per_token = _prefill_seconds_per_token_peak(model, shape, prompt_tokens) / prefill_efficiency(
+        ideal_eplb
+    )
+    return new_tokens * per_token
+
+
+def prefill_tokens_per_npu_per_second(
+    model: ModelShape, shape: InstanceShape, prompt_tokens: int
+) -> float:
+    return prompt_tokens / prefill_seconds(model, shape, prompt_tokens) / shape.npus
+
+
+# --------------------------------------------------------------------------- KV and loading
+def kv_bytes(model: ModelShape, tokens: int) -> float:
+    return model.kv_bytes_per_token * tokens
+
+
+class LoadSource(StrEnum):
+    SHARED_FILE_SERVICE = "SharedFileService"
+    SSD = "SSD"
+    HOST_DRAM = "HostDRAM"
+    NPU_FORK_UB = "NPUForkUB"
+    NPU_FORK_ROCE = "NPUForkRoCE"
+
+
+def load_seconds(
+    model: ModelShape, shape: InstanceShape, source: LoadSource, concurrent_loaders: int = 1
+) -> float:
+    """Time to load the instance's weights (DeepServe 002 §6.2; 001 T2).
+
+    Shared file service: one bucket's 2.5 GB/s shared by all concurrent loaders (T2's 8-instance
+    cold start). SSD: 400 Gbps per node. Host DRAM: the T2-derived per-NPU rate, plus 0.3 s tensor
+    init (002). NPU-fork: every die pulls its own shard from a live peer over UB or RoCE.
+    """
+    if concurrent_loaders < 1:
+        raise ValueError("concurrent_loaders must be >= 1")
+    weights = model.weight_bytes_total
+    if source is LoadSource.SHARED_FILE_SERVICE:
+        return weights * concurrent_loaders / cal.SHARED_FILE_SERVICE_BANDWIDTH
+    if source is LoadSource.SSD:
+        nodes = max(shape.npus / cal.NPUS_PER_SERVER, 1.0)
+        return weights / (cal.SSD_NODE_BANDWIDTH * nodes)
+    if source is LoadSource.HOST_DRAM:
+        return weights / (cal.DRAM_TO_NPU_BANDWIDTH * shape.npus) + cal.TENSOR_INIT_SECONDS
+    per_die = weights / shape.dies
+    bandwidth = (
+        cal.UB_READ_BANDWIDTH_INTER if source is LoadSource.NPU_FORK_UB else cal.ROCE_DIE_BANDWIDTH
+    )
+    return per_die / bandwidth

@@ -1,0 +1,213 @@
+"""The emulator's calibration: model shapes, the measured profile, the roofline, the fabric."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from enginestub import calibration as cal
+from enginestub import timing
+from enginestub.fabric import Endpoint, Flow, Plane, kv_transfer_seconds, simulate, transfer_seconds
+from enginestub.models import DEEPSEEK_V3, GPT3_175B, LLAMA3_8B
+
+# ----------------------------------------------------------------------------- model shapes
+
+
+def test_gpt3_kv_is_4_5_mib_per_token() -> None:
+    # 004 §2.1: 2 (bytes) x 12288 (hidden) x 2 (K,V) x 96 (layers) = 4.5 MB per token.
+    assert GPT3_175B.kv_bytes_per_token == 2 * 12288 * 2 * 96 == 4.5 * 1024**2
+    assert timing.kv_bytes(GPT3_175B, 1000) / 1024**3 == pytest.approx(4.39, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    ("model", "total", "active"),
+    [(DEEPSEEK_V3, 671e9, 37e9), (GPT3_175B, 175e9, 175e9), (LLAMA3_8B, 8.0e9, 7.5e9)],
+)
+def test_parameter_counts_match_the_published_sizes(
+    model: object, total: float, active: float
+) -> None:
+    assert model.total_params == pytest.approx(total, rel=0.02)  # type: ignore[attr-defined]
+    assert model.active_params_per_token == pytest.approx(active, rel=0.03)  # type: ignore[attr-defined]
+
+
+def test_deepseek_mla_kv_is_the_latent_only() -> None:
+    assert DEEPSEEK_V3.kv_bytes_per_token == (512 + 64) * 61 * 2
+
+
+# ----------------------------------------------------------------------------- measured profile
+
+
+@pytest.mark.parametrize("point", cal.DECODE_PROFILE, ids=lambda p: f"batch{p.batch_per_npu}")
+def test_profile_reproduces_each_paper_decode_point_within_2_percent(
+    point: cal.DecodePoint,
+) -> None:
+    tpot = timing.tpot(DEEPSEEK_V3, timing.PAPER_DECODE_SHAPE, point.batch_per_npu, point.kv_tokens)
+    assert tpot == pytest.approx(point.tpot_seconds, rel=0.02)
+    tokens_per_npu = point.batch_per_npu / tpot
+    assert tokens_per_npu == pytest.approx(point.tokens_per_npu_per_second, rel=0.02)
+
+
+def test_profile_reproduces_the_prefill_point_within_2_percent() -> None:
+    rate = timing.prefill_tokens_per_npu_per_second(DEEPSEEK_V3, timing.PAPER_PREFILL_SHAPE, 4096)
+    assert rate == pytest.approx(cal.PREFILL_TOKENS_PER_NPU_IDEAL_EPLB, rel=0.02)
+    default = timing.prefill_seconds(
+        DEEPSEEK_V3, timing.PAPER_PREFILL_SHAPE, 4096, ideal_eplb=False
+    )
+    assert 4096 / default / 16 == pytest.approx(cal.PREFILL_TOKENS_PER_NPU_DEFAULT_EPLB, rel=0.02)
+
+
+def test_profile_interpolates_monotonically_between_points() -> None:
+    tpots = [timing.profile_tpot(b) for b in range(8, 97, 4)]
+    assert tpots == sorted(tpots)
+
+
+# ----------------------------------------------------------------------------- roofline
+
+
+def test_roofline_fitted_on_batch_96_predicts_the_other_points() -> None:
+    rows = []
+    for point in cal.DECODE_PROFILE:
+        predicted = timing.roofline_tpot(
+            DEEPSEEK_V3, timing.PAPER_DECODE_SHAPE, point.batch_per_npu, point.kv_tokens
+        )
+        error = (predicted - point.tpot_seconds) / point.tpot_seconds
+        rows.append((point.batch_per_npu, point.tpot_seconds, predicted, error))
+    print(f"\nroofline fitted on batch 96 (efficiency {timing.decode_efficiency():.3f})")
+    print(f"{'batch/NPU':>10}{'paper TPOT ms':>15}{'roofline ms':>13}{'error':>9}")
+    for batch, paper, predicted, error in rows:
+        print(f"{batch:>10}{paper * 1e3:>15.1f}{predicted * 1e3:>13.1f}{error:>9.1%}")
+    fitted = next(r for r in rows if r[0] == cal.ROOFLINE_FIT_BATCH)
+    assert abs(fitted[3]) < 1e-9, "the fit point must be reproduced exactly"
+    for batch, _, _, error in rows:
+        assert abs(error) <= 0.25, (
+            f"roofline error {error:.1%} at batch {batch} exceeds the 25% target"
+        )
+    assert 0.05 < timing.decode_efficiency() <= 1.0
+
+
+def test_decode_is_compute_bound_at_large_batch_and_memory_bound_at_small() -> None:
+    big = timing.decode_step_cost(DEEPSEEK_V3, timing.PAPER_DECODE_SHAPE, 96, 4096)
+    small = timing.decode_step_cost(DEEPSEEK_V3, timing.PAPER_DECODE_SHAPE, 8, 4096)
+    assert (big.bound, small.bound) == ("compute", "memory")
+
+
+def test_longer_context_costs_more_per_token() -> None:
+    shape = timing.InstanceShape(dies=2, tp=2)
+    short = timing.tpot(LLAMA3_8B, shape, 16, 1024)
+    long = timing.tpot(LLAMA3_8B, shape, 16, 16384)
+    assert long > short
+    assert timing.prefill_tokens_per_npu_per_second(
+        DEEPSEEK_V3, timing.PAPER_PREFILL_SHAPE, 16384
+    ) < timing.prefill_tokens_per_npu_per_second(DEEPSEEK_V3, timing.PAPER_PREFILL_SHAPE, 4096)
+
+
+def test_cached_prefix_shortens_prefill() -> None:
+    shape = timing.PAPER_PREFILL_SHAPE
+    full = timing.prefill_seconds(DEEPSEEK_V3, shape, 4096)
+    half = timing.prefill_seconds(DEEPSEEK_V3, shape, 4096, cached_tokens=2048)
+    assert half == pytest.approx(full / 2, rel=1e-9)
+
+
+def test_bad_shapes_are_rejected() -> None:
+    with pytest.raises(ValueError, match="does not divide"):
+        timing.InstanceShape(dies=6, tp=4)
+    with pytest.raises(ValueError, match="positive"):
+        timing.tpot(LLAMA3_8B, timing.InstanceShape(dies=2, tp=2), 0, 100)
+
+
+# ----------------------------------------------------------------------------- model loading
+
+
+def test_model_cache_figures_of_t2() -> None:
+    shape = timing.PAPER_PREFILL_SHAPE
+    warm = timing.load_seconds(DEEPSEEK_V3, shape, timing.LoadSource.HOST_DRAM)
+    assert warm == pytest.approx(cal.WARM_START_SECONDS + cal.TENSOR_INIT_SECONDS, rel=0.02)
+    one = timing.load_seconds(DEEPSEEK_V3, shape, timing.LoadSource.SHARED_FILE_SERVICE)
+    eight = timing.load_seconds(DEEPSEEK_V3, shape, timing.LoadSource.SHARED_FILE_SERVICE, 8)
+    assert eight == pytest.approx(8 * one)
+    order = [
+        timing.load_seconds(LLAMA3_8B, timing.InstanceShape(dies=2, tp=2), s)
+        for s in (
+            timing.LoadSource.NPU_FORK_UB,
+            timing.LoadSource.NPU_FORK_ROCE,
+            timing.LoadSource.HOST_DRAM,
+            timing.LoadSource.SHARED_FILE_SERVICE,
+        )
+    ]
+    assert order == sorted(order), "fork over UB < fork over RoCE < DRAM < shared file service"
+
+
+# ----------------------------------------------------------------------------- fabric
+
+A = Endpoint("sp0", "sp0-server-00", 0)
+B = Endpoint("sp0", "sp0-server-01", 0)
+C = Endpoint("sp0", "sp0-server-02", 0)
+OTHER_POD = Endpoint("sp1", "sp1-server-00", 0)
+
+
+def test_kv_over_roce_vs_ub_differs_by_the_bandwidth_ratio() -> None:
+    nbytes = timing.kv_bytes(GPT3_175B, 4096)  # 18 GiB of KV
+    roce = transfer_seconds(nbytes, Plane.ROCE, A, B)
+    ub = transfer_seconds(nbytes, Plane.UB, A, B)
+    expected = cal.UB_READ_BANDWIDTH_INTER / cal.ROCE_DIE_BANDWIDTH
+    assert roce / ub == pytest.approx(expected, rel=0.01)
+    print(
+        f"\nKV {nbytes / 2**30:.1f} GiB: RoCE {roce:.3f}s, UB {ub:.3f}s, ratio {roce / ub:.2f} (bandwidths {expected:.2f})"
+    )
+
+
+def test_ub_does_not_cross_superpods() -> None:
+    with pytest.raises(ValueError, match="UB does not connect"):
+        transfer_seconds(1e9, Plane.UB, A, OTHER_POD)
+    assert transfer_seconds(1e9, Plane.ROCE, A, OTHER_POD) > 0
+
+
+def test_two_concurrent_transfers_on_one_link_take_twice_as_long() -> None:
+    cap = {
+        "A:tx": cal.ROCE_DIE_BANDWIDTH,
+        "B:rx": cal.ROCE_DIE_BANDWIDTH,
+        "C:rx": cal.ROCE_DIE_BANDWIDTH,
+    }
+    alone = simulate([Flow("1", 1e9, ("A:tx", "B:rx"))], cap)["1"]
+    shared = simulate([Flow("1", 1e9, ("A:tx", "B:rx")), Flow("2", 1e9, ("A:tx", "C:rx"))], cap)
+    assert shared["1"] == pytest.approx(2 * alone)
+    assert shared["2"] == pytest.approx(2 * alone)
+    disjoint = simulate(
+        [Flow("1", 1e9, ("A:tx", "B:rx")), Flow("2", 1e9, ("X:tx", "C:rx"))],
+        cap | {"X:tx": cal.ROCE_DIE_BANDWIDTH},
+    )
+    assert disjoint["1"] == pytest.approx(alone), "flows on different links do not slow each other"
+
+
+def test_kv_xi_is_the_slowest_same_index_sub_transfer() -> None:
+    senders = [Endpoint("sp0", "p", k) for k in range(8)]
+    receivers = [Endpoint("sp0", "d", k) for k in range(8)]
+    nbytes = 8e9
+    xi = kv_transfer_seconds(nbytes, Plane.ROCE, senders, receivers)
+    assert xi == pytest.approx(cal.ROCE_LATENCY + 1e9 / cal.ROCE_DIE_BANDWIDTH, rel=1e-6)
+    with pytest.raises(ValueError, match="equal"):
+        kv_transfer_seconds(nbytes, Plane.ROCE, senders, receivers[:4])
+
+
+@given(
+    st.lists(
+        st.tuples(st.floats(1e6, 1e10), st.sampled_from(["a", "b", "c"]), st.floats(0, 0.5)),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_fair_sharing_conserves_bytes_and_never_beats_line_rate(
+    specs: list[tuple[float, str, float]],
+) -> None:
+    cap = {"a": 25e9, "b": 25e9, "c": 50e9}
+    flows = [Flow(str(i), n, (link,), start=s) for i, (n, link, s) in enumerate(specs)]
+    finish = simulate(flows, cap)
+    for f in flows:
+        alone = f.nbytes / cap[f.links[0]]
+        assert finish[f.id] - f.start >= alone * (1 - 1e-9)
+    for link, bandwidth in cap.items():
+        on_link = [f for f in flows if f.links[0] == link]
+        if on_link:
+            span = max(finish[f.id] for f in on_link) - min(f.start for f in on_link)
+            assert span * bandwidth >= sum(f.nbytes for f in on_link) * (1 - 1e-6)
