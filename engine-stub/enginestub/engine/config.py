@@ -1,0 +1,219 @@
+"""The engine's configuration, from command-line flags with environment defaults (the node
+emulator and the operator set the environment). Invalid configurations exit with status 2 and
+one clear message, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from enginestub import calibration as cal
+from enginestub import timing
+from enginestub.fabric import Plane
+from enginestub.models import PRESETS, ModelShape
+
+Role = Literal["prefill", "decode", "colocated", "expert", "attention", "auto"]
+HBM_USABLE_FRACTION = 0.9  # [design] 10% of HBM kept for activations and comm buffers
+
+
+class ConfigError(Exception):
+    pass
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Role
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    model: ModelShape
+    dies: list[int] = Field(min_length=1)
+    roce_ips: list[str]
+    ub_addresses: list[str] = []
+    node: str = "local"
+    superpod: str = "local"
+    tp: int = Field(ge=1)
+    ep: int = Field(default=1, ge=1)
+    mtp: bool = False
+    max_batch: int = Field(ge=1, le=4096)
+    max_prompt_tokens: int = Field(default=32768, ge=1)
+    max_output_tokens: int = Field(default=8192, ge=1)
+    time_scale: float = Field(default=1.0, gt=0, le=1e6)
+    kv_plane: Plane = Plane.ROCE
+    load_source: timing.LoadSource = timing.LoadSource.SHARED_FILE_SERVICE
+    concurrent_loaders: int = Field(default=1, ge=1)
+    instance: str = "engine"
+    pod_namespace: str = "default"
+    group: str | None = None  # "<namespace>/<name>" of the P/D group in ZooKeeper
+    zookeeper: str | None = None
+    health_interval: float = Field(default=cal.HEALTH_REPORT_INTERVAL_SECONDS, gt=0)
+    link_timeout: float = Field(default=60.0, gt=0)
+    device_status_file: Path | None = None
+    decode_peers: list[str] = []  # host:port, when there is no ZooKeeper (tests, colocated demos)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EngineConfig:
+        if not self.host.startswith("127."):
+            raise ValueError(
+                f"host {self.host}: engines bind loopback addresses (127.0.0.0/8) only"
+            )
+        if len(self.dies) % self.tp:
+            raise ValueError(f"tp {self.tp} does not divide the {len(self.dies)} dies granted")
+        if self.roce_ips and len(self.roce_ips) != len(self.dies):
+            raise ValueError(f"{len(self.roce_ips)} RoCE IPs for {len(self.dies)} dies")
+        if self.group is not None and self.group.count("/") != 1:
+            raise ValueError(f"group {self.group!r} must be <namespace>/<name>")
+        if self.group is not None and self.zookeeper is None:
+            raise ValueError("a group needs a ZooKeeper address (MATRIXSERVE_ZK)")
+        if self.kv_capacity_bytes <= 0:
+            need = self.weights_bytes / len(self.dies) / cal.GB
+            raise ValueError(
+                f"model {self.model.name} does not fit: {need:.1f} GB of weights per die against "
+                f"{cal.DIE_HBM_BYTES / cal.GB * HBM_USABLE_FRACTION:.1f} GB usable HBM per die; "
+                "give the instance more dies"
+            )
+        return self
+
+    @property
+    def shape(self) -> timing.InstanceShape:
+        return timing.InstanceShape(dies=len(self.dies), tp=self.tp, ep=self.ep, mtp=self.mtp)
+
+    @property
+    def weights_bytes(self) -> float:
+        return timing._weights_per_die(self.model, self.shape) * len(self.dies)
+
+    @property
+    def kv_capacity_bytes(self) -> float:
+        return len(self.dies) * cal.DIE_HBM_BYTES * HBM_USABLE_FRACTION - self.weights_bytes
+
+
+def _env_list(name: str) -> list[str]:
+    return [x for x in os.environ.get(name, "").split(",") if x]
+
+
+def parse(argv: list[str] | None = None) -> EngineConfig:
+    env = os.environ
+    parser = argparse.ArgumentParser(
+        prog="python -m enginestub", description="MatrixServe engine stub"
+    )
+    parser.add_argument(
+        "--role",
+        default=env.get("ENGINE_ROLE", "colocated"),
+        help="prefill | decode | colocated | expert | attention | auto (role from the RoCE map)",
+    )
+    parser.add_argument(
+        "--host", default=env.get("MATRIXSERVE_POD_IP") or env.get("POD_IP") or "127.0.0.1"
+    )
+    parser.add_argument("--port", type=int, default=int(env.get("ENGINE_PORT", "8000")))
+    parser.add_argument(
+        "--model",
+        default=env.get("ENGINE_MODEL", "llama3-8b"),
+        help=f"a preset ({', '.join(sorted(PRESETS))}) or a JSON file with a ModelShape",
+    )
+    parser.add_argument(
+        "--tp", type=int, default=None, help="tensor parallel degree (default: all dies)"
+    )
+    parser.add_argument("--ep", type=int, default=int(env.get("ENGINE_EP", "1")))
+    parser.add_argument("--mtp", action="store_true", default=env.get("ENGINE_MTP") == "1")
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=int(env.get("ENGINE_MAX_BATCH", "0")) or None,
+        help="prefill slots (default 8) or decode batch (default 64)",
+    )
+    parser.add_argument(
+        "--max-prompt-tokens", type=int, default=int(env.get("ENGINE_MAX_PROMPT_TOKENS", "32768"))
+    )
+    parser.add_argument(
+        "--max-output-tokens", type=int, default=int(env.get("ENGINE_MAX_OUTPUT_TOKENS", "8192"))
+    )
+    parser.add_argument(
+        "--time-scale", type=float, default=float(env.get("MATRIXSERVE_TIME_SCALE", "1"))
+    )
+    parser.add_argument("--kv-plane", default=env.get("ENGINE_KV_PLANE", "RoCE"))
+    parser.add_argument("--load-source", default=env.get("ENGINE_LOAD_SOURCE", "SharedFileService"))
+    parser.add_argument(
+        "--concurrent-loaders", type=int, default=int(env.get("ENGINE_CONCURRENT_LOADERS", "1"))
+    )
+    parser.add_argument("--group", default=env.get("MATRIXSERVE_GROUP"))
+    parser.add_argument("--zookeeper", default=env.get("MATRIXSERVE_ZK"))
+    parser.add_argument(
+        "--health-interval",
+        type=float,
+        default=float(env.get("ENGINE_HEALTH_INTERVAL", str(cal.HEALTH_REPORT_INTERVAL_SECONDS))),
+    )
+    parser.add_argument(
+        "--link-timeout", type=float, default=float(env.get("ENGINE_LINK_TIMEOUT", "60"))
+    )
+    parser.add_argument(
+        "--decode-peer",
+        action="append",
+        default=_env_list("ENGINE_DECODE_PEERS"),
+        help="host:port of a decode instance (repeatable), when not using ZooKeeper",
+    )
+    parser.add_argument(
+        "--dies",
+        default=env.get("MATRIXSERVE_DIES", "0,1"),
+        help="die ids granted (default: $MATRIXSERVE_DIES from the node emulator)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        model = _model(args.model)
+        dies = [int(d) for d in args.dies.split(",") if d.strip()]
+        roce = _env_list("MATRIXSERVE_ROCE_IPS") or [f"198.19.255.{d + 1}" for d in dies]
+        role = args.role
+        max_batch = args.max_batch or (8 if role in ("prefill", "colocated") else 64)
+        status_file = env.get("MATRIXSERVE_DEVICE_STATUS_FILE")
+        return EngineConfig(
+            role=role,
+            host=args.host,
+            port=args.port,
+            model=model,
+            dies=dies,
+            roce_ips=roce,
+            ub_addresses=_env_list("MATRIXSERVE_UB_ADDRESSES"),
+            node=env.get("MATRIXSERVE_NODE_NAME", "local"),
+            superpod=env.get("MATRIXSERVE_SUPERPOD", "local"),
+            tp=args.tp or len(dies),
+            ep=args.ep,
+            mtp=args.mtp,
+            max_batch=max_batch,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_output_tokens=args.max_output_tokens,
+            time_scale=args.time_scale,
+            kv_plane=Plane(args.kv_plane),
+            load_source=timing.LoadSource(args.load_source),
+            concurrent_loaders=args.concurrent_loaders,
+            instance=env.get("POD_NAME", "engine"),
+            pod_namespace=env.get("POD_NAMESPACE", "default"),
+            group=args.group,
+            zookeeper=args.zookeeper,
+            health_interval=args.health_interval,
+            link_timeout=args.link_timeout,
+            device_status_file=Path(status_file) if status_file else None,
+            decode_peers=args.decode_peer,
+        )
+    except ValidationError as exc:
+        raise ConfigError(
+            "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors()
+            )
+        ) from None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _model(name: str) -> ModelShape:
+    if name in PRESETS:
+        return PRESETS[name]
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(
+            f"unknown model {name!r}: use one of {', '.join(sorted(PRESETS))} or a JSON file"
+        )
+    return ModelShape.model_validate(json.loads(path.read_text()))

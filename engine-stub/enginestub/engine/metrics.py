@@ -1,0 +1,81 @@
+"""Engine metrics (Prometheus, prefix ``matrixserve_engine_``), in emulated seconds.
+
+One registry per engine, so several engines can live in one test process."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+
+
+class EngineMetrics:
+    def __init__(self, role: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "matrixserve_engine_requests",
+            "Requests by stage (prefill, decode) and outcome (accepted, rejected, timeout, failed)",
+            ["stage", "outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "matrixserve_engine_ttft_seconds",
+            "Time to first token (emulated s)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "matrixserve_engine_tpot_seconds",
+            "Time per output token (emulated s)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_bytes = Counter(
+            "matrixserve_engine_kv_bytes",
+            "KV cache bytes moved, by plane and direction",
+            ["plane", "direction"],
+            registry=r,
+        )
+        self.kv_seconds = Histogram(
+            "matrixserve_engine_kv_transfer_seconds",
+            "KV pull time (emulated s)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Gauge(
+            "matrixserve_engine_decode_batch_size",
+            "Requests in the running decode batch",
+            registry=r,
+        )
+        self.prefill_slots = Gauge(
+            "matrixserve_engine_prefill_slots_used", "Prefill slots in use", registry=r
+        )
+        self.hbm_used = Gauge(
+            "matrixserve_engine_hbm_used_bytes", "HBM used: weights plus reserved KV", registry=r
+        )
+        self.hbm_capacity = Gauge(
+            "matrixserve_engine_hbm_capacity_bytes", "Usable HBM of the instance", registry=r
+        )
+        self.load_seconds = Gauge(
+            "matrixserve_engine_model_load_seconds",
+            "Model load time (emulated s)",
+            ["source"],
+            registry=r,
+        )
+        self.phase_seconds = Gauge(
+            "matrixserve_engine_setup_phase_seconds",
+            "Resident-process phase durations (emulated s)",
+            ["phase"],
+            registry=r,
+        )
+        self.faults = Gauge(
+            "matrixserve_engine_fault_active",
+            "1 while an injected fault is active",
+            ["kind"],
+            registry=r,
+        )
+        self.info = Gauge(
+            "matrixserve_engine_info", "Constant 1, labelled with the role", ["role"], registry=r
+        )
+        self.info.labels(role=role).set(1)

@@ -1,0 +1,380 @@
+"""The P/D-Serve resident process (§3.2-3.4): the engine's side of the group protocol.
+
+1. **Report** its RoCE IPs, ordered by device id (the node's "hccn tool": the node emulator's
+   environment), under ``reports/<instance>`` (ephemeral).
+2. **Wait** for ``init-order`` and for the ``roce-map`` to list it; its role comes from the map
+   (a role-less container learns it there: dynamic RoCE construction, Fig. 7).
+3. **Link** to every peer of the opposite role in the map: an HTTP handshake to the peer pod,
+   which checks that the caller is in its map with the opposite role and the same device count,
+   then the verified sub-links (device k <-> device k) are written to ``links/<p>--<d>``. Waits
+   for all its links (a peer may create them) until ``link_timeout``.
+4. **Load** the model (time = bytes / bandwidth of the source).
+5. **Health**: an ephemeral ``health/<instance>``, refreshed every ``health_interval``.
+6. Keeps watching: new peers in the map are linked as they come (existing instances confirm
+   newcomers, never restart); ``decode-meta`` tells a prefill where to forward; ``removed/``
+   stops traffic to logically removed instances.
+
+Health rule on faults: a die, NPU or HBM fault on this instance deletes its health znode (the
+instance is unusable); a link fault keeps it with ``state: Degraded`` and the message.
+
+Sessions: SUSPENDED pauses writes; LOST means our ephemerals are gone, so on reconnection the
+report and health znodes are written again. Every write is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from typing import Any
+
+import httpx
+from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import NodeExistsError, NoNodeError
+
+from enginestub.engine.core import Engine
+from matrixserve.api import zk_layout as zl
+
+log = logging.getLogger("enginestub.resident")
+
+
+class LinkError(Exception):
+    pass
+
+
+class Resident:
+    def __init__(self, engine: Engine) -> None:
+        cfg = engine.config
+        if cfg.group is None or cfg.zookeeper is None:
+            raise ValueError("the resident process needs a group and a ZooKeeper address")
+        self.engine = engine
+        self.namespace, self.group = cfg.group.split("/", 1)
+        self.paths = zl.GroupPaths(self.namespace, self.group)
+        self.instance = cfg.instance
+        self.zk = KazooClient(hosts=cfg.zookeeper, timeout=10.0)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.roce_map: zl.RoceMap | None = None
+        self.init_order: zl.InitOrder | None = None
+        self.role: zl.Role | None = None
+        self.phase = "Starting"
+        self.health_seq = 0
+        self.ready = False
+        self.suspended = threading.Event()
+        self._map_changed = asyncio.Event()
+        self._reregister = asyncio.Event()
+        self._health_dirty = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._removed_names: set[str] = set()
+        engine.on_health_change = self._health_dirty.set
+
+    # ------------------------------------------------------------------ kazoo glue
+    def _call(self, fn: Any, *args: Any) -> None:
+        """Run a callback from a kazoo thread on our event loop."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    def _on_state(self, state: str) -> None:
+        if state == KazooState.SUSPENDED:
+            self.suspended.set()
+        elif state == KazooState.LOST:
+            self.suspended.set()
+            self._call(self._reregister.set)
+        else:
+            self.suspended.clear()
+            self._call(self._reregister.set)
+
+    async def _zk(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    # ------------------------------------------------------------------ main
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.zk.add_listener(self._on_state)
+        await self._zk(self.zk.start, 15)
+        for folder in self.paths.all_folders():
+            await self._zk(self.zk.ensure_path, folder)
+        self._task = asyncio.create_task(self._run(), name="resident")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(Exception):
+            await self._zk(self.zk.stop)
+            await self._zk(self.zk.close)
+
+    def _report(self) -> zl.Report:
+        cfg = self.engine.config
+        role = (
+            None
+            if cfg.role == "auto"
+            else (zl.Role.PREFILL if cfg.role == "prefill" else zl.Role.DECODE)
+        )
+        return zl.Report(
+            instance=self.instance,
+            role=role,
+            podIP=cfg.host,
+            port=cfg.port,
+            node=cfg.node,
+            superpod=cfg.superpod,
+            dies=cfg.dies,
+            roceIps=cfg.roce_ips,
+            ts=time.time(),
+        )
+
+    async def _write_report(self) -> None:
+        data = self._report().dump()
+        path = self.paths.report(self.instance)
+        try:
+            await self._zk(self.zk.create, path, data, ephemeral=True)
+        except NodeExistsError:
+            await self._zk(self.zk.set, path, data)
+
+    async def _run(self) -> None:
+        clock = self.engine.clock
+        t0 = clock.now()
+        self.phase = "Gathering"
+        await self._write_report()
+        self._watch()
+        await self._wait(
+            lambda: (
+                self.init_order is not None
+                and self.roce_map is not None
+                and self.roce_map.role_of(self.instance) is not None
+            )
+        )
+        assert self.roce_map is not None
+        self.role = self.roce_map.role_of(self.instance)
+        self.engine.role = "prefill" if self.role is zl.Role.PREFILL else "decode"
+        self.engine.metrics.phase_seconds.labels(phase="gather").set(clock.now() - t0)
+        t1 = clock.now()
+        self.phase = "Linking"
+        await self._link_all()
+        self.engine.metrics.phase_seconds.labels(phase="link").set(clock.now() - t1)
+        self.phase = "Loading"
+        await self.engine.load_model()
+        self.engine.metrics.phase_seconds.labels(phase="load").set(self.engine.load_seconds or 0.0)
+        self.phase = "Serving"
+        self.ready = True
+        await self._write_health()
+        await asyncio.gather(self._keep_health(), self._keep_links(), self._keep_registered())
+
+    async def _wait(self, condition: Any) -> None:
+        while not condition():
+            self._map_changed.clear()
+            if condition():
+                return
+            await self._map_changed.wait()
+
+    # ------------------------------------------------------------------ watches
+    def _watch(self) -> None:
+        def on_init(data: bytes | None, _stat: Any) -> None:
+            self._call(self._set_init, data)
+
+        def on_map(data: bytes | None, _stat: Any) -> None:
+            self._call(self._set_map, data)
+
+        def on_meta(data: bytes | None, _stat: Any) -> None:
+            self._call(self._set_meta, data)
+
+        def on_removed(children: list[str]) -> None:
+            self._call(self._set_removed, children)
+
+        self.zk.DataWatch(self.paths.init_order, on_init)
+        self.zk.DataWatch(self.paths.roce_map, on_map)
+        self.zk.DataWatch(self.paths.decode_meta, on_meta)
+        self.zk.ChildrenWatch(self.paths.removed, on_removed)
+
+    def _set_init(self, data: bytes | None) -> None:
+        self.init_order = zl.InitOrder.parse(data) if data else None
+        self._map_changed.set()
+
+    def _set_map(self, data: bytes | None) -> None:
+        try:
+            self.roce_map = zl.RoceMap.parse(data) if data else None
+        except ValueError:
+            log.error("ignoring an unreadable roce-map")
+            return
+        self._map_changed.set()
+
+    def _set_meta(self, data: bytes | None) -> None:
+        if not data:
+            return
+        meta = zl.DecodeMeta.parse(data)
+        self.engine.decode_peers = [f"{d.pod_ip}:{d.port}" for d in meta.decodes]
+        self._removed_addresses()
+
+    def _set_removed(self, children: list[str]) -> None:
+        self._removed_names = set(children)
+        self._removed_addresses()
+
+    def _removed_addresses(self) -> None:
+        names = self._removed_names
+        if self.roce_map is None:
+            return
+        entries = self.roce_map.decode + self.roce_map.prefill
+        self.engine.removed = {f"{e.pod_ip}:{e.port}" for e in entries if e.instance in names}
+
+    # ------------------------------------------------------------------ links
+    def check_handshake(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The peer side of a link: the caller must be in our map, with the opposite role and
+        the same number of devices."""
+        from enginestub.engine.core import EngineError
+
+        if self.roce_map is None or self.role is None:
+            raise EngineError(409, "not_linked", "this instance has no RoCE map yet")
+        caller = body["instance"]
+        caller_role = self.roce_map.role_of(caller)
+        if caller_role is None:
+            raise EngineError(
+                403,
+                "unknown_peer",
+                f"{caller} is not in this group's RoCE map v{self.roce_map.version}",
+            )
+        if caller_role == self.role:
+            raise EngineError(
+                409, "same_role", f"{caller} has the same role {self.role}; links join P and D"
+            )
+        theirs = body.get("roceIps") or []
+        if len(theirs) != len(self.engine.config.roce_ips):
+            raise EngineError(
+                409,
+                "device_mismatch",
+                f"{len(theirs)} devices against our {len(self.engine.config.roce_ips)}",
+            )
+        return {
+            "instance": self.instance,
+            "role": str(self.role),
+            "roceIps": self.engine.config.roce_ips,
+        }
+
+    async def _link_one(self, peer: zl.MapEntry) -> None:
+        assert self.role is not None
+        me = zl.MapEntry(
+            instance=self.instance,
+            podIP=self.engine.config.host,
+            port=self.engine.config.port,
+            roceIps=self.engine.config.roce_ips,
+        )
+        p, d = (me, peer) if self.role is zl.Role.PREFILL else (peer, me)
+        path = self.paths.link(p.instance, d.instance)
+        if await self._zk(self.zk.exists, path):
+            return
+        body = {
+            "instance": self.instance,
+            "role": str(self.role),
+            "roceIps": self.engine.config.roce_ips,
+        }
+        response = await self.engine.http.post(
+            f"http://{peer.pod_ip}:{peer.port}/v1/link/handshake", json=body, timeout=5.0
+        )
+        if response.status_code != 200:
+            raise LinkError(
+                f"{peer.instance} refused the link: {response.status_code} {response.text[:200]}"
+            )
+        answer = response.json()
+        if answer.get("roceIps") != peer.roce_ips:
+            raise LinkError(
+                f"{peer.instance} answered RoCE IPs {answer.get('roceIps')} != map {peer.roce_ips}"
+            )
+        down = [ip for ip in peer.roce_ips if ip in self.engine.device_links_down]
+        if down:
+            raise LinkError(f"RoCE link to {peer.instance} device(s) {down} is down")
+        link = zl.Link(
+            prefill=p.instance,
+            decode=d.instance,
+            subLinks=zl.verify_sub_links(p, d),
+            verifiedAt=time.time(),
+            initiator=self.instance,
+        )
+        with contextlib.suppress(NodeExistsError):
+            await self._zk(self.zk.create, path, link.dump())
+
+    async def _link_all(self) -> None:
+        """Link to every opposite-role peer; wait until every such link exists (ours or theirs)."""
+        clock = self.engine.clock
+        deadline = clock.now() + self.engine.config.link_timeout
+        while True:
+            assert self.roce_map is not None
+            peers = self.roce_map.peers_of(self.instance)
+            missing = []
+            for peer in peers:
+                try:
+                    await self._link_one(peer)
+                except (LinkError, httpx.HTTPError) as exc:
+                    missing.append(f"{peer.instance}: {exc}")
+            if not missing:
+                return
+            if clock.now() > deadline:
+                raise LinkError("links not verified before the timeout: " + "; ".join(missing))
+            await clock.sleep(0.5)
+
+    async def _keep_links(self) -> None:
+        """Dynamic RoCE construction: link to peers that join the map later."""
+        while True:
+            self._map_changed.clear()
+            await self._map_changed.wait()
+            if self.roce_map is not None and self.roce_map.role_of(self.instance) is not None:
+                try:
+                    await self._link_all()
+                except LinkError as exc:
+                    log.warning("%s", exc)
+                self._removed_addresses()
+
+    # ------------------------------------------------------------------ health
+    def _health(self) -> zl.Health | None:
+        engine = self.engine
+        if engine.unhealthy_dies or "hbm-error" in engine.faults or not engine.loaded:
+            return None
+        state, message = zl.HealthState.SERVING, ""
+        if engine.device_links_down:
+            state = zl.HealthState.DEGRADED
+            message = "RoCE link down to " + ", ".join(sorted(engine.device_links_down))
+        assert self.role is not None
+        self.health_seq += 1
+        return zl.Health(
+            instance=self.instance,
+            role=self.role,
+            state=state,
+            seq=self.health_seq,
+            ts=time.time(),
+            message=message,
+            podIP=engine.config.host,
+            port=engine.config.port,
+        )
+
+    async def _write_health(self) -> None:
+        if self.suspended.is_set() or not self.ready:
+            return
+        path = self.paths.health_of(self.instance)
+        health = self._health()
+        if health is None:
+            with contextlib.suppress(NoNodeError):
+                await self._zk(self.zk.delete, path)
+            return
+        try:
+            await self._zk(self.zk.set, path, health.dump())
+        except NoNodeError:
+            with contextlib.suppress(NodeExistsError):
+                await self._zk(self.zk.create, path, health.dump(), ephemeral=True)
+
+    async def _keep_health(self) -> None:
+        interval = self.engine.clock.to_wall(self.engine.config.health_interval)
+        while True:
+            self._health_dirty.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._health_dirty.wait(), interval)
+            await self._write_health()
+
+    async def _keep_registered(self) -> None:
+        while True:
+            self._reregister.clear()
+            await self._reregister.wait()
+            if self.suspended.is_set():
+                continue
+            with contextlib.suppress(Exception):
+                await self._write_report()
+                await self._write_health()

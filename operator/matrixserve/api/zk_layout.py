@@ -1,0 +1,248 @@
+"""The ZooKeeper layout shared by the operator, the engine stubs and the gateway.
+
+P/D-Serve §3.2-3.4 keeps engine-level membership in ZooKeeper: RoCE IPs gathered per group,
+an init order, the RoCE map, verified links, health, the decode meta pushed to prefills, the
+entrances, logical removals. The operator's own state stays in Kubernetes. Pure: paths and the
+JSON payloads (pydantic), no client. ``docs/zookeeper.md`` has the table of who writes what.
+
+::
+
+    /matrixserve/v1/groups/<ns>/<group>/
+        reports/<instance>     EPHEMERAL  Report: RoCE IPs ordered by device id   (engine)
+        init-order             PERSISTENT InitOrder, once reports == expected     (operator)
+        roce-map               PERSISTENT RoceMap {P: [...], D: [...]}, versioned  (operator)
+        links/<p>--<d>         PERSISTENT Link: verified sub-links k <-> k         (engine)
+        health/<instance>      EPHEMERAL  Health, refreshed every few tens of s    (engine)
+        decode-meta            PERSISTENT DecodeMeta, pushed to every prefill     (operator)
+        entrances/<instance>   PERSISTENT Entrance: a prefill open for requests    (operator)
+        joining/<instance>     EPHEMERAL  Report of a role-less container joining  (engine)
+        removed/<instance>     PERSISTENT Removal: logically removed, no traffic   (operator)
+    /matrixserve/v1/expertpools/<ns>/<pool>/map            logical -> physical expert map
+    /matrixserve/v1/expertpools/<ns>/<pool>/servers/<id>   EPHEMERAL, one per expert server
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from enum import StrEnum
+from typing import Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ROOT = "/matrixserve/v1"
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+
+class Role(StrEnum):
+    PREFILL = "P"
+    DECODE = "D"
+
+
+def _check(name: str, what: str) -> str:
+    if not _NAME.match(name) or len(name) > 253:
+        raise ValueError(f"invalid {what} {name!r}: lower-case DNS name expected")
+    return name
+
+
+def group_path(namespace: str, group: str) -> str:
+    return f"{ROOT}/groups/{_check(namespace, 'namespace')}/{_check(group, 'group')}"
+
+
+class GroupPaths:
+    """All paths of one P/D group."""
+
+    def __init__(self, namespace: str, group: str) -> None:
+        self.root = group_path(namespace, group)
+        self.reports = f"{self.root}/reports"
+        self.init_order = f"{self.root}/init-order"
+        self.roce_map = f"{self.root}/roce-map"
+        self.links = f"{self.root}/links"
+        self.health = f"{self.root}/health"
+        self.decode_meta = f"{self.root}/decode-meta"
+        self.entrances = f"{self.root}/entrances"
+        self.joining = f"{self.root}/joining"
+        self.removed = f"{self.root}/removed"
+
+    def report(self, instance: str) -> str:
+        return f"{self.reports}/{_check(instance, 'instance')}"
+
+    def link(self, prefill: str, decode: str) -> str:
+        return f"{self.links}/{_check(prefill, 'instance')}--{_check(decode, 'instance')}"
+
+    def health_of(self, instance: str) -> str:
+        return f"{self.health}/{_check(instance, 'instance')}"
+
+    def entrance(self, instance: str) -> str:
+        return f"{self.entrances}/{_check(instance, 'instance')}"
+
+    def joining_of(self, instance: str) -> str:
+        return f"{self.joining}/{_check(instance, 'instance')}"
+
+    def removed_of(self, instance: str) -> str:
+        return f"{self.removed}/{_check(instance, 'instance')}"
+
+    def all_folders(self) -> list[str]:
+        return [self.reports, self.links, self.health, self.entrances, self.joining, self.removed]
+
+
+def expert_pool_path(namespace: str, pool: str) -> str:
+    return f"{ROOT}/expertpools/{_check(namespace, 'namespace')}/{_check(pool, 'pool')}"
+
+
+# --------------------------------------------------------------------------- payloads
+class _Payload(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+
+    def dump(self) -> bytes:
+        return self.model_dump_json(by_alias=True).encode()
+
+    @classmethod
+    def parse(cls, raw: bytes) -> Self:
+        return cls.model_validate_json(raw)
+
+
+class Report(_Payload):
+    """What an instance reports: its RoCE IPs ordered by device id (P/D-Serve §3.2 step 1)."""
+
+    instance: str
+    role: Role | None = None  # None: a role-less container (dynamic RoCE construction)
+    pod_ip: str = Field(alias="podIP")
+    port: int
+    node: str
+    superpod: str
+    dies: list[int]
+    roce_ips: list[str] = Field(alias="roceIps")
+    ts: float
+
+    @field_validator("roce_ips")
+    @classmethod
+    def _non_empty(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("an instance reports at least one RoCE IP")
+        return value
+
+
+class InitOrder(_Payload):
+    epoch: int
+    roce_map_version: int = Field(alias="roceMapVersion")
+
+
+class MapEntry(_Payload):
+    instance: str
+    pod_ip: str = Field(alias="podIP")
+    port: int
+    roce_ips: list[str] = Field(alias="roceIps")
+
+
+class RoceMap(_Payload):
+    """⟨P, {⟨IP1..IPK⟩, ...}⟩ and ⟨D, ...⟩ (P/D-Serve §3.2), versioned."""
+
+    version: int
+    prefill: list[MapEntry] = Field(alias="P")
+    decode: list[MapEntry] = Field(alias="D")
+
+    def role_of(self, instance: str) -> Role | None:
+        if any(e.instance == instance for e in self.prefill):
+            return Role.PREFILL
+        if any(e.instance == instance for e in self.decode):
+            return Role.DECODE
+        return None
+
+    def peers_of(self, instance: str) -> list[MapEntry]:
+        role = self.role_of(instance)
+        if role is Role.PREFILL:
+            return list(self.decode)
+        if role is Role.DECODE:
+            return list(self.prefill)
+        return []
+
+    def expected_links(self) -> int:
+        """n_p · n_d · K sub-links (K devices per instance, same-index pairing)."""
+        if not self.prefill or not self.decode:
+            return 0
+        k = len(self.prefill[0].roce_ips)
+        return len(self.prefill) * len(self.decode) * k
+
+
+class SubLink(_Payload):
+    device: int
+    prefill_ip: str = Field(alias="prefillIp")
+    decode_ip: str = Field(alias="decodeIp")
+
+
+class Link(_Payload):
+    """A verified P↔D link: device k of the prefill paired with device k of the decode."""
+
+    prefill: str
+    decode: str
+    sub_links: list[SubLink] = Field(alias="subLinks")
+    verified_at: float = Field(alias="verifiedAt")
+    initiator: str
+
+
+class HealthState(StrEnum):
+    SERVING = "Serving"
+    DEGRADED = "Degraded"
+
+
+class Health(_Payload):
+    instance: str
+    role: Role
+    state: HealthState
+    seq: int
+    ts: float
+    message: str = ""
+    pod_ip: str = Field(alias="podIP")
+    port: int
+
+
+class DecodeMeta(_Payload):
+    """The decode instances every prefill may forward to (P/D-Serve §3.3 step 3)."""
+
+    version: int
+    decodes: list[MapEntry]
+
+
+class Entrance(_Payload):
+    instance: str
+    pod_ip: str = Field(alias="podIP")
+    port: int
+
+
+class Removal(_Payload):
+    instance: str
+    reason: str
+    at: float
+
+
+def build_roce_map(reports: Iterable[Report], roles: dict[str, Role], version: int) -> RoceMap:
+    """The map from the gathered reports; instances without a role are left out. Entries are
+    sorted by instance name so the same reports always give the same map."""
+    by_role: dict[Role, list[MapEntry]] = {Role.PREFILL: [], Role.DECODE: []}
+    for report in sorted(reports, key=lambda r: r.instance):
+        role = roles.get(report.instance, report.role)
+        if role is None:
+            continue
+        by_role[role].append(
+            MapEntry(
+                instance=report.instance,
+                podIP=report.pod_ip,
+                port=report.port,
+                roceIps=report.roce_ips,
+            )
+        )
+    return RoceMap(version=version, P=by_role[Role.PREFILL], D=by_role[Role.DECODE])
+
+
+def verify_sub_links(prefill: MapEntry, decode: MapEntry) -> list[SubLink]:
+    """Same-index pairing (P/D-Serve §2.1, §3.7); the device counts must match."""
+    if len(prefill.roce_ips) != len(decode.roce_ips):
+        raise ValueError(
+            f"{prefill.instance} has {len(prefill.roce_ips)} devices and {decode.instance} "
+            f"{len(decode.roce_ips)}: same-index pairing needs equal counts"
+        )
+    return [
+        SubLink(device=k, prefillIp=p, decodeIp=d)
+        for k, (p, d) in enumerate(zip(prefill.roce_ips, decode.roce_ips, strict=True))
+    ]
