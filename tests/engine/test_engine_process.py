@@ -1,0 +1,375 @@
+"""The engine stub as real processes on loopback: streaming, admission, KV over the fabric,
+timings against the model, faults, bad input."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from enginestub import calibration as cal
+from enginestub import timing
+from enginestub.engine.config import HBM_USABLE_FRACTION
+from enginestub.models import GPT3_175B, LLAMA3_8B
+from enginestub.node import devicestatus
+from enginestub.node.topology import SuperPodSpec, TopologySpec, build
+
+LLAMA = ["--model", "llama3-8b", "--dies", "0,1"]
+GPT3 = ["--model", "gpt3-175b", "--dies", "0,1,2,3,4,5,6,7"]
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", trust_env=False).text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} not found")
+
+
+def test_colocated_streams_tokens_with_ttft_and_tpot_from_the_model(
+    start_engine: Any, stream: Any
+) -> None:
+    engine = start_engine(
+        "colo", "--role", "colocated", *LLAMA, "--time-scale", "1", "--load-source", "NPUForkUB"
+    )
+    status, events = stream(
+        f"{engine.url}/v1/generate", {"requestId": "r1", "promptTokens": 8192, "maxTokens": 20}
+    )
+    assert status == 200
+    tokens = [e for e in events if e["type"] == "token"]
+    assert [t["index"] for t in tokens] == list(range(20))
+    done = events[-1]
+    assert done["type"] == "done"
+    assert done["usage"] == {"promptTokens": 8192, "completionTokens": 20}
+    shape = timing.InstanceShape(dies=2, tp=2)
+    expected_ttft = timing.prefill_seconds(LLAMA3_8B, shape, 8192)
+    expected_tpot = timing.tpot(LLAMA3_8B, shape, 1 / shape.npus, 8192 + 10)
+    assert done["timings"]["ttft"] == pytest.approx(expected_ttft, rel=0.05)
+    assert done["timings"]["tpotMean"] == pytest.approx(expected_tpot, rel=0.05)
+    # The same figures reach Prometheus.
+    assert metric(engine.url, "matrixserve_engine_ttft_seconds_count") == 1
+    assert metric(engine.url, "matrixserve_engine_ttft_seconds_sum") == pytest.approx(
+        expected_ttft, rel=0.05
+    )
+    tpot_sum = metric(engine.url, "matrixserve_engine_tpot_seconds_sum")
+    assert tpot_sum / metric(engine.url, "matrixserve_engine_tpot_seconds_count") == pytest.approx(
+        expected_tpot, rel=0.05
+    )
+
+
+def test_time_scale_compresses_wall_time_not_reported_time(start_engine: Any, stream: Any) -> None:
+    slow = start_engine(
+        "x1", "--role", "colocated", *LLAMA, "--time-scale", "1", "--load-source", "NPUForkUB"
+    )
+    fast = start_engine(
+        "x20", "--role", "colocated", *LLAMA, "--time-scale", "20", "--load-source", "NPUForkUB"
+    )
+    results = {}
+    for name, engine in (("x1", slow), ("x20", fast)):
+        began = time.monotonic()
+        _, events = stream(
+            f"{engine.url}/v1/generate", {"requestId": "r", "promptTokens": 16384, "maxTokens": 2}
+        )
+        results[name] = (time.monotonic() - began, events[-1]["timings"]["ttft"])
+    assert results["x20"][1] == pytest.approx(results["x1"][1], rel=0.1), (
+        "emulated TTFT must not depend on the scale"
+    )
+    assert results["x20"][0] < results["x1"][0] / 4, "a larger time scale must take less wall time"
+
+
+def test_prefill_rejects_instead_of_queueing(start_engine: Any, stream: Any) -> None:
+    engine = start_engine(
+        "p1",
+        "--role",
+        "colocated",
+        *LLAMA,
+        "--max-batch",
+        "1",
+        "--time-scale",
+        "1",
+        "--load-source",
+        "NPUForkUB",
+    )
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(
+            stream,
+            f"{engine.url}/v1/generate",
+            {"requestId": "long", "promptTokens": 32000, "maxTokens": 1},
+        )
+        time.sleep(0.15)
+        began = time.monotonic()
+        status, body = stream(
+            f"{engine.url}/v1/generate", {"requestId": "second", "promptTokens": 10, "maxTokens": 1}
+        )
+        answered_in = time.monotonic() - began
+        assert busy.result()[0] == 200
+    assert status == 429
+    assert body[0]["error"]["code"] == "rejected"
+    assert "prefill busy: 1/1 slots in use" in body[0]["error"]["message"]
+    assert answered_in < 0.1, "a rejection must be immediate, never a queue"
+
+
+def _pd_pair(start_engine: Any, plane: str, name: str, scale: str = "0.1") -> tuple[Any, Any]:
+    decode = start_engine(
+        f"{name}-d",
+        "--role",
+        "decode",
+        *GPT3,
+        "--time-scale",
+        scale,
+        "--kv-plane",
+        plane,
+        "--load-source",
+        "NPUForkUB",
+    )
+    prefill = start_engine(
+        f"{name}-p",
+        "--role",
+        "prefill",
+        *GPT3,
+        "--time-scale",
+        scale,
+        "--kv-plane",
+        plane,
+        "--load-source",
+        "NPUForkUB",
+        "--decode-peer",
+        decode.address,
+        "--max-batch",
+        "4",
+    )
+    return prefill, decode
+
+
+def test_kv_over_roce_vs_ub_differs_by_the_modelled_bandwidth_ratio(
+    start_engine: Any, stream: Any
+) -> None:
+    times = {}
+    for plane in ("RoCE", "UB"):
+        prefill, _ = _pd_pair(start_engine, plane, plane.lower())
+        status, events = stream(
+            f"{prefill.url}/v1/generate",
+            {"requestId": "kv", "promptTokens": 2048, "maxTokens": 3},
+            timeout=120,
+        )
+        assert status == 200, events
+        assert events[-1]["type"] == "done", events[-1]
+        times[plane] = events[-1]["timings"]["kvTransfer"]
+    nbytes = timing.kv_bytes(GPT3_175B, 2048)
+    assert times["RoCE"] == pytest.approx(
+        cal.ROCE_LATENCY + nbytes / (8 * cal.ROCE_DIE_BANDWIDTH), rel=0.05
+    )
+    ratio = times["RoCE"] / times["UB"]
+    modelled = cal.UB_READ_BANDWIDTH_INTER / cal.ROCE_DIE_BANDWIDTH
+    print(
+        f"\nKV {nbytes / 2**30:.1f} GiB: RoCE {times['RoCE']:.4f}s, UB {times['UB']:.4f}s -> {ratio:.2f}x (model {modelled:.2f}x)"
+    )
+    assert ratio == pytest.approx(modelled, rel=0.1)
+
+
+def test_two_concurrent_kv_pulls_into_one_decode_take_twice_as_long(
+    start_engine: Any, stream: Any
+) -> None:
+    prefill, decode = _pd_pair(start_engine, "RoCE", "pair")
+    body = {"promptTokens": 2048, "maxTokens": 2}
+    _, alone = stream(f"{prefill.url}/v1/generate", {"requestId": "alone", **body}, timeout=120)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(stream, f"{prefill.url}/v1/generate", {"requestId": f"c{i}", **body}, 120)
+            for i in range(2)
+        ]
+        together = [f.result()[1][-1]["timings"]["kvTransfer"] for f in futures]
+    single = alone[-1]["timings"]["kvTransfer"]
+    print(f"\nKV pull alone {single:.4f}s, two at once {together[0]:.4f}s / {together[1]:.4f}s")
+    for t in together:
+        assert t == pytest.approx(2 * single, rel=0.15)
+    assert metric(
+        decode.url, 'matrixserve_engine_kv_bytes_total{direction="in",plane="RoCE"}'
+    ) == pytest.approx(3 * timing.kv_bytes(GPT3_175B, 2048))
+
+
+def test_die_fault_in_the_device_file_is_seen_within_one_second_and_fails_requests(
+    start_engine: Any, tmp_path: Path, stream: Any
+) -> None:
+    server = build(TopologySpec(superpods=[SuperPodSpec(name="sp0", servers=1)]))[0]
+    status = devicestatus.DeviceStatus(server)
+    device_file = tmp_path / "device-status.json"
+    devicestatus.write_atomically(device_file, status.render("t0"))
+    # The dies come from the node's environment, as the node emulator passes them.
+    engine = start_engine(
+        "faulty",
+        "--role",
+        "colocated",
+        "--model",
+        "llama3-8b",
+        "--time-scale",
+        "1",
+        "--load-source",
+        "NPUForkUB",
+        env={"MATRIXSERVE_DEVICE_STATUS_FILE": str(device_file), "MATRIXSERVE_DIES": "2,3"},
+    )
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(
+            stream,
+            f"{engine.url}/v1/generate",
+            {"requestId": "inflight", "promptTokens": 100, "maxTokens": 2000},
+        )
+        time.sleep(0.3)
+        status.inject(devicestatus.Fault(devicestatus.FaultKind.DIE_DOWN, 3, "t1"))
+        devicestatus.write_atomically(device_file, status.render("t1"))
+        injected = time.monotonic()
+        while httpx.get(f"{engine.url}/readyz", trust_env=False).status_code == 200:
+            assert time.monotonic() - injected < 1.0, "the die fault was not seen within 1 s"
+            time.sleep(0.02)
+        seen_in = time.monotonic() - injected
+        _, events = running.result()
+    print(f"\ndie fault seen by the engine in {seen_in * 1000:.0f} ms")
+    assert events[-1]["type"] == "error"
+    assert "die 3: DIE_DOWN" in events[-1]["message"]
+    health = httpx.get(f"{engine.url}/readyz", trust_env=False).json()
+    assert health["unhealthyDies"] == {"3": "DIE_DOWN"}
+    rejected, body = stream(f"{engine.url}/v1/generate", {"requestId": "after", "promptTokens": 10})
+    assert rejected == 503
+    assert body[0]["error"]["code"] == "device_fault"
+    # A fault on a die of another pod on the node does not concern this engine.
+    status.heal(devicestatus.FaultKind.DIE_DOWN, 3)
+    status.inject(devicestatus.Fault(devicestatus.FaultKind.DIE_DOWN, 9, "t2"))
+    devicestatus.write_atomically(device_file, status.render("t2"))
+    deadline = time.monotonic() + 2
+    while httpx.get(f"{engine.url}/readyz", trust_env=False).status_code != 200:
+        assert time.monotonic() < deadline, "healing die 3 must make the engine ready again"
+        time.sleep(0.05)
+
+
+def test_injected_faults_slow_hang_and_bad_fault_requests(start_engine: Any, stream: Any) -> None:
+    engine = start_engine(
+        "inj", "--role", "colocated", *LLAMA, "--time-scale", "1", "--load-source", "NPUForkUB"
+    )
+    _, normal = stream(
+        f"{engine.url}/v1/generate", {"requestId": "n", "promptTokens": 4096, "maxTokens": 2}
+    )
+    assert (
+        httpx.post(
+            f"{engine.url}/v1/faults", json={"kind": "slow", "factor": 3}, trust_env=False
+        ).status_code
+        == 201
+    )
+    _, slowed = stream(
+        f"{engine.url}/v1/generate", {"requestId": "s", "promptTokens": 4096, "maxTokens": 2}
+    )
+    assert slowed[-1]["timings"]["ttft"] == pytest.approx(
+        3 * normal[-1]["timings"]["ttft"], rel=0.1
+    )
+    httpx.request("DELETE", f"{engine.url}/v1/faults", json={"kind": "slow"}, trust_env=False)
+
+    assert (
+        httpx.post(f"{engine.url}/v1/faults", json={"kind": "hang"}, trust_env=False).status_code
+        == 201
+    )
+    with pytest.raises(httpx.TimeoutException):
+        httpx.get(f"{engine.url}/healthz", timeout=0.5, trust_env=False)
+    healed = httpx.request(
+        "DELETE", f"{engine.url}/v1/faults", json={"kind": "hang"}, trust_env=False
+    )
+    assert healed.status_code == 200
+    assert httpx.get(f"{engine.url}/healthz", timeout=2, trust_env=False).text == "ok"
+    other = engine
+    for body, code in (
+        ({"kind": "melt"}, "invalid_fault"),
+        ({"kind": "slow", "factor": 0}, "invalid_fault"),
+        ({"kind": "die-down", "die": 99}, "invalid_fault"),
+        ({"nokind": 1}, "invalid_fault"),
+    ):
+        response = httpx.post(f"{other.url}/v1/faults", json=body, trust_env=False)
+        assert response.status_code == 400
+        assert response.json()["error"]["code"] == code
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ("not json", 400, "invalid_json"),
+        ({"promptTokens": 10}, 400, "invalid_request"),
+        ({"requestId": "x"}, 400, "invalid_request"),
+        ({"requestId": "x", "promptTokens": -1}, 400, "invalid_request"),
+        ({"requestId": "x", "promptTokens": 10, "maxTokens": 10**9}, 400, "invalid_request"),
+        ({"requestId": "x", "promptTokens": 10, "maxTokens": "5"}, 400, "invalid_request"),
+        ({"requestId": "x", "promptTokens": 10**7}, 413, "prompt_too_long"),
+    ],
+)
+def test_bad_requests_get_clear_4xx(
+    start_engine: Any, stream: Any, body: Any, status: int, code: str
+) -> None:
+    engine = start_engine(
+        "bad", "--role", "colocated", *LLAMA, "--time-scale", "50", "--load-source", "NPUForkUB"
+    )
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(f"{engine.url}/v1/generate", content=content, trust_env=False)
+    assert response.status_code == status
+    assert response.json()["error"]["code"] == code
+    assert httpx.get(f"{engine.url}/readyz", trust_env=False).status_code == 200
+
+
+def test_decode_role_refuses_entrance_requests(start_engine: Any, stream: Any) -> None:
+    engine = start_engine(
+        "d-only", "--role", "decode", *LLAMA, "--time-scale", "50", "--load-source", "NPUForkUB"
+    )
+    status, body = stream(f"{engine.url}/v1/generate", {"requestId": "x", "promptTokens": 10})
+    assert status == 409
+    assert body[0]["error"]["code"] == "wrong_role"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--role", "oracle"], "Input should be 'prefill'"),
+        (["--model", "gpt5"], "unknown model 'gpt5'"),
+        (["--model", "gpt3-175b", "--dies", "0,1"], "does not fit"),
+        (["--dies", "0,1,2", "--tp", "2"], "tp 2 does not divide the 3 dies"),
+        (["--host", "10.0.0.1"], "loopback addresses (127.0.0.0/8) only"),
+        (["--time-scale", "0"], "time_scale"),
+    ],
+)
+def test_invalid_configurations_exit_2_with_one_message(args: list[str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "enginestub", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_hbm_limits_the_decode_batch(start_engine: Any, stream: Any) -> None:
+    engine = start_engine(
+        "hbm",
+        "--role",
+        "colocated",
+        *LLAMA,
+        "--time-scale",
+        "50",
+        "--load-source",
+        "NPUForkUB",
+        "--max-batch",
+        "64",
+    )
+    info = httpx.get(f"{engine.url}/v1/info", trust_env=False).json()
+    capacity = 2 * cal.DIE_HBM_BYTES * HBM_USABLE_FRACTION - info["weightsBytes"]
+    assert info["kvCapacityBytes"] == pytest.approx(capacity)
+    too_big = int(capacity / LLAMA3_8B.kv_bytes_per_token) + 1
+    status, body = stream(
+        f"{engine.url}/v1/generate", {"requestId": "huge", "promptTokens": min(too_big, 32768)}
+    )
+    if too_big <= 32768:
+        assert status == 413
+        assert "does not fit" in body[0]["error"]["message"]
