@@ -72,9 +72,23 @@ def main() -> int:
     try:
         sup.start(
             "node-emulator",
-            [sys.executable, "-m", "enginestub.node", "run", "--state-dir", str(work / "emulator" / "data"),
-             "--superpods", str(superpods), "--servers", str(servers), "--superpod-prefix", "bench",
-             "--delete-nodes-on-exit", "--log-level", "WARNING"],
+            [
+                sys.executable,
+                "-m",
+                "enginestub.node",
+                "run",
+                "--state-dir",
+                str(work / "emulator" / "data"),
+                "--superpods",
+                str(superpods),
+                "--servers",
+                str(servers),
+                "--superpod-prefix",
+                "bench",
+                "--delete-nodes-on-exit",
+                "--log-level",
+                "WARNING",
+            ],
             env={**os.environ, "KUBECONFIG": info.kubeconfig},
         )
         record = sup.record("node-emulator")
@@ -86,14 +100,17 @@ def main() -> int:
         deadline = time.monotonic() + 60
         while True:
             ready = sum(
-                1 for n in core.list_node().items
+                1
+                for n in core.list_node().items
                 if n.metadata.name in names
                 and any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])
             )
             if ready == len(names):
                 break
             if time.monotonic() > deadline or sup.exited("node-emulator"):
-                raise SystemExit("emulated nodes did not come up; see " + str(sup.log_path("node-emulator")))
+                raise SystemExit(
+                    "emulated nodes did not come up; see " + str(sup.log_path("node-emulator"))
+                )
             time.sleep(0.2)
         core.create_namespace({"metadata": {"name": "bench"}})
         wait_for_token(core, "bench")
@@ -104,7 +121,9 @@ def main() -> int:
                 "spec": {
                     "nodeSelector": {"kubernetes.io/hostname": names[i % len(names)]},
                     "terminationGracePeriodSeconds": 5,
-                    "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "3600"]}],
+                    "containers": [
+                        {"name": "main", "image": "busybox", "command": ["sleep", "3600"]}
+                    ],
                 },
             }
 
@@ -113,7 +132,9 @@ def main() -> int:
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda i: core.create_namespaced_pod("bench", pod(i)), range(args.pods)))
         while True:
-            running = sum(1 for p in core.list_namespaced_pod("bench").items if p.status.phase == "Running")
+            running = sum(
+                1 for p in core.list_namespaced_pod("bench").items if p.status.phase == "Running"
+            )
             if running == args.pods:
                 break
             if time.monotonic() - started > 300:

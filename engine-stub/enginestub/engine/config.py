@@ -55,6 +55,9 @@ class EngineConfig(BaseModel):
     link_timeout: float = Field(default=60.0, gt=0)
     device_status_file: Path | None = None
     decode_peers: list[str] = []  # host:port, when there is no ZooKeeper (tests, colocated demos)
+    # "absolute": decode steps on absolute deadlines (overhead never accumulates); "relative":
+    # the naive loop that sleeps one step after its work - kept as the benchmark's baseline.
+    step_scheduling: Literal["absolute", "relative"] = "absolute"
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:
@@ -161,6 +164,11 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
         default=env.get("MATRIXSERVE_DIES", "0,1"),
         help="die ids granted (default: $MATRIXSERVE_DIES from the node emulator)",
     )
+    parser.add_argument(
+        "--step-scheduling",
+        default=env.get("ENGINE_STEP_SCHEDULING", "absolute"),
+        help="decode step scheduling: absolute deadlines (default) or relative (naive baseline)",
+    )
     args = parser.parse_args(argv)
     try:
         model = _model(args.model)
@@ -197,6 +205,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
             link_timeout=args.link_timeout,
             device_status_file=Path(status_file) if status_file else None,
             decode_peers=args.decode_peer,
+            step_scheduling=args.step_scheduling,
         )
     except ValidationError as exc:
         raise ConfigError(

@@ -747,8 +747,11 @@ class Engine:
             )
             step *= self.slow_factor
             self.metrics.batch_size.set(len(batch))
-            deadline = max(deadline + step, self.clock.now() - step)  # never burst to catch up
-            await self.clock.sleep_until(deadline)
+            if self.config.step_scheduling == "relative":
+                await self.clock.sleep(step)  # baseline: the loop's own overhead adds to every step
+            else:
+                deadline = max(deadline + step, self.clock.now() - step)  # never burst to catch up
+                await self.clock.sleep_until(deadline)
             now = self.clock.now()
             for seq in batch:
                 if seq.failed:
