@@ -37,6 +37,36 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 30, what: str = "con
         time.sleep(0.05)
 
 
+def wait_reports(zk: KazooClient, paths: zl.GroupPaths, names: list[str]) -> dict[str, zl.Report]:
+    def present() -> bool:
+        return bool(zk.exists(paths.reports)) and set(names) <= set(zk.get_children(paths.reports))
+
+    wait_for(present, what=f"reports from {names}")
+    return {name: zl.Report.parse(zk.get(paths.report(name))[0]) for name in names}
+
+
+def wait_healthy(zk: KazooClient, paths: zl.GroupPaths, names: list[str]) -> None:
+    wait_for(
+        lambda: set(names) <= set(zk.get_children(paths.health)),
+        timeout=60,
+        what=f"health from {names}",
+    )
+
+
+def stream(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A streamed request; retried briefly while the prefill has not seen the decode meta."""
+    deadline = time.monotonic() + 10
+    while True:
+        with httpx.stream("POST", url, json=body, timeout=60, trust_env=False) as response:
+            assert response.status_code == 200, response.read()
+            events = [
+                json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")
+            ]
+        if events[-1].get("code") != "no_decode" or time.monotonic() > deadline:
+            return events
+        time.sleep(0.2)
+
+
 def engine_pod(name: str, node: str, role: str, group: str, zk_hosts: str) -> dict[str, Any]:
     env = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -78,8 +108,7 @@ def test_prefill_and_decode_register_link_load_and_serve_a_streamed_request(
     emulator = start_emulator(servers=2)
     core = client.CoreV1Api(api_client)
     zk_hosts = f"{cluster.zookeeper}{zk.chroot}"
-    group = f"{namespace}/g1"
-    paths = zl.GroupPaths(namespace, "g1")
+    group, paths = f"{namespace}/g1", zl.GroupPaths(namespace, "g1")
     core.create_namespaced_pod(
         namespace, engine_pod("g1-p-0", emulator.nodes[0], "prefill", group, zk_hosts)
     )
@@ -88,16 +117,8 @@ def test_prefill_and_decode_register_link_load_and_serve_a_streamed_request(
     )
 
     # 1. Gathering: both report their RoCE IPs, ordered by device id.
-    def reports() -> Any:
-        if not zk.exists(paths.reports):
-            return None
-        children = zk.get_children(paths.reports)
-        return children if len(children) == 2 else None
-
-    wait_for(reports, what="two reports in ZooKeeper")
-    gathered = {
-        name: zl.Report.parse(zk.get(paths.report(name))[0]) for name in ("g1-p-0", "g1-d-0")
-    }
+    gathered = wait_reports(zk, paths, ["g1-p-0", "g1-d-0"])
+    assert len(zk.get_children(paths.reports)) == 2
     for name, report in gathered.items():
         pod = core.read_namespaced_pod(name, namespace)
         assert report.pod_ip == pod.status.pod_ip
@@ -128,47 +149,21 @@ def test_prefill_and_decode_register_link_load_and_serve_a_streamed_request(
         )
 
     # 4-5. Load, then health from both.
-    wait_for(
-        lambda: len(zk.get_children(paths.health)) == 2,
-        timeout=60,
-        what="health from both instances",
-    )
+    wait_healthy(zk, paths, ["g1-p-0", "g1-d-0"])
     health = zl.Health.parse(zk.get(paths.health_of("g1-d-0"))[0])
     assert health.state is zl.HealthState.SERVING
-    prefill_pod = wait_for(
-        lambda: (p := core.read_namespaced_pod("g1-p-0", namespace)) and _ready(p) and p,
-        what="prefill pod Ready",
-    )
-    prefill_url = f"http://{prefill_pod.status.pod_ip}:8000"
+    prefill_ip = core.read_namespaced_pod("g1-p-0", namespace).status.pod_ip
+    prefill_url = f"http://{prefill_ip}:8000"
     info = httpx.get(f"{prefill_url}/v1/info", trust_env=False).json()
     shape = timing.InstanceShape(dies=4, tp=4)
-    assert info["loadSeconds"] == pytest.approx(
-        timing.load_seconds(LLAMA3_8B, shape, timing.LoadSource.HOST_DRAM), rel=0.05
-    )
+    expected_load = timing.load_seconds(LLAMA3_8B, shape, timing.LoadSource.HOST_DRAM)
+    assert info["loadSeconds"] == pytest.approx(expected_load, rel=0.05)
 
     # 6. Decode meta to the prefill; then a streamed request end to end.
-    decode_entry = roce_map.decode[0]
-    zk.create(paths.decode_meta, zl.DecodeMeta(version=1, decodes=[decode_entry]).dump())
-    wait_for(
-        lambda: httpx.get(f"{prefill_url}/v1/info", trust_env=False).status_code == 200,
-        what="prefill up",
+    zk.create(paths.decode_meta, zl.DecodeMeta(version=1, decodes=roce_map.decode).dump())
+    events = stream(
+        f"{prefill_url}/v1/generate", {"requestId": "e2e", "promptTokens": 8192, "maxTokens": 12}
     )
-    deadline = time.monotonic() + 10
-    while True:
-        with httpx.stream(
-            "POST",
-            f"{prefill_url}/v1/generate",
-            json={"requestId": "e2e", "promptTokens": 8192, "maxTokens": 12},
-            timeout=60,
-            trust_env=False,
-        ) as response:
-            assert response.status_code == 200
-            events = [
-                json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")
-            ]
-        if events[-1].get("code") != "no_decode" or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)  # the prefill has not seen the decode meta yet
     tokens = [e for e in events if e["type"] == "token"]
     done = events[-1]
     assert done["type"] == "done", events[-3:]
@@ -187,9 +182,13 @@ def test_prefill_and_decode_register_link_load_and_serve_a_streamed_request(
         ("matrixserve_engine_kv_bytes_total", (("direction", "in"), ("plane", "RoCE")))
     ] == (timing.kv_bytes(LLAMA3_8B, 8192))
     assert decode_metrics[("matrixserve_engine_tpot_seconds_count", ())] == 11
+    prefill_metrics = _samples(httpx.get(f"{prefill_url}/metrics", trust_env=False).text)
+    assert prefill_metrics[("matrixserve_engine_ttft_seconds_sum", ())] == pytest.approx(
+        expected_ttft, rel=0.1
+    )
 
     # A die fault on the decode's node reaches its health within 1 s (its znode is dropped).
-    die = zl.Report.parse(zk.get(paths.report("g1-d-0"))[0]).dies[0]
+    die = gathered["g1-d-0"].dies[0]
     injected = time.monotonic()
     emulator.fault(kind="die-down", node=decode_pod.spec.node_name, die=die)
     wait_for(
@@ -197,12 +196,83 @@ def test_prefill_and_decode_register_link_load_and_serve_a_streamed_request(
         timeout=1.0,
         what="the decode's health to drop",
     )
-    dropped_in = time.monotonic() - injected
-    print(f"\ndie fault -> health znode dropped in {dropped_in * 1000:.0f} ms")
+    print(f"\ndie fault -> health znode dropped in {(time.monotonic() - injected) * 1000:.0f} ms")
     assert zk.exists(paths.health_of("g1-p-0")), "the prefill's health must not change"
     readyz = httpx.get(f"http://{decode_pod.status.pod_ip}:8000/readyz", trust_env=False)
     assert readyz.status_code == 503
     assert readyz.json()["unhealthyDies"] == {str(die): "DIE_DOWN"}
+
+
+def test_a_role_less_container_joins_a_serving_group_without_disturbing_it(
+    api_client: client.ApiClient,
+    cluster: ClusterInfo,
+    namespace: str,
+    zk: KazooClient,
+    start_emulator: Callable[..., Any],
+) -> None:
+    """Dynamic RoCE construction (P/D-Serve §3.3, Fig. 7): the newcomer gets the map, links to
+    the existing prefill, loads, reports health; only then is it pushed in the decode meta."""
+    emulator = start_emulator(servers=2)
+    core = client.CoreV1Api(api_client)
+    zk_hosts = f"{cluster.zookeeper}{zk.chroot}"
+    group, paths = f"{namespace}/g2", zl.GroupPaths(namespace, "g2")
+    core.create_namespaced_pod(
+        namespace, engine_pod("g2-p-0", emulator.nodes[0], "prefill", group, zk_hosts)
+    )
+    core.create_namespaced_pod(
+        namespace, engine_pod("g2-d-0", emulator.nodes[1], "decode", group, zk_hosts)
+    )
+    first = wait_reports(zk, paths, ["g2-p-0", "g2-d-0"])
+    v1 = zl.build_roce_map(first.values(), {}, version=1)
+    zk.create(paths.roce_map, v1.dump())
+    zk.create(paths.init_order, zl.InitOrder(epoch=1, roceMapVersion=1).dump())
+    wait_healthy(zk, paths, ["g2-p-0", "g2-d-0"])
+    zk.create(paths.decode_meta, zl.DecodeMeta(version=1, decodes=v1.decode).dump())
+    before = {p["name"]: p["pids"] for p in emulator.pods()}
+    uids = {n: core.read_namespaced_pod(n, namespace).metadata.uid for n in ("g2-p-0", "g2-d-0")}
+    first_link = zk.get(paths.link("g2-p-0", "g2-d-0"))[1].mzxid
+
+    # A role-less container ("auto") reports without a role and waits for the map.
+    core.create_namespaced_pod(
+        namespace, engine_pod("g2-x-1", emulator.nodes[1], "auto", group, zk_hosts)
+    )
+    newcomer = wait_reports(zk, paths, ["g2-x-1"])["g2-x-1"]
+    assert newcomer.role is None
+    time.sleep(1.0)
+    assert not zk.exists(paths.link("g2-p-0", "g2-x-1")), (
+        "no link before the map names the newcomer"
+    )
+
+    # The operator binds its role in the map (v2); it links, loads and reports health.
+    v2 = zl.build_roce_map([*first.values(), newcomer], {"g2-x-1": zl.Role.DECODE}, version=2)
+    zk.set(paths.roce_map, v2.dump())
+    wait_healthy(zk, paths, ["g2-x-1"])
+    link = zl.Link.parse(zk.get(paths.link("g2-p-0", "g2-x-1"))[0])
+    assert link.initiator == "g2-x-1"
+    assert len(link.sub_links) == 4
+    assert len(zk.get_children(paths.links)) == v2.expected_links() // 4 == 2
+    assert zk.get(paths.link("g2-p-0", "g2-d-0"))[1].mzxid == first_link, (
+        "the existing link was not rebuilt"
+    )
+
+    # Then the decode meta reaches the prefill, and traffic can land on the newcomer.
+    zk.set(paths.decode_meta, zl.DecodeMeta(version=2, decodes=v2.decode).dump())
+    prefill_ip = core.read_namespaced_pod("g2-p-0", namespace).status.pod_ip
+    served_by = set()
+    for i in range(6):
+        events = stream(
+            f"http://{prefill_ip}:8000/v1/generate",
+            {"requestId": f"j{i}", "promptTokens": 64, "maxTokens": 2},
+        )
+        assert events[-1]["type"] == "done", events[-1]
+        served_by.add(events[-1]["instances"]["decode"])
+    assert served_by == {"g2-d-0", "g2-x-1"}
+
+    # Nobody restarted: same pod UIDs, same processes.
+    after = {p["name"]: p["pids"] for p in emulator.pods()}
+    for name in ("g2-p-0", "g2-d-0"):
+        assert after[name] == before[name], f"{name} was restarted"
+        assert core.read_namespaced_pod(name, namespace).metadata.uid == uids[name]
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -213,7 +283,3 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
-
-
-def _ready(pod: client.V1Pod) -> bool:
-    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])

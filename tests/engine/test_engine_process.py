@@ -373,3 +373,28 @@ def test_hbm_limits_the_decode_batch(start_engine: Any, stream: Any) -> None:
     if too_big <= 32768:
         assert status == 413
         assert "does not fit" in body[0]["error"]["message"]
+
+
+def test_link_probe_tells_a_working_link_from_a_broken_one(start_engine: Any) -> None:
+    """xDeepServe §6.1: a dummy transfer to the peer; a link-down fault makes it 'broken'."""
+    prefill, decode = _pd_pair(start_engine, "RoCE", "probe", scale="1")
+    prefill_ips = httpx.get(f"{prefill.url}/v1/info", trust_env=False).json()["roceIps"]
+    body = {"peer": prefill.address, "peerRoceIps": prefill_ips}
+    healthy = httpx.post(f"{decode.url}/v1/probe", json=body, trust_env=False).json()
+    assert healthy["state"] == "ok"
+    assert healthy["seconds"] >= healthy["aloneSeconds"]
+    httpx.post(
+        f"{decode.url}/v1/faults",
+        json={"kind": "link-down", "peerRoceIp": prefill_ips[2]},
+        trust_env=False,
+    )
+    broken = httpx.post(f"{decode.url}/v1/probe", json=body, trust_env=False).json()
+    assert broken["state"] == "broken"
+    assert prefill_ips[2] in broken["reason"]
+    unreachable = httpx.post(
+        f"{decode.url}/v1/probe",
+        json={"peer": "127.77.250.250:9", "peerRoceIps": []},
+        trust_env=False,
+    ).json()
+    assert unreachable["state"] == "broken"
+    assert "unreachable" in unreachable["reason"]

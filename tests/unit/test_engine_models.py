@@ -211,3 +211,19 @@ def test_fair_sharing_conserves_bytes_and_never_beats_line_rate(
         if on_link:
             span = max(finish[f.id] for f in on_link) - min(f.start for f in on_link)
             assert span * bandwidth >= sum(f.nbytes for f in on_link) * (1 - 1e-6)
+
+
+# ----------------------------------------------------------------------------- hardware
+
+
+def test_cloudmatrix384_totals() -> None:
+    from enginestub.hardware import CLOUDMATRIX384
+
+    assert (CLOUDMATRIX384.npus, CLOUDMATRIX384.dies) == (384, 768)  # 001 §3.2
+    assert CLOUDMATRIX384.hbm_bytes == pytest.approx(49.2e12, rel=0.01)  # 001 §3.5.2 "49.2 TB"
+    npu = CLOUDMATRIX384.server.npu
+    assert npu.roce_bandwidth == 400e9 / 8  # 001: 400 Gbps per NPU
+    assert npu.die.flops("int8") * 2 == 1504e12  # 001 T3: 1,504 TOPS INT8 per NPU
+    assert CLOUDMATRIX384.server.plane_bandwidth(Plane.UB) == 16 * 196e9
+    with pytest.raises(ValueError, match="unknown precision"):
+        npu.die.flops("fp4")
