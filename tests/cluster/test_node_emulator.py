@@ -42,6 +42,8 @@ def stub_container(npus: int = 0, **extra: Any) -> dict[str, Any]:
                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
             },
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            # Kubelet behaviour is under test here, not timing: load the model quickly.
+            {"name": "MATRIXSERVE_TIME_SCALE", "value": "50"},
         ],
         "args": ["--host", "$(POD_IP)", "--port", "8000"],
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": 8000}, "periodSeconds": 1},

@@ -33,6 +33,7 @@ class EngineConfig(BaseModel):
     port: int = Field(default=8000, ge=1, le=65535)
     model: ModelShape
     dies: list[int] = Field(min_length=1)
+    npus: list[int] = []  # NPU ids granted (the device plugin's ASCEND_VISIBLE_DEVICES)
     roce_ips: list[str]
     ub_addresses: list[str] = []
     node: str = "local"
@@ -183,6 +184,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
             port=args.port,
             model=model,
             dies=dies,
+            npus=[int(n) for n in _env_list("MATRIXSERVE_NPUS")],
             roce_ips=roce,
             ub_addresses=_env_list("MATRIXSERVE_UB_ADDRESSES"),
             node=env.get("MATRIXSERVE_NODE_NAME", "local"),

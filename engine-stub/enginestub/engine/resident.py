@@ -10,9 +10,10 @@
    for all its links (a peer may create them) until ``link_timeout``.
 4. **Load** the model (time = bytes / bandwidth of the source).
 5. **Health**: an ephemeral ``health/<instance>``, refreshed every ``health_interval``.
-6. Keeps watching: new peers in the map are linked as they come (existing instances confirm
-   newcomers, never restart); ``decode-meta`` tells a prefill where to forward; ``removed/``
-   stops traffic to logically removed instances.
+6. Keeps watching: a peer added to the map later links to this instance itself (the newcomer
+   initiates, Fig. 7; a serving instance only confirms the handshake and never relinks or
+   restarts); ``decode-meta`` tells a prefill where to forward; ``removed/`` stops traffic to
+   logically removed instances.
 
 Health rule on faults: a die, NPU or HBM fault on this instance deletes its health znode (the
 instance is unusable); a link fault keeps it with ``state: Degraded`` and the message.
@@ -313,16 +314,12 @@ class Resident:
             await clock.sleep(0.5)
 
     async def _keep_links(self) -> None:
-        """Dynamic RoCE construction: link to peers that join the map later."""
+        """Dynamic RoCE construction (Fig. 7): a newcomer initiates its links; a serving instance
+        only confirms them (its handshake check reads the map it watches) and never relinks."""
         while True:
             self._map_changed.clear()
             await self._map_changed.wait()
-            if self.roce_map is not None and self.roce_map.role_of(self.instance) is not None:
-                try:
-                    await self._link_all()
-                except LinkError as exc:
-                    log.warning("%s", exc)
-                self._removed_addresses()
+            self._removed_addresses()
 
     # ------------------------------------------------------------------ health
     def _health(self) -> zl.Health | None:

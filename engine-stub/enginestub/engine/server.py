@@ -98,6 +98,7 @@ def build_app(
         return web.json_response(
             {
                 "instance": cfg.instance,
+                "pod": cfg.instance,
                 "namespace": cfg.pod_namespace,
                 "role": engine.role,
                 "model": cfg.model.name,
@@ -105,6 +106,8 @@ def build_app(
                 "superpod": cfg.superpod,
                 "dies": cfg.dies,
                 "roceIps": cfg.roce_ips,
+                "npus": cfg.npus,
+                "deviceStatusFile": str(cfg.device_status_file or ""),
                 "tp": cfg.tp,
                 "ep": cfg.ep,
                 "maxBatch": cfg.max_batch,

@@ -48,6 +48,7 @@ def _demo_pod() -> dict[str, Any]:
                             "name": "POD_NAMESPACE",
                             "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
                         },
+                        {"name": "MATRIXSERVE_TIME_SCALE", "value": "20"},
                     ],
                     "readinessProbe": {
                         "httpGet": {"path": "/readyz", "port": 8000},
@@ -106,8 +107,8 @@ def run(info: ClusterInfo, timeout: float = 60) -> int:
     print(
         f"\npod {NAMESPACE}/{POD} on {identity['node']} at {pod.status.pod_ip} (its own process):"
     )
-    print(f"  NPUs granted : {', '.join(identity['npus'])}")
-    print(f"  dies         : {', '.join(identity['dies'])}")
+    print(f"  NPUs granted : {', '.join(map(str, identity['npus']))}")
+    print(f"  dies         : {', '.join(map(str, identity['dies']))}")
     print(f"  RoCE IPs     : {', '.join(identity['roceIps'])}  (identities only, never dialled)")
     print(f"  device file  : {identity['deviceStatusFile']}")
     return 0
