@@ -1,0 +1,40 @@
+"""Status conditions the Kubernetes way: ``lastTransitionTime`` moves only when a condition's
+status flips; every condition carries the generation it was computed for."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Condition:
+    type: str
+    status: bool
+    reason: str
+    message: str = ""
+
+
+def merge(
+    previous: Sequence[Mapping[str, Any]], wanted: Sequence[Condition], now: str, generation: int
+) -> list[dict[str, Any]]:
+    before = {c.get("type"): c for c in previous}
+    out = []
+    for cond in wanted:
+        status = "True" if cond.status else "False"
+        old = before.get(cond.type)
+        since = now
+        if old is not None and old.get("status") == status and old.get("lastTransitionTime"):
+            since = str(old["lastTransitionTime"])
+        out.append(
+            {
+                "type": cond.type,
+                "status": status,
+                "reason": cond.reason,
+                "message": cond.message,
+                "lastTransitionTime": since,
+                "observedGeneration": generation,
+            }
+        )
+    return out

@@ -1,0 +1,336 @@
+"""The PDGroup planner (pure): gathering, setup, scale-out by dynamic RoCE construction, scale-in
+order, no destructive plan without ZooKeeper; and the cross-field validation rules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from matrixserve.api import zk_layout as zl
+from matrixserve.api.resources import PDGroupSpec
+from matrixserve.domain import conditions, pdgroup
+from matrixserve.domain.pdgroup import (
+    ClearRemoved,
+    CreatePod,
+    DeleteEntrance,
+    DeletePod,
+    EraseInstance,
+    GroupView,
+    PodView,
+    SetEntrance,
+    WriteDecodeMeta,
+    WriteInitOrder,
+    WriteRoceMap,
+    ZkView,
+)
+from matrixserve.domain.validation import validate_pdgroup
+
+P, D = zl.Role.PREFILL, zl.Role.DECODE
+
+
+def spec(p: int = 2, d: int = 1, **extra: Any) -> PDGroupSpec:
+    body: dict[str, Any] = {
+        "service": "chat",
+        "scenario": "general",
+        "model": {"name": "llama3-8b"},
+        "prefill": {"replicas": p, "devicesPerInstance": 2},
+        "decode": {"replicas": d, "devicesPerInstance": 2, "batchSize": 32},
+    }
+    body.update(extra)
+    return PDGroupSpec.model_validate(body)
+
+
+def pod(name: str, role: zl.Role, created: float = 0.0, deleting: bool = False) -> PodView:
+    return PodView(name, f"uid-{name}", role, "Running", True, deleting, "n1", "sp0", created)
+
+
+def report(name: str, i: int) -> zl.Report:
+    ips = [f"198.18.0.{4 * i + k + 1}" for k in range(4)]
+    return zl.Report(
+        instance=name,
+        podIP=f"127.64.0.{i + 2}",
+        port=8000,
+        node="n1",
+        superpod="sp0",
+        dies=[0, 1, 2, 3],
+        roceIps=ips,
+        ts=0.0,
+    )
+
+
+def health(name: str, role: zl.Role, i: int) -> zl.Health:
+    return zl.Health(
+        instance=name,
+        role=role,
+        state=zl.HealthState.SERVING,
+        seq=1,
+        ts=0.0,
+        podIP=f"127.64.0.{i + 2}",
+        port=8000,
+    )
+
+
+NAMES = {"g-p-0": (P, 0), "g-p-1": (P, 1), "g-d-0": (D, 2), "g-d-1": (D, 3)}
+
+
+def view(s: PDGroupSpec, pods: list[str], zk: ZkView, now: float = 10.0) -> GroupView:
+    return GroupView("ns", "g", 1, s, {n: pod(n, NAMES[n][0]) for n in pods}, zk, now)
+
+
+def kinds(plan: pdgroup.Plan) -> list[str]:
+    return [type(a).__name__ for a in plan.actions]
+
+
+def serving_group(names: list[str]) -> ZkView:
+    """A formed group: map, links, health, decode meta and entrances for ``names``."""
+    reports = {n: report(n, NAMES[n][1]) for n in names}
+    roce_map = zl.build_roce_map(reports.values(), {n: NAMES[n][0] for n in names}, version=1)
+    links = {}
+    for p in roce_map.prefill:
+        for d in roce_map.decode:
+            links[(p.instance, d.instance)] = zl.Link(
+                prefill=p.instance,
+                decode=d.instance,
+                subLinks=zl.verify_sub_links(p, d),
+                verifiedAt=0.0,
+                initiator=p.instance,
+            )
+    return ZkView(
+        connected=True,
+        reports=reports,
+        roce_map=roce_map,
+        init_order=zl.InitOrder(epoch=1, roceMapVersion=1),
+        links=links,
+        health={n: health(n, NAMES[n][0], NAMES[n][1]) for n in names},
+        decode_meta=zl.DecodeMeta(version=1, decodes=roce_map.decode),
+        entrances=frozenset(e.instance for e in roce_map.prefill),
+    )
+
+
+def test_a_new_group_creates_one_pod_per_instance_and_gathers() -> None:
+    plan = pdgroup.plan(view(spec(), [], ZkView(connected=True)))
+    assert [a for a in plan.actions if isinstance(a, CreatePod)] == [
+        CreatePod("g-p-0", P),
+        CreatePod("g-p-1", P),
+        CreatePod("g-d-0", D),
+    ]
+    cond = {c.type: c for c in plan.conditions}
+    assert cond["Gathering"].status is True
+    assert cond["Gathering"].message == "0/3 instances reported their RoCE IPs"
+    assert cond["Ready"].status is False
+
+
+def test_init_order_waits_until_reports_equal_expected_instances() -> None:
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    partial = pdgroup.plan(
+        view(spec(), pods, ZkView(connected=True, reports={"g-p-0": report("g-p-0", 0)}))
+    )
+    assert not any(isinstance(a, WriteRoceMap | WriteInitOrder) for a in partial.actions)
+    full = pdgroup.plan(
+        view(
+            spec(), pods, ZkView(connected=True, reports={n: report(n, NAMES[n][1]) for n in pods})
+        )
+    )
+    writes = [a for a in full.actions if isinstance(a, WriteRoceMap)]
+    assert len(writes) == 1
+    assert [e.instance for e in writes[0].roce_map.prefill] == ["g-p-0", "g-p-1"]
+    assert [e.instance for e in writes[0].roce_map.decode] == ["g-d-0"]
+    assert writes[0].roce_map.expected_links() == 2 * 1 * 4
+    assert WriteInitOrder(zl.InitOrder(epoch=1, roceMapVersion=1)) in full.actions
+
+
+def test_entrances_open_only_when_every_instance_is_healthy() -> None:
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    zk = serving_group(pods)
+    setting_up = ZkView(
+        **{
+            **zk.__dict__,
+            "decode_meta": None,
+            "entrances": frozenset(),
+            "health": {n: h for n, h in zk.health.items() if n != "g-p-1"},
+        }
+    )
+    waiting = pdgroup.plan(view(spec(), pods, setting_up))
+    assert not any(isinstance(a, SetEntrance | WriteDecodeMeta) for a in waiting.actions)
+    all_up = ZkView(**{**zk.__dict__, "decode_meta": None, "entrances": frozenset()})
+    opening = pdgroup.plan(view(spec(), pods, all_up))
+    assert kinds(opening) == ["WriteDecodeMeta", "SetEntrance", "SetEntrance"]
+
+
+def test_a_formed_group_is_ready_and_plans_nothing() -> None:
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    plan = pdgroup.plan(view(spec(), pods, serving_group(pods)))
+    assert plan.actions == []
+    assert plan.ready
+    assert plan.status["links"] == {"expected": 8, "verified": 8, "summary": "8/8"}
+    assert plan.status["entrances"] == ["g-p-0", "g-p-1"]
+    assert plan.status["ratio"]["current"] == "2:1"
+    assert {c.type: c.status for c in plan.conditions} == {
+        "Gathering": False,
+        "Linked": True,
+        "Progressing": False,
+        "Degraded": False,
+        "Ready": True,
+    }
+
+
+def test_scale_out_joins_through_the_map_and_disturbs_nobody() -> None:
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    zk = serving_group(pods)
+    created = pdgroup.plan(view(spec(d=2), pods, zk))
+    assert created.actions == [CreatePod("g-d-1", D)]
+    assert not created.ready
+    reported = ZkView(**{**zk.__dict__, "reports": {**zk.reports, "g-d-1": report("g-d-1", 3)}})
+    joined = pdgroup.plan(view(spec(d=2), [*pods, "g-d-1"], reported))
+    write = next(a for a in joined.actions if isinstance(a, WriteRoceMap))
+    assert write.added == ("g-d-1",)
+    assert write.removed == ()
+    assert write.roce_map.version == 2
+    assert [e.instance for e in write.roce_map.decode] == ["g-d-0", "g-d-1"]
+    assert not any(
+        isinstance(a, DeletePod | DeleteEntrance | WriteDecodeMeta) for a in joined.actions
+    ), "nothing else changes until the newcomer is healthy"
+
+
+def test_scale_in_removes_the_map_entry_before_releasing_the_pod() -> None:
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    zk = serving_group(pods)
+    first = pdgroup.plan(view(spec(p=1), pods, zk))
+    assert kinds(first) == ["WriteRoceMap", "MarkRemoved", "DeleteEntrance"]
+    write = first.actions[0]
+    assert isinstance(write, WriteRoceMap)
+    assert write.removed == ("g-p-1",)
+    assert [e.instance for e in write.roce_map.prefill] == ["g-p-0"]
+    # Next pass: the map no longer has it -> erase its links, then release the pod.
+    after = ZkView(
+        **{
+            **zk.__dict__,
+            "roce_map": write.roce_map,
+            "removed": frozenset({"g-p-1"}),
+            "entrances": frozenset({"g-p-0"}),
+        }
+    )
+    second = pdgroup.plan(view(spec(p=1), pods, after))
+    assert second.actions == [
+        EraseInstance("g-p-1", (("g-p-1", "g-d-0"),)),
+        DeletePod("g-p-1", "uid-g-p-1", "scale-in: removed from the RoCE map"),
+    ]
+    # Once the pod is gone, the marker is cleared and the group is Ready again.
+    gone = ZkView(
+        **{**after.__dict__, "links": {k: v for k, v in zk.links.items() if "g-p-1" not in k}}
+    )
+    third = pdgroup.plan(view(spec(p=1), ["g-p-0", "g-d-0"], gone))
+    assert third.actions == [ClearRemoved("g-p-1")]
+
+
+def test_without_zookeeper_only_missing_pods_are_created() -> None:
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    zk = ZkView(**{**serving_group(pods).__dict__, "connected": False})
+    plan = pdgroup.plan(view(spec(p=1, d=2), pods, zk))
+    assert plan.actions == [CreatePod("g-d-1", D)], (
+        "no map change, no pod deletion without coordination"
+    )
+    cond = {c.type: c for c in plan.conditions}
+    assert cond["Ready"].reason == "Blocked"
+    assert "ZooKeeper is not connected" in cond["Ready"].message
+
+
+def test_a_pod_that_never_reports_is_replaced_after_the_gather_timeout() -> None:
+    s = spec()
+    pods = {n: pod(n, NAMES[n][0], created=0.0) for n in ["g-p-0", "g-p-1", "g-d-0"]}
+    early = pdgroup.plan(GroupView("ns", "g", 1, s, pods, ZkView(connected=True), now=10.0))
+    assert not any(isinstance(a, DeletePod) for a in early.actions)
+    late = pdgroup.plan(GroupView("ns", "g", 1, s, pods, ZkView(connected=True), now=10_000.0))
+    assert [a.name for a in late.actions if isinstance(a, DeletePod)] == ["g-p-0", "g-p-1", "g-d-0"]
+
+
+def test_an_unhealthy_member_degrades_a_ready_group_and_closes_its_entrance() -> None:
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    zk = serving_group(pods)
+    sick = ZkView(**{**zk.__dict__, "health": {n: h for n, h in zk.health.items() if n != "g-p-1"}})
+    plan = pdgroup.plan(view(spec(), pods, sick))
+    assert DeleteEntrance("g-p-1") in plan.actions
+    cond = {c.type: c for c in plan.conditions}
+    assert cond["Degraded"].status is True
+    assert cond["Ready"].status is False
+
+
+def test_conditions_keep_their_transition_time_until_they_flip() -> None:
+    first = conditions.merge([], [conditions.Condition("Ready", False, "SettingUp")], "t1", 1)
+    same = conditions.merge(
+        first, [conditions.Condition("Ready", False, "SettingUp", "x")], "t2", 2
+    )
+    flipped = conditions.merge(same, [conditions.Condition("Ready", True, "Ready")], "t3", 2)
+    assert same[0]["lastTransitionTime"] == "t1"
+    assert same[0]["observedGeneration"] == 2
+    assert flipped[0]["lastTransitionTime"] == "t3"
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def test_a_sensible_spec_is_valid() -> None:
+    assert validate_pdgroup(spec(), "g") == []
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        (
+            {
+                "prefill": {"replicas": 1, "devicesPerInstance": 16},
+                "decode": {"replicas": 1, "devicesPerInstance": 16},
+            },
+            "do not fit one server",
+        ),
+        ({"decode": {"replicas": 1, "devicesPerInstance": 4}}, "same devices per instance"),
+        ({"model": {"name": "mystery-70b"}}, "not a known model"),
+        ({"model": {"name": "gpt3-175b"}}, "of weights do not fit 2 NPUs"),
+        ({"decode": {"replicas": 1, "devicesPerInstance": 2, "batchSize": 4096}}, "GB of KV cache"),
+        (
+            {"decode": {"replicas": 200, "devicesPerInstance": 2}},
+            "cannot be placed in one SuperPod",
+        ),
+        ({"ratioPolicy": {"minPrefill": 3, "maxPrefill": 2}}, "minPrefill: 3 exceeds maxPrefill 2"),
+        (
+            {"ratioPolicy": {"maxDecode": 1}, "decode": {"replicas": 2, "devicesPerInstance": 2}},
+            "above ratioPolicy.maxDecode",
+        ),
+        ({"moe": {"mode": "Disaggregated"}}, "needs dpDomainRef and expertPoolRef"),
+        (
+            {"prefill": {"replicas": 1, "devicesPerInstance": 2, "parallelism": {"tp": 3}}},
+            "tp: 3 does not divide",
+        ),
+    ],
+)
+def test_cross_field_rules_name_the_field_and_the_reason(
+    changes: dict[str, Any], needle: str
+) -> None:
+    errors = validate_pdgroup(spec(**changes), "g")
+    assert any(needle in e for e in errors), errors
+
+
+def test_long_group_names_are_rejected() -> None:
+    assert any("metadata.name" in e for e in validate_pdgroup(spec(), "x" * 60))
+
+
+def test_scaling_back_up_before_the_old_pod_is_gone_recreates_it() -> None:
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    zk = serving_group(pods)
+    first = pdgroup.plan(view(spec(p=1), pods, zk))
+    write = first.actions[0]
+    assert isinstance(write, WriteRoceMap)
+    after = ZkView(
+        **{
+            **zk.__dict__,
+            "roce_map": write.roce_map,
+            "removed": frozenset({"g-p-1"}),
+            "entrances": frozenset({"g-p-0"}),
+        }
+    )
+    back_up = pdgroup.plan(view(spec(p=2), pods, after))
+    assert DeletePod("g-p-1", "uid-g-p-1", "scale-in: removed from the RoCE map") in back_up.actions
+    assert not any(isinstance(a, WriteRoceMap) for a in back_up.actions), (
+        "a removed instance does not rejoin"
+    )
