@@ -285,7 +285,7 @@ def test_a_sensible_spec_is_valid() -> None:
             "do not fit one server",
         ),
         ({"decode": {"replicas": 1, "devicesPerInstance": 4}}, "same devices per instance"),
-        ({"model": {"name": "mystery-70b"}}, "not a known model"),
+        ({"model": {"name": "mystery-70b"}}, "cannot be served yet"),
         ({"model": {"name": "gpt3-175b"}}, "of weights do not fit 2 NPUs"),
         ({"decode": {"replicas": 1, "devicesPerInstance": 2, "batchSize": 4096}}, "GB of KV cache"),
         (

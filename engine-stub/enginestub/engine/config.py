@@ -120,7 +120,10 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
         help=f"a preset ({', '.join(sorted(PRESETS))}) or a JSON file with a ModelShape",
     )
     parser.add_argument(
-        "--tp", type=int, default=None, help="tensor parallel degree (default: all dies)"
+        "--tp",
+        type=int,
+        default=int(env.get("ENGINE_TP", "0")) or None,
+        help="tensor parallel degree (default: all dies)",
     )
     parser.add_argument("--ep", type=int, default=int(env.get("ENGINE_EP", "1")))
     parser.add_argument("--mtp", action="store_true", default=env.get("ENGINE_MTP") == "1")

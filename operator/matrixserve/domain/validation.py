@@ -76,7 +76,12 @@ def validate_pdgroup(spec: PDGroupSpec, name: str) -> list[str]:
             f"metadata.name: at most {MAX_GROUP_NAME} characters (pod names derive from it)"
         )
     facts = model_facts(spec)
-    if facts is None:
+    if spec.model.name not in PRESETS:
+        errors.append(
+            f"spec.model.name: the engine stub emulates {', '.join(sorted(PRESETS))}; "
+            f"{spec.model.name!r} cannot be served yet"
+        )
+    elif facts is None:
         errors.append(
             f"spec.model: {spec.model.name!r} is not a known model ({', '.join(sorted(PRESETS))}); "
             "give sizeBytes, layers and hiddenSize"

@@ -1,0 +1,143 @@
+"""``python -m matrixserve``: the MatrixServe operator (kopf).
+
+Exit status 2 with a message on bad flags. See ``docs/operator.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import kopf
+
+from matrixserve.domain.pods import EngineSettings
+from matrixserve.handlers import pdgroup as _pdgroup  # noqa: F401  (registers the handlers)
+from matrixserve.handlers import runtime as _runtime
+from matrixserve.handlers.runtime import OperatorConfig
+
+
+def _positive_port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is out of range")
+    return value
+
+
+def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Namespace]:
+    env = os.environ
+    p = argparse.ArgumentParser(
+        prog="python -m matrixserve", description="The MatrixServe operator."
+    )
+    p.add_argument(
+        "--kubeconfig", default=env.get("KUBECONFIG"), help="default: in-cluster, else $KUBECONFIG"
+    )
+    p.add_argument(
+        "--zookeeper",
+        default=env.get("MATRIXSERVE_ZK"),
+        help="host:port[/chroot] ($MATRIXSERVE_ZK)",
+    )
+    p.add_argument(
+        "--namespace", action="append", default=[], help="watch only these namespaces (repeatable)"
+    )
+    p.add_argument(
+        "--engine-zookeeper",
+        default=None,
+        help="ZooKeeper address given to engines (default: --zookeeper)",
+    )
+    p.add_argument(
+        "--engine-time-scale",
+        default=env.get("MATRIXSERVE_TIME_SCALE", "1"),
+        help="emulated seconds per wall second for engine stubs",
+    )
+    p.add_argument(
+        "--engine-load-source",
+        default="SharedFileService",
+        choices=["SharedFileService", "SSD", "HostDRAM", "NPUForkUB", "NPUForkRoCE"],
+    )
+    p.add_argument(
+        "--engine-health-interval", default="20", help="emulated seconds between health reports"
+    )
+    p.add_argument("--metrics-address", default="127.0.0.1")
+    p.add_argument(
+        "--metrics-port", type=_positive_port, default=8080, help="0 disables the metrics server"
+    )
+    p.add_argument("--liveness-port", type=_positive_port, default=8081, help="0 disables /healthz")
+    p.add_argument(
+        "--webhook",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve the validating admission webhook (default on)",
+    )
+    p.add_argument("--webhook-address", default="127.0.0.1")
+    p.add_argument("--webhook-port", type=_positive_port, default=9443)
+    p.add_argument(
+        "--webhook-host", default=None, help="host name in the webhook URL (default: the address)"
+    )
+    p.add_argument("--webhook-cert", default=env.get("MATRIXSERVE_WEBHOOK_CERT"))
+    p.add_argument("--webhook-key", default=env.get("MATRIXSERVE_WEBHOOK_KEY"))
+    p.add_argument("--webhook-ca", default=env.get("MATRIXSERVE_WEBHOOK_CA"))
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    if not args.zookeeper:
+        p.error("--zookeeper (or $MATRIXSERVE_ZK) is required")
+    try:
+        if float(args.engine_time_scale) <= 0:
+            raise ValueError
+    except ValueError:
+        p.error(f"--engine-time-scale {args.engine_time_scale!r} must be a positive number")
+    if args.webhook:
+        missing = [f for f in ("webhook_cert", "webhook_key", "webhook_ca") if not getattr(args, f)]
+        if missing:
+            p.error(
+                "--webhook needs "
+                + ", ".join("--" + m.replace("_", "-") for m in missing)
+                + " (or --no-webhook)"
+            )
+        for f in ("webhook_cert", "webhook_key", "webhook_ca"):
+            if not Path(getattr(args, f)).is_file():
+                p.error(f"--{f.replace('_', '-')} {getattr(args, f)}: no such file")
+    config = OperatorConfig(
+        kubeconfig=args.kubeconfig,
+        zookeeper=args.zookeeper,
+        engine=EngineSettings(
+            zookeeper=args.engine_zookeeper or args.zookeeper,
+            time_scale=str(args.engine_time_scale),
+            load_source=args.engine_load_source,
+            health_interval_seconds=str(args.engine_health_interval),
+        ),
+        metrics_address=args.metrics_address,
+        metrics_port=args.metrics_port,
+        webhook=args.webhook,
+        webhook_address=args.webhook_address,
+        webhook_port=args.webhook_port,
+        webhook_host=args.webhook_host,
+        webhook_cert=args.webhook_cert,
+        webhook_key=args.webhook_key,
+        webhook_ca=args.webhook_ca,
+    )
+    return config, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, args = parse(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("kazoo").setLevel(logging.WARNING)
+    assert _runtime.startup is not None
+    liveness = f"http://127.0.0.1:{args.liveness_port}/healthz" if args.liveness_port else None
+    kopf.run(
+        standalone=True,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=liveness,
+        memo=kopf.Memo(config=config),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

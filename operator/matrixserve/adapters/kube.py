@@ -1,0 +1,121 @@
+"""The Kubernetes adapter: the operator's only reads and writes of pods and PDGroups.
+
+The synchronous ``kubernetes`` client runs in worker threads (``asyncio.to_thread``). Creates
+are idempotent (409 is success), deletes carry a UID precondition so a recreated pod of the same
+name is never deleted by mistake, status is written with a merge patch of the status subresource.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime
+from typing import Any
+
+from kubernetes import client, config
+
+from matrixserve.api import zk_layout as zl
+from matrixserve.domain.pdgroup import PodView
+from matrixserve.domain.pods import LABEL_GROUP, LABEL_ROLE, LABEL_SUPERPOD
+
+GROUP, VERSION, PLURAL = "matrixserve.io", "v1alpha1", "pdgroups"
+
+
+def api_client(kubeconfig: str | None = None) -> client.ApiClient:
+    """In-cluster when running in a pod (service-account token), else the kubeconfig."""
+    try:
+        config.load_incluster_config()
+        return client.ApiClient()
+    except config.ConfigException:
+        return config.new_client_from_config(config_file=kubeconfig)
+
+
+class KubeAdapter:
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+
+    async def get_pdgroup(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            body: dict[str, Any] = await asyncio.to_thread(
+                self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name
+            )
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return body
+
+    async def list_group_pods(self, namespace: str, group: str) -> dict[str, PodView]:
+        pods = await asyncio.to_thread(
+            self.core.list_namespaced_pod, namespace, label_selector=f"{LABEL_GROUP}={group}"
+        )
+        nodes: dict[str, str | None] = {}
+        out = {}
+        for pod in pods.items:
+            node = pod.spec.node_name
+            if node and node not in nodes:
+                nodes[node] = await self._superpod_of(node)
+            conditions = {c.type: c.status for c in pod.status.conditions or []}
+            created: datetime | None = pod.metadata.creation_timestamp
+            out[pod.metadata.name] = PodView(
+                name=pod.metadata.name,
+                uid=pod.metadata.uid,
+                role=zl.Role.PREFILL
+                if (pod.metadata.labels or {}).get(LABEL_ROLE) == "prefill"
+                else zl.Role.DECODE,
+                phase=pod.status.phase or "Pending",
+                ready=conditions.get("Ready") == "True",
+                deleting=pod.metadata.deletion_timestamp is not None,
+                node=node,
+                superpod=nodes.get(node) if node else None,
+                created_at=created.timestamp() if created else 0.0,
+            )
+        return out
+
+    async def _superpod_of(self, node: str) -> str | None:
+        try:
+            obj = await asyncio.to_thread(self.core.read_node, node)
+        except client.ApiException:
+            return None
+        labels: dict[str, str] = obj.metadata.labels or {}
+        return labels.get(LABEL_SUPERPOD)
+
+    async def create_pod(self, namespace: str, body: dict[str, Any]) -> bool:
+        """True if created, False if it already existed."""
+        try:
+            await asyncio.to_thread(self.core.create_namespaced_pod, namespace, body)
+        except client.ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    async def delete_pod(self, namespace: str, name: str, uid: str) -> bool:
+        try:
+            await asyncio.to_thread(
+                self.core.delete_namespaced_pod,
+                name,
+                namespace,
+                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
+            )
+        except client.ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            raise
+        return True
+
+    async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        try:
+            await asyncio.to_thread(
+                self.custom.patch_namespaced_custom_object_status,
+                GROUP,
+                VERSION,
+                namespace,
+                PLURAL,
+                name,
+                {"status": status},
+            )
+        except client.ApiException as exc:
+            if exc.status != 404:  # deleted meanwhile
+                raise

@@ -1,0 +1,102 @@
+"""Operator start-up and shut-down: explicit kopf settings, clients in the memo, metrics server.
+
+Configuration comes from ``python -m matrixserve`` flags (:class:`OperatorConfig`), passed in
+kopf's memo; nothing lives in module globals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+from prometheus_client import start_http_server
+
+from matrixserve.adapters.kube import KubeAdapter, api_client
+from matrixserve.adapters.zookeeper import ZkAdapter
+from matrixserve.domain.pods import EngineSettings
+from matrixserve.handlers.metrics import OperatorMetrics
+from matrixserve.handlers.pdgroup import Runtime
+
+WEBHOOK_CONFIGURATION = "matrixserve.io"
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    kubeconfig: str | None
+    zookeeper: str
+    engine: EngineSettings
+    metrics_address: str = "127.0.0.1"
+    metrics_port: int = 8080
+    webhook: bool = True
+    webhook_address: str = "127.0.0.1"
+    webhook_port: int = 9443
+    webhook_host: str | None = None
+    webhook_cert: str | None = None
+    webhook_key: str | None = None
+    webhook_ca: str | None = None
+    worker_limit: int = 64
+
+
+@kopf.on.startup()
+async def startup(
+    settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
+    cfg: OperatorConfig = memo.config
+    settings.persistence.finalizer = "matrixserve.io/cleanup"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="matrixserve.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="matrixserve.io", key="last-handled-configuration"
+    )
+    settings.posting.level = logging.INFO
+    settings.batching.worker_limit = cfg.worker_limit
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    if cfg.webhook:
+        settings.admission.server = kopf.WebhookServer(
+            addr=cfg.webhook_address,
+            port=cfg.webhook_port,
+            host=cfg.webhook_host or cfg.webhook_address,
+            certfile=cfg.webhook_cert,
+            pkeyfile=cfg.webhook_key,
+            cafile=cfg.webhook_ca,
+        )
+        settings.admission.managed = WEBHOOK_CONFIGURATION
+    metrics = OperatorMetrics()
+    zk = ZkAdapter(cfg.zookeeper)
+    zk.on_state = metrics.set_zk_state
+    kube = KubeAdapter(api_client(cfg.kubeconfig))
+    memo.runtime = Runtime(
+        kube=kube, zk=zk, engine=cfg.engine, metrics=metrics, loop=asyncio.get_running_loop()
+    )
+    if cfg.metrics_port:
+        start_http_server(cfg.metrics_port, addr=cfg.metrics_address, registry=metrics.registry)
+    try:
+        await zk.start()
+    except Exception as exc:  # the operator still starts; reconcilers plan nothing destructive
+        logger.error(
+            "ZooKeeper %s unreachable at start-up (%s); retrying in the background",
+            cfg.zookeeper,
+            exc,
+        )
+        metrics.set_zk_state("LOST")
+        asyncio.get_running_loop().create_task(_connect_later(zk, logger))
+
+
+async def _connect_later(zk: ZkAdapter, logger: logging.Logger) -> None:
+    while not zk.connected:
+        try:
+            await zk.start()
+        except Exception as exc:
+            logger.warning("ZooKeeper still unreachable: %s", exc)
+            await asyncio.sleep(5)
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    runtime: Runtime | None = getattr(memo, "runtime", None)
+    if runtime is not None:
+        await runtime.zk.stop()
+    logger.info("operator stopped")
