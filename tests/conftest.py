@@ -11,6 +11,7 @@ is always stopped at the end of the session.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -255,3 +256,160 @@ def start_emulator(
     yield start
     for sup, _ in started:
         sup.stop("node-emulator", grace=15)
+
+
+@pytest.fixture(scope="session")
+def crds_installed(api_client: object) -> list[str]:
+    """The MatrixServe CRDs on the test cluster (idempotent; left installed)."""
+    import yaml
+    from kubernetes import client
+
+    ext = client.ApiextensionsV1Api(api_client)
+    names = []
+    for path in sorted((REPO / "crds").glob("matrixserve.io_*.yaml")):
+        body = yaml.safe_load(path.read_text())
+        names.append(body["metadata"]["name"])
+        try:
+            ext.create_custom_resource_definition(body)
+        except client.ApiException as exc:
+            if exc.status != 409:
+                raise
+    deadline = time.monotonic() + 30
+    for name in names:
+        while not any(
+            c.type == "Established" and c.status == "True"
+            for c in ext.read_custom_resource_definition(name).status.conditions or []
+        ):
+            assert time.monotonic() < deadline, f"{name} not established"
+            time.sleep(0.1)
+    return names
+
+
+class OperatorHandle:
+    def __init__(
+        self, supervisor: object, name: str, metrics_url: str, args: list[str], env: dict[str, str]
+    ) -> None:
+        self.supervisor = supervisor
+        self.name = name
+        self.metrics_url = metrics_url
+        self.args = args
+        self.env = env
+
+    def log(self) -> str:
+        return self.supervisor.log_path(self.name).read_text()  # type: ignore[attr-defined]
+
+    def stop(self, grace: float = 10) -> None:
+        self.supervisor.stop(self.name, grace=grace)  # type: ignore[attr-defined]
+
+    def kill(self) -> None:
+        self.stop(grace=0)
+
+    def start(self) -> None:
+        self.supervisor.start(self.name, self.args, env=self.env)  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def start_operator(
+    cluster: ClusterInfo, api_client: object, crds_installed: list[str], tmp_path: Path
+) -> Iterator[Callable[..., OperatorHandle]]:
+    """Start the operator watching one namespace: ``start_operator(namespace, webhook=True, ...)``.
+
+    Each test gets its own operator process (so tests never share one); the managed webhook
+    configuration is removed afterwards."""
+    import sys
+
+    from kubernetes import client
+
+    from matrixserve.devcluster import pki
+    from matrixserve.devcluster.cluster import free_ports
+    from matrixserve.devcluster.procs import Supervisor
+
+    sup = Supervisor(tmp_path / "operator")
+    handles: list[OperatorHandle] = []
+
+    def start(
+        namespace: str, webhook: bool = True, time_scale: str = "20", extra: tuple[str, ...] = ()
+    ) -> OperatorHandle:
+        metrics, liveness, hook = free_ports(3)
+        args = [
+            sys.executable,
+            "-m",
+            "matrixserve",
+            "--zookeeper",
+            cluster.zookeeper,
+            "--namespace",
+            namespace,
+            "--engine-time-scale",
+            time_scale,
+            "--metrics-port",
+            str(metrics),
+            "--liveness-port",
+            str(liveness),
+        ]
+        if webhook:
+            ca = pki.KeyPair(Path(cluster.ca_file), Path(cluster.ca_file).with_name("ca.key"))
+            pair = pki.issue_certificate(
+                ca, tmp_path / "webhook", "webhook", "matrixserve-webhook", ["IP:127.0.0.1"]
+            )
+            args += [
+                "--webhook-port",
+                str(hook),
+                "--webhook-cert",
+                str(pair.cert),
+                "--webhook-key",
+                str(pair.key),
+                "--webhook-ca",
+                cluster.ca_file,
+            ]
+        else:
+            args.append("--no-webhook")
+        args += list(extra)
+        env = {**os.environ, "KUBECONFIG": cluster.kubeconfig}
+        handle = OperatorHandle(
+            sup, f"operator-{len(handles)}", f"http://127.0.0.1:{metrics}/metrics", args, env
+        )
+        handle.start()
+        handles.append(handle)
+        import httpx
+
+        deadline = time.monotonic() + 30
+        while True:
+            if sup.exited(handle.name):
+                pytest.fail("operator exited:\n" + handle.log()[-3000:])
+            try:
+                if (
+                    httpx.get(
+                        f"http://127.0.0.1:{liveness}/healthz", timeout=1, trust_env=False
+                    ).status_code
+                    == 200
+                ):
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("operator not live within 30s:\n" + handle.log()[-3000:])
+            time.sleep(0.1)
+        if webhook:  # kopf registers the webhook configuration once its server listens
+            admission = client.AdmissionregistrationV1Api(api_client)
+            while True:
+                try:
+                    admission.read_validating_webhook_configuration("matrixserve.io")
+                    break
+                except client.ApiException:
+                    if time.monotonic() > deadline:
+                        pytest.fail(
+                            "webhook configuration not registered:\n" + handle.log()[-3000:]
+                        )
+                    time.sleep(0.1)
+        return handle
+
+    yield start
+    for handle in handles:
+        handle.stop()
+    admission = client.AdmissionregistrationV1Api(api_client)
+    for delete in (
+        admission.delete_validating_webhook_configuration,
+        admission.delete_mutating_webhook_configuration,
+    ):
+        with contextlib.suppress(client.ApiException):
+            delete("matrixserve.io")

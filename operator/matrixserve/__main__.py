@@ -14,7 +14,7 @@ from pathlib import Path
 import kopf
 
 from matrixserve.domain.pods import EngineSettings
-from matrixserve.handlers import pdgroup as _pdgroup  # noqa: F401  (registers the handlers)
+from matrixserve.handlers import pdgroup as _pdgroup  # registers the handlers
 from matrixserve.handlers import runtime as _runtime
 from matrixserve.handlers.runtime import OperatorConfig
 
@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.getLogger("kazoo").setLevel(logging.WARNING)
     assert _runtime.startup is not None
+    if config.webhook:
+        _pdgroup.register_webhook()
     liveness = f"http://127.0.0.1:{args.liveness_port}/healthz" if args.liveness_port else None
     kopf.run(
         standalone=True,

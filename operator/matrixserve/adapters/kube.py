@@ -106,6 +106,9 @@ class KubeAdapter:
         return True
 
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """Merge-patch the status subresource. Empty strings are omitted (omitempty): the API
+        server would otherwise see them as null and reject them against the schema."""
+        status = _omit_empty(status)
         try:
             await asyncio.to_thread(
                 self.custom.patch_namespaced_custom_object_status,
@@ -119,3 +122,11 @@ class KubeAdapter:
         except client.ApiException as exc:
             if exc.status != 404:  # deleted meanwhile
                 raise
+
+
+def _omit_empty(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _omit_empty(v) for k, v in value.items() if v != ""}
+    if isinstance(value, list):
+        return [_omit_empty(v) for v in value]
+    return value

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 from kazoo.recipe.watchers import ChildrenWatch
 
 from matrixserve.api import zk_layout as zl
@@ -170,10 +170,13 @@ class ZkAdapter:
         path = zl.group_path(namespace, group)
 
         def delete() -> bool:
-            if not self.client.exists(path):
-                return False
-            self.client.delete(path, recursive=True)
-            return True
+            existed = bool(self.client.exists(path))
+            if existed:
+                self.client.delete(path, recursive=True)
+            parent = path.rsplit("/", 1)[0]  # the namespace folder: pruned once empty
+            with contextlib.suppress(NoNodeError, NotEmptyError):
+                self.client.delete(parent)
+            return existed
 
         return await asyncio.to_thread(delete)
 

@@ -389,6 +389,12 @@ def _finish(
         and zk.decode_meta is not None
         and {d.instance for d in zk.decode_meta.decodes} == set(members_d)
     )
+    unhealthy = ", ".join(
+        i.name
+        for i in instances
+        if i.state in ("Initializing", "Degraded") and i.name in (members_p + members_d)
+    )
+    degraded = bool(zk.entrances) and bool(unhealthy)
     conditions = [
         Condition(
             "Gathering",
@@ -416,14 +422,7 @@ def _finish(
             or ("" if ready else f"{len(serving & set(desired))}/{len(desired)} instances serving"),
         ),
         Condition(
-            "Degraded",
-            bool(zk.entrances)
-            and any(
-                i.state in ("Initializing", "Degraded") and i.name in (members_p + members_d)
-                for i in instances
-            ),
-            "InstanceUnhealthy" if zk.entrances else "AsExpected",
-            ", ".join(i.name for i in instances if i.state in ("Initializing", "Degraded")),
+            "Degraded", degraded, "InstanceUnhealthy" if degraded else "AsExpected", unhealthy
         ),
         Condition(
             "Ready",

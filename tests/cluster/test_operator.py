@@ -1,0 +1,386 @@
+"""The PDGroup operator on the local cluster, with real ZooKeeper and engine stubs on emulated
+NPU servers: setup, scale-out and scale-in by dynamic RoCE construction, invalid specs, deletion,
+an operator restart mid-setup."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from kazoo.client import KazooClient
+from kubernetes import client, watch
+
+from matrixserve.api import zk_layout as zl
+from matrixserve.devcluster.cluster import ClusterInfo
+
+SAMPLE = Path(__file__).resolve().parents[2] / "crds" / "samples" / "pdgroup-2p1d.yaml"
+G = ("matrixserve.io", "v1alpha1")
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def group_body(name: str, prefill: int, decode: int) -> dict[str, Any]:
+    body = yaml.safe_load(SAMPLE.read_text())
+    body["metadata"] = {"name": name}
+    body["spec"]["prefill"]["replicas"] = prefill
+    body["spec"]["decode"]["replicas"] = decode
+    return body
+
+
+class Groups:
+    def __init__(self, api: client.ApiClient, namespace: str) -> None:
+        self.custom = client.CustomObjectsApi(api)
+        self.core = client.CoreV1Api(api)
+        self.namespace = namespace
+
+    def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self.custom.create_namespaced_custom_object(*G, self.namespace, "pdgroups", body)
+
+    def get(self, name: str) -> dict[str, Any]:
+        return self.custom.get_namespaced_custom_object(*G, self.namespace, "pdgroups", name)
+
+    def patch(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return self.custom.patch_namespaced_custom_object(
+            *G, self.namespace, "pdgroups", name, {"spec": spec}
+        )
+
+    def condition(self, name: str, kind: str) -> dict[str, Any]:
+        for cond in (self.get(name).get("status") or {}).get("conditions", []):
+            if cond["type"] == kind:
+                return cond
+        return {}
+
+    def ready(self, name: str) -> bool:
+        return self.condition(name, "Ready").get("status") == "True"
+
+    def pods(self, name: str) -> dict[str, client.V1Pod]:
+        items = self.core.list_namespaced_pod(
+            self.namespace, label_selector=f"matrixserve.io/group={name}"
+        ).items
+        return {p.metadata.name: p for p in items if p.metadata.deletion_timestamp is None}
+
+
+def zk_client(cluster: ClusterInfo) -> KazooClient:
+    zk = KazooClient(hosts=cluster.zookeeper, timeout=10)
+    zk.start(timeout=15)
+    return zk
+
+
+def started_at(pod: client.V1Pod) -> str:
+    state = pod.status.container_statuses[0].state
+    return str(state.running.started_at) if state.running else ""
+
+
+def test_a_2p2d_group_reaches_ready_with_exactly_np_nd_k_links(
+    api_client: client.ApiClient,
+    cluster: ClusterInfo,
+    namespace: str,
+    start_operator: Callable[..., Any],
+) -> None:
+    operator = start_operator(namespace)
+    groups = Groups(api_client, namespace)
+    groups.create(group_body("g", 2, 2))
+    wait_for(lambda: groups.ready("g"), what="Ready")
+    status = groups.get("g")["status"]
+    k = 2 * 2  # 2 NPUs per instance, 2 dies each, one RoCE IP per die
+    assert status["links"] == {"expected": 2 * 2 * k, "verified": 2 * 2 * k, "summary": "16/16"}
+    assert status["prefill"] == {"replicas": 2, "ready": 2, "summary": "2/2"}
+    assert status["decode"] == {"replicas": 2, "ready": 2, "summary": "2/2"}
+    assert status["observedGeneration"] == 1
+    assert sorted(status["entrances"]) == ["g-p-0", "g-p-1"]
+    assert {i["state"] for i in status["instances"]} == {"Serving"}
+    zk = zk_client(cluster)
+    try:
+        paths = zl.GroupPaths(namespace, "g")
+        links = [
+            zl.Link.parse(zk.get(f"{paths.links}/{c}")[0]) for c in zk.get_children(paths.links)
+        ]
+        assert len(links) == 4
+        assert sum(len(link.sub_links) for link in links) == 16
+        for link in links:
+            assert [s.device for s in link.sub_links] == [0, 1, 2, 3]
+        roce_map = zl.RoceMap.parse(zk.get(paths.roce_map)[0])
+        assert roce_map.version == 1
+        for instance in status["instances"]:
+            entry = next(
+                e for e in (*roce_map.prefill, *roce_map.decode) if e.instance == instance["name"]
+            )
+            assert entry.roce_ips == instance["roceIps"]
+        assert sorted(zk.get_children(paths.entrances)) == ["g-p-0", "g-p-1"]
+    finally:
+        zk.stop()
+    # The pods carry the contract: owner, NPUs, role-less start.
+    for pod in groups.pods("g").values():
+        assert pod.metadata.owner_references[0].kind == "PDGroup"
+        assert pod.spec.containers[0].resources.limits["huawei.com/Ascend910"] == "2"
+        env = {e.name: e.value for e in pod.spec.containers[0].env}
+        assert env["ENGINE_ROLE"] == "auto"
+        assert env["MATRIXSERVE_GROUP"] == f"{namespace}/g"
+    # Decode instances were placed inside one SuperPod.
+    superpods = {
+        client.CoreV1Api(api_client)
+        .read_node(p.spec.node_name)
+        .metadata.labels["matrixserve.io/superpod"]
+        for n, p in groups.pods("g").items()
+        if "-d-" in n
+    }
+    assert len(superpods) == 1
+    metrics = httpx.get(operator.metrics_url, trust_env=False).text
+    assert (
+        f'matrixserve_operator_links_verified{{group="g",namespace="{namespace}"}} 16.0' in metrics
+    )
+    assert 'matrixserve_operator_zookeeper_session_state{state="CONNECTED"} 1.0' in metrics
+    assert 'matrixserve_operator_setup_phase_seconds_count{phase="serve"} 1.0' in metrics
+    events = (
+        client.CoreV1Api(api_client)
+        .list_namespaced_event(namespace, field_selector="involvedObject.name=g")
+        .items
+    )
+    reasons = [e.reason for e in events]
+    assert reasons.count("CreatedPod") == 4
+    assert "InitOrder" in reasons
+    assert "EntranceOpened" in reasons
+
+
+def test_scaling_decode_adds_one_pod_and_restarts_nobody(
+    api_client: client.ApiClient,
+    cluster: ClusterInfo,
+    namespace: str,
+    start_operator: Callable[..., Any],
+) -> None:
+    start_operator(namespace)
+    groups = Groups(api_client, namespace)
+    groups.create(group_body("g", 2, 2))
+    wait_for(lambda: groups.ready("g"), what="Ready")
+    before = {
+        n: (p.metadata.uid, started_at(p), p.status.container_statuses[0].restart_count)
+        for n, p in groups.pods("g").items()
+    }
+    # kubectl scale goes through the scale subresource: it scales decode.
+    scale = groups.custom.get_namespaced_custom_object_scale(*G, namespace, "pdgroups", "g")
+    assert scale["spec"]["replicas"] == 2
+    groups.custom.patch_namespaced_custom_object_scale(
+        *G, namespace, "pdgroups", "g", {"spec": {"replicas": 3}}
+    )
+    wait_for(
+        lambda: groups.get("g")["status"].get("decode", {}).get("ready") == 3 and groups.ready("g"),
+        what="3 decodes Ready",
+    )
+    after = {
+        n: (p.metadata.uid, started_at(p), p.status.container_statuses[0].restart_count)
+        for n, p in groups.pods("g").items()
+    }
+    assert set(after) == set(before) | {"g-d-2"}
+    for name, identity in before.items():
+        assert after[name] == identity, f"{name} was restarted or replaced"
+    status = groups.get("g")["status"]
+    assert status["links"]["verified"] == status["links"]["expected"] == 2 * 3 * 4
+    assert status["roceMapVersion"] == 2
+
+
+def test_scaling_prefill_in_removes_the_map_entry_before_the_pod(
+    api_client: client.ApiClient,
+    cluster: ClusterInfo,
+    namespace: str,
+    start_operator: Callable[..., Any],
+) -> None:
+    start_operator(namespace)
+    groups = Groups(api_client, namespace)
+    groups.create(group_body("g", 2, 2))
+    wait_for(lambda: groups.ready("g"), what="Ready")
+    paths = zl.GroupPaths(namespace, "g")
+    seen: dict[str, float] = {}
+    zk = zk_client(cluster)
+
+    def on_map(data: bytes | None, _stat: Any) -> None:
+        if data and "g-p-1" not in [e.instance for e in zl.RoceMap.parse(data).prefill]:
+            seen.setdefault("map", time.monotonic())
+
+    zk.DataWatch(paths.roce_map, on_map)
+    stream = watch.Watch()
+
+    def on_pods() -> None:
+        for event in stream.stream(
+            groups.core.list_namespaced_pod,
+            namespace,
+            field_selector="metadata.name=g-p-1",
+            timeout_seconds=60,
+        ):
+            if (
+                event["object"].metadata.deletion_timestamp is not None
+                or event["type"] == "DELETED"
+            ):
+                seen.setdefault("pod", time.monotonic())
+                return
+
+    watcher = threading.Thread(target=on_pods, daemon=True)
+    watcher.start()
+    time.sleep(0.5)
+    try:
+        groups.patch("g", {"prefill": {"replicas": 1}})
+        wait_for(
+            lambda: "g-p-1" not in groups.pods("g") and groups.ready("g"), what="prefill scaled in"
+        )
+        watcher.join(10)
+        assert "map" in seen, seen
+        assert "pod" in seen, seen
+        assert seen["map"] < seen["pod"], "the pod went before its map entry"
+        assert not zk.exists(paths.entrance("g-p-1"))
+        assert not any("g-p-1" in c for c in zk.get_children(paths.links)), "its links were erased"
+        wait_for(
+            lambda: not zk.exists(paths.removed_of("g-p-1")),
+            timeout=10,
+            what="the removal marker cleared",
+        )
+    finally:
+        stream.stop()
+        zk.stop()
+    status = groups.get("g")["status"]
+    assert status["links"]["verified"] == status["links"]["expected"] == 1 * 2 * 4
+    assert status["entrances"] == ["g-p-0"]
+
+
+def test_the_webhook_rejects_an_invalid_spec_with_a_clear_message(
+    api_client: client.ApiClient, namespace: str, start_operator: Callable[..., Any]
+) -> None:
+    start_operator(namespace)
+    groups = Groups(api_client, namespace)
+    bad = group_body("bad", 1, 1)
+    bad["spec"]["decode"]["devicesPerInstance"] = 4
+    with pytest.raises(client.ApiException) as rejected:
+        groups.create(bad)
+    assert rejected.value.status == 422
+    assert "same devices per instance (2 vs 4)" in rejected.value.body
+    too_big = group_body("big", 1, 1)
+    too_big["spec"]["model"]["name"] = "gpt3-175b"
+    with pytest.raises(client.ApiException) as rejected_model:
+        groups.create(too_big)
+    assert "of weights do not fit 2 NPUs" in rejected_model.value.body
+
+
+def test_an_invalid_update_leaves_the_running_group_untouched_with_invalid_spec(
+    api_client: client.ApiClient,
+    cluster: ClusterInfo,
+    namespace: str,
+    start_operator: Callable[..., Any],
+) -> None:
+    """Without the webhook (or with it bypassed), the reconciler's own check stops the change."""
+    start_operator(namespace, webhook=False)
+    groups = Groups(api_client, namespace)
+    groups.create(group_body("g", 1, 1))
+    wait_for(lambda: groups.ready("g"), what="Ready")
+    before = {n: p.metadata.uid for n, p in groups.pods("g").items()}
+    zk = zk_client(cluster)
+    paths = zl.GroupPaths(namespace, "g")
+    try:
+        map_before = zk.get(paths.roce_map)
+        groups.patch(
+            "g", {"decode": {"replicas": 3, "devicesPerInstance": 4}, "prefill": {"replicas": 0}}
+        )
+        wait_for(
+            lambda: groups.condition("g", "Ready").get("reason") == "InvalidSpec",
+            what="InvalidSpec",
+        )
+        cond = groups.condition("g", "Ready")
+        assert cond["status"] == "False"
+        assert "same devices per instance (2 vs 4)" in cond["message"]
+        assert cond["observedGeneration"] == 2
+        time.sleep(2)  # give a wrong reconciler time to do damage
+        assert {n: p.metadata.uid for n, p in groups.pods("g").items()} == before
+        assert zk.get(paths.roce_map) == map_before
+        assert sorted(zk.get_children(paths.entrances)) == ["g-p-0"]
+    finally:
+        zk.stop()
+    events = (
+        client.CoreV1Api(api_client)
+        .list_namespaced_event(namespace, field_selector="involvedObject.name=g")
+        .items
+    )
+    assert [e.type for e in events if e.reason == "InvalidSpec"] == ["Warning"]
+    # Fixing the spec resumes reconciliation.
+    groups.patch(
+        "g", {"decode": {"replicas": 1, "devicesPerInstance": 2}, "prefill": {"replicas": 1}}
+    )
+    wait_for(lambda: groups.ready("g"), what="Ready again")
+
+
+def test_deleting_a_group_leaves_no_pods_and_no_znodes(
+    api_client: client.ApiClient,
+    cluster: ClusterInfo,
+    namespace: str,
+    start_operator: Callable[..., Any],
+) -> None:
+    start_operator(namespace)
+    groups = Groups(api_client, namespace)
+    groups.create(group_body("g", 1, 1))
+    wait_for(lambda: groups.ready("g"), what="Ready")
+    groups.custom.delete_namespaced_custom_object(*G, namespace, "pdgroups", "g")
+
+    def gone() -> bool:
+        try:
+            groups.get("g")
+        except client.ApiException as exc:
+            return exc.status == 404
+        return False
+
+    wait_for(gone, what="the PDGroup to be deleted (finalizer done)")
+    wait_for(lambda: not groups.core.list_namespaced_pod(namespace).items, what="no pods left")
+    zk = zk_client(cluster)
+    try:
+        assert not zk.exists(zl.group_path(namespace, "g"))
+        assert not zk.exists(f"{zl.ROOT}/groups/{namespace}"), (
+            "the empty namespace folder was left behind"
+        )
+    finally:
+        zk.stop()
+
+
+def test_restarting_the_operator_mid_setup_finishes_without_duplicates(
+    api_client: client.ApiClient,
+    cluster: ClusterInfo,
+    namespace: str,
+    start_operator: Callable[..., Any],
+) -> None:
+    # Time scale 1: model loads take ~6 s, a window to kill the operator in.
+    operator = start_operator(namespace, time_scale="1")
+    groups = Groups(api_client, namespace)
+    groups.create(group_body("g", 2, 2))
+    wait_for(
+        lambda: (groups.get("g").get("status") or {}).get("roceMapVersion") == 1,
+        what="the RoCE map",
+    )
+    assert not groups.ready("g")
+    operator.kill()
+    uids = {n: p.metadata.uid for n, p in groups.pods("g").items()}
+    assert len(uids) == 4
+    operator.start()
+    wait_for(lambda: groups.ready("g"), what="Ready after the restart")
+    assert {n: p.metadata.uid for n, p in groups.pods("g").items()} == uids, "pods were recreated"
+    status = groups.get("g")["status"]
+    assert status["roceMapVersion"] == 1, "the map was rewritten"
+    assert status["links"]["verified"] == status["links"]["expected"] == 16
+    events = (
+        client.CoreV1Api(api_client)
+        .list_namespaced_event(namespace, field_selector="involvedObject.name=g")
+        .items
+    )
+    reasons = [e.reason for e in events]
+    assert reasons.count("CreatedPod") == 4
+    assert reasons.count("RoceMap") == 1
+    assert copy.deepcopy(reasons).count("InitOrder") == 1
