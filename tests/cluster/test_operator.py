@@ -384,3 +384,25 @@ def test_restarting_the_operator_mid_setup_finishes_without_duplicates(
     assert reasons.count("CreatedPod") == 4
     assert reasons.count("RoceMap") == 1
     assert copy.deepcopy(reasons).count("InitOrder") == 1
+
+
+def test_without_zookeeper_the_operator_plans_nothing_destructive(
+    api_client: client.ApiClient, namespace: str, start_operator: Callable[..., Any]
+) -> None:
+    """No coordination, no destructive plan: pods are created, but no map, no deletions."""
+    start_operator(namespace, extra=("--zookeeper", "127.0.0.1:9"))  # nothing listens there
+    groups = Groups(api_client, namespace)
+    groups.create(group_body("g", 1, 1))
+    wait_for(lambda: len(groups.pods("g")) == 2, what="the pods")
+    wait_for(
+        lambda: groups.condition("g", "Ready").get("reason") == "Blocked",
+        what="Ready=False, Blocked",
+    )
+    assert "ZooKeeper is not connected" in groups.condition("g", "Ready")["message"]
+    uids = {n: p.metadata.uid for n, p in groups.pods("g").items()}
+    groups.patch("g", {"decode": {"replicas": 0}})
+    time.sleep(2)
+    assert {n: p.metadata.uid for n, p in groups.pods("g").items()} == uids, (
+        "a pod was deleted without coordination"
+    )
+    assert groups.get("g")["status"].get("roceMapVersion", 0) == 0

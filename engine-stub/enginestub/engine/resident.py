@@ -93,10 +93,23 @@ class Resident:
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.zk.add_listener(self._on_state)
-        await self._zk(self.zk.start, 15)
+        self._task = asyncio.create_task(self._connect_and_run(), name="resident")
+
+    async def _connect_and_run(self) -> None:
+        """Connect (retrying: ZooKeeper may come later than the pod), then run the protocol."""
+        while True:
+            try:
+                await self._zk(self.zk.start, 15)
+                break
+            except Exception as exc:  # kazoo raises its own timeout types
+                self.phase = "WaitingForZooKeeper"
+                log.warning(
+                    "ZooKeeper %s unreachable (%s); retrying", self.engine.config.zookeeper, exc
+                )
+                await asyncio.sleep(2)
         for folder in self.paths.all_folders():
             await self._zk(self.zk.ensure_path, folder)
-        self._task = asyncio.create_task(self._run(), name="resident")
+        await self._run()
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -47,7 +47,11 @@ class ZkAdapter:
         return self.client.connected and self.state == "CONNECTED"
 
     async def start(self, timeout: float = 15.0) -> None:
-        await asyncio.to_thread(self.client.start, timeout)
+        try:
+            await asyncio.to_thread(self.client.start, timeout)
+        except Exception:
+            await asyncio.to_thread(self.client.stop)  # leave no half-started client retrying
+            raise
         self.state = "CONNECTED"
         self.on_state(self.state)
 

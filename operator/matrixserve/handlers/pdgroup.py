@@ -45,6 +45,7 @@ class Runtime:
     setup: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
     ready: set[tuple[str, str]] = field(default_factory=set)
     invalid_reported: dict[tuple[str, str], int] = field(default_factory=dict)
+    background: asyncio.Task[None] | None = None
 
     def wake_event(self, namespace: str, name: str) -> asyncio.Event:
         return self.wakes.setdefault((namespace, name), asyncio.Event())
@@ -52,6 +53,10 @@ class Runtime:
     def wake(self, namespace: str, name: str) -> None:
         event = self.wakes.get((namespace, name))
         if event is not None:
+            event.set()
+
+    def wake_all(self) -> None:
+        for event in self.wakes.values():
             event.set()
 
     def wake_threadsafe(self, namespace: str, name: str) -> None:

@@ -66,37 +66,41 @@ async def startup(
         settings.admission.managed = WEBHOOK_CONFIGURATION
     metrics = OperatorMetrics()
     zk = ZkAdapter(cfg.zookeeper)
-    zk.on_state = metrics.set_zk_state
     kube = KubeAdapter(api_client(cfg.kubeconfig))
-    memo.runtime = Runtime(
+    runtime = Runtime(
         kube=kube, zk=zk, engine=cfg.engine, metrics=metrics, loop=asyncio.get_running_loop()
     )
+    memo.runtime = runtime
+
+    def on_state(state: str) -> None:  # from a kazoo thread
+        metrics.set_zk_state(state)
+        if state == "CONNECTED":  # coordination is back: let every group re-plan now
+            runtime.loop.call_soon_threadsafe(runtime.wake_all)
+
+    zk.on_state = on_state
+    metrics.set_zk_state("CONNECTING")
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, addr=cfg.metrics_address, registry=metrics.registry)
-    try:
-        await zk.start()
-    except Exception as exc:  # the operator still starts; reconcilers plan nothing destructive
-        logger.error(
-            "ZooKeeper %s unreachable at start-up (%s); retrying in the background",
-            cfg.zookeeper,
-            exc,
-        )
-        metrics.set_zk_state("LOST")
-        asyncio.get_running_loop().create_task(_connect_later(zk, logger))
+    # Never block start-up on ZooKeeper: until it connects, reconcilers plan nothing destructive.
+    runtime.background = asyncio.get_running_loop().create_task(_connect(zk, cfg.zookeeper, logger))
 
 
-async def _connect_later(zk: ZkAdapter, logger: logging.Logger) -> None:
+async def _connect(zk: ZkAdapter, hosts: str, logger: logging.Logger) -> None:
     while not zk.connected:
         try:
-            await zk.start()
-        except Exception as exc:
-            logger.warning("ZooKeeper still unreachable: %s", exc)
-            await asyncio.sleep(5)
+            await zk.start(timeout=5)
+            logger.info("connected to ZooKeeper %s", hosts)
+        except Exception as exc:  # kazoo raises its own timeout types
+            logger.warning("ZooKeeper %s unreachable (%s); retrying", hosts, exc)
+            await asyncio.sleep(2)
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     runtime: Runtime | None = getattr(memo, "runtime", None)
     if runtime is not None:
-        await runtime.zk.stop()
+        if runtime.background is not None:
+            runtime.background.cancel()
+        if runtime.zk.connected:
+            await runtime.zk.stop()
     logger.info("operator stopped")
