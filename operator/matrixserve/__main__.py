@@ -79,6 +79,15 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
     p.add_argument("--webhook-cert", default=env.get("MATRIXSERVE_WEBHOOK_CERT"))
     p.add_argument("--webhook-key", default=env.get("MATRIXSERVE_WEBHOOK_KEY"))
     p.add_argument("--webhook-ca", default=env.get("MATRIXSERVE_WEBHOOK_CA"))
+    p.add_argument(
+        "--resync-seconds", type=float, default=10.0, help="re-plan every group at least this often"
+    )
+    p.add_argument(
+        "--zk-watches",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wake a group on ZooKeeper and pod changes (off: poll every --resync-seconds)",
+    )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if not args.zookeeper:
@@ -88,6 +97,8 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
             raise ValueError
     except ValueError:
         p.error(f"--engine-time-scale {args.engine_time_scale!r} must be a positive number")
+    if not 0.1 <= args.resync_seconds <= 3600:
+        p.error(f"--resync-seconds {args.resync_seconds} must be within 0.1..3600")
     if args.webhook:
         missing = [f for f in ("webhook_cert", "webhook_key", "webhook_ca") if not getattr(args, f)]
         if missing:
@@ -117,6 +128,8 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
         webhook_cert=args.webhook_cert,
         webhook_key=args.webhook_key,
         webhook_ca=args.webhook_ca,
+        resync_seconds=args.resync_seconds,
+        zk_watches=args.zk_watches,
     )
     return config, args
 

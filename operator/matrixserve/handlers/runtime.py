@@ -38,6 +38,8 @@ class OperatorConfig:
     webhook_key: str | None = None
     webhook_ca: str | None = None
     worker_limit: int = 64
+    resync_seconds: float = 10.0
+    zk_watches: bool = True
 
 
 @kopf.on.startup()
