@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="emulated 8-NPU servers per SuperPod (default 4)",
     )
     sub.add_parser("down", help="stop exactly the processes 'up' started")
-    sub.add_parser("demo", help="up, then run an engine-stub pod on an emulated NPU server")
+    sub.add_parser("demo", help="up, then the operator and a sample PDGroup served end to end")
     status = sub.add_parser("status", help="show components, pids and addresses")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("env", help="print shell exports (KUBECONFIG, MATRIXSERVE_ZK, ...)")
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
             info = cluster.up()
             print_status(cluster)
-            return demo.run(info)
+            return demo.run(cluster, info)
         elif args.command == "down":
             stopped = cluster.down()
             print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))

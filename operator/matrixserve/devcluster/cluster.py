@@ -139,7 +139,8 @@ class DevCluster:
     def status(self) -> dict[str, object]:
         info = self.info()
         components = []
-        for name in COMPONENTS:
+        extra = [r.name for r in self.supervisor.records() if r.name not in COMPONENTS]
+        for name in (*COMPONENTS, *extra):
             record = self.supervisor.record(name)
             components.append(
                 {
@@ -238,8 +239,9 @@ class DevCluster:
         """Stop every process this state directory started (reverse order); remove its data."""
         stopped = []
         names = [r.name for r in self.supervisor.records()]
-        ordered = [n for n in reversed(COMPONENTS) if n in names] + [
-            n for n in names if n not in COMPONENTS
+        # Whatever runs on top (the operator, started by the demo) stops first.
+        ordered = [n for n in names if n not in COMPONENTS] + [
+            n for n in reversed(COMPONENTS) if n in names
         ]
         for name in ordered:
             if self.supervisor.stop(name):

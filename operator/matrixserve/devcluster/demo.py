@@ -1,25 +1,41 @@
-"""``make demo``: what the project can show today on the local cluster.
+"""``make demo``: MatrixServe's main job on the local cluster, end to end.
 
-Brings the cluster up (idempotent), lists the emulated NPU servers, then runs one engine-stub
-pod that asks for 4 NPUs and prints what the node emulator granted it (NPUs, dies, RoCE IPs), as
-answered by the pod's own process on its own loopback pod IP. Re-running it replaces the pod.
+1. the cluster (etcd, API server, controller-manager, scheduler, ZooKeeper, node emulator);
+2. the CRDs, and the operator (validating webhook on, certificate from the cluster's CA);
+3. the sample PDGroup (``crds/samples/pdgroup-2p1d.yaml``: 2 prefill + 1 decode, 2 NPUs = 4 dies
+   each) in namespace ``matrixserve-demo``, until Ready;
+4. its status table, its RoCE map read back from ZooKeeper, and one streamed request sent to a
+   prefill entrance (tokens and emulated timings).
+
+Everything stays up; ``make cluster-down`` stops it. Re-running replaces the group.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
+import httpx
+import yaml
+from kazoo.client import KazooClient
 from kubernetes import client, config
 
-from matrixserve.devcluster.cluster import ClusterInfo, _http_get
+from matrixserve.api import zk_layout as zl
+from matrixserve.devcluster import pki, tools
+from matrixserve.devcluster.cluster import ClusterInfo, DevCluster, free_ports
 
 NAMESPACE = "matrixserve-demo"
-POD = "engine-stub-demo"
+GROUP = "chat-g0"
+REPO = Path(__file__).resolve().parents[3]
+TIME_SCALE = "20"
 
 
-def _until(what: str, timeout: float, attempt: Any) -> Any:
+def _until(what: str, timeout: float, attempt: Any, every: float = 0.2) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         value = attempt()
@@ -27,98 +43,236 @@ def _until(what: str, timeout: float, attempt: Any) -> Any:
             return value
         if time.monotonic() > deadline:
             raise TimeoutError(f"demo: {what} within {timeout:.0f}s")
-        time.sleep(0.2)
+        time.sleep(every)
 
 
-def _demo_pod() -> dict[str, Any]:
-    return {
-        "metadata": {"name": POD, "labels": {"app": "engine-stub-demo"}},
-        "spec": {
-            "terminationGracePeriodSeconds": 5,
-            "containers": [
-                {
-                    "name": "engine",
-                    "image": "matrixserve/engine-stub:dev",
-                    "env": [
-                        {
-                            "name": "POD_NAME",
-                            "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
-                        },
-                        {
-                            "name": "POD_NAMESPACE",
-                            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
-                        },
-                        {"name": "MATRIXSERVE_TIME_SCALE", "value": "20"},
-                    ],
-                    "readinessProbe": {
-                        "httpGet": {"path": "/readyz", "port": 8000},
-                        "periodSeconds": 1,
-                    },
-                    "resources": {"limits": {"huawei.com/Ascend910": "4"}},
-                }
-            ],
-        },
-    }
-
-
-def run(info: ClusterInfo, timeout: float = 60) -> int:
-    with config.new_client_from_config(config_file=info.kubeconfig) as api:
-        core = client.CoreV1Api(api)
-        nodes = core.list_node(label_selector="matrixserve.io/emulated-node=true").items
-        print(f"\n{'NODE':<18}{'SUPERPOD':<10}{'NPUS':>5}  {'POD CIDR':<16}READY")
-        for node in nodes:
-            ready = {c.type: c.status for c in node.status.conditions or []}.get("Ready")
-            print(
-                f"{node.metadata.name:<18}{node.metadata.labels.get('matrixserve.io/superpod', ''):<10}"
-                f"{node.status.capacity.get('huawei.com/Ascend910', '0'):>5}  "
-                f"{node.spec.pod_cidr or '':<16}{ready}"
-            )
-
+def install_crds(api: client.ApiClient) -> None:
+    ext = client.ApiextensionsV1Api(api)
+    for path in sorted((REPO / "crds").glob("matrixserve.io_*.yaml")):
+        body = yaml.safe_load(path.read_text())
         try:
-            core.create_namespace({"metadata": {"name": NAMESPACE}})
+            ext.create_custom_resource_definition(body)
         except client.ApiException as exc:
             if exc.status != 409:
                 raise
-        try:
-            core.delete_namespaced_pod(POD, NAMESPACE, grace_period_seconds=0)
-        except client.ApiException as exc:
-            if exc.status != 404:
-                raise
-        _until("the previous demo pod to go", timeout, lambda: not _exists(core))
+            current = ext.read_custom_resource_definition(body["metadata"]["name"])
+            body["metadata"]["resourceVersion"] = current.metadata.resource_version
+            ext.replace_custom_resource_definition(body["metadata"]["name"], body)
+    for name in (
+        yaml.safe_load(p.read_text())["metadata"]["name"]
+        for p in (REPO / "crds").glob("matrixserve.io_*.yaml")
+    ):
+        _until(
+            f"CRD {name} established",
+            30,
+            lambda n=name: any(
+                c.type == "Established" and c.status == "True"
+                for c in ext.read_custom_resource_definition(n).status.conditions or []
+            ),
+        )
 
-        def create() -> bool:
-            try:
-                core.create_namespaced_pod(NAMESPACE, _demo_pod())
-            except client.ApiException as exc:
-                if exc.status == 403:  # the namespace's service-account token is not there yet
-                    return False
-                raise
-            return True
 
-        _until("the demo pod to be created", timeout, create)
-
-        def ready_pod() -> Any:
-            pod = core.read_namespaced_pod(POD, NAMESPACE)
-            conditions = {c.type: c.status for c in pod.status.conditions or []}
-            return pod if conditions.get("Ready") == "True" else None
-
-        pod = _until("the demo pod to become Ready", timeout, ready_pod)
-    identity = json.loads(_http_get(f"http://{pod.status.pod_ip}:8000/v1/info"))
-    print(
-        f"\npod {NAMESPACE}/{POD} on {identity['node']} at {pod.status.pod_ip} (its own process):"
+def ensure_operator(cluster: DevCluster, info: ClusterInfo) -> None:
+    record = cluster.supervisor.record("operator")
+    if record is not None and record.alive():
+        return
+    pki_dir = Path(info.state_dir) / "pki"
+    ca = pki.KeyPair(pki_dir / "ca.crt", pki_dir / "ca.key")
+    cert = pki.issue_certificate(ca, pki_dir, "webhook", "matrixserve-webhook", ["IP:127.0.0.1"])
+    metrics, liveness, webhook = free_ports(3)
+    cluster.supervisor.start(
+        "operator",
+        [
+            sys.executable,
+            "-m",
+            "matrixserve",
+            "--zookeeper",
+            info.zookeeper,
+            "--engine-time-scale",
+            TIME_SCALE,
+            "--metrics-port",
+            str(metrics),
+            "--liveness-port",
+            str(liveness),
+            "--webhook-port",
+            str(webhook),
+            "--webhook-cert",
+            str(cert.cert),
+            "--webhook-key",
+            str(cert.key),
+            "--webhook-ca",
+            str(ca.cert),
+        ],
+        env={**os.environ, "KUBECONFIG": info.kubeconfig},
     )
-    print(f"  NPUs granted : {', '.join(map(str, identity['npus']))}")
-    print(f"  dies         : {', '.join(map(str, identity['dies']))}")
-    print(f"  RoCE IPs     : {', '.join(identity['roceIps'])}  (identities only, never dialled)")
-    print(f"  device file  : {identity['deviceStatusFile']}")
-    return 0
+    _until("the operator to be live", 30, lambda: _live(liveness))
+    (Path(info.state_dir) / "operator.json").write_text(
+        json.dumps(
+            {
+                "metrics": f"http://127.0.0.1:{metrics}/metrics",
+                "liveness": f"http://127.0.0.1:{liveness}/healthz",
+            }
+        )
+    )
 
 
-def _exists(core: client.CoreV1Api) -> bool:
+def _live(port: int) -> bool:
     try:
-        core.read_namespaced_pod(POD, NAMESPACE)
+        return (
+            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1, trust_env=False).status_code
+            == 200
+        )
+    except httpx.HTTPError:
+        return False
+
+
+def apply_group(api: client.ApiClient) -> None:
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    try:
+        core.create_namespace({"metadata": {"name": NAMESPACE}})
+    except client.ApiException as exc:
+        if exc.status != 409:
+            raise
+    _until("the namespace's service account token", 30, lambda: _token_ready(core))
+    body = yaml.safe_load((REPO / "crds" / "samples" / "pdgroup-2p1d.yaml").read_text())
+    try:
+        custom.delete_namespaced_custom_object(
+            "matrixserve.io", "v1alpha1", NAMESPACE, "pdgroups", GROUP
+        )
+        _until("the previous group to go", 60, lambda: not _exists(custom))
+        _until("its pods to go", 60, lambda: not core.list_namespaced_pod(NAMESPACE).items)
+    except client.ApiException as exc:
+        if exc.status != 404:
+            raise
+    custom.create_namespaced_custom_object(
+        "matrixserve.io", "v1alpha1", NAMESPACE, "pdgroups", body
+    )
+
+
+def _token_ready(core: client.CoreV1Api) -> bool:
+    """Pods are admitted once the namespace's default service account has its token."""
+    try:
+        return bool(core.read_namespaced_service_account("default", NAMESPACE).secrets)
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+
+
+def _exists(custom: client.CustomObjectsApi) -> bool:
+    try:
+        custom.get_namespaced_custom_object(
+            "matrixserve.io", "v1alpha1", NAMESPACE, "pdgroups", GROUP
+        )
     except client.ApiException as exc:
         if exc.status == 404:
             return False
         raise
     return True
+
+
+def wait_ready(api: client.ApiClient) -> float:
+    custom = client.CustomObjectsApi(api)
+    started = time.monotonic()
+    last = ""
+
+    def ready() -> bool:
+        nonlocal last
+        status = (
+            custom.get_namespaced_custom_object(
+                "matrixserve.io", "v1alpha1", NAMESPACE, "pdgroups", GROUP
+            ).get("status")
+            or {}
+        )
+        conds = {c["type"]: c for c in status.get("conditions", [])}
+        line = (
+            f"  {time.monotonic() - started:5.1f}s  {conds.get('Ready', {}).get('reason', 'Pending'):<10} "
+            f"{conds.get('Ready', {}).get('message', '')}  links {status.get('links', {}).get('summary', '-')}"
+        )
+        if line.split("s ", 1)[1] != last:
+            print(line, flush=True)
+            last = line.split("s ", 1)[1]
+        return bool(conds.get("Ready", {}).get("status") == "True")
+
+    _until("the PDGroup to become Ready", 180, ready, every=0.3)
+    return time.monotonic() - started
+
+
+def show(info: ClusterInfo) -> None:
+    env = {**os.environ, "KUBECONFIG": info.kubeconfig}
+    kubectl = str(tools.kubectl_path())
+    for args in (
+        ["get", "pdgroups", "-n", NAMESPACE, "-o", "wide"],
+        ["get", "pods", "-n", NAMESPACE, "-o", "wide"],
+    ):
+        print(f"\n$ kubectl {' '.join(args)}")
+        print(
+            subprocess.run(
+                [kubectl, *args], env=env, capture_output=True, text=True, check=False
+            ).stdout.rstrip()
+        )
+    zk = KazooClient(hosts=info.zookeeper)
+    zk.start(timeout=10)
+    try:
+        paths = zl.GroupPaths(NAMESPACE, GROUP)
+        roce_map = zl.RoceMap.parse(zk.get(paths.roce_map)[0])
+        print(f"\nRoCE map v{roce_map.version} from ZooKeeper ({paths.roce_map}):")
+        for role, entries in (("P", roce_map.prefill), ("D", roce_map.decode)):
+            for e in entries:
+                print(f"  {role}  {e.instance:<14} pod {e.pod_ip:<12} RoCE {', '.join(e.roce_ips)}")
+        links = zk.get_children(paths.links)
+        subs = sum(len(zl.Link.parse(zk.get(f"{paths.links}/{c}")[0]).sub_links) for c in links)
+        print(f"  links: {len(links)} P-D links, {subs} verified sub-links (device k <-> device k)")
+        print(f"  entrances: {', '.join(sorted(zk.get_children(paths.entrances)))}")
+        entrance = zl.Entrance.parse(
+            zk.get(paths.entrance(sorted(zk.get_children(paths.entrances))[0]))[0]
+        )
+    finally:
+        zk.stop()
+    print(
+        f"\nOne streamed request to entrance {entrance.instance} ({entrance.pod_ip}:{entrance.port}):"
+    )
+    body = {
+        "requestId": "demo-1",
+        "prompt": "Explain disaggregated prefill and decode serving. " * 40,
+        "maxTokens": 24,
+    }
+    with httpx.stream(
+        "POST",
+        f"http://{entrance.pod_ip}:{entrance.port}/v1/generate",
+        json=body,
+        timeout=60,
+        trust_env=False,
+    ) as response:
+        events = [
+            json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")
+        ]
+    text = "".join(e["text"] for e in events if e["type"] == "token")
+    done = events[-1]
+    print(f"  text    : {text.strip()}")
+    if done["type"] == "done":
+        t = done["timings"]
+        print(
+            f"  served  : prefill {done['instances']['prefill']}, decode {done['instances']['decode']}"
+        )
+        print(
+            f"  timings : TTFT {t['ttft'] * 1000:.1f} ms, KV transfer {t['kvTransfer'] * 1000:.2f} ms, "
+            f"TPOT {t['tpotMean'] * 1000:.2f} ms, e2e {t['e2e'] * 1000:.0f} ms (emulated)"
+        )
+    else:
+        print(f"  error   : {done}")
+
+
+def run(cluster: DevCluster, info: ClusterInfo) -> int:
+    with config.new_client_from_config(config_file=info.kubeconfig) as api:
+        print("\nInstalling the CRDs and starting the operator ...")
+        install_crds(api)
+        ensure_operator(cluster, info)
+        print(
+            f"Applying crds/samples/pdgroup-2p1d.yaml as {NAMESPACE}/{GROUP} (2 prefill + 1 decode, 4 dies each):"
+        )
+        apply_group(api)
+        seconds = wait_ready(api)
+        print(f"Ready after {seconds:.1f}s (engine time scale {TIME_SCALE}).")
+    show(info)
+    return 0

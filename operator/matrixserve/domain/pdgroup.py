@@ -321,7 +321,9 @@ def _instance_state(view: GroupView, name: str, roce_map: zl.RoceMap | None) -> 
     health = view.zk.health.get(name)
     if health is None:
         return "Initializing"
-    return "Serving" if health.state is zl.HealthState.SERVING else "Degraded"
+    if health.state is not zl.HealthState.SERVING:
+        return "Degraded"
+    return "Serving" if pod.ready else "Initializing"  # what kubectl shows agrees with the group
 
 
 def _finish(
