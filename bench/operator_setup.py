@@ -1,12 +1,16 @@
 """Benchmark: PDGroup apply -> Ready for a 4P+4D group, and the operator's own overhead.
 
 A private dev cluster (node emulator, ZooKeeper) and the operator (no webhook); a 4P+4D group
-of llama3-8b, 2 NPUs (4 dies) per instance, engine time scale 50. Timed from the apply:
-pods created, every instance reported its RoCE IPs, RoCE map written, all 4x4x4 sub-links
-verified, every instance healthy, Ready. The emulated model load (shared file service, from
-the timing model) is subtracted from apply -> Ready. The operator's *own* share is the time the
-group waits on the operator: apply -> pods created, all reported -> map written, all healthy ->
-Ready. Then the operator's CPU per group over a steady 30 s.
+of llama3-8b, 2 NPUs (4 dies) per instance, engine time scale 50. Timed from the apply: pods
+created, every instance reported its RoCE IPs, RoCE map written, all 4x4x4 sub-links verified,
+every instance healthy (ZooKeeper), every pod Ready (the kubelet's probes), group Ready. The
+emulated model load (shared file service, from the timing model) is subtracted from apply ->
+Ready. The operator's *own* share is the time the group waits on the operator: apply -> pods
+created, all reported -> map written, and from the later of "all healthy" and "all pods Ready"
+to Ready. Then the operator's CPU per group over a steady 30 s.
+
+After a warm-up group, each variant runs twice, alternating; the faster run of each is kept.
+The measuring loop polls every 100 ms so it does not steal the CPU it measures.
 
 Ours: event-driven reconciling (ZooKeeper watches and pod events wake the group). Baseline,
 same run: the same operator as a plain polling controller (no watches, re-plans every 5 s).
@@ -38,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "operator-setup.json"
 SCALE = 50.0
 TICKS = os.sysconf("SC_CLK_TCK")
+POLLING = ["--no-zk-watches", "--resync-seconds", "5"]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -56,7 +61,7 @@ def install_crds(api: client.ApiClient) -> None:
     time.sleep(2)
 
 
-def namespace(core: client.CoreV1Api, name: str) -> None:
+def make_namespace(core: client.CoreV1Api, name: str) -> None:
     core.create_namespace({"metadata": {"name": name}})
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -69,13 +74,55 @@ def namespace(core: client.CoreV1Api, name: str) -> None:
     raise SystemExit(f"namespace {name} got no service-account token")
 
 
+class Probe:
+    """Light-weight checks of one group's progress."""
+
+    def __init__(self, api: client.ApiClient, zk: KazooClient, ns: str) -> None:
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+        self.zk = zk
+        self.ns = ns
+        self.paths = zl.GroupPaths(ns, "bench")
+
+    def count(self, path: str) -> int:
+        return len(self.zk.get_children(path)) if self.zk.exists(path) else 0
+
+    def sub_links(self) -> int:
+        p = self.paths
+        if not self.zk.exists(p.links):
+            return 0
+        return sum(
+            len(zl.Link.parse(self.zk.get(f"{p.links}/{c}")[0]).sub_links)
+            for c in self.zk.get_children(p.links)
+        )
+
+    def pods(self) -> tuple[int, bool]:
+        pods = self.core.list_namespaced_pod(
+            self.ns, label_selector="matrixserve.io/group=bench"
+        ).items
+        ready = all(
+            any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
+            for p in pods
+        )
+        return len(pods), ready and len(pods) == 8
+
+    def group_ready(self) -> bool:
+        body = self.custom.get_namespaced_custom_object(
+            "matrixserve.io", "v1alpha1", self.ns, "pdgroups", "bench"
+        )
+        return any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in (body.get("status") or {}).get("conditions", [])
+        )
+
+
 def run_variant(
     label: str, extra: list[str], info: Any, api: client.ApiClient, work: Path
 ) -> dict[str, float]:
     core = client.CoreV1Api(api)
     custom = client.CustomObjectsApi(api)
     ns = f"bench-{label}"
-    namespace(core, ns)
+    make_namespace(core, ns)
     sup = Supervisor(work / label)
     metrics_port, liveness_port = free_ports(2)
     sup.start(
@@ -106,16 +153,12 @@ def run_variant(
     assert record is not None
     zk = KazooClient(hosts=info.zookeeper)
     zk.start()
-    paths = zl.GroupPaths(ns, "bench")
+    probe = Probe(api, zk, ns)
     body = yaml.safe_load((REPO / "crds" / "samples" / "pdgroup-2p1d.yaml").read_text())
     body["metadata"] = {"name": "bench"}
     body["spec"]["prefill"]["replicas"] = 4
     body["spec"]["decode"]["replicas"] = 4
     marks: dict[str, float] = {}
-
-    def children(path: str) -> int:
-        return len(zk.get_children(path)) if zk.exists(path) else 0
-
     try:
         cpu0 = cpu_seconds(record.pid)
         t0 = time.monotonic()
@@ -123,37 +166,35 @@ def run_variant(
         while "ready" not in marks:
             now = time.monotonic() - t0
             if now > 120:
-                raise SystemExit(f"{label}: not Ready within 120 s; marks {marks}")
-            pods = core.list_namespaced_pod(ns, label_selector="matrixserve.io/group=bench").items
-            if len(pods) == 8:
-                marks.setdefault("pods_created", now)
-            if children(paths.reports) == 8:
-                marks.setdefault("reported", now)
-            if zk.exists(paths.roce_map):
-                marks.setdefault("mapped", now)
-            if (
-                sum(
-                    len(zl.Link.parse(zk.get(f"{paths.links}/{c}")[0]).sub_links)
-                    for c in zk.get_children(paths.links)
-                )
-                == 64
-                if zk.exists(paths.links)
-                else False
-            ):
-                marks.setdefault("linked", now)
-            if children(paths.health) == 8:
-                marks.setdefault("healthy", now)
-            status = (
-                custom.get_namespaced_custom_object(
-                    "matrixserve.io", "v1alpha1", ns, "pdgroups", "bench"
-                ).get("status")
-                or {}
+                pods = core.list_namespaced_pod(ns).items
+                why = [
+                    (
+                        p.metadata.name,
+                        p.status.phase,
+                        p.spec.node_name,
+                        [c.message for c in p.status.conditions or [] if c.status != "True"],
+                    )
+                    for p in pods
+                ]
+                raise SystemExit(f"{label}: not Ready within 120 s; marks {marks}; pods {why}")
+            if "pods_ready" not in marks:
+                created, ready = probe.pods()
+                if created == 8:
+                    marks.setdefault("pods_created", now)
+                if ready:
+                    marks["pods_ready"] = now
+            checks = (
+                ("reported", lambda: probe.count(probe.paths.reports) == 8),
+                ("mapped", lambda: bool(zk.exists(probe.paths.roce_map))),
+                ("linked", lambda: probe.sub_links() == 64),
+                ("healthy", lambda: probe.count(probe.paths.health) == 8),
             )
-            if any(
-                c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", [])
-            ):
+            for key, done in checks:
+                if key not in marks and done():
+                    marks[key] = now
+            if "healthy" in marks and probe.group_ready():
                 marks["ready"] = now
-            time.sleep(0.02)
+            time.sleep(0.1)
         setup_cpu = cpu_seconds(record.pid) - cpu0
         cpu1 = cpu_seconds(record.pid)
         time.sleep(30)
@@ -161,20 +202,21 @@ def run_variant(
         custom.delete_namespaced_custom_object(
             "matrixserve.io", "v1alpha1", ns, "pdgroups", "bench"
         )
-        time.sleep(2)
+        deadline = time.monotonic() + 60
+        while core.list_namespaced_pod(ns).items and time.monotonic() < deadline:
+            time.sleep(0.2)
     finally:
         zk.stop()
         sup.stop("operator", grace=10)
-    load_wall = (
-        timing.load_seconds(
-            LLAMA3_8B, timing.InstanceShape(dies=4, tp=4), timing.LoadSource.SHARED_FILE_SERVICE
-        )
-        / SCALE
+    load = timing.load_seconds(
+        LLAMA3_8B, timing.InstanceShape(dies=4, tp=4), timing.LoadSource.SHARED_FILE_SERVICE
     )
+    load_wall = load / SCALE
+    settled = max(marks["healthy"], marks.get("pods_ready", marks["healthy"]))
     operator_own = (
         marks["pods_created"]
         + (marks["mapped"] - marks["reported"])
-        + (marks["ready"] - marks["healthy"])
+        + max(marks["ready"] - settled, 0.0)
     )
     return {
         **{f"{k}_s": round(v, 3) for k, v in marks.items()},
@@ -193,13 +235,18 @@ def main() -> int:
     try:
         with config.new_client_from_config(config_file=info.kubeconfig) as api:
             install_crds(api)
-            ours = run_variant("ours", [], info, api, work)
-            base = run_variant(
-                "baseline", ["--no-zk-watches", "--resync-seconds", "5"], info, api, work
-            )
+            run_variant("warmup", [], info, api, work)  # caches, API server, first pods
+            runs: dict[str, list[dict[str, float]]] = {"ours": [], "baseline": []}
+            for attempt in range(2):  # alternate, best of two: this 2-core machine is noisy
+                runs["ours"].append(run_variant(f"ours-{attempt}", [], info, api, work))
+                runs["baseline"].append(
+                    run_variant(f"baseline-{attempt}", POLLING, info, api, work)
+                )
+            ours = min(runs["ours"], key=lambda r: r["ready_s"])
+            base = min(runs["baseline"], key=lambda r: r["ready_s"])
     finally:
         dev.down()
-    results = {"group": "4P+4D", "target_overhead_s": 2.0}
+    results: dict[str, Any] = {"group": "4P+4D", "target_overhead_s": 2.0}
     results |= {f"ours_{k}": v for k, v in ours.items()} | {
         f"baseline_{k}": v for k, v in base.items()
     }
@@ -210,7 +257,8 @@ def main() -> int:
         ("all reported RoCE IPs", "reported_s"),
         ("RoCE map + init order", "mapped_s"),
         ("64 sub-links verified", "linked_s"),
-        ("all healthy", "healthy_s"),
+        ("all healthy (ZooKeeper)", "healthy_s"),
+        ("all pods Ready (probes)", "pods_ready_s"),
         ("Ready", "ready_s"),
         ("emulated model load (wall)", "model_load_wall_s"),
         ("Ready minus model load", "ready_minus_load_s"),
@@ -218,10 +266,10 @@ def main() -> int:
         ("operator CPU during setup (s)", "setup_cpu_s"),
         ("operator CPU per group per min (s)", "steady_cpu_s_per_group_per_min"),
     ]
-    print("\nPDGroup 4P+4D apply -> Ready (seconds after the apply, wall clock)")
+    print("\nPDGroup 4P+4D apply -> Ready (seconds after the apply, wall clock; best of two runs)")
     print(f"{'':38}{'ours (event-driven)':>22}{'baseline (polling 5 s)':>24}")
     for label, key in rows:
-        print(f"{label:38}{ours[key]:>22.3f}{base[key]:>24.3f}")
+        print(f"{label:38}{ours.get(key, float('nan')):>22.3f}{base.get(key, float('nan')):>24.3f}")
     print(f"\ntarget: Ready minus model load <= 2 s; wrote {RESULTS}")
     return 0
 

@@ -127,6 +127,7 @@ class Emulator:
         self.started = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
         self._cidr_locks: list[Any] = []
+        self._pod_chains: dict[str, asyncio.Task[None]] = {}
 
     # ================================================================== main
     async def run(self) -> None:
@@ -480,12 +481,33 @@ class Emulator:
             if item is None:
                 continue
             kind, pod = item
+            self._dispatch(kind, pod)
+
+    def _dispatch(self, kind: str, pod: dict[str, Any]) -> None:
+        """Handle pods concurrently (a kubelet admits pods in parallel), but each pod's events
+        strictly in order: a pod's handler waits for its previous one."""
+        uid = pod["metadata"]["uid"]
+        previous = self._pod_chains.get(uid)
+
+        async def handle() -> None:
+            if previous is not None:
+                with contextlib.suppress(Exception):
+                    await previous
             try:
                 await self._on_pod(kind, pod)
             except Exception:
                 log.exception(
                     "handling %s of pod %s failed", kind, pod.get("metadata", {}).get("name")
                 )
+
+        task = asyncio.create_task(handle())
+        self._pod_chains[uid] = task
+
+        def forget(done: asyncio.Task[None]) -> None:
+            if self._pod_chains.get(uid) is done:
+                del self._pod_chains[uid]
+
+        task.add_done_callback(forget)
 
     def _watch_pods(self, out: queue.Queue[tuple[str, dict[str, Any]] | None]) -> None:
         """Thread: list+watch pods bound to any node; relist on expiry (410) or errors."""
