@@ -60,6 +60,12 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
     p.add_argument(
         "--engine-health-interval", default="20", help="emulated seconds between health reports"
     )
+    p.add_argument(
+        "--engine-admission",
+        choices=["reject", "queue"],
+        default="reject",
+        help="prefill admission: reject when busy (P/D-Serve) or queue (the gateway benchmark's baseline)",
+    )
     p.add_argument("--metrics-address", default="127.0.0.1")
     p.add_argument(
         "--metrics-port", type=_positive_port, default=8080, help="0 disables the metrics server"
@@ -118,6 +124,7 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
             time_scale=str(args.engine_time_scale),
             load_source=args.engine_load_source,
             health_interval_seconds=str(args.engine_health_interval),
+            admission=args.engine_admission,
         ),
         metrics_address=args.metrics_address,
         metrics_port=args.metrics_port,

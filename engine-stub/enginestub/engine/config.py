@@ -59,6 +59,9 @@ class EngineConfig(BaseModel):
     # "absolute": decode steps on absolute deadlines (overhead never accumulates); "relative":
     # the naive loop that sleeps one step after its work - kept as the benchmark's baseline.
     step_scheduling: Literal["absolute", "relative"] = "absolute"
+    # "reject" (P/D-Serve: prefill never queues) or "queue": a local FIFO at the prefill, the
+    # paper's original version, kept as the gateway benchmark's baseline.
+    admission: Literal["reject", "queue"] = "reject"
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:
@@ -169,6 +172,11 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
         help="die ids granted (default: $MATRIXSERVE_DIES from the node emulator)",
     )
     parser.add_argument(
+        "--admission",
+        default=env.get("ENGINE_ADMISSION", "reject"),
+        help="reject (default) or queue",
+    )
+    parser.add_argument(
         "--step-scheduling",
         default=env.get("ENGINE_STEP_SCHEDULING", "absolute"),
         help="decode step scheduling: absolute deadlines (default) or relative (naive baseline)",
@@ -211,6 +219,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
             device_status_file=Path(status_file) if status_file else None,
             decode_peers=args.decode_peer,
             step_scheduling=args.step_scheduling,
+            admission=args.admission,
         )
     except ValidationError as exc:
         raise ConfigError(

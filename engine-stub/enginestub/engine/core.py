@@ -74,6 +74,7 @@ class GenerateRequest:
     prompt_tokens: int
     max_tokens: int
     ttft_budget: float | None = None  # emulated seconds the caller still allows for the first token
+    queued: bool = False  # admitted into the local queue (admission "queue"): no slot yet
 
     @classmethod
     def parse(cls, body: Any, max_prompt: int, max_output: int) -> GenerateRequest:
@@ -161,6 +162,8 @@ class Engine:
         self.kv_egress_flows = 0
         self.compute = SharedResource(self.clock, 1.0)  # 1 emulated second of work per second
         self.prefill_slots = 0
+        self.prefill_queue = 0
+        self._slot_freed = asyncio.Event()
         self.pending_kv: dict[str, PendingKV] = {}
         self.kv_reserved = 0.0
         self.running: list[Sequence] = []
@@ -224,6 +227,7 @@ class Engine:
             "unhealthyDies": {str(k): v for k, v in sorted(self.unhealthy_dies.items())},
             "faults": self.faults,
             "prefillSlots": {"used": self.prefill_slots, "max": self.config.max_batch},
+            "prefillQueue": self.prefill_queue,
             "decodeBatch": {
                 "running": len(self.running),
                 "joining": len(self.joining),
@@ -374,6 +378,11 @@ class Engine:
             raise EngineError(
                 413, "prompt_too_long", "the prompt's KV cache does not fit this instance's HBM"
             )
+        if self.config.admission == "queue":  # the baseline: wait in a local queue for a slot
+            req.queued = True
+            self.prefill_queue += 1
+            self.metrics.requests.labels(stage="prefill", outcome="queued").inc()
+            return
         if self.prefill_slots >= self.config.max_batch:
             self.metrics.requests.labels(stage="prefill", outcome="rejected").inc()
             raise EngineError(
@@ -394,6 +403,21 @@ class Engine:
         self.prefill_slots -= 1
         self._release_kv(req.prompt_tokens)
         self.metrics.prefill_slots.set(self.prefill_slots)
+        self._slot_freed.set()
+
+    async def _wait_for_slot(self, req: GenerateRequest) -> None:
+        """Queue mode: FIFO-ish wait until a slot and the prompt's KV fit."""
+        try:
+            while self.prefill_slots >= self.config.max_batch or not self._reserve_kv(
+                req.prompt_tokens
+            ):
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+        finally:
+            self.prefill_queue -= 1
+        self.prefill_slots += 1
+        req.queued = False
+        self.metrics.prefill_slots.set(self.prefill_slots)
 
     async def _run_prefill(self, req: GenerateRequest) -> float:
         work = (
@@ -405,8 +429,11 @@ class Engine:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
         """A request accepted by :meth:`admit_prefill`: prefill, then decode (here or remote)."""
         started = self.clock.now()
-        slot_held = True
+        slot_held = not req.queued
         try:
+            if req.queued:  # time in the local queue counts toward TTFT, as in the baseline
+                await self._wait_for_slot(req)
+                slot_held = True
             prefill_time = await self._run_prefill(req)
             ttft = self.clock.now() - started
             self.metrics.ttft.observe(ttft)

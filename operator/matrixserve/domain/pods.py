@@ -32,6 +32,7 @@ class EngineSettings:
     load_source: str = "SharedFileService"
     health_interval_seconds: str = "20"
     link_timeout_seconds: str = "60"
+    admission: str = "reject"  # "queue" only for the gateway benchmark's baseline
 
 
 def _field(path: str) -> dict[str, Any]:
@@ -91,6 +92,7 @@ def pod_manifest(
         {"name": "ENGINE_HEALTH_INTERVAL", "value": settings.health_interval_seconds},
         {"name": "ENGINE_LINK_TIMEOUT", "value": settings.link_timeout_seconds},
         {"name": "MATRIXSERVE_TIME_SCALE", "value": settings.time_scale},
+        {"name": "ENGINE_ADMISSION", "value": settings.admission},
         {"name": "MATRIXSERVE_GROUP", "value": f"{namespace}/{group}"},
         {"name": "MATRIXSERVE_ZK", "value": settings.zookeeper},
     ]

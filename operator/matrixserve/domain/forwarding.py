@@ -1,0 +1,141 @@
+"""Gateway forwarding policies (P/D-Serve §3.5), pure.
+
+- **on-demand** (ours): order the prefill entrances by fewest open SSE connections (ties keep the
+  entrances' order, "organized in order"), put the prefill that accepted last first while it keeps
+  accepting ("continuously forwards the requests to one idle prefill until it is busy"), and try
+  them one after another until one accepts or the TTFT budget is spent. Prefill never queues.
+- **round-robin** (baseline): the next entrance in turn.
+- **least-loaded** (baseline): the entrance with the smallest queue in its last periodic report,
+  which is stale between reports (the P/D-Serve baseline: "reporting the queue every 100ms").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Policy(StrEnum):
+    ON_DEMAND = "on-demand"
+    ROUND_ROBIN = "round-robin"
+    LEAST_LOADED = "least-loaded"
+
+
+@dataclass(frozen=True)
+class Entrance:
+    instance: str
+    address: str  # host:port of the prefill's engine
+
+
+def order(
+    policy: Policy,
+    entrances: Sequence[Entrance],
+    open_streams: Mapping[str, int],
+    *,
+    last_accepted: str | None = None,
+    turn: int = 0,
+    reported_load: Mapping[str, int] | None = None,
+) -> list[Entrance]:
+    """The entrances in the order to try them."""
+    if not entrances:
+        return []
+    if policy is Policy.ROUND_ROBIN:
+        start = turn % len(entrances)
+        return [*entrances[start:], *entrances[:start]]
+    if policy is Policy.LEAST_LOADED:
+        loads = reported_load or {}
+        return sorted(entrances, key=lambda e: loads.get(e.instance, 0))
+    ranked = sorted(entrances, key=lambda e: open_streams.get(e.instance, 0))  # stable
+    if last_accepted is not None:
+        first = [e for e in ranked if e.instance == last_accepted]
+        ranked = first + [e for e in ranked if e.instance != last_accepted]
+    return ranked
+
+
+# --------------------------------------------------------------------------- OpenAI requests
+class BadRequest(Exception):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        code: str = "invalid_request",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+
+    def body(self) -> dict[str, object]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": "invalid_request_error",
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+@dataclass(frozen=True)
+class Completion:
+    model: str
+    prompt: str
+    max_tokens: int
+    stream: bool
+    chat: bool
+
+
+def parse_completion(
+    body: object, chat: bool, max_prompt_chars: int, max_tokens_limit: int
+) -> Completion:
+    """Validate an OpenAI ``/v1/completions`` or ``/v1/chat/completions`` body."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a non-empty string", "model")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty array", "messages")
+        parts = []
+        for i, m in enumerate(messages):
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("content"), str)
+                or not isinstance(m.get("role"), str)
+            ):
+                raise BadRequest(
+                    f"messages[{i}] needs a string 'role' and a string 'content'", f"messages[{i}]"
+                )
+            parts.append(f"{m['role']}: {m['content']}")
+        prompt = "\n".join(parts)
+    else:
+        raw = body.get("prompt")
+        if isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw):
+            prompt = "\n".join(raw)
+        elif isinstance(raw, str) and raw:
+            prompt = raw
+        else:
+            raise BadRequest("'prompt' must be a non-empty string", "prompt")
+    if len(prompt) > max_prompt_chars:
+        raise BadRequest(
+            f"the prompt has {len(prompt)} characters; at most {max_prompt_chars} are accepted",
+            "prompt",
+            status=413,
+            code="prompt_too_long",
+        )
+    max_tokens = body.get("max_tokens", 16)
+    if (
+        not isinstance(max_tokens, int)
+        or isinstance(max_tokens, bool)
+        or not 1 <= max_tokens <= max_tokens_limit
+    ):
+        raise BadRequest(f"'max_tokens' must be an integer in 1..{max_tokens_limit}", "max_tokens")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", "stream")
+    return Completion(model=model, prompt=prompt, max_tokens=max_tokens, stream=stream, chat=chat)

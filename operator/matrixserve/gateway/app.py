@@ -1,0 +1,452 @@
+"""The gateway's HTTP server: OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (streaming
+and not), ``/v1/models``, ``/healthz``, ``/metrics``.
+
+On-demand forwarding with rejection (P/D-Serve §3.5): try the scenario's prefill entrances in the
+policy's order; a 429 from a prefill means "busy, try the next"; when every entrance rejected,
+re-order and try again after a short pause, until the TTFT budget (the group's
+``slo.ttftMilliseconds``) is spent, then answer 503 with the reason. The stream of the accepting
+prefill (decode -> prefill -> gateway) is relayed as OpenAI chunks; a decode failing mid-stream
+ends the client's stream with an error chunk and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from matrixserve.domain.forwarding import (
+    BadRequest,
+    Completion,
+    Entrance,
+    Policy,
+    order,
+    parse_completion,
+)
+from matrixserve.gateway.discovery import Discovery, GroupRoute
+
+log = logging.getLogger("matrixserve.gateway")
+RETRY_PAUSE_SECONDS = 0.005
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    policy: Policy = Policy.ON_DEMAND
+    time_scale: float = 1.0  # engines' emulated seconds per wall second
+    default_ttft_ms: int = 2000
+    max_prompt_chars: int = 200_000
+    max_tokens_limit: int = 8192
+    report_interval: float = 0.1  # least-loaded baseline: how often engines report their queues
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "matrixserve_gateway_requests",
+            "Requests by scenario and outcome",
+            ["scenario", "outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "matrixserve_gateway_ttft_seconds",
+            "Time to first token seen by the gateway (wall s)",
+            ["scenario"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5),
+            registry=r,
+        )
+        self.attempts = Counter(
+            "matrixserve_gateway_forward_attempts",
+            "Prefill tries, by answer",
+            ["answer"],
+            registry=r,
+        )
+        self.open_streams = Gauge(
+            "matrixserve_gateway_open_streams", "Open SSE streams", registry=r
+        )
+
+
+class Gateway:
+    def __init__(self, discovery: Discovery, config: GatewayConfig) -> None:
+        self.discovery = discovery
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.open: dict[str, int] = {}
+        self.last_accepted: dict[str, str] = {}
+        self.reported: dict[str, int] = {}
+        self.turns = itertools.count()
+        self.session: aiohttp.ClientSession | None = None
+        self._poller: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=2),
+        )
+        if self.config.policy is Policy.LEAST_LOADED:
+            self._poller = asyncio.create_task(self._poll_reports())
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        if self.session is not None:
+            await self.session.close()
+
+    async def _poll_reports(self) -> None:
+        """The baseline's periodic queue reports: stale between polls by design."""
+        assert self.session is not None
+        while True:
+            entrances = {
+                e.instance: e for g in list(self.discovery.groups.values()) for e in g.entrances
+            }
+            for name, e in entrances.items():
+                try:
+                    async with self.session.get(
+                        f"http://{e.address}/v1/info", timeout=aiohttp.ClientTimeout(total=1)
+                    ) as r:
+                        health = (await r.json())["health"]
+                        self.reported[name] = health["prefillSlots"]["used"] + health.get(
+                            "prefillQueue", 0
+                        )
+                except (aiohttp.ClientError, TimeoutError, KeyError, ValueError):
+                    continue
+            await asyncio.sleep(self.config.report_interval)
+
+    # ------------------------------------------------------------------ routing
+    def _scenario(self, request: web.Request, completion: Completion) -> str:
+        return request.headers.get("X-MatrixServe-Scenario") or completion.model
+
+    def _budget(self, routes: list[GroupRoute]) -> float:
+        slo = min((g.ttft_ms for g in routes if g.ttft_ms), default=self.config.default_ttft_ms)
+        return slo / 1000.0
+
+    async def _try(self, entrance: Entrance, body: dict[str, Any]) -> aiohttp.ClientResponse | None:
+        assert self.session is not None
+        try:
+            response = await self.session.post(f"http://{entrance.address}/v1/generate", json=body)
+        except (aiohttp.ClientError, TimeoutError):
+            self.metrics.attempts.labels(answer="unreachable").inc()
+            return None
+        if response.status == 200:
+            self.metrics.attempts.labels(answer="accepted").inc()
+            return response
+        answer = "rejected" if response.status == 429 else f"http_{response.status}"
+        self.metrics.attempts.labels(answer=answer).inc()
+        response.release()
+        return None
+
+    async def forward(
+        self, scenario: str, routes: list[GroupRoute], completion: Completion
+    ) -> tuple[Entrance, aiohttp.ClientResponse] | str:
+        """An accepting prefill and its stream, or why there is none."""
+        budget = self._budget(routes)
+        started = time.monotonic()
+        tried = rejected = 0
+        request_id = f"{scenario}-{uuid.uuid4().hex[:12]}"
+        while True:
+            entrances = [e for g in routes for e in g.entrances]
+            if not entrances:
+                return f"scenario {scenario!r} has no prefill entrance open"
+            ranked = order(
+                self.config.policy,
+                entrances,
+                self.open,
+                last_accepted=self.last_accepted.get(scenario),
+                turn=next(self.turns),
+                reported_load=self.reported,
+            )
+            if self.config.policy is not Policy.ON_DEMAND:
+                ranked = ranked[:1]  # baselines commit to one choice; their prefills queue
+            for entrance in ranked:
+                remaining = budget - (time.monotonic() - started)
+                if remaining <= 0:
+                    return (
+                        f"no prefill accepted within the TTFT budget of {budget * 1000:.0f} ms "
+                        f"({tried} tries, {rejected} rejections)"
+                    )
+                body = {
+                    "requestId": request_id,
+                    "prompt": completion.prompt,
+                    "maxTokens": completion.max_tokens,
+                    "ttftBudget": remaining * self.config.time_scale,
+                }
+                tried += 1
+                response = await self._try(entrance, body)
+                if response is not None:
+                    self.last_accepted[scenario] = entrance.instance
+                    return entrance, response
+                rejected += 1
+                if self.last_accepted.get(scenario) == entrance.instance:
+                    del self.last_accepted[scenario]  # it is busy: batch forwarding moves on
+            if time.monotonic() - started >= budget:
+                return (
+                    f"no prefill accepted within the TTFT budget of {budget * 1000:.0f} ms "
+                    f"({tried} tries, {rejected} rejections)"
+                )
+            await asyncio.sleep(RETRY_PAUSE_SECONDS)
+
+    # ------------------------------------------------------------------ handlers
+    async def completions(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            return _error(BadRequest("the request body is not valid JSON"))
+        try:
+            completion = parse_completion(
+                body, chat, self.config.max_prompt_chars, self.config.max_tokens_limit
+            )
+        except BadRequest as exc:
+            return _error(exc)
+        scenario = self._scenario(request, completion)
+        routes = self.discovery.routes(scenario)
+        if not routes:
+            known = ", ".join(self.discovery.scenarios()) or "none"
+            self.metrics.requests.labels(scenario=scenario, outcome="unknown_scenario").inc()
+            return _error(
+                BadRequest(
+                    f"no PDGroup serves scenario {scenario!r} (known: {known})",
+                    "model",
+                    status=404,
+                    code="model_not_found",
+                )
+            )
+        started = time.monotonic()
+        chosen = await self.forward(scenario, routes, completion)
+        if isinstance(chosen, str):
+            self.metrics.requests.labels(scenario=scenario, outcome="rejected").inc()
+            return web.json_response(
+                {
+                    "error": {
+                        "message": chosen,
+                        "type": "server_busy",
+                        "param": None,
+                        "code": "no_capacity",
+                    }
+                },
+                status=503,
+                headers={"Retry-After": "1"},
+            )
+        entrance, upstream = chosen
+        self.open[entrance.instance] = self.open.get(entrance.instance, 0) + 1
+        self.metrics.open_streams.inc()
+        try:
+            if completion.stream:
+                return await self._relay_stream(request, completion, scenario, upstream, started)
+            return await self._collect(completion, scenario, upstream, started)
+        finally:
+            upstream.release()
+            self.open[entrance.instance] -= 1
+            self.metrics.open_streams.dec()
+
+    async def _events(self, upstream: aiohttp.ClientResponse) -> Any:
+        async for line in upstream.content:
+            if line.startswith(b"data: "):
+                yield json.loads(line[6:])
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        c: Completion,
+        scenario: str,
+        upstream: aiohttp.ClientResponse,
+        started: float,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        ident, created, first = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), True
+        outcome = "incomplete"
+        try:
+            if c.chat:
+                await _send(response, _chunk(ident, created, c, {"role": "assistant"}, None))
+            async for event in self._events(upstream):
+                if event["type"] == "token":
+                    if first:
+                        self.metrics.ttft.labels(scenario=scenario).observe(
+                            time.monotonic() - started
+                        )
+                        first = False
+                    await _send(response, _chunk(ident, created, c, event["text"], None))
+                elif event["type"] == "done":
+                    final = _chunk(ident, created, c, "" if not c.chat else {}, "length")
+                    final["usage"] = _usage(event)
+                    final["matrixserve"] = {
+                        "timings": event["timings"],
+                        "instances": event["instances"],
+                    }
+                    await _send(response, final)
+                    outcome = "ok"
+                    break
+                elif event["type"] == "error":
+                    await _send(
+                        response,
+                        {
+                            "error": {
+                                "message": event["message"],
+                                "type": "server_error",
+                                "code": event.get("code"),
+                            }
+                        },
+                    )
+                    outcome = event.get("code", "error")
+                    break
+            if outcome == "incomplete":
+                await _send(
+                    response,
+                    {
+                        "error": {
+                            "message": "the serving instance closed the stream early",
+                            "type": "server_error",
+                            "code": "stream_interrupted",
+                        }
+                    },
+                )
+            await response.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, aiohttp.ClientError) as exc:
+            outcome = "client_gone" if isinstance(exc, ConnectionResetError) else "upstream_failed"
+        self.metrics.requests.labels(scenario=scenario, outcome=outcome).inc()
+        return response
+
+    async def _collect(
+        self, c: Completion, scenario: str, upstream: aiohttp.ClientResponse, started: float
+    ) -> web.Response:
+        text: list[str] = []
+        done: dict[str, Any] | None = None
+        error: dict[str, Any] | None = None
+        async for event in self._events(upstream):
+            if event["type"] == "token":
+                if not text:
+                    self.metrics.ttft.labels(scenario=scenario).observe(time.monotonic() - started)
+                text.append(event["text"])
+            elif event["type"] == "done":
+                done = event
+                break
+            elif event["type"] == "error":
+                error = event
+                break
+        if done is None:
+            self.metrics.requests.labels(scenario=scenario, outcome="error").inc()
+            message = error["message"] if error else "the serving instance closed the stream early"
+            return web.json_response(
+                {
+                    "error": {
+                        "message": message,
+                        "type": "server_error",
+                        "param": None,
+                        "code": (error or {}).get("code", "stream_interrupted"),
+                    }
+                },
+                status=502,
+            )
+        self.metrics.requests.labels(scenario=scenario, outcome="ok").inc()
+        full = "".join(text)
+        choice: dict[str, Any] = (
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": full},
+                "finish_reason": "length",
+            }
+            if c.chat
+            else {"index": 0, "text": full, "logprobs": None, "finish_reason": "length"}
+        )
+        return web.json_response(
+            {
+                "id": f"cmpl-{uuid.uuid4().hex[:24]}",
+                "object": "chat.completion" if c.chat else "text_completion",
+                "created": int(time.time()),
+                "model": c.model,
+                "choices": [choice],
+                "usage": _usage(done),
+                "matrixserve": {"timings": done["timings"], "instances": done["instances"]},
+            }
+        )
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {"id": s, "object": "model", "owned_by": "matrixserve"}
+                    for s in self.discovery.scenarios()
+                ],
+            }
+        )
+
+    async def metrics_endpoint(self, _: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=4 * self.config.max_prompt_chars + 65536)
+
+        async def completions(request: web.Request) -> web.StreamResponse:
+            return await self.completions(request, chat=False)
+
+        async def chat(request: web.Request) -> web.StreamResponse:
+            return await self.completions(request, chat=True)
+
+        async def healthz(_: web.Request) -> web.Response:
+            return web.Response(
+                text="ok" if self.discovery.synced.is_set() else "syncing",
+                status=200 if self.discovery.synced.is_set() else 503,
+            )
+
+        app.add_routes(
+            [
+                web.post("/v1/completions", completions),
+                web.post("/v1/chat/completions", chat),
+                web.get("/v1/models", self.models),
+                web.get("/healthz", healthz),
+                web.get("/metrics", self.metrics_endpoint),
+            ]
+        )
+        return app
+
+
+def _chunk(
+    ident: str, created: int, c: Completion, piece: Any, finish: str | None
+) -> dict[str, Any]:
+    if c.chat:
+        delta = piece if isinstance(piece, dict) else {"content": piece}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
+        kind = "text_completion"
+    return {"id": ident, "object": kind, "created": created, "model": c.model, "choices": [choice]}
+
+
+def _usage(done: dict[str, Any]) -> dict[str, int]:
+    prompt, completion = done["usage"]["promptTokens"], done["usage"]["completionTokens"]
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+
+def _error(exc: BadRequest) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status)

@@ -1,0 +1,248 @@
+"""The gateway in front of a PDGroup on the local cluster: OpenAI streaming and not, discovery
+from ZooKeeper, entrance removal, a decode failing mid-stream, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from kazoo.client import KazooClient
+from kubernetes import client
+
+from matrixserve.api import zk_layout as zl
+from matrixserve.devcluster.cluster import ClusterInfo, free_ports
+from matrixserve.devcluster.procs import Supervisor
+
+SAMPLE = Path(__file__).resolve().parents[2] / "crds" / "samples" / "pdgroup-2p1d.yaml"
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def serving_group(
+    api_client: client.ApiClient, namespace: str, start_operator: Callable[..., Any]
+) -> Callable[..., Any]:
+    def create(prefill: int = 2, decode: int = 1, scenario: str = "general") -> Any:
+        operator = start_operator(namespace)
+        body = yaml.safe_load(SAMPLE.read_text())
+        body["metadata"] = {"name": "g"}
+        body["spec"]["scenario"] = scenario
+        body["spec"]["prefill"]["replicas"] = prefill
+        body["spec"]["decode"]["replicas"] = decode
+        custom = client.CustomObjectsApi(api_client)
+        custom.create_namespaced_custom_object(
+            "matrixserve.io", "v1alpha1", namespace, "pdgroups", body
+        )
+
+        def ready() -> bool:
+            obj = custom.get_namespaced_custom_object(
+                "matrixserve.io", "v1alpha1", namespace, "pdgroups", "g"
+            )
+            return any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in (obj.get("status") or {}).get("conditions", [])
+            )
+
+        wait_for(ready, what="the group Ready")
+        return operator
+
+    return create
+
+
+@pytest.fixture
+def gateway(cluster: ClusterInfo, namespace: str, tmp_path: Path) -> Iterator[str]:
+    (port,) = free_ports(1)
+    sup = Supervisor(tmp_path / "gateway")
+    sup.start(
+        "gateway",
+        [
+            sys.executable,
+            "-m",
+            "matrixserve.gateway",
+            "--zookeeper",
+            cluster.zookeeper,
+            "--namespace",
+            namespace,
+            "--port",
+            str(port),
+            "--time-scale",
+            "20",
+        ],
+        env={**os.environ, "KUBECONFIG": cluster.kubeconfig},
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if sup.exited("gateway"):
+            pytest.fail(sup.log_path("gateway").read_text()[-2000:])
+        try:
+            return httpx.get(f"{url}/healthz", timeout=1, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(up, timeout=30, what="the gateway")
+    yield url
+    sup.stop("gateway", grace=5)
+
+
+def sse(
+    url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[int, list[Any]]:
+    with httpx.stream(
+        "POST", url, json=body, headers=headers, timeout=60, trust_env=False
+    ) as response:
+        if response.status_code != 200:
+            return response.status_code, [json.loads(response.read())]
+        out = []
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                out.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+        return 200, out
+
+
+def test_streamed_and_plain_completions_through_the_gateway(
+    serving_group: Callable[..., Any], gateway: str
+) -> None:
+    serving_group()
+    wait_for(
+        lambda: httpx.get(f"{gateway}/v1/models", trust_env=False).json()["data"],
+        what="the scenario",
+    )
+    models = httpx.get(f"{gateway}/v1/models", trust_env=False).json()
+    assert [m["id"] for m in models["data"]] == ["general"]
+
+    status, chunks = sse(
+        f"{gateway}/v1/completions",
+        {"model": "general", "prompt": "hi " * 200, "max_tokens": 8, "stream": True},
+    )
+    assert status == 200
+    assert chunks[-1] == "[DONE]"
+    texts = [c["choices"][0]["text"] for c in chunks[:-2]]
+    assert len(texts) == 8
+    final = chunks[-2]
+    assert final["choices"][0]["finish_reason"] == "length"
+    assert final["usage"]["completion_tokens"] == 8
+    assert final["matrixserve"]["instances"]["decode"] == "g-d-0"
+    assert final["matrixserve"]["timings"]["ttft"] > 0
+
+    plain = httpx.post(
+        f"{gateway}/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 4,
+        },
+        headers={"X-MatrixServe-Scenario": "general"},
+        timeout=60,
+        trust_env=False,
+    )
+    assert plain.status_code == 200
+    body = plain.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["usage"]["completion_tokens"] == 4
+
+    unknown = httpx.post(
+        f"{gateway}/v1/completions", json={"model": "nope", "prompt": "x"}, trust_env=False
+    )
+    assert unknown.status_code == 404
+    assert (
+        "no PDGroup serves scenario 'nope' (known: general)" in unknown.json()["error"]["message"]
+    )
+    bad = httpx.post(f"{gateway}/v1/completions", content=b"{not json", trust_env=False)
+    assert bad.status_code == 400
+    assert bad.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_prefill_leaving_the_entrances_stops_getting_requests_within_a_second(
+    cluster: ClusterInfo, namespace: str, serving_group: Callable[..., Any], gateway: str
+) -> None:
+    operator = serving_group()
+    operator.stop()  # so nothing re-opens the entrance we close by hand
+    zk = KazooClient(hosts=cluster.zookeeper)
+    zk.start()
+    try:
+        paths = zl.GroupPaths(namespace, "g")
+        served = set()
+        for i in range(6):
+            _, chunks = sse(
+                f"{gateway}/v1/completions",
+                {"model": "general", "prompt": f"q{i}", "max_tokens": 2, "stream": True},
+            )
+            served.add(chunks[-2]["matrixserve"]["instances"]["prefill"])
+        zk.delete(paths.entrance("g-p-0"))
+        removed_at = time.monotonic()
+        time.sleep(1.0)
+        after = []
+        while time.monotonic() - removed_at < 3:
+            _, chunks = sse(
+                f"{gateway}/v1/completions",
+                {"model": "general", "prompt": "z", "max_tokens": 2, "stream": True},
+            )
+            after.append(chunks[-2]["matrixserve"]["instances"]["prefill"])
+        assert set(after) == {"g-p-1"}, after
+    finally:
+        zk.stop()
+
+
+def test_a_decode_killed_mid_stream_ends_the_stream_with_an_error_and_new_requests_succeed(
+    cluster: ClusterInfo, serving_group: Callable[..., Any], gateway: str
+) -> None:
+    serving_group(prefill=1, decode=2)
+    results: dict[str, Any] = {}
+
+    def long_request() -> None:
+        results["long"] = sse(
+            f"{gateway}/v1/completions",
+            {"model": "general", "prompt": "long", "max_tokens": 8000, "stream": True},
+        )
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    pods = httpx.get(f"{cluster.node_emulator}/pods", trust_env=False).json()
+    decodes = {p["name"]: p for p in pods if p["name"].startswith("g-d-") and p["pids"]}
+    decode_pids = {name: p["pids"]["engine"] for name, p in decodes.items()}
+
+    def busy_decode() -> str | None:
+        for name, p in decodes.items():
+            info = httpx.get(f"http://{p['podIP']}:8000/v1/info", trust_env=False).json()
+            if info["health"]["decodeBatch"]["running"]:
+                return name
+        return None
+
+    busy = wait_for(busy_decode, timeout=5, what="the long stream to reach a decode")
+    os.kill(decode_pids[busy], signal.SIGKILL)
+    thread.join(30)
+    status, chunks = results["long"]
+    assert status == 200
+    assert chunks[-1] == "[DONE]"
+    assert "error" in chunks[-2], chunks[-3:]
+    assert chunks[-2]["error"]["type"] == "server_error"
+    ok = 0
+    for i in range(4):
+        code, more = sse(
+            f"{gateway}/v1/completions",
+            {"model": "general", "prompt": f"after {i}", "max_tokens": 3, "stream": True},
+        )
+        if code == 200 and "choices" in more[-2]:
+            ok += 1
+    assert ok == 4, "new requests must succeed on the remaining decode"

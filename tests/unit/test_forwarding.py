@@ -1,0 +1,92 @@
+"""Gateway policies and OpenAI request validation (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from matrixserve.domain.forwarding import BadRequest, Entrance, Policy, order, parse_completion
+
+E = [Entrance("p0", "a:1"), Entrance("p1", "b:1"), Entrance("p2", "c:1")]
+
+
+def names(entrances: list[Entrance]) -> list[str]:
+    return [e.instance for e in entrances]
+
+
+def test_on_demand_prefers_fewest_open_streams_keeping_the_order_on_ties() -> None:
+    assert names(order(Policy.ON_DEMAND, E, {"p0": 3, "p1": 1, "p2": 1})) == ["p1", "p2", "p0"]
+    assert names(order(Policy.ON_DEMAND, E, {})) == ["p0", "p1", "p2"]
+
+
+def test_on_demand_keeps_feeding_the_prefill_that_accepted_last() -> None:
+    assert names(order(Policy.ON_DEMAND, E, {"p0": 5}, last_accepted="p0")) == ["p0", "p1", "p2"]
+
+
+def test_round_robin_rotates() -> None:
+    assert [names(order(Policy.ROUND_ROBIN, E, {}, turn=t))[0] for t in range(4)] == [
+        "p0",
+        "p1",
+        "p2",
+        "p0",
+    ]
+
+
+def test_least_loaded_follows_the_last_reports_even_when_stale() -> None:
+    assert (
+        names(order(Policy.LEAST_LOADED, E, {"p2": 99}, reported_load={"p0": 4, "p1": 0, "p2": 7}))[
+            0
+        ]
+        == "p1"
+    )
+
+
+def test_no_entrances_no_order() -> None:
+    assert order(Policy.ON_DEMAND, [], {}) == []
+
+
+def ok(**extra: Any) -> dict[str, Any]:
+    return {"model": "general", "prompt": "hello", **extra}
+
+
+def test_completion_and_chat_bodies_parse() -> None:
+    c = parse_completion(ok(max_tokens=5, stream=True), False, 1000, 100)
+    assert (c.model, c.prompt, c.max_tokens, c.stream, c.chat) == (
+        "general",
+        "hello",
+        5,
+        True,
+        False,
+    )
+    chat = parse_completion(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, True, 1000, 100
+    )
+    assert chat.prompt == "user: hi"
+    assert chat.max_tokens == 16
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "param", "status"),
+    [
+        ([], False, None, 400),
+        ({"prompt": "x"}, False, "model", 400),
+        (ok(prompt=""), False, "prompt", 400),
+        (ok(prompt=5), False, "prompt", 400),
+        (ok(max_tokens=0), False, "max_tokens", 400),
+        (ok(max_tokens=10**9), False, "max_tokens", 400),
+        (ok(max_tokens="3"), False, "max_tokens", 400),
+        (ok(stream="yes"), False, "stream", 400),
+        (ok(prompt="x" * 2000), False, "prompt", 413),
+        ({"model": "m", "messages": []}, True, "messages", 400),
+        ({"model": "m", "messages": [{"role": "user"}]}, True, "messages[0]", 400),
+    ],
+)
+def test_bad_requests_get_openai_style_errors(
+    body: Any, chat: bool, param: str | None, status: int
+) -> None:
+    with pytest.raises(BadRequest) as err:
+        parse_completion(body, chat, 1000, 100)
+    assert err.value.param == param
+    assert err.value.status == status
+    assert err.value.body()["error"]["type"] == "invalid_request_error"
