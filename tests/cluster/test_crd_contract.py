@@ -4,7 +4,6 @@ them field by field, and every sample is accepted by both."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,36 +96,9 @@ def test_the_comparison_catches_a_drift() -> None:
     assert "PDGroup.slo: in PDGroupSpec, not in the CRD" in problems
 
 
-@pytest.fixture(scope="module")
-def installed_crds(api_client: client.ApiClient) -> Iterator[list[str]]:
-    ext = client.ApiextensionsV1Api(api_client)
-    names = []
-    for path in crd_files():
-        body = load(path)
-        names.append(body["metadata"]["name"])
-        try:
-            ext.create_custom_resource_definition(body)
-        except client.ApiException as exc:
-            if exc.status != 409:
-                raise
-    import time
-
-    deadline = time.monotonic() + 30
-    for name in names:
-        while True:
-            crd = ext.read_custom_resource_definition(name)
-            if any(
-                c.type == "Established" and c.status == "True" for c in crd.status.conditions or []
-            ):
-                break
-            assert time.monotonic() < deadline, f"{name} not established"
-            time.sleep(0.1)
-    return names  # left installed: the operator tests use them
-
-
 @pytest.mark.parametrize("sample", sorted((CRDS / "samples").glob("*.yaml")), ids=lambda p: p.stem)
 def test_samples_are_accepted_by_the_api_server_and_the_models(
-    api_client: client.ApiClient, installed_crds: list[str], namespace: str, sample: Path
+    api_client: client.ApiClient, crds_installed: list[str], namespace: str, sample: Path
 ) -> None:
     body = load(sample)
     kind = body["kind"]
@@ -158,7 +130,7 @@ def test_samples_are_accepted_by_the_api_server_and_the_models(
 )
 def test_schema_rejects_bad_pdgroups_with_the_api_servers_message(
     api_client: client.ApiClient,
-    installed_crds: list[str],
+    crds_installed: list[str],
     namespace: str,
     patch: dict[str, Any],
     message: str,

@@ -19,22 +19,12 @@ from kubernetes import client
 
 from enginestub import timing
 from enginestub.models import LLAMA3_8B
+from helpers import wait_for
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo
 
 NPU = "huawei.com/Ascend910"
 SCALE = 1.0  # timings are compared with the model, so keep wall-clock jitter small
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 30, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def wait_reports(zk: KazooClient, paths: zl.GroupPaths, names: list[str]) -> dict[str, zl.Report]:

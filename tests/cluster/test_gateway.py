@@ -19,22 +19,12 @@ import yaml
 from kazoo.client import KazooClient
 from kubernetes import client
 
+from helpers import wait_for
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo, free_ports
 from matrixserve.devcluster.procs import Supervisor
 
 SAMPLE = Path(__file__).resolve().parents[2] / "crds" / "samples" / "pdgroup-2p1d.yaml"
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture

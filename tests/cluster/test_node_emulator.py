@@ -15,20 +15,10 @@ import httpx
 import pytest
 from kubernetes import client
 
+from helpers import wait_for
 from matrixserve.devcluster.procs import process_start_time
 
 NPU = "huawei.com/Ascend910"
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 30, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
 
 
 def stub_container(npus: int = 0, **extra: Any) -> dict[str, Any]:

@@ -17,22 +17,12 @@ import yaml
 from kazoo.client import KazooClient
 from kubernetes import client, watch
 
+from helpers import wait_for
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo
 
 SAMPLE = Path(__file__).resolve().parents[2] / "crds" / "samples" / "pdgroup-2p1d.yaml"
 G = ("matrixserve.io", "v1alpha1")
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
 
 
 def group_body(name: str, prefill: int, decode: int) -> dict[str, Any]:

@@ -15,24 +15,12 @@ import pytest
 from kazoo.client import KazooClient
 from kubernetes import client, watch
 
+from helpers import wait_for
 from matrixserve.devcluster.cluster import ClusterInfo
 
 SMOKE_GROUP = "smoke.matrixserve.io"
 NPU = "huawei.com/Ascend910"
 CHART = Path(__file__).resolve().parent.parent / "fixtures" / "charts" / "smoke"
-
-
-def wait_for(
-    predicate: Callable[[], object], timeout: float = 30, what: str = "condition"
-) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
