@@ -59,39 +59,56 @@ def serving_group(
 
 
 @pytest.fixture
-def gateway(cluster: ClusterInfo, namespace: str, tmp_path: Path) -> Iterator[str]:
-    (port,) = free_ports(1)
+def start_gateway(
+    cluster: ClusterInfo, namespace: str, tmp_path: Path
+) -> Iterator[Callable[..., str]]:
+    """Start the gateway for the test's namespace: ``start_gateway(*extra_flags)`` -> its URL."""
     sup = Supervisor(tmp_path / "gateway")
-    sup.start(
-        "gateway",
-        [
-            sys.executable,
-            "-m",
-            "matrixserve.gateway",
-            "--zookeeper",
-            cluster.zookeeper,
-            "--namespace",
-            namespace,
-            "--port",
-            str(port),
-            "--time-scale",
-            "20",
-        ],
-        env={**os.environ, "KUBECONFIG": cluster.kubeconfig},
-    )
-    url = f"http://127.0.0.1:{port}"
+    names: list[str] = []
 
-    def up() -> bool:
-        if sup.exited("gateway"):
-            pytest.fail(sup.log_path("gateway").read_text()[-2000:])
-        try:
-            return httpx.get(f"{url}/healthz", timeout=1, trust_env=False).status_code == 200
-        except httpx.HTTPError:
-            return False
+    def start(*extra: str) -> str:
+        (port,) = free_ports(1)
+        name = f"gateway-{len(names)}"
+        sup.start(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "matrixserve.gateway",
+                "--zookeeper",
+                cluster.zookeeper,
+                "--namespace",
+                namespace,
+                "--port",
+                str(port),
+                "--time-scale",
+                "20",
+                *extra,
+            ],
+            env={**os.environ, "KUBECONFIG": cluster.kubeconfig},
+        )
+        names.append(name)
+        url = f"http://127.0.0.1:{port}"
 
-    wait_for(up, timeout=30, what="the gateway")
-    yield url
-    sup.stop("gateway", grace=5)
+        def up() -> bool:
+            if sup.exited(name):
+                pytest.fail(sup.log_path(name).read_text()[-2000:])
+            try:
+                return httpx.get(f"{url}/healthz", timeout=1, trust_env=False).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, timeout=30, what="the gateway")
+        return url
+
+    yield start
+    for name in names:
+        sup.stop(name, grace=5)
+
+
+@pytest.fixture
+def gateway(start_gateway: Callable[..., str]) -> str:
+    return start_gateway()
 
 
 def sse(
@@ -236,3 +253,58 @@ def test_a_decode_killed_mid_stream_ends_the_stream_with_an_error_and_new_reques
         if code == 200 and "choices" in more[-2]:
             ok += 1
     assert ok == 4, "new requests must succeed on the remaining decode"
+
+
+def test_api_keys_are_required_when_configured_and_rate_limited_per_key(
+    api_client: client.ApiClient,
+    namespace: str,
+    serving_group: Callable[..., Any],
+    start_gateway: Callable[..., str],
+) -> None:
+    key = "sk-matrixserve-0123456789"
+    client.CoreV1Api(api_client).create_namespaced_secret(
+        namespace, {"metadata": {"name": "gateway-keys"}, "stringData": {"team-a": key}}
+    )
+    serving_group()
+    url = start_gateway(
+        "--api-keys-secret", f"{namespace}/gateway-keys", "--rate-limit", "1", "--rate-burst", "2"
+    )
+    body = {"model": "general", "prompt": "hello", "max_tokens": 2}
+
+    def post(headers: dict[str, str]) -> httpx.Response:
+        return httpx.post(
+            f"{url}/v1/completions", json=body, headers=headers, timeout=30, trust_env=False
+        )
+
+    wait_for(
+        lambda: post({"Authorization": f"Bearer {key}"}).status_code == 200,
+        timeout=20,
+        what="the keys loaded",
+    )
+    time.sleep(2.5)  # let the bucket refill to its burst
+    missing = post({})
+    assert missing.status_code == 401
+    assert missing.json()["error"]["code"] == "invalid_api_key"
+    assert post({"Authorization": "Bearer sk-wrong-key-000000000"}).status_code == 401
+    answers = [post({"Authorization": f"Bearer {key}"}) for _ in range(3)]
+    assert [a.status_code for a in answers] == [200, 200, 429]
+    limited = answers[2]
+    assert limited.json()["error"]["code"] == "rate_limited"
+    assert "team-a" in limited.json()["error"]["message"]
+    assert float(limited.headers["Retry-After"]) > 0
+    models = httpx.get(f"{url}/v1/models", trust_env=False)
+    assert models.status_code == 401
+
+
+def test_a_missing_key_secret_fails_closed(
+    namespace: str, serving_group: Callable[..., Any], start_gateway: Callable[..., str]
+) -> None:
+    serving_group()
+    url = start_gateway("--api-keys-secret", f"{namespace}/does-not-exist")
+    response = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": "general", "prompt": "x"},
+        headers={"Authorization": "Bearer sk-anything-at-all-123"},
+        trust_env=False,
+    )
+    assert response.status_code == 401

@@ -90,3 +90,24 @@ def test_bad_requests_get_openai_style_errors(
     assert err.value.param == param
     assert err.value.status == status
     assert err.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_token_bucket_limits_a_key_and_refills() -> None:
+    from matrixserve.domain.forwarding import TokenBucket
+
+    bucket = TokenBucket(rate=2.0, burst=2.0, tokens=2.0, updated=0.0)
+    assert [bucket.take(0.0) for _ in range(3)] == [True, True, False]
+    assert bucket.retry_after() == pytest.approx(0.5)
+    assert bucket.take(0.5) is True
+    assert bucket.take(0.5) is False
+
+
+def test_api_keys_and_bearer_parsing() -> None:
+    from matrixserve.domain.forwarding import bearer, parse_keys
+
+    assert parse_keys({"team-a": "sk-0123456789abcdef\n"}) == {"sk-0123456789abcdef": "team-a"}
+    with pytest.raises(ValueError, match="shorter than 16"):
+        parse_keys({"weak": "abc"})
+    assert bearer("Bearer sk-1") == "sk-1"
+    assert bearer("Basic xyz") is None
+    assert bearer(None) is None

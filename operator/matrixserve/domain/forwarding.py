@@ -139,3 +139,42 @@ def parse_completion(
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", "stream")
     return Completion(model=model, prompt=prompt, max_tokens=max_tokens, stream=stream, chat=chat)
+
+
+# --------------------------------------------------------------------------- API keys
+@dataclass
+class TokenBucket:
+    """Per-key rate limit: ``rate`` requests per second, bursts up to ``burst``."""
+
+    rate: float
+    burst: float
+    tokens: float
+    updated: float
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+    def retry_after(self) -> float:
+        return max(0.0, (1.0 - self.tokens) / self.rate)
+
+
+def parse_keys(data: dict[str, str]) -> dict[str, str]:
+    """A Secret's data (already decoded): entry name -> API key. Returns key -> entry name."""
+    keys = {}
+    for name, value in data.items():
+        key = value.strip()
+        if len(key) < 16:
+            raise ValueError(f"API key {name!r} is shorter than 16 characters")
+        keys[key] = name
+    return keys
+
+
+def bearer(header: str | None) -> str | None:
+    if not header or not header.startswith("Bearer "):
+        return None
+    return header[len("Bearer ") :].strip() or None

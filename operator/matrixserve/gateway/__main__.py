@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 from aiohttp import web
 from kazoo.client import KazooClient
@@ -45,6 +46,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--report-interval", type=float, default=0.1, help="least-loaded: queue report period"
     )
+    p.add_argument(
+        "--api-keys-secret",
+        default=None,
+        help="<namespace>/<name> of a Secret whose entries are API keys; then /v1/* needs one",
+    )
+    p.add_argument(
+        "--rate-limit", type=float, default=0.0, help="requests/s per API key (0: unlimited)"
+    )
+    p.add_argument("--rate-burst", type=float, default=10.0, help="burst allowed per API key")
     args = p.parse_args(argv)
     if not args.zookeeper:
         p.error("--zookeeper (or $MATRIXSERVE_ZK) is required")
@@ -52,6 +62,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("the gateway binds loopback addresses (127.0.0.0/8) only")
     if args.time_scale <= 0 or args.default_ttft_ms <= 0 or args.report_interval <= 0:
         p.error("--time-scale, --default-ttft-ms and --report-interval must be positive")
+    if args.api_keys_secret is not None and args.api_keys_secret.count("/") != 1:
+        p.error("--api-keys-secret must be <namespace>/<name>")
+    if args.rate_limit < 0 or args.rate_burst < 1:
+        p.error("--rate-limit must be >= 0 and --rate-burst >= 1")
     return args
 
 
@@ -69,9 +83,17 @@ async def serve(args: argparse.Namespace) -> int:
             max_prompt_chars=args.max_prompt_chars,
             max_tokens_limit=args.max_tokens_limit,
             report_interval=args.report_interval,
+            require_keys=args.api_keys_secret is not None,
+            rate_limit=args.rate_limit,
+            rate_burst=args.rate_burst,
         ),
     )
     await gateway.start()
+    if args.api_keys_secret:
+        namespace, name = args.api_keys_secret.split("/", 1)
+        asyncio.get_running_loop().create_task(
+            keep_keys(gateway, api_client(args.kubeconfig), namespace, name)
+        )
     runner = web.AppRunner(gateway.app(), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
@@ -87,6 +109,33 @@ async def serve(args: argparse.Namespace) -> int:
     discovery.stop()
     await asyncio.to_thread(zk.stop)
     return 0
+
+
+async def keep_keys(gateway: Gateway, api: Any, namespace: str, name: str) -> None:
+    """Load the API keys from the Secret and re-read it every 10 s; until it can be read, no key
+    is valid (fail closed)."""
+    import base64
+
+    from kubernetes import client
+
+    from matrixserve.domain.forwarding import parse_keys
+
+    log = logging.getLogger("matrixserve.gateway")
+    core = client.CoreV1Api(api)
+    while True:
+        try:
+            secret = await asyncio.to_thread(core.read_namespaced_secret, name, namespace)
+            data = {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
+            gateway.keys = parse_keys(data)
+        except (client.ApiException, ValueError) as exc:
+            gateway.keys = {}
+            log.warning(
+                "API keys from Secret %s/%s unavailable (%s): every request is refused",
+                namespace,
+                name,
+                exc,
+            )
+        await asyncio.sleep(10)
 
 
 def main(argv: list[str] | None = None) -> int:

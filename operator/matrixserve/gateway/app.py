@@ -36,6 +36,8 @@ from matrixserve.domain.forwarding import (
     Completion,
     Entrance,
     Policy,
+    TokenBucket,
+    bearer,
     order,
     parse_completion,
 )
@@ -53,6 +55,9 @@ class GatewayConfig:
     max_prompt_chars: int = 200_000
     max_tokens_limit: int = 8192
     report_interval: float = 0.1  # least-loaded baseline: how often engines report their queues
+    require_keys: bool = False  # API keys configured: /v1/* needs "Authorization: Bearer <key>"
+    rate_limit: float = 0.0  # requests per second per key (0: unlimited)
+    rate_burst: float = 10.0
 
 
 class GatewayMetrics:
@@ -93,6 +98,8 @@ class Gateway:
         self.turns = itertools.count()
         self.session: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
+        self.keys: dict[str, str] = {}  # API key -> its name in the Secret (set by the key loader)
+        self.buckets: dict[str, TokenBucket] = {}
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
@@ -201,8 +208,56 @@ class Gateway:
                 )
             await asyncio.sleep(RETRY_PAUSE_SECONDS)
 
+    # ------------------------------------------------------------------ API keys
+    def authorize(self, request: web.Request) -> web.Response | None:
+        """None if the request may proceed, else the 401/429 answer."""
+        if not self.config.require_keys:
+            return None
+        key = bearer(request.headers.get("Authorization"))
+        name = self.keys.get(key) if key else None
+        if name is None:
+            self.metrics.requests.labels(scenario="", outcome="unauthorized").inc()
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "missing or invalid API key: send Authorization: Bearer <key>",
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": "invalid_api_key",
+                    }
+                },
+                status=401,
+            )
+        if self.config.rate_limit > 0:
+            now = time.monotonic()
+            bucket = self.buckets.setdefault(
+                name,
+                TokenBucket(
+                    self.config.rate_limit, self.config.rate_burst, self.config.rate_burst, now
+                ),
+            )
+            if not bucket.take(now):
+                self.metrics.requests.labels(scenario="", outcome="rate_limited").inc()
+                return web.json_response(
+                    {
+                        "error": {
+                            "message": f"rate limit of {self.config.rate_limit:g} requests/s for key {name!r} "
+                            "exceeded",
+                            "type": "rate_limit_exceeded",
+                            "param": None,
+                            "code": "rate_limited",
+                        }
+                    },
+                    status=429,
+                    headers={"Retry-After": f"{max(bucket.retry_after(), 0.001):.3f}"},
+                )
+        return None
+
     # ------------------------------------------------------------------ handlers
     async def completions(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        denied = self.authorize(request)
+        if denied is not None:
+            return denied
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
@@ -378,7 +433,10 @@ class Gateway:
             }
         )
 
-    async def models(self, _: web.Request) -> web.Response:
+    async def models(self, request: web.Request) -> web.Response:
+        denied = self.authorize(request)
+        if denied is not None:
+            return denied
         return web.json_response(
             {
                 "object": "list",
