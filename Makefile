@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help venv setup test test-unit lint demo cluster-up cluster-down cluster-status bench \
-        bench-node-emulator bench-engine-streams bench-operator-setup \
+        bench-node-emulator bench-engine-streams bench-operator-setup bench-gateway-overhead \
         kind-up kind-down clean
 
 help:

@@ -1,0 +1,265 @@
+"""Benchmark: the gateway's own cost per forwarded request, and the TTFT it adds.
+
+Two colocated engine stubs (llama3-8b, time scale 10^5, so engine timings are negligible) serve
+a PDGroup's scenario; the gateway, pinned to core 0, discovers them as the group's entrances
+(ZooKeeper) and forwards 16-token streamed completions. The engines and this load generator
+share core 1, so the upstream, not the gateway, limits the request rate here; the gateway's
+capacity on one core is therefore measured as 1 / (its CPU seconds per forwarded request), under
+a closed-loop load of 64 clients.
+
+Then, at half of the rate the engines sustain, the client-side TTFT through the gateway is
+compared with the TTFT of the same requests sent straight to the engines (the baseline): the
+difference is what the gateway adds (p50, p99).
+
+Writes ``bench/results/gateway-overhead.json`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+from kazoo.client import KazooClient
+from kubernetes import client, config
+
+from matrixserve.api import zk_layout as zl
+from matrixserve.devcluster.cluster import DevCluster, free_ports
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results" / "gateway-overhead.json"
+TICKS = os.sysconf("SC_CLK_TCK")
+ENGINES = [("127.93.0.1", "bench-p-0"), ("127.93.0.2", "bench-p-1")]
+BODY = {"model": "bench", "prompt": "hello " * 16, "max_tokens": 16, "stream": True}
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def wait_http(url: str, timeout: float = 30) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"{url} did not answer")
+
+
+async def one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> float:
+    """TTFT seen by the client (wall seconds); the stream is read to the end."""
+    started = time.monotonic()
+    ttft = None
+    async with session.post(url, json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+        async for line in response.content:
+            if ttft is None and line.startswith(b"data: ") and b'"text' in line:
+                ttft = time.monotonic() - started
+    assert ttft is not None
+    return ttft
+
+
+async def closed_loop(urls: list[str], body: dict[str, Any], clients: int, seconds: float) -> int:
+    done = 0
+    stop = time.monotonic() + seconds
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def user(i: int) -> None:
+            nonlocal done
+            while time.monotonic() < stop:
+                await one(session, urls[i % len(urls)], {**body, "requestId": f"c{i}-{done}"})
+                done += 1
+
+        await asyncio.gather(*(user(i) for i in range(clients)))
+    return done
+
+
+async def open_loop(
+    urls: list[str], body: dict[str, Any], rate: float, seconds: float
+) -> list[float]:
+    ttfts: list[float] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = []
+        start = time.monotonic()
+        n = int(rate * seconds)
+        for i in range(n):
+            await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
+            tasks.append(
+                asyncio.create_task(
+                    one(session, urls[i % len(urls)], {**body, "requestId": f"o{i}"})
+                )
+            )
+        ttfts = list(await asyncio.gather(*tasks))
+    return ttfts
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> int:
+    work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    dev = DevCluster(work / "cluster")
+    info = dev.up(timeout=240, superpods=1, servers=1)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with config.new_client_from_config(config_file=info.kubeconfig) as api:
+            ext = client.ApiextensionsV1Api(api)
+            try:
+                ext.create_custom_resource_definition(
+                    yaml.safe_load((REPO / "crds" / "matrixserve.io_pdgroups.yaml").read_text())
+                )
+            except client.ApiException as exc:
+                if exc.status != 409:
+                    raise
+            time.sleep(2)
+            client.CoreV1Api(api).create_namespace({"metadata": {"name": "bench"}})
+            group = yaml.safe_load((REPO / "crds" / "samples" / "pdgroup-2p1d.yaml").read_text())
+            group["metadata"] = {"name": "bench"}
+            group["spec"]["scenario"] = "bench"
+            client.CustomObjectsApi(api).create_namespaced_custom_object(
+                "matrixserve.io", "v1alpha1", "bench", "pdgroups", group
+            )
+        for host, name in ENGINES:  # upstream: core 1
+            procs.append(
+                subprocess.Popen(
+                    [
+                        "taskset",
+                        "-c",
+                        "1",
+                        sys.executable,
+                        "-m",
+                        "enginestub",
+                        "--role",
+                        "colocated",
+                        "--model",
+                        "llama3-8b",
+                        "--max-batch",
+                        "4096",
+                        "--time-scale",
+                        "100000",
+                        "--load-source",
+                        "NPUForkUB",
+                        "--host",
+                        host,
+                        "--port",
+                        "8000",
+                    ],
+                    env={**os.environ, "POD_NAME": name},
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        for host, _ in ENGINES:
+            wait_http(f"http://{host}:8000/readyz")
+        zk = KazooClient(hosts=info.zookeeper)
+        zk.start()
+        paths = zl.GroupPaths("bench", "bench")
+        for host, name in ENGINES:
+            zk.create(
+                paths.entrance(name),
+                zl.Entrance(instance=name, podIP=host, port=8000).dump(),
+                makepath=True,
+            )
+        zk.stop()
+        (port,) = free_ports(1)
+        gateway = subprocess.Popen(
+            [
+                "taskset",
+                "-c",
+                "0",
+                sys.executable,
+                "-m",
+                "matrixserve.gateway",
+                "--zookeeper",
+                info.zookeeper,
+                "--namespace",
+                "bench",
+                "--port",
+                str(port),
+                "--time-scale",
+                "100000",
+            ],
+            env={**os.environ, "KUBECONFIG": info.kubeconfig},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        procs.append(gateway)
+        wait_http(f"http://127.0.0.1:{port}/healthz")
+        os.sched_setaffinity(0, {1})
+        gw = [f"http://127.0.0.1:{port}/v1/completions"]
+        direct = [f"http://{host}:8000/v1/generate" for host, _ in ENGINES]
+        direct_body = {"prompt": BODY["prompt"], "maxTokens": 16}
+        asyncio.run(closed_loop(gw, BODY, 8, 2))  # warm-up
+        cpu0, t0 = cpu_seconds(gateway.pid), time.monotonic()
+        forwarded = asyncio.run(closed_loop(gw, BODY, 64, 10))
+        elapsed = time.monotonic() - t0
+        cpu_per_request = (cpu_seconds(gateway.pid) - cpu0) / forwarded
+        sustained = forwarded / elapsed
+        per_core = 1.0 / cpu_per_request
+        rate = sustained / 2
+        via = asyncio.run(open_loop(gw, BODY, rate, 10))
+        straight = asyncio.run(open_loop(direct, direct_body, rate, 10))
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+        dev.down()
+    results = {
+        "stream_tokens": 16,
+        "sustained_rps_upstream_limited": round(sustained, 1),
+        "gateway_cpu_ms_per_request": round(cpu_per_request * 1000, 3),
+        "gateway_rps_per_core": round(per_core, 1),
+        "test_rate_rps": round(rate, 1),
+        "ttft_p50_ms_gateway": round(pct(via, 0.5) * 1000, 3),
+        "ttft_p99_ms_gateway": round(pct(via, 0.99) * 1000, 3),
+        "ttft_p50_ms_direct": round(pct(straight, 0.5) * 1000, 3),
+        "ttft_p99_ms_direct": round(pct(straight, 0.99) * 1000, 3),
+        "added_ttft_p50_ms": round((pct(via, 0.5) - pct(straight, 0.5)) * 1000, 3),
+        "added_ttft_p99_ms": round((pct(via, 0.99) - pct(straight, 0.99)) * 1000, 3),
+        "target_rps_per_core": 1000,
+        "target_added_p99_ms": 5,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print("\ngateway overhead: 16-token streamed completions")
+    print(
+        f"  forwarded under 64 closed-loop clients : {sustained:.0f} req/s (limited by the engines on core 1)"
+    )
+    print(
+        f"  gateway CPU per request                : {cpu_per_request * 1000:.3f} ms -> {per_core:.0f} req/s per core"
+        f" (target >= 1000)"
+    )
+    print(f"\n  at {rate:.0f} req/s (half the sustained rate), client-side TTFT:")
+    print(f"  {'':22}{'via gateway':>14}{'direct (baseline)':>20}{'added':>10}")
+    for q, label in ((0.5, "p50"), (0.99, "p99")):
+        a, b = pct(via, q) * 1000, pct(straight, q) * 1000
+        print(f"  {label:22}{a:>12.2f}ms{b:>18.2f}ms{a - b:>8.2f}ms")
+    print(
+        f"  (median {statistics.median(via) * 1000:.2f} ms via, {statistics.median(straight) * 1000:.2f} ms direct;"
+        " target: added p99 <= 5 ms)"
+    )
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
