@@ -79,6 +79,11 @@ def _parser() -> argparse.ArgumentParser:
         "--control-port", type=int, default=0, help="control API port on 127.0.0.1 (0: any)"
     )
     run.add_argument("--delete-nodes-on-exit", action="store_true")
+    run.add_argument(
+        "--no-zygote",
+        action="store_true",
+        help="start every engine-stub container as a fresh interpreter (no warm fork server)",
+    )
     run.add_argument("--log-level", default="INFO")
 
     fault = sub.add_parser("fault", help="inject (or --heal) a fault through a running emulator")
@@ -181,6 +186,7 @@ async def _run(args: argparse.Namespace) -> int:
             apiserver_host=server_url.hostname,
             apiserver_port=server_url.port,
             delete_nodes_on_exit=args.delete_nodes_on_exit,
+            zygote=not args.no_zygote,
         ),
         api,
     )

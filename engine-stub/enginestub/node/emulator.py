@@ -43,7 +43,7 @@ from kubernetes import client, watch
 
 from enginestub.node import allocator, devicestatus, podspec, podstatus
 from enginestub.node.network import AddressExhausted, NodeAddresses, candidate_cidrs
-from enginestub.node.runner import PodRunner, rfc3339
+from enginestub.node.runner import PodRunner, Zygote, rfc3339
 from enginestub.node.topology import LABEL_EMULATED, Server
 
 log = logging.getLogger("enginestub.node")
@@ -79,6 +79,7 @@ class EmulatorConfig:
     apiserver_port: int | None = None
     delete_nodes_on_exit: bool = False
     stop_grace_on_exit: float = 5.0
+    zygote: bool = True  # fork engine-stub containers from a warm process (see .zygote)
 
 
 @dataclass
@@ -128,6 +129,8 @@ class Emulator:
         self._background: set[asyncio.Task[None]] = set()
         self._cidr_locks: list[Any] = []
         self._pod_chains: dict[str, asyncio.Task[None]] = {}
+        self._zygote_proc: asyncio.subprocess.Process | None = None
+        self.zygote: Zygote | None = None
 
     # ================================================================== main
     async def run(self) -> None:
@@ -135,6 +138,8 @@ class Emulator:
 
         self._loop = asyncio.get_running_loop()
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.config.mode == "full" and self.config.zygote:
+            await self._start_zygote()
         await self._register_nodes()
         control = ControlServer(self)
         self.control_url = await control.start(self.config.control_host, self.config.control_port)
@@ -178,6 +183,32 @@ class Emulator:
     def request_stop(self) -> None:
         self._stop.set()
 
+    async def _start_zygote(self) -> None:
+        path = self.config.state_dir / "zygote.sock"
+        path.unlink(missing_ok=True)
+        log = (self.config.state_dir / "zygote.log").open("ab")
+        self._zygote_proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "enginestub.node.zygote",
+            str(path),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        log.close()
+        for _ in range(200):  # it imports the engine first: ~0.3 s
+            if path.exists():
+                self.zygote = Zygote(str(path))
+                return
+            if self._zygote_proc.returncode is not None:
+                break
+            await asyncio.sleep(0.025)
+        log_text = (self.config.state_dir / "zygote.log").read_text()[-500:]
+        logging.getLogger("enginestub.node").warning(
+            "engine zygote unavailable; fresh interpreters instead: %s", log_text
+        )
+
     async def _shutdown(self) -> None:
         if self._watch is not None:
             self._watch.stop()
@@ -185,6 +216,10 @@ class Emulator:
         await asyncio.gather(
             *(r.stop(self.config.stop_grace_on_exit) for r in runners), return_exceptions=True
         )
+        if self._zygote_proc is not None and self._zygote_proc.returncode is None:
+            self._zygote_proc.terminate()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._zygote_proc.wait(), 5)
         if self.config.delete_nodes_on_exit and self.config.mode == "full":
             for name in self.nodes:
                 with contextlib.suppress(client.ApiException):
@@ -639,6 +674,7 @@ class Emulator:
             on_change=lambda r: self._runner_changed(record, r),
             backoff_base=self.config.backoff_base,
             backoff_max=self.config.backoff_max,
+            zygote=self.zygote,
         )
         record.runner = runner
         if state.down:

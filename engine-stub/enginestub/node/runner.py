@@ -14,18 +14,66 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from enginestub.node.podspec import ContainerPlan, Probe
 
-BACKOFF_RESET_AFTER = 600.0  # kubelet: back-off resets after 10 min of running
+ENGINE_ARGV = [sys.executable, "-m", "enginestub"]
+
+
+class ZygoteProcess:
+    """A container forked by the zygote; looks enough like an asyncio subprocess for the runner."""
+
+    def __init__(self, socket_path: str, pid: int) -> None:
+        self.socket_path = socket_path
+        self.pid = pid
+        self.returncode: int | None = None
+
+    async def wait(self) -> int:
+        if self.returncode is None:
+            reader, writer = await asyncio.open_unix_connection(self.socket_path)
+            try:
+                writer.write(json.dumps({"wait": self.pid}).encode() + b"\n")
+                await writer.drain()
+                line = await reader.readline()
+                self.returncode = int(json.loads(line)["code"]) if line else -9
+            finally:
+                writer.close()
+        return self.returncode
+
+
+class Zygote:
+    """Client of the engine fork server (:mod:`enginestub.node.zygote`)."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+
+    async def spawn(self, plan: ContainerPlan, log: Path, cwd: Path) -> ZygoteProcess:
+        reader, writer = await asyncio.open_unix_connection(self.socket_path)
+        try:
+            spec = {"argv": list(plan.argv), "env": plan.env, "cwd": str(cwd), "log": str(log)}
+            writer.write(json.dumps({"spawn": spec}).encode() + b"\n")
+            await writer.drain()
+            line = await reader.readline()
+        finally:
+            writer.close()
+        if not line:
+            raise OSError("the zygote closed the connection")
+        return ZygoteProcess(self.socket_path, int(json.loads(line)["pid"]))
+
+
+BACKOFF_RESET_AFTER = 600.0
+# kubelet: back-off resets after 10 min of running
 
 
 def rfc3339(epoch: float) -> str:
@@ -75,7 +123,8 @@ class PodRunner:
     backoff_max: float = 300.0
     containers: dict[str, ContainerState] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
-    _procs: dict[str, asyncio.subprocess.Process] = field(default_factory=dict)
+    zygote: Zygote | None = None
+    _procs: dict[str, Any] = field(default_factory=dict)  # asyncio Process or ZygoteProcess
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stopping: bool = False
     _held: bool = False  # node down: do not restart
@@ -158,43 +207,56 @@ class PodRunner:
             state.terminated = None
             state.restart_count += 1
 
-    async def _spawn(
-        self, plan: ContainerPlan, state: ContainerState
-    ) -> asyncio.subprocess.Process | None:
+    async def _spawn(self, plan: ContainerPlan, state: ContainerState) -> Any:
         log = self.workdir / f"{plan.name}.log"
         cwd = (
-            plan.working_dir
+            Path(plan.working_dir)
             if plan.working_dir and Path(plan.working_dir).is_dir()
             else self.workdir
         )
-        try:
-            with log.open("ab") as out:
-                out.write(f"=== start {rfc3339(time.time())}: {' '.join(plan.argv)}\n".encode())
-                out.flush()
-                proc = await asyncio.create_subprocess_exec(
-                    *plan.argv,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=asyncio.subprocess.STDOUT,
-                    env=plan.env,
-                    cwd=str(cwd),
-                    start_new_session=True,
+        proc = await self._fork_from_zygote(plan, log, cwd)
+        if proc is None:
+            try:
+                with log.open("ab") as out:
+                    out.write(f"=== start {rfc3339(time.time())}: {' '.join(plan.argv)}\n".encode())
+                    out.flush()
+                    proc = await asyncio.create_subprocess_exec(
+                        *plan.argv,
+                        stdin=asyncio.subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=asyncio.subprocess.STDOUT,
+                        env=plan.env,
+                        cwd=str(cwd),
+                        start_new_session=True,
+                    )
+            except OSError as exc:
+                now = time.time()
+                state.terminated = Terminated(
+                    128,
+                    "StartError",
+                    now,
+                    now,
+                    f"failed to start {plan.argv[0]!r}: {exc.strerror or exc}",
                 )
-        except OSError as exc:
-            now = time.time()
-            state.terminated = Terminated(
-                128,
-                "StartError",
-                now,
-                now,
-                f"failed to start {plan.argv[0]!r}: {exc.strerror or exc}",
-            )
-            return None
+                return None
         self._procs[plan.name] = proc
         state.phase, state.started_at, state.pid = "running", time.time(), proc.pid
         state.ready = plan.readiness is None
         self._notify()
         return proc
+
+    async def _fork_from_zygote(self, plan: ContainerPlan, log: Path, cwd: Path) -> Any:
+        """Engine-stub containers fork from the warm zygote when there is one."""
+        if self.zygote is None or list(plan.argv[:3]) != ENGINE_ARGV:
+            return None
+        try:
+            with log.open("ab") as out:
+                out.write(
+                    f"=== start {rfc3339(time.time())} (zygote fork): {' '.join(plan.argv)}\n".encode()
+                )
+            return await self.zygote.spawn(plan, log, cwd)
+        except OSError:
+            return None  # no zygote: a fresh interpreter, as usual
 
     async def _wait_wake(self, timeout: float | None) -> None:
         self._wake.clear()
