@@ -190,8 +190,12 @@ async def reconcile(rt: Runtime, namespace: str, name: str, logger: logging.Logg
     zk = await rt.zk.snapshot(namespace, name)
     view = pd.GroupView(namespace, name, generation, spec, pods, zk, now=time.time())
     plan = pd.plan(view)
+    # Pod creations are independent of each other: issue them together; everything else in order.
+    creates = [a for a in plan.actions if isinstance(a, pd.CreatePod)]
+    await asyncio.gather(*(apply(rt, body, spec, a) for a in creates))
     for action in plan.actions:
-        await apply(rt, body, spec, action)
+        if not isinstance(action, pd.CreatePod):
+            await apply(rt, body, spec, action)
     new_status = {
         **plan.status,
         "conditions": cond.merge(previous, plan.conditions, now_rfc3339(), generation),
