@@ -3,7 +3,8 @@
 A private dev cluster (node emulator, ZooKeeper) and the operator (no webhook); a 4P+4D group
 of llama3-8b, 2 NPUs (4 dies) per instance, engine time scale 50. Timed from the apply: pods
 created, every instance reported its RoCE IPs, RoCE map written, all 4x4x4 sub-links verified,
-every instance healthy (ZooKeeper), every pod Ready (the kubelet's probes), group Ready. The
+every instance healthy (ZooKeeper), prefills open as entrances (traffic can flow), every pod
+Ready (the kubelet's 1 s readiness probes), group Ready. The
 emulated model load (shared file service, from the timing model) is subtracted from apply ->
 Ready. The operator's *own* share is the time the group waits on the operator: apply -> pods
 created, all reported -> map written, and from the later of "all healthy" and "all pods Ready"
@@ -188,6 +189,7 @@ def run_variant(
                 ("mapped", lambda: bool(zk.exists(probe.paths.roce_map))),
                 ("linked", lambda: probe.sub_links() == 64),
                 ("healthy", lambda: probe.count(probe.paths.health) == 8),
+                ("serving", lambda: probe.count(probe.paths.entrances) == 4),
             )
             for key, done in checks:
                 if key not in marks and done():
@@ -222,6 +224,7 @@ def run_variant(
         **{f"{k}_s": round(v, 3) for k, v in marks.items()},
         "model_load_wall_s": round(load_wall, 3),
         "ready_minus_load_s": round(marks["ready"] - load_wall, 3),
+        "serving_minus_load_s": round(marks.get("serving", marks["ready"]) - load_wall, 3),
         "operator_own_s": round(operator_own, 3),
         "setup_cpu_s": round(setup_cpu, 3),
         "steady_cpu_s_per_group_per_min": round(steady_cpu_per_min, 4),
@@ -258,10 +261,12 @@ def main() -> int:
         ("RoCE map + init order", "mapped_s"),
         ("64 sub-links verified", "linked_s"),
         ("all healthy (ZooKeeper)", "healthy_s"),
+        ("entrances open (serving)", "serving_s"),
         ("all pods Ready (probes)", "pods_ready_s"),
         ("Ready", "ready_s"),
         ("emulated model load (wall)", "model_load_wall_s"),
         ("Ready minus model load", "ready_minus_load_s"),
+        ("serving minus model load", "serving_minus_load_s"),
         ("operator's own share", "operator_own_s"),
         ("operator CPU during setup (s)", "setup_cpu_s"),
         ("operator CPU per group per min (s)", "steady_cpu_s_per_group_per_min"),
