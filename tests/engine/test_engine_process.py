@@ -75,13 +75,13 @@ def test_time_scale_compresses_wall_time_not_reported_time(start_engine: Any, st
     for name, engine in (("x1", slow), ("x20", fast)):
         began = time.monotonic()
         _, events = stream(
-            f"{engine.url}/v1/generate", {"requestId": "r", "promptTokens": 16384, "maxTokens": 2}
+            f"{engine.url}/v1/generate", {"requestId": "r", "promptTokens": 32000, "maxTokens": 2}
         )
         results[name] = (time.monotonic() - began, events[-1]["timings"]["ttft"])
     assert results["x20"][1] == pytest.approx(results["x1"][1], rel=0.1), (
         "emulated TTFT must not depend on the scale"
     )
-    assert results["x20"][0] < results["x1"][0] / 4, "a larger time scale must take less wall time"
+    assert results["x20"][0] < results["x1"][0] / 3, "a larger time scale must take less wall time"
 
 
 def test_prefill_rejects_instead_of_queueing(start_engine: Any, stream: Any) -> None:
@@ -113,7 +113,7 @@ def test_prefill_rejects_instead_of_queueing(start_engine: Any, stream: Any) -> 
     assert status == 429
     assert body[0]["error"]["code"] == "rejected"
     assert "prefill busy: 1/1 slots in use" in body[0]["error"]["message"]
-    assert answered_in < 0.1, "a rejection must be immediate, never a queue"
+    assert answered_in < 0.5, "a rejection must not wait behind the 1.3 s prefill (no queue)"
 
 
 def _pd_pair(start_engine: Any, plane: str, name: str, scale: str = "0.1") -> tuple[Any, Any]:
