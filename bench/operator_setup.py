@@ -196,6 +196,7 @@ def run_variant(
                     marks[key] = now
             if "healthy" in marks and probe.group_ready():
                 marks["ready"] = now
+                marks.setdefault("pods_ready", now)  # Ready implies every pod Ready (same poll)
             time.sleep(0.1)
         setup_cpu = cpu_seconds(record.pid) - cpu0
         cpu1 = cpu_seconds(record.pid)
