@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+from common import cpu_seconds
 
 from enginestub import timing
 from enginestub.models import LLAMA3_8B
@@ -33,12 +34,6 @@ from enginestub.models import LLAMA3_8B
 RESULTS = Path(__file__).resolve().parent / "results" / "engine-streams.json"
 SHAPE = timing.InstanceShape(dies=1, tp=1)
 PROMPT, MAX_TOKENS, WINDOW = 128, 120, (30, 100)
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def start_engine(host: str, scheduling: str) -> subprocess.Popen[bytes]:

@@ -29,6 +29,7 @@ from typing import Any
 
 import aiohttp
 import yaml
+from common import cpu_seconds
 from kazoo.client import KazooClient
 from kubernetes import client, config
 
@@ -37,14 +38,8 @@ from matrixserve.devcluster.cluster import DevCluster, free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "gateway-overhead.json"
-TICKS = os.sysconf("SC_CLK_TCK")
 ENGINES = [("127.93.0.1", "bench-p-0"), ("127.93.0.2", "bench-p-1")]
 BODY = {"model": "bench", "prompt": "hello " * 16, "max_tokens": 16, "stream": True}
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def wait_http(url: str, timeout: float = 30) -> None:

@@ -26,18 +26,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from common import cpu_seconds
 from kubernetes import client, config
 
 from matrixserve.devcluster.cluster import DevCluster
 from matrixserve.devcluster.procs import Supervisor
 
 RESULTS = Path(__file__).resolve().parent / "results" / "node-emulator.json"
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def rss_mib(pid: int) -> float:

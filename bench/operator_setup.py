@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from common import cpu_seconds
 from kazoo.client import KazooClient
 from kubernetes import client, config
 
@@ -42,13 +43,7 @@ from matrixserve.devcluster.procs import Supervisor
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "operator-setup.json"
 SCALE = 50.0
-TICKS = os.sysconf("SC_CLK_TCK")
 POLLING = ["--no-zk-watches", "--resync-seconds", "5"]
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def install_crds(api: client.ApiClient) -> None:
