@@ -4,8 +4,9 @@
 2. the CRDs, and the operator (validating webhook on, certificate from the cluster's CA);
 3. the sample PDGroup (``crds/samples/pdgroup-2p1d.yaml``: 2 prefill + 1 decode, 2 NPUs = 4 dies
    each) in namespace ``matrixserve-demo``, until Ready;
-4. its status table, its RoCE map read back from ZooKeeper, and one streamed request sent to a
-   prefill entrance (tokens and emulated timings).
+4. its status table, its RoCE map read back from ZooKeeper, and one OpenAI-style streamed chat
+   completion through the gateway (``python -m matrixserve.gateway``), which forwards it on demand
+   to a prefill entrance (the answer, the instances that served it, emulated timings).
 
 Everything stays up; ``make cluster-down`` stops it. Re-running replaces the group.
 """
@@ -224,43 +225,84 @@ def show(info: ClusterInfo) -> None:
         subs = sum(len(zl.Link.parse(zk.get(f"{paths.links}/{c}")[0]).sub_links) for c in links)
         print(f"  links: {len(links)} P-D links, {subs} verified sub-links (device k <-> device k)")
         print(f"  entrances: {', '.join(sorted(zk.get_children(paths.entrances)))}")
-        entrance = zl.Entrance.parse(
-            zk.get(paths.entrance(sorted(zk.get_children(paths.entrances))[0]))[0]
-        )
     finally:
         zk.stop()
-    print(
-        f"\nOne streamed request to entrance {entrance.instance} ({entrance.pod_ip}:{entrance.port}):"
+
+
+def ensure_gateway(cluster: DevCluster, info: ClusterInfo) -> str:
+    state = Path(info.state_dir) / "gateway.json"
+    record = cluster.supervisor.record("gateway")
+    if record is not None and record.alive() and state.exists():
+        return str(json.loads(state.read_text())["url"])
+    (port,) = free_ports(1)
+    cluster.supervisor.start(
+        "gateway",
+        [
+            sys.executable,
+            "-m",
+            "matrixserve.gateway",
+            "--zookeeper",
+            info.zookeeper,
+            "--port",
+            str(port),
+            "--time-scale",
+            TIME_SCALE,
+        ],
+        env={**os.environ, "KUBECONFIG": info.kubeconfig},
     )
+    url = f"http://127.0.0.1:{port}"
+    _until("the gateway to be up", 30, lambda: _get_ok(f"{url}/healthz"))
+    state.write_text(json.dumps({"url": url}))
+    return url
+
+
+def _get_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _knows(url: str, scenario: str) -> bool:
+    models = httpx.get(f"{url}/v1/models", timeout=5, trust_env=False).json()["data"]
+    return scenario in [m["id"] for m in models]
+
+
+def ask_gateway(url: str) -> None:
+    """One OpenAI-style streamed chat completion through the gateway."""
     body = {
-        "requestId": "demo-1",
-        "prompt": "Explain disaggregated prefill and decode serving. " * 40,
-        "maxTokens": 24,
+        "model": "general",
+        "messages": [
+            {"role": "user", "content": "Explain disaggregated prefill and decode serving. " * 30}
+        ],
+        "max_tokens": 24,
+        "stream": True,
     }
+    print(
+        f'\nOne OpenAI chat completion through the gateway ({url}/v1/chat/completions, model "general"):'
+    )
+    _until("the gateway to know the scenario", 30, lambda: _knows(url, "general"))
+    chunks = []
     with httpx.stream(
-        "POST",
-        f"http://{entrance.pod_ip}:{entrance.port}/v1/generate",
-        json=body,
-        timeout=60,
-        trust_env=False,
+        "POST", f"{url}/v1/chat/completions", json=body, timeout=60, trust_env=False
     ) as response:
-        events = [
-            json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")
-        ]
-    text = "".join(e["text"] for e in events if e["type"] == "token")
-    done = events[-1]
-    print(f"  text    : {text.strip()}")
-    if done["type"] == "done":
-        t = done["timings"]
-        print(
-            f"  served  : prefill {done['instances']['prefill']}, decode {done['instances']['decode']}"
-        )
-        print(
-            f"  timings : TTFT {t['ttft'] * 1000:.1f} ms, KV transfer {t['kvTransfer'] * 1000:.2f} ms, "
-            f"TPOT {t['tpotMean'] * 1000:.2f} ms, e2e {t['e2e'] * 1000:.0f} ms (emulated)"
-        )
-    else:
-        print(f"  error   : {done}")
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c.get("choices"))
+    final = chunks[-1] if chunks else {}
+    print(f"  answer  : {text.strip()}")
+    if "matrixserve" not in final:
+        print(f"  error   : {final}")
+        return
+    t, served = final["matrixserve"]["timings"], final["matrixserve"]["instances"]
+    print(
+        f"  served  : prefill {served['prefill']}, decode {served['decode']}; usage {final['usage']}"
+    )
+    print(
+        f"  timings : TTFT {t['ttft'] * 1000:.1f} ms, KV transfer {t['kvTransfer'] * 1000:.2f} ms, "
+        f"TPOT {t['tpotMean'] * 1000:.2f} ms, e2e {t['e2e'] * 1000:.0f} ms (emulated)"
+    )
 
 
 def run(cluster: DevCluster, info: ClusterInfo) -> int:
@@ -275,4 +317,9 @@ def run(cluster: DevCluster, info: ClusterInfo) -> int:
         seconds = wait_ready(api)
         print(f"Ready after {seconds:.1f}s (engine time scale {TIME_SCALE}).")
     show(info)
+    url = ensure_gateway(cluster, info)
+    ask_gateway(url)
+    print(
+        f"\nThe gateway stays up at {url} (OpenAI API: /v1/models, /v1/completions, /v1/chat/completions)."
+    )
     return 0
