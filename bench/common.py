@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+import urllib.request
 from pathlib import Path
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -12,3 +14,16 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process (its children not included)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def wait_http(url: str, timeout: float = 30) -> None:
+    """Return once ``url`` answers 200; SystemExit if it does not within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"{url} did not answer within {timeout:.0f}s")

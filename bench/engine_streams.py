@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from common import cpu_seconds
+from common import cpu_seconds, wait_http
 
 from enginestub import timing
 from enginestub.models import LLAMA3_8B
@@ -66,18 +66,12 @@ def start_engine(host: str, scheduling: str) -> subprocess.Popen[bytes]:
         scheduling,
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    import urllib.request
-
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://{host}:8000/readyz", timeout=1) as response:
-                if response.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit(f"engine on {host} did not become ready")
+    try:
+        wait_http(f"http://{host}:8000/readyz")
+    except SystemExit:
+        proc.kill()
+        raise
+    return proc
 
 
 async def one_stream(session: aiohttp.ClientSession, url: str, rid: str) -> list[float]:

@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 import yaml
-from common import cpu_seconds
+from common import cpu_seconds, wait_http
 from kazoo.client import KazooClient
 from kubernetes import client, config
 
@@ -40,20 +40,6 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "gateway-overhead.json"
 ENGINES = [("127.93.0.1", "bench-p-0"), ("127.93.0.2", "bench-p-1")]
 BODY = {"model": "bench", "prompt": "hello " * 16, "max_tokens": 16, "stream": True}
-
-
-def wait_http(url: str, timeout: float = 30) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit(f"{url} did not answer")
 
 
 async def one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> float:

@@ -30,6 +30,7 @@ from common import cpu_seconds
 from kubernetes import client, config
 
 from matrixserve.devcluster.cluster import DevCluster
+from matrixserve.devcluster.namespaces import wait_for_service_account
 from matrixserve.devcluster.procs import Supervisor
 
 RESULTS = Path(__file__).resolve().parent / "results" / "node-emulator.json"
@@ -108,7 +109,7 @@ def main() -> int:
                 )
             time.sleep(0.2)
         core.create_namespace({"metadata": {"name": "bench"}})
-        wait_for_token(core, "bench")
+        wait_for_service_account(core, "bench")
 
         def pod(i: int) -> dict[str, object]:
             return {
@@ -180,20 +181,6 @@ def main() -> int:
         print(f"{name:<32}{ours:>12}   {base:<28}")
     print(f"\nwrote {RESULTS}")
     return 0
-
-
-def wait_for_token(core: client.CoreV1Api, namespace: str, timeout: float = 30) -> None:
-    """Pods are admitted only once the namespace's default service account has its token."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if core.read_namespaced_service_account("default", namespace).secrets:
-                return
-        except client.ApiException as exc:
-            if exc.status != 404:
-                raise
-        time.sleep(0.1)
-    raise SystemExit(f"namespace {namespace}: no service-account token within {timeout}s")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from enginestub import timing
 from enginestub.models import LLAMA3_8B
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import DevCluster, free_ports
+from matrixserve.devcluster.namespaces import wait_for_service_account
 from matrixserve.devcluster.procs import Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,15 +60,7 @@ def install_crds(api: client.ApiClient) -> None:
 
 def make_namespace(core: client.CoreV1Api, name: str) -> None:
     core.create_namespace({"metadata": {"name": name}})
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if core.read_namespaced_service_account("default", name).secrets:
-                return
-        except client.ApiException:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"namespace {name} got no service-account token")
+    wait_for_service_account(core, name)
 
 
 class Probe:

@@ -72,6 +72,8 @@ def namespace(request: pytest.FixtureRequest, api_client: object) -> Iterator[st
     """A fresh namespace, ready for pods (its default service account has its token)."""
     from kubernetes import client
 
+    from matrixserve.devcluster.namespaces import wait_for_service_account
+
     core = client.CoreV1Api(api_client)
     name = f"t-{_dns_label(request.node.name, 40)}-{secrets.token_hex(3)}"
     core.create_namespace(
@@ -79,17 +81,10 @@ def namespace(request: pytest.FixtureRequest, api_client: object) -> Iterator[st
             metadata=client.V1ObjectMeta(name=name, labels={"matrixserve.io/test": "true"})
         )
     )
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if core.read_namespaced_service_account("default", name).secrets:
-                break
-        except client.ApiException as exc:
-            if exc.status != 404:
-                raise
-        if time.monotonic() > deadline:
-            pytest.fail(f"namespace {name}: default service account got no token within 30s")
-        time.sleep(0.1)
+    try:
+        wait_for_service_account(core, name)
+    except TimeoutError as exc:
+        pytest.fail(str(exc))
     yield name
     core.delete_namespace(name, propagation_policy="Background")
 

@@ -316,9 +316,14 @@ class Engine:
         assert path is not None
         mine = set(self.config.dies)
         last_generation = -1
+        last_stamp: tuple[int, int] | None = None
         while True:
+            data = None
             try:
-                data = json.loads(path.read_text())
+                st = path.stat()
+                if (st.st_mtime_ns, st.st_size) != last_stamp:
+                    data = json.loads(path.read_text())
+                    last_stamp = (st.st_mtime_ns, st.st_size)
             except (OSError, ValueError):
                 data = None
             if data is not None and data.get("generation") != last_generation:

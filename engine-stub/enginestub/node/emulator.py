@@ -125,7 +125,6 @@ class Emulator:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watch: watch.Watch | None = None
         self.control_url: str | None = None
-        self.started = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
         self._cidr_locks: list[Any] = []
         self._pod_chains: dict[str, asyncio.Task[None]] = {}
@@ -164,7 +163,6 @@ class Emulator:
             len(self.nodes),
             self.control_url,
         )
-        self.started.set()
         try:
             await self._stop.wait()
         finally:

@@ -34,6 +34,8 @@ class KubeAdapter:
         self.api = api
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        # A node's SuperPod is fixed by its hardware: read each node once, not every pass.
+        self._superpods: dict[str, str] = {}
 
     async def get_pdgroup(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -74,12 +76,17 @@ class KubeAdapter:
         return out
 
     async def _superpod_of(self, node: str) -> str | None:
+        if node in self._superpods:
+            return self._superpods[node]
         try:
             obj = await asyncio.to_thread(self.core.read_node, node)
         except client.ApiException:
             return None
         labels: dict[str, str] = obj.metadata.labels or {}
-        return labels.get(LABEL_SUPERPOD)
+        superpod = labels.get(LABEL_SUPERPOD)
+        if superpod is not None:
+            self._superpods[node] = superpod
+        return superpod
 
     async def create_pod(self, namespace: str, body: dict[str, Any]) -> bool:
         """True if created, False if it already existed."""

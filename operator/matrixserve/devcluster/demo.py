@@ -29,6 +29,7 @@ from kubernetes import client, config
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster import pki, tools
 from matrixserve.devcluster.cluster import ClusterInfo, DevCluster, free_ports
+from matrixserve.devcluster.namespaces import wait_for_service_account
 
 NAMESPACE = "matrixserve-demo"
 GROUP = "chat-g0"
@@ -134,7 +135,7 @@ def apply_group(api: client.ApiClient) -> None:
     except client.ApiException as exc:
         if exc.status != 409:
             raise
-    _until("the namespace's service account token", 30, lambda: _token_ready(core))
+    wait_for_service_account(core, NAMESPACE)
     body = yaml.safe_load((REPO / "crds" / "samples" / "pdgroup-2p1d.yaml").read_text())
     try:
         custom.delete_namespaced_custom_object(
@@ -148,16 +149,6 @@ def apply_group(api: client.ApiClient) -> None:
     custom.create_namespaced_custom_object(
         "matrixserve.io", "v1alpha1", NAMESPACE, "pdgroups", body
     )
-
-
-def _token_ready(core: client.CoreV1Api) -> bool:
-    """Pods are admitted once the namespace's default service account has its token."""
-    try:
-        return bool(core.read_namespaced_service_account("default", NAMESPACE).secrets)
-    except client.ApiException as exc:
-        if exc.status == 404:
-            return False
-        raise
 
 
 def _exists(custom: client.CustomObjectsApi) -> bool:
