@@ -110,8 +110,14 @@ def test_prefill_and_decode_register_link_load_and_serve_a_streamed_request(
     gathered = wait_reports(zk, paths, ["g1-p-0", "g1-d-0"])
     assert len(zk.get_children(paths.reports)) == 2
     for name, report in gathered.items():
-        pod = core.read_namespaced_pod(name, namespace)
-        assert report.pod_ip == pod.status.pod_ip
+        # The engine may report before the node's status update carrying the pod IP lands
+        # (a kubelet's status sync lags container start the same way).
+        pod_ip = wait_for(
+            lambda name=name: core.read_namespaced_pod(name, namespace).status.pod_ip,
+            timeout=10,
+            what=f"{name}'s pod IP in its status",
+        )
+        assert report.pod_ip == pod_ip
         assert report.dies == sorted(report.dies)
         assert len(report.roce_ips) == 4  # 2 NPUs x 2 dies
         assert report.role == (zl.Role.PREFILL if name == "g1-p-0" else zl.Role.DECODE)
