@@ -313,6 +313,7 @@ def start_operator(
     configuration is removed afterwards."""
     import sys
 
+    import yaml
     from kubernetes import client
 
     from matrixserve.devcluster import pki
@@ -385,18 +386,29 @@ def start_operator(
                 pytest.fail("operator not live within 30s:\n" + handle.log()[-3000:])
             time.sleep(0.1)
         if webhook:  # kopf registers the webhook configuration once its server listens
-            admission = client.AdmissionregistrationV1Api(api_client)
-            while True:
-                try:
-                    admission.read_validating_webhook_configuration("matrixserve.io")
-                    break
-                except client.ApiException:
-                    if time.monotonic() > deadline:
-                        pytest.fail(
-                            "webhook configuration not registered:\n" + handle.log()[-3000:]
-                        )
-                    time.sleep(0.1)
+            wait_webhook_effective(namespace, deadline, handle)
         return handle
+
+    def wait_webhook_effective(namespace: str, deadline: float, handle: OperatorHandle) -> None:
+        """Until a dry-run create of an invalid group is refused by this operator's webhook.
+
+        The configuration existing is not enough: the API server's admission informer picks it
+        up (or a previous operator's port being replaced) a moment later."""
+        custom = client.CustomObjectsApi(api_client)
+        probe = yaml.safe_load((REPO / "crds" / "samples" / "pdgroup-2p1d.yaml").read_text())
+        probe["metadata"] = {"name": "webhook-probe"}
+        probe["spec"]["decode"]["devicesPerInstance"] = 4  # differs from prefill: refused
+        while True:
+            try:
+                custom.create_namespaced_custom_object(
+                    "matrixserve.io", "v1alpha1", namespace, "pdgroups", probe, dry_run="All"
+                )
+            except client.ApiException as exc:
+                if exc.status == 422:
+                    return
+            if time.monotonic() > deadline:
+                pytest.fail("webhook not in effect within 30s:\n" + handle.log()[-3000:])
+            time.sleep(0.1)
 
     yield start
     for handle in handles:
