@@ -63,6 +63,22 @@ cluster-down: venv
 cluster-status: venv
 	$(DEVCLUSTER) status
 
+# --- benchmarks: each starts its own cluster and processes, prints ours vs the baseline and
+# writes bench/results/<name>.json -------------------------------------------------------------
+bench: bench-node-emulator bench-engine-streams bench-operator-setup bench-gateway-overhead
+
+bench-node-emulator: setup
+	$(PY) bench/node_emulator_scale.py
+
+bench-engine-streams: setup
+	$(PY) bench/engine_streams.py
+
+bench-operator-setup: setup
+	$(PY) bench/operator_setup.py
+
+bench-gateway-overhead: setup
+	$(PY) bench/gateway_overhead.py
+
 # --- kind (needs Docker; not available on the project's own CI machines) -------------------
 kind-up:
 	@command -v docker >/dev/null && docker info >/dev/null 2>&1 || \

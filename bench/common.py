@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -27,3 +28,12 @@ def wait_http(url: str, timeout: float = 30) -> None:
         except OSError:
             time.sleep(0.1)
     raise SystemExit(f"{url} did not answer within {timeout:.0f}s")
+
+
+def engine_command(host: str, cpu: int, *flags: str) -> list[str]:
+    """A colocated Llama3-8B engine stub on ``host``:8000, pinned to one core."""
+    return [
+        *("taskset", "-c", str(cpu), sys.executable, "-m", "enginestub"),
+        *("--role", "colocated", "--model", "llama3-8b", "--load-source", "NPUForkUB"),
+        *("--host", host, "--port", "8000", *flags),
+    ]

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from common import cpu_seconds, wait_http
+from common import cpu_seconds, engine_command, wait_http
 
 from enginestub import timing
 from enginestub.models import LLAMA3_8B
@@ -37,34 +37,12 @@ PROMPT, MAX_TOKENS, WINDOW = 128, 120, (30, 100)
 
 
 def start_engine(host: str, scheduling: str) -> subprocess.Popen[bytes]:
-    cmd = [
-        "taskset",
-        "-c",
-        "0",
-        sys.executable,
-        "-m",
-        "enginestub",
-        "--role",
-        "colocated",
-        "--model",
-        "llama3-8b",
-        "--dies",
-        "0",
-        "--tp",
-        "1",
-        "--max-batch",
-        "2048",
-        "--time-scale",
-        "1",
-        "--load-source",
-        "NPUForkUB",
-        "--host",
+    cmd = engine_command(
         host,
-        "--port",
-        "8000",
-        "--step-scheduling",
-        scheduling,
-    ]
+        0,
+        *("--dies", "0", "--tp", "1", "--max-batch", "2048", "--time-scale", "1"),
+        *("--step-scheduling", scheduling),
+    )
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         wait_http(f"http://{host}:8000/readyz")

@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 import yaml
-from common import cpu_seconds, wait_http
+from common import cpu_seconds, engine_command, wait_http
 from kazoo.client import KazooClient
 from kubernetes import client, config
 
@@ -121,28 +121,7 @@ def main() -> int:
         for host, name in ENGINES:  # upstream: core 1
             procs.append(
                 subprocess.Popen(
-                    [
-                        "taskset",
-                        "-c",
-                        "1",
-                        sys.executable,
-                        "-m",
-                        "enginestub",
-                        "--role",
-                        "colocated",
-                        "--model",
-                        "llama3-8b",
-                        "--max-batch",
-                        "4096",
-                        "--time-scale",
-                        "100000",
-                        "--load-source",
-                        "NPUForkUB",
-                        "--host",
-                        host,
-                        "--port",
-                        "8000",
-                    ],
+                    engine_command(host, 1, "--max-batch", "4096", "--time-scale", "100000"),
                     env={**os.environ, "POD_NAME": name},
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,

@@ -77,6 +77,14 @@ def started_at(pod: client.V1Pod) -> str:
     return str(state.running.started_at) if state.running else ""
 
 
+def identities(pods: dict[str, client.V1Pod]) -> dict[str, tuple[str, str, int]]:
+    """Per pod: UID, container start time and restart count; equal means not restarted."""
+    return {
+        n: (p.metadata.uid, started_at(p), p.status.container_statuses[0].restart_count)
+        for n, p in pods.items()
+    }
+
+
 def test_a_2p2d_group_reaches_ready_with_exactly_np_nd_k_links(
     api_client: client.ApiClient,
     cluster: ClusterInfo,
@@ -158,10 +166,7 @@ def test_scaling_decode_adds_one_pod_and_restarts_nobody(
     groups = Groups(api_client, namespace)
     groups.create(group_body("g", 2, 2))
     wait_for(lambda: groups.ready("g"), what="Ready")
-    before = {
-        n: (p.metadata.uid, started_at(p), p.status.container_statuses[0].restart_count)
-        for n, p in groups.pods("g").items()
-    }
+    before = identities(groups.pods("g"))
     # kubectl scale goes through the scale subresource: it scales decode.
     scale = groups.custom.get_namespaced_custom_object_scale(*G, namespace, "pdgroups", "g")
     assert scale["spec"]["replicas"] == 2
@@ -172,10 +177,7 @@ def test_scaling_decode_adds_one_pod_and_restarts_nobody(
         lambda: groups.get("g")["status"].get("decode", {}).get("ready") == 3 and groups.ready("g"),
         what="3 decodes Ready",
     )
-    after = {
-        n: (p.metadata.uid, started_at(p), p.status.container_statuses[0].restart_count)
-        for n, p in groups.pods("g").items()
-    }
+    after = identities(groups.pods("g"))
     assert set(after) == set(before) | {"g-d-2"}
     for name, identity in before.items():
         assert after[name] == identity, f"{name} was restarted or replaced"
