@@ -19,7 +19,7 @@ import yaml
 from kazoo.client import KazooClient
 from kubernetes import client
 
-from helpers import wait_for
+from helpers import TcpProxy, wait_for
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo, free_ports
 from matrixserve.devcluster.procs import Supervisor
@@ -308,3 +308,77 @@ def test_a_missing_key_secret_fails_closed(
         trust_env=False,
     )
     assert response.status_code == 401
+
+
+def _zookeeper_connected(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics", trust_env=False).text.splitlines():
+        if line.startswith("matrixserve_gateway_zookeeper_connected "):
+            return float(line.split()[1])
+    raise AssertionError("no matrixserve_gateway_zookeeper_connected metric")
+
+
+def _routes(url: str) -> tuple[str, list[str]]:
+    body = httpx.get(f"{url}/v1/routes", trust_env=False).json()
+    (group,) = body["groups"]
+    return body["source"], sorted(e["instance"] for e in group["entrances"])
+
+
+def _served(url: str, n: int) -> set[str]:
+    served = set()
+    for i in range(n):
+        code, chunks = sse(
+            f"{url}/v1/completions",
+            {"model": "general", "prompt": f"q{i}", "max_tokens": 2, "stream": True},
+        )
+        assert code == 200, chunks
+        served.add(chunks[-2]["matrixserve"]["instances"]["prefill"])
+    return served
+
+
+def test_without_zookeeper_the_gateway_routes_by_pdgroup_status(
+    cluster: ClusterInfo,
+    namespace: str,
+    api_client: client.ApiClient,
+    serving_group: Callable[..., Any],
+    start_gateway: Callable[..., str],
+) -> None:
+    serving_group()
+    host, port = cluster.zookeeper.rsplit(":", 1)
+    proxy = TcpProxy((host, int(port)))
+    try:
+        url = start_gateway("--zookeeper", proxy.address)
+        wait_for(lambda: _zookeeper_connected(url) == 1, timeout=10, what="ZooKeeper connected")
+        assert _routes(url) == ("zookeeper", ["g-p-0", "g-p-1"])
+        proxy.cut()  # the gateway loses ZooKeeper; the operator and engines keep theirs
+        wait_for(lambda: _zookeeper_connected(url) == 0, timeout=10, what="ZooKeeper lost")
+        assert _routes(url) == ("status", ["g-p-0", "g-p-1"])
+        assert _served(url, 3) <= {"g-p-0", "g-p-1"}
+        # A third prefill opens while the gateway has no ZooKeeper: the status brings it.
+        client.CustomObjectsApi(api_client).patch_namespaced_custom_object(
+            "matrixserve.io",
+            "v1alpha1",
+            namespace,
+            "pdgroups",
+            "g",
+            {"spec": {"prefill": {"replicas": 3}}},
+        )
+        wait_for(
+            lambda: _routes(url) == ("status", ["g-p-0", "g-p-1", "g-p-2"]),
+            timeout=30,
+            what="the new prefill routed from the PDGroup status",
+        )
+        # A gateway that never reached ZooKeeper serves from the status alone.
+        never = start_gateway("--zookeeper", f"127.0.0.1:{free_ports(1)[0]}")
+        assert _zookeeper_connected(never) == 0
+        assert _routes(never) == ("status", ["g-p-0", "g-p-1", "g-p-2"])
+        assert _served(never, 3) <= {"g-p-0", "g-p-1", "g-p-2"}
+        proxy.restore()
+        wait_for(lambda: _zookeeper_connected(url) == 1, timeout=20, what="ZooKeeper back")
+        wait_for(
+            lambda: _routes(url) == ("zookeeper", ["g-p-0", "g-p-1", "g-p-2"]),
+            timeout=10,
+            what="entrances from ZooKeeper again",
+        )
+        assert _served(url, 3) <= {"g-p-0", "g-p-1", "g-p-2"}
+    finally:
+        proxy.close()

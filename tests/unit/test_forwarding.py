@@ -6,7 +6,14 @@ from typing import Any
 
 import pytest
 
-from matrixserve.domain.forwarding import BadRequest, Entrance, Policy, order, parse_completion
+from matrixserve.domain.forwarding import (
+    BadRequest,
+    Entrance,
+    Policy,
+    entrances_from_status,
+    order,
+    parse_completion,
+)
 
 E = [Entrance("p0", "a:1"), Entrance("p1", "b:1"), Entrance("p2", "c:1")]
 
@@ -111,3 +118,22 @@ def test_api_keys_and_bearer_parsing() -> None:
     assert bearer("Bearer sk-1") == "sk-1"
     assert bearer("Basic xyz") is None
     assert bearer(None) is None
+
+
+def test_entrances_from_status_take_serving_rows_with_an_endpoint_in_entrance_order() -> None:
+    status = {
+        "entrances": ["g-p-1", "g-p-0", "g-p-2", "g-p-3"],
+        "instances": [
+            {"name": "g-p-0", "state": "Serving", "endpoint": "127.0.1.2:8000"},
+            {"name": "g-p-1", "state": "Serving", "endpoint": "127.0.1.3:8000"},
+            {"name": "g-p-2", "state": "Removing", "endpoint": "127.0.1.4:8000"},
+            {"name": "g-p-3", "state": "Serving"},
+            {"name": "g-d-0", "state": "Serving", "endpoint": "127.0.1.5:8000"},
+        ],
+    }
+    assert entrances_from_status(status) == [
+        Entrance("g-p-1", "127.0.1.3:8000"),
+        Entrance("g-p-0", "127.0.1.2:8000"),
+    ]
+    assert entrances_from_status(None) == []
+    assert entrances_from_status({"entrances": ["x"]}) == []

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 
 class Policy(StrEnum):
@@ -26,6 +27,25 @@ class Policy(StrEnum):
 class Entrance:
     instance: str
     address: str  # host:port of the prefill's engine
+
+
+def entrances_from_status(status: Mapping[str, Any] | None) -> list[Entrance]:
+    """The entrances a PDGroup's status lists, with the endpoints its instance rows report: the
+    gateway's route while ZooKeeper is out of reach (the last state the operator published).
+    Entrances without a serving instance row or endpoint are left out."""
+    if not status:
+        return []
+    rows = {
+        r.get("name"): r
+        for r in status.get("instances") or []
+        if isinstance(r, Mapping) and r.get("state") == "Serving" and r.get("endpoint")
+    }
+    found = []
+    for name in status.get("entrances") or []:
+        row = rows.get(name)
+        if row is not None:
+            found.append(Entrance(str(name), str(row["endpoint"])))
+    return found
 
 
 def order(

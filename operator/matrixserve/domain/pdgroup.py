@@ -293,6 +293,7 @@ class InstanceRow:
     superpod: str
     roce_ips: tuple[str, ...]
     state: str
+    endpoint: str = ""  # podIP:port of its engine, as reported (the gateway's fallback route)
 
     def to_status(self) -> dict[str, Any]:
         return {
@@ -303,6 +304,7 @@ class InstanceRow:
             "superpod": self.superpod,
             "roceIps": list(self.roce_ips),
             "state": self.state,
+            "endpoint": self.endpoint,
         }
 
 
@@ -358,6 +360,7 @@ def _finish(
                 superpod=(pod.superpod or "") if pod else "",
                 roce_ips=tuple(report.roce_ips) if report else (),
                 state=_instance_state(view, name, roce_map),
+                endpoint=f"{report.pod_ip}:{report.port}" if report else "",
             )
         )
     serving = {i.name for i in instances if i.state == "Serving"}

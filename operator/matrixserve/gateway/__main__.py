@@ -70,8 +70,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    zk = KazooClient(hosts=args.zookeeper)
-    await asyncio.to_thread(zk.start, 15)
+    # Not waiting for ZooKeeper: until it is reached (and whenever it is lost) the gateway routes
+    # by PDGroup status; kazoo keeps reconnecting.
+    zk = KazooClient(
+        hosts=args.zookeeper, connection_retry={"max_tries": -1, "delay": 0.2, "max_delay": 5}
+    )
+    zk.start_async()
     discovery = Discovery(api_client(args.kubeconfig), zk, args.namespace)
     discovery.start()
     gateway = Gateway(

@@ -1,5 +1,5 @@
 """The gateway's HTTP server: OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (streaming
-and not), ``/v1/models``, ``/healthz``, ``/metrics``.
+and not), ``/v1/models``, ``/v1/routes`` (what it routes by), ``/healthz``, ``/metrics``.
 
 On-demand forwarding with rejection (P/D-Serve §3.5): try the scenario's prefill entrances in the
 policy's order; a 429 from a prefill means "busy, try the next"; when every entrance rejected,
@@ -85,6 +85,11 @@ class GatewayMetrics:
         self.open_streams = Gauge(
             "matrixserve_gateway_open_streams", "Open SSE streams", registry=r
         )
+        self.zookeeper_connected = Gauge(
+            "matrixserve_gateway_zookeeper_connected",
+            "1 while entrances come from ZooKeeper, 0 while they come from PDGroup status",
+            registry=r,
+        )
 
 
 class Gateway:
@@ -92,6 +97,7 @@ class Gateway:
         self.discovery = discovery
         self.config = config
         self.metrics = GatewayMetrics()
+        self.metrics.zookeeper_connected.set_function(lambda: float(discovery.zk_connected))
         self.open: dict[str, int] = {}
         self.last_accepted: dict[str, str] = {}
         self.reported: dict[str, int] = {}
@@ -447,6 +453,27 @@ class Gateway:
             }
         )
 
+    async def routes(self, request: web.Request) -> web.Response:
+        """What the gateway routes by: each group's scenario, TTFT budget and open entrances, and
+        where the entrances come from (``zookeeper``, or ``status`` while ZooKeeper is out)."""
+        denied = self.authorize(request)
+        if denied is not None:
+            return denied
+        with self.discovery.lock:
+            groups = [
+                {
+                    "namespace": g.namespace,
+                    "name": g.name,
+                    "scenario": g.scenario,
+                    "ttftMilliseconds": g.ttft_ms,
+                    "entrances": [
+                        {"instance": e.instance, "address": e.address} for e in g.entrances
+                    ],
+                }
+                for g in self.discovery.groups.values()
+            ]
+        return web.json_response({"source": self.discovery.source, "groups": groups})
+
     async def metrics_endpoint(self, _: web.Request) -> web.Response:
         return web.Response(
             body=generate_latest(self.metrics.registry),
@@ -473,6 +500,7 @@ class Gateway:
                 web.post("/v1/completions", completions),
                 web.post("/v1/chat/completions", chat),
                 web.get("/v1/models", self.models),
+                web.get("/v1/routes", self.routes),
                 web.get("/healthz", healthz),
                 web.get("/metrics", self.metrics_endpoint),
             ]

@@ -1,6 +1,13 @@
 """Where to send a scenario's requests: PDGroups from Kubernetes (scenario, TTFT SLO), entrances
 from ZooKeeper (watched, not polled). A prefill leaving ``entrances/`` stops getting new requests
-as soon as the watch fires."""
+as soon as the watch fires.
+
+While the gateway has no ZooKeeper connection (suspended or lost session, or ZooKeeper not reached
+yet), each group's entrances come from its PDGroup status instead (``status.entrances`` and the
+instances' ``endpoint``): the last state the operator published, kept current by the same
+Kubernetes watch. Once the session is back, kazoo re-arms the children watches and ZooKeeper
+is the source again.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +17,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kazoo.client import KazooClient
-from kazoo.exceptions import NoNodeError
+from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import KazooException, NoNodeError
 from kazoo.recipe.watchers import ChildrenWatch
 from kubernetes import client, watch
 
 from matrixserve.api import zk_layout as zl
-from matrixserve.domain.forwarding import Entrance
+from matrixserve.domain.forwarding import Entrance, entrances_from_status
 
 log = logging.getLogger("matrixserve.gateway")
 
@@ -27,7 +34,10 @@ class GroupRoute:
     name: str
     scenario: str
     ttft_ms: int | None
-    entrances: list[Entrance] = field(default_factory=list)
+    entrances: list[Entrance] = field(default_factory=list)  # what requests use
+    zk_entrances: list[Entrance] | None = None  # from the children watch; None: not (re)read yet
+    status_entrances: list[Entrance] = field(default_factory=list)  # from the PDGroup status
+    watched: bool = False
 
 
 class Discovery:
@@ -38,22 +48,31 @@ class Discovery:
         self.zk = zk
         self.namespace = namespace
         self.groups: dict[tuple[str, str], GroupRoute] = {}
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._stop = threading.Event()
+        self._arm = threading.Event()
         self.synced = threading.Event()
+        self.zk_connected = zk.connected
+        zk.add_listener(self._zk_state)
 
     def start(self) -> None:
         threading.Thread(target=self._watch_groups, daemon=True, name="pdgroup-watch").start()
+        threading.Thread(target=self._arm_watches, daemon=True, name="entrance-watch").start()
 
     def stop(self) -> None:
         self._stop.set()
+        self._arm.set()
+
+    @property
+    def source(self) -> str:
+        return "zookeeper" if self.zk_connected else "status"
 
     def routes(self, scenario: str) -> list[GroupRoute]:
-        with self._lock:
+        with self.lock:
             return [g for g in self.groups.values() if g.scenario == scenario]
 
     def scenarios(self) -> list[str]:
-        with self._lock:
+        with self.lock:
             return sorted({g.scenario for g in self.groups.values()})
 
     # ------------------------------------------------------------------ Kubernetes
@@ -71,7 +90,7 @@ class Discovery:
                 seen = set()
                 for obj in listing.get("items", []):
                     seen.add(self._upsert(obj))
-                with self._lock:
+                with self.lock:
                     for key in [k for k in self.groups if k not in seen]:
                         del self.groups[key]
                 self.synced.set()
@@ -94,7 +113,7 @@ class Discovery:
                 ):
                     obj = event["object"]
                     if event["type"] == "DELETED":
-                        with self._lock:
+                        with self.lock:
                             self.groups.pop(
                                 (obj["metadata"]["namespace"], obj["metadata"]["name"]), None
                             )
@@ -112,19 +131,60 @@ class Discovery:
         meta, spec = obj["metadata"], obj.get("spec") or {}
         key = (meta["namespace"], meta["name"])
         ttft = (spec.get("slo") or {}).get("ttftMilliseconds")
-        new = False
-        with self._lock:
+        with self.lock:
             route = self.groups.get(key)
             if route is None:
                 route = GroupRoute(key[0], key[1], spec.get("scenario", ""), ttft)
                 self.groups[key] = route
-                new = True
             route.scenario, route.ttft_ms = spec.get("scenario", ""), ttft
-        if new:  # outside the lock: kazoo calls the watch back at once, in this thread
-            self._watch_entrances(route)
+            route.status_entrances = entrances_from_status(obj.get("status"))
+            self._refresh(route)
+            if not route.watched:
+                self._arm.set()
         return key
 
+    def _refresh(self, route: GroupRoute) -> None:
+        """Pick the route's entrances from its current source (caller holds the lock)."""
+        if self.zk_connected and route.zk_entrances is not None:
+            route.entrances = route.zk_entrances
+        else:
+            route.entrances = route.status_entrances
+
     # ------------------------------------------------------------------ ZooKeeper
+    def _zk_state(self, state: str) -> None:
+        """kazoo's connection listener (its own thread; must not block or call ZooKeeper)."""
+        with self.lock:
+            self.zk_connected = state == KazooState.CONNECTED
+            for route in self.groups.values():
+                if state == KazooState.LOST:
+                    route.zk_entrances = None  # the session's watches are gone: re-read first
+                self._refresh(route)
+        if self.zk_connected:
+            self._arm.set()
+            log.info("ZooKeeper connected: routing by ZooKeeper entrances")
+        else:
+            log.warning("ZooKeeper %s: routing by PDGroup status", state)
+
+    def _arm_watches(self) -> None:
+        """Arm the entrance watch of every group that has none, whenever ZooKeeper is connected."""
+        while not self._stop.is_set():
+            self._arm.wait()
+            self._arm.clear()
+            if self._stop.is_set():
+                return
+            with self.lock:
+                pending = [r for r in self.groups.values() if not r.watched]
+            for route in pending:
+                if not self.zk_connected:
+                    break
+                try:
+                    self._watch_entrances(route)
+                    route.watched = True
+                except KazooException as exc:  # lost again mid-way: retried on reconnect
+                    log.warning(
+                        "entrance watch for %s/%s not armed: %s", route.namespace, route.name, exc
+                    )
+
     def _watch_entrances(self, route: GroupRoute) -> None:
         paths = zl.GroupPaths(route.namespace, route.name)
         self.zk.ensure_path(paths.entrances)
@@ -138,9 +198,10 @@ class Discovery:
                     entrances.append(Entrance(e.instance, f"{e.pod_ip}:{e.port}"))
                 except (NoNodeError, ValueError):
                     continue
-            with self._lock:
-                route.entrances = entrances
-                alive = (route.namespace, route.name) in self.groups
+            with self.lock:
+                route.zk_entrances = entrances
+                self._refresh(route)
+                alive = self.groups.get((route.namespace, route.name)) is route
             return alive  # False stops the watch once the group is gone
 
         ChildrenWatch(self.zk, paths.entrances, changed)
