@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help venv setup test test-unit lint demo cluster-up cluster-down cluster-status bench \
-        bench-node-emulator bench-engine-streams bench-operator-setup bench-gateway-overhead \
+        bench-node-emulator bench-engine-streams bench-operator-setup bench-gateway-overhead bench-ttft-slo \
         kind-up kind-down clean
 
 help:
@@ -65,7 +65,7 @@ cluster-status: venv
 
 # --- benchmarks: each starts its own cluster and processes, prints ours vs the baseline and
 # writes bench/results/<name>.json -------------------------------------------------------------
-bench: bench-node-emulator bench-engine-streams bench-operator-setup bench-gateway-overhead
+bench: bench-node-emulator bench-engine-streams bench-operator-setup bench-gateway-overhead bench-ttft-slo
 
 bench-node-emulator: setup
 	$(PY) bench/node_emulator_scale.py
@@ -78,6 +78,9 @@ bench-operator-setup: setup
 
 bench-gateway-overhead: setup
 	$(PY) bench/gateway_overhead.py
+
+bench-ttft-slo: setup
+	$(PY) bench/ttft_slo.py
 
 # --- kind (needs Docker; not available on the project's own CI machines) -------------------
 kind-up:

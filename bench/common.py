@@ -8,6 +8,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+import yaml
+from kubernetes import client
+
+from matrixserve.devcluster.namespaces import wait_for_service_account
+
+REPO = Path(__file__).resolve().parents[1]
+
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -37,3 +44,19 @@ def engine_command(host: str, cpu: int, *flags: str) -> list[str]:
         *("--role", "colocated", "--model", "llama3-8b", "--load-source", "NPUForkUB"),
         *("--host", host, "--port", "8000", *flags),
     ]
+
+
+def install_crds(api: client.ApiClient) -> None:
+    ext = client.ApiextensionsV1Api(api)
+    for path in sorted((REPO / "crds").glob("matrixserve.io_*.yaml")):
+        try:
+            ext.create_custom_resource_definition(yaml.safe_load(path.read_text()))
+        except client.ApiException as exc:
+            if exc.status != 409:
+                raise
+    time.sleep(2)
+
+
+def make_namespace(core: client.CoreV1Api, name: str) -> None:
+    core.create_namespace({"metadata": {"name": name}})
+    wait_for_service_account(core, name)

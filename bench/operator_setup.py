@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from common import cpu_seconds
+from common import cpu_seconds, install_crds, make_namespace
 from kazoo.client import KazooClient
 from kubernetes import client, config
 
@@ -38,29 +38,12 @@ from enginestub import timing
 from enginestub.models import LLAMA3_8B
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import DevCluster, free_ports
-from matrixserve.devcluster.namespaces import wait_for_service_account
 from matrixserve.devcluster.procs import Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "operator-setup.json"
 SCALE = 50.0
 POLLING = ["--no-zk-watches", "--resync-seconds", "5"]
-
-
-def install_crds(api: client.ApiClient) -> None:
-    ext = client.ApiextensionsV1Api(api)
-    for path in sorted((REPO / "crds").glob("matrixserve.io_*.yaml")):
-        try:
-            ext.create_custom_resource_definition(yaml.safe_load(path.read_text()))
-        except client.ApiException as exc:
-            if exc.status != 409:
-                raise
-    time.sleep(2)
-
-
-def make_namespace(core: client.CoreV1Api, name: str) -> None:
-    core.create_namespace({"metadata": {"name": name}})
-    wait_for_service_account(core, name)
 
 
 class Probe:

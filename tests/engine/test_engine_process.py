@@ -110,10 +110,30 @@ def test_prefill_rejects_instead_of_queueing(start_engine: Any, stream: Any) -> 
         )
         answered_in = time.monotonic() - began
         assert busy.result()[0] == 200
+        # The baseline's admission, asked per request: wait in the local queue behind the slot.
+        busy = pool.submit(
+            stream,
+            f"{engine.url}/v1/generate",
+            {"requestId": "long2", "promptTokens": 32000, "maxTokens": 1},
+        )
+        time.sleep(0.15)
+        q_status, q_events = stream(
+            f"{engine.url}/v1/generate",
+            {"requestId": "queued", "promptTokens": 10, "maxTokens": 1, "admission": "queue"},
+        )
+        assert busy.result()[0] == 200
     assert status == 429
     assert body[0]["error"]["code"] == "rejected"
     assert "prefill busy: 1/1 slots in use" in body[0]["error"]["message"]
     assert answered_in < 0.5, "a rejection must not wait behind the 1.3 s prefill (no queue)"
+    assert q_status == 200
+    assert q_events[-1]["timings"]["ttft"] > 1.0, "the queued request waited for the long prefill"
+    bad_status, bad = stream(
+        f"{engine.url}/v1/generate",
+        {"requestId": "x", "promptTokens": 10, "maxTokens": 1, "admission": "maybe"},
+    )
+    assert bad_status == 400
+    assert "admission" in bad[0]["error"]["message"]
 
 
 def _pd_pair(start_engine: Any, plane: str, name: str, scale: str = "0.1") -> tuple[Any, Any]:
@@ -398,3 +418,36 @@ def test_link_probe_tells_a_working_link_from_a_broken_one(start_engine: Any) ->
     ).json()
     assert unreachable["state"] == "broken"
     assert "unreachable" in unreachable["reason"]
+
+
+def test_a_prefill_slot_frees_once_the_decode_has_pulled_the_kv(
+    start_engine: Any, stream: Any
+) -> None:
+    """P/D-Serve §3.5: a prompt occupies a prefill slot while it waits for the KV transfer, not
+    while the decode generates: long generations must not starve the prefill."""
+    prefill, _ = _pd_pair(start_engine, "UB", "slot", scale="5")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        long_streams = [
+            pool.submit(
+                stream,
+                f"{prefill.url}/v1/generate",
+                {"requestId": f"long{i}", "promptTokens": 64, "maxTokens": 200},
+                120,
+            )
+            for i in range(4)  # the prefill's batch is 4
+        ]
+
+        def used() -> int:
+            info = httpx.get(f"{prefill.url}/v1/info", trust_env=False).json()
+            return int(info["health"]["prefillSlots"]["used"])
+
+        deadline = time.monotonic() + 10
+        while used() > 0:
+            assert time.monotonic() < deadline, "slots still held after the KV was pulled"
+            time.sleep(0.05)
+        status, events = stream(
+            f"{prefill.url}/v1/generate", {"requestId": "next", "promptTokens": 64, "maxTokens": 2}
+        )
+        assert status == 200, events
+        assert not any(f.done() for f in long_streams), "the long streams are still decoding"
+        assert all(f.result()[1][-1]["type"] == "done" for f in long_streams)

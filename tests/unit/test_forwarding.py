@@ -27,8 +27,19 @@ def test_on_demand_prefers_fewest_open_streams_keeping_the_order_on_ties() -> No
     assert names(order(Policy.ON_DEMAND, E, {})) == ["p0", "p1", "p2"]
 
 
-def test_on_demand_keeps_feeding_the_prefill_that_accepted_last() -> None:
+def test_on_demand_keeps_feeding_the_prefill_that_accepted_last_while_it_is_least_busy() -> None:
     assert names(order(Policy.ON_DEMAND, E, {"p0": 5}, last_accepted="p0")) == ["p0", "p1", "p2"]
+    busy = {"p0": 1}
+    assert names(order(Policy.ON_DEMAND, E, {}, last_accepted="p0", in_prefill=busy)) == [
+        "p1",
+        "p2",
+        "p0",
+    ]
+
+
+def test_on_demand_prefers_the_prefill_with_fewest_prompts_still_prefilling() -> None:
+    ranked = order(Policy.ON_DEMAND, E, {"p1": 9, "p2": 1}, in_prefill={"p0": 2, "p2": 1})
+    assert names(ranked) == ["p1", "p2", "p0"]
 
 
 def test_round_robin_rotates() -> None:

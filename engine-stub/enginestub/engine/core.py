@@ -75,6 +75,7 @@ class GenerateRequest:
     max_tokens: int
     ttft_budget: float | None = None  # emulated seconds the caller still allows for the first token
     queued: bool = False  # admitted into the local queue (admission "queue"): no slot yet
+    admission: str | None = None  # "reject" or "queue" for this request; None: the engine's own
 
     @classmethod
     def parse(cls, body: Any, max_prompt: int, max_output: int) -> GenerateRequest:
@@ -115,7 +116,16 @@ class GenerateRequest:
             raise EngineError(
                 400, "invalid_request", "ttftBudget must be a positive number of seconds"
             )
-        return cls(rid, tokens, max_tokens, float(budget) if budget is not None else None)
+        admission = body.get("admission")
+        if admission not in (None, "reject", "queue"):
+            raise EngineError(400, "invalid_request", 'admission must be "reject" or "queue"')
+        return cls(
+            rid,
+            tokens,
+            max_tokens,
+            float(budget) if budget is not None else None,
+            admission=admission,
+        )
 
 
 @dataclass(eq=False)
@@ -140,6 +150,7 @@ class PendingKV:
     nbytes: float
     tokens: int
     released: asyncio.Event = field(default_factory=asyncio.Event)
+    request: GenerateRequest | None = None  # whose prefill slot is held until the pull is done
 
 
 class Engine:
@@ -383,7 +394,7 @@ class Engine:
             raise EngineError(
                 413, "prompt_too_long", "the prompt's KV cache does not fit this instance's HBM"
             )
-        if self.config.admission == "queue":  # the baseline: wait in a local queue for a slot
+        if (req.admission or self.config.admission) == "queue":  # the baseline: a local queue
             req.queued = True
             self.prefill_queue += 1
             self.metrics.requests.labels(stage="prefill", outcome="queued").inc()
@@ -477,10 +488,14 @@ class Engine:
                 ):
                     yield event
                 return
+            # The slot (and the KV) is held until a decode has pulled the KV (P/D-Serve §3.5: "a
+            # prompt continuously occupies one slot in prefill if it is waiting for KVCache
+            # transfer"); kv_release frees it then, while this stream relays the decode's tokens.
             pending = PendingKV(
-                req.request_id, self._kv_bytes(req.prompt_tokens), req.prompt_tokens
+                req.request_id, self._kv_bytes(req.prompt_tokens), req.prompt_tokens, request=req
             )
             self.pending_kv[req.request_id] = pending
+            slot_held = False  # the pending KV owns it now
             try:
                 async for event in self._forward_to_decode(
                     req, started, ttft, prefill_time, pending
@@ -488,9 +503,15 @@ class Engine:
                     yield event
             finally:
                 self.pending_kv.pop(req.request_id, None)
+                self._free_pending_slot(pending)
         finally:
             if slot_held:
                 self._free_prefill_slot(req)
+
+    def _free_pending_slot(self, pending: PendingKV) -> None:
+        if pending.request is not None:
+            self._free_prefill_slot(pending.request)
+            pending.request = None
 
     def _done(
         self,
@@ -633,6 +654,7 @@ class Engine:
         pending = self.pending_kv.get(request_id)
         if pending is not None:
             pending.released.set()
+            self._free_pending_slot(pending)
         self.metrics.kv_bytes.labels(plane=str(self.config.kv_plane), direction="out").inc(nbytes)
 
     # ================================================================ decode

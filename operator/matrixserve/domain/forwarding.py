@@ -1,9 +1,14 @@
 """Gateway forwarding policies (P/D-Serve §3.5), pure.
 
-- **on-demand** (ours): order the prefill entrances by fewest open SSE connections (ties keep the
-  entrances' order, "organized in order"), put the prefill that accepted last first while it keeps
-  accepting ("continuously forwards the requests to one idle prefill until it is busy"), and try
-  them one after another until one accepts or the TTFT budget is spent. Prefill never queues.
+- **on-demand** (ours): order the prefill entrances by the requests each is still prefilling as
+  the gateway sees them (accepted, no first token yet: the prefill's own feedback, "based on the
+  number of connections and prefill feedbacks"), then by fewest open SSE connections (ties keep
+  the entrances' order, "organized in order"); try them one after another until one accepts or
+  the TTFT budget is spent. Prefill never queues. Batch forwarding ("continuously forwards the
+  requests to one idle prefill until it is busy"): the prefill that accepted last goes first
+  while it is among the least busy. The engines batch prefill continuously (concurrent prompts
+  share its compute, "or using chunked prefill for continuous batching"), so piling a batch onto
+  one prefill while another idles would only stretch every prompt's TTFT.
 - **round-robin** (baseline): the next entrance in turn.
 - **least-loaded** (baseline): the entrance with the smallest queue in its last periodic report,
   which is stale between reports (the P/D-Serve baseline: "reporting the queue every 100ms").
@@ -56,6 +61,7 @@ def order(
     last_accepted: str | None = None,
     turn: int = 0,
     reported_load: Mapping[str, int] | None = None,
+    in_prefill: Mapping[str, int] | None = None,
 ) -> list[Entrance]:
     """The entrances in the order to try them."""
     if not entrances:
@@ -66,10 +72,16 @@ def order(
     if policy is Policy.LEAST_LOADED:
         loads = reported_load or {}
         return sorted(entrances, key=lambda e: loads.get(e.instance, 0))
-    ranked = sorted(entrances, key=lambda e: open_streams.get(e.instance, 0))  # stable
+    prefilling = in_prefill or {}
+
+    def load(e: Entrance) -> tuple[int, int]:
+        return prefilling.get(e.instance, 0), open_streams.get(e.instance, 0)
+
+    ranked = sorted(entrances, key=load)  # stable: ties keep the entrances' order
     if last_accepted is not None:
-        first = [e for e in ranked if e.instance == last_accepted]
-        ranked = first + [e for e in ranked if e.instance != last_accepted]
+        sticky = [e for e in ranked if e.instance == last_accepted]
+        if sticky and prefilling.get(last_accepted, 0) == prefilling.get(ranked[0].instance, 0):
+            ranked = sticky + [e for e in ranked if e.instance != last_accepted]
     return ranked
 
 

@@ -44,7 +44,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-chars", type=int, default=200_000)
     p.add_argument("--max-tokens-limit", type=int, default=8192)
     p.add_argument(
-        "--report-interval", type=float, default=0.1, help="least-loaded: queue report period"
+        "--report-interval",
+        type=float,
+        default=0.1,
+        help="least-loaded: queue report period (emulated seconds, like the TTFT budgets)",
     )
     p.add_argument(
         "--api-keys-secret",

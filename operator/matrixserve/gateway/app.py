@@ -12,6 +12,7 @@ ends the client's stream with an error chunk and ``[DONE]``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -44,7 +45,9 @@ from matrixserve.domain.forwarding import (
 from matrixserve.gateway.discovery import Discovery, GroupRoute
 
 log = logging.getLogger("matrixserve.gateway")
-RETRY_PAUSE_SECONDS = 0.005
+# When every entrance is busy, wait for a slot to be released (a stream's second token or its
+# end), at most this long (wall s: other gateways' requests release slots this one cannot see).
+RETRY_PAUSE_SECONDS = 0.02
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class GatewayConfig:
     default_ttft_ms: int = 2000
     max_prompt_chars: int = 200_000
     max_tokens_limit: int = 8192
-    report_interval: float = 0.1  # least-loaded baseline: how often engines report their queues
+    report_interval: float = 0.1  # least-loaded baseline: queue report period (emulated s)
     require_keys: bool = False  # API keys configured: /v1/* needs "Authorization: Bearer <key>"
     rate_limit: float = 0.0  # requests per second per key (0: unlimited)
     rate_burst: float = 10.0
@@ -98,7 +101,10 @@ class Gateway:
         self.config = config
         self.metrics = GatewayMetrics()
         self.metrics.zookeeper_connected.set_function(lambda: float(discovery.zk_connected))
-        self.open: dict[str, int] = {}
+        self.open: dict[str, int] = {}  # open SSE streams per prefill
+        self.prefilling: dict[str, int] = {}  # accepted, no first token yet, per prefill
+        self.holding: dict[str, int] = {}  # accepted, KV not yet pulled by a decode, per prefill
+        self.released = asyncio.Event()  # set (and replaced) whenever a prefill slot frees
         self.last_accepted: dict[str, str] = {}
         self.reported: dict[str, int] = {}
         self.turns = itertools.count()
@@ -139,7 +145,7 @@ class Gateway:
                         )
                 except (aiohttp.ClientError, TimeoutError, KeyError, ValueError):
                     continue
-            await asyncio.sleep(self.config.report_interval)
+            await asyncio.sleep(self.config.report_interval / self.config.time_scale)
 
     # ------------------------------------------------------------------ routing
     def _scenario(self, request: web.Request, completion: Completion) -> str:
@@ -183,10 +189,15 @@ class Gateway:
                 last_accepted=self.last_accepted.get(scenario),
                 turn=next(self.turns),
                 reported_load=self.reported,
+                in_prefill=self.prefilling,
             )
             if self.config.policy is not Policy.ON_DEMAND:
                 ranked = ranked[:1]  # baselines commit to one choice; their prefills queue
             for entrance in ranked:
+                if self.config.policy is Policy.ON_DEMAND and self.holding.get(
+                    entrance.instance, 0
+                ) >= entrance_batch(routes, entrance):
+                    continue  # every slot it has is held by this gateway's requests: skip the try
                 remaining = budget - (time.monotonic() - started)
                 if remaining <= 0:
                     return (
@@ -198,6 +209,8 @@ class Gateway:
                     "prompt": completion.prompt,
                     "maxTokens": completion.max_tokens,
                     "ttftBudget": remaining * self.config.time_scale,
+                    # the baselines' prefills keep a local queue (P/D-Serve's original version)
+                    "admission": "reject" if self.config.policy is Policy.ON_DEMAND else "queue",
                 }
                 tried += 1
                 response = await self._try(entrance, body)
@@ -207,12 +220,20 @@ class Gateway:
                 rejected += 1
                 if self.last_accepted.get(scenario) == entrance.instance:
                     del self.last_accepted[scenario]  # it is busy: batch forwarding moves on
-            if time.monotonic() - started >= budget:
+            remaining = budget - (time.monotonic() - started)
+            if remaining <= 0:
                 return (
                     f"no prefill accepted within the TTFT budget of {budget * 1000:.0f} ms "
                     f"({tried} tries, {rejected} rejections)"
                 )
-            await asyncio.sleep(RETRY_PAUSE_SECONDS)
+            released = self.released
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(released.wait(), min(remaining, RETRY_PAUSE_SECONDS))
+
+    def release_slot(self, instance: str) -> None:
+        self.holding[instance] -= 1
+        old, self.released = self.released, asyncio.Event()
+        old.set()
 
     # ------------------------------------------------------------------ API keys
     def authorize(self, request: web.Request) -> web.Response | None:
@@ -304,16 +325,16 @@ class Gateway:
                 headers={"Retry-After": "1"},
             )
         entrance, upstream = chosen
-        self.open[entrance.instance] = self.open.get(entrance.instance, 0) + 1
-        self.metrics.open_streams.inc()
+        flight = _Flight(self, entrance.instance)
         try:
             if completion.stream:
-                return await self._relay_stream(request, completion, scenario, upstream, started)
-            return await self._collect(completion, scenario, upstream, started)
+                return await self._relay_stream(
+                    request, completion, scenario, upstream, started, flight
+                )
+            return await self._collect(completion, scenario, upstream, started, flight)
         finally:
             upstream.release()
-            self.open[entrance.instance] -= 1
-            self.metrics.open_streams.dec()
+            flight.end()
 
     async def _events(self, upstream: aiohttp.ClientResponse) -> Any:
         async for line in upstream.content:
@@ -327,6 +348,7 @@ class Gateway:
         scenario: str,
         upstream: aiohttp.ClientResponse,
         started: float,
+        flight: _Flight,
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -339,6 +361,7 @@ class Gateway:
                 await _send(response, _chunk(ident, created, c, {"role": "assistant"}, None))
             async for event in self._events(upstream):
                 if event["type"] == "token":
+                    flight.token()
                     if first:
                         self.metrics.ttft.labels(scenario=scenario).observe(
                             time.monotonic() - started
@@ -386,13 +409,19 @@ class Gateway:
         return response
 
     async def _collect(
-        self, c: Completion, scenario: str, upstream: aiohttp.ClientResponse, started: float
+        self,
+        c: Completion,
+        scenario: str,
+        upstream: aiohttp.ClientResponse,
+        started: float,
+        flight: _Flight,
     ) -> web.Response:
         text: list[str] = []
         done: dict[str, Any] | None = None
         error: dict[str, Any] | None = None
         async for event in self._events(upstream):
             if event["type"] == "token":
+                flight.token()
                 if not text:
                     self.metrics.ttft.labels(scenario=scenario).observe(time.monotonic() - started)
                 text.append(event["text"])
@@ -506,6 +535,42 @@ class Gateway:
             ]
         )
         return app
+
+
+class _Flight:
+    """One forwarded request's share of its prefill's load, as the gateway counts it (the
+    prefill's feedback, P/D-Serve §3.5): an open stream until it ends, a prompt in prefill until
+    its first token, and a prefill slot until its second token (a decode has pulled the KV) or
+    its end."""
+
+    def __init__(self, gateway: Gateway, instance: str) -> None:
+        self.gateway, self.instance, self.tokens, self.ended = gateway, instance, 0, False
+        for counts in (gateway.open, gateway.prefilling, gateway.holding):
+            counts[instance] = counts.get(instance, 0) + 1
+        gateway.metrics.open_streams.inc()
+
+    def token(self) -> None:
+        self.tokens += 1
+        if self.tokens == 1:
+            self.gateway.prefilling[self.instance] -= 1
+        elif self.tokens == 2:
+            self.gateway.release_slot(self.instance)
+
+    def end(self) -> None:
+        if self.tokens < 1:
+            self.gateway.prefilling[self.instance] -= 1
+        if self.tokens < 2:
+            self.gateway.release_slot(self.instance)
+        self.gateway.open[self.instance] -= 1
+        self.gateway.metrics.open_streams.dec()
+
+
+def entrance_batch(routes: list[GroupRoute], entrance: Entrance) -> int:
+    """The prefill batch size (slots) of the group the entrance belongs to."""
+    for route in routes:
+        if entrance in route.entrances:
+            return route.prefill_batch
+    return 1 << 30
 
 
 def _chunk(

@@ -34,6 +34,7 @@ class GroupRoute:
     name: str
     scenario: str
     ttft_ms: int | None
+    prefill_batch: int = 1 << 30  # spec.prefill.batchSize: slots per prefill
     entrances: list[Entrance] = field(default_factory=list)  # what requests use
     zk_entrances: list[Entrance] | None = None  # from the children watch; None: not (re)read yet
     status_entrances: list[Entrance] = field(default_factory=list)  # from the PDGroup status
@@ -137,6 +138,7 @@ class Discovery:
                 route = GroupRoute(key[0], key[1], spec.get("scenario", ""), ttft)
                 self.groups[key] = route
             route.scenario, route.ttft_ms = spec.get("scenario", ""), ttft
+            route.prefill_batch = int((spec.get("prefill") or {}).get("batchSize") or 1 << 30)
             route.status_entrances = entrances_from_status(obj.get("status"))
             self._refresh(route)
             if not route.watched:
