@@ -32,7 +32,9 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
         prog="python -m matrixserve", description="The MatrixServe operator."
     )
     p.add_argument(
-        "--kubeconfig", default=env.get("KUBECONFIG"), help="default: in-cluster, else $KUBECONFIG"
+        "--kubeconfig",
+        default=env.get("KUBECONFIG"),
+        help="default: $KUBECONFIG; without one: in-cluster, else ~/.kube/config",
     )
     p.add_argument(
         "--zookeeper",
@@ -72,6 +74,9 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
     )
     p.add_argument("--liveness-port", type=_positive_port, default=8081, help="0 disables /healthz")
     p.add_argument(
+        "--liveness-address", default="127.0.0.1", help="where /healthz listens (a pod: its IP)"
+    )
+    p.add_argument(
         "--webhook",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -81,6 +86,18 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
     p.add_argument("--webhook-port", type=_positive_port, default=9443)
     p.add_argument(
         "--webhook-host", default=None, help="host name in the webhook URL (default: the address)"
+    )
+    p.add_argument(
+        "--webhook-managed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="create and patch the ValidatingWebhookConfiguration (off: the Helm chart owns it)",
+    )
+    p.add_argument(
+        "--webhook-secret",
+        default=None,
+        help="<namespace>/<name> of a TLS Secret (tls.crt, tls.key, ca.crt) to serve the webhook "
+        "with, instead of --webhook-cert/--webhook-key/--webhook-ca files",
     )
     p.add_argument("--webhook-cert", default=env.get("MATRIXSERVE_WEBHOOK_CERT"))
     p.add_argument("--webhook-key", default=env.get("MATRIXSERVE_WEBHOOK_KEY"))
@@ -105,13 +122,19 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
         p.error(f"--engine-time-scale {args.engine_time_scale!r} must be a positive number")
     if not 0.1 <= args.resync_seconds <= 3600:
         p.error(f"--resync-seconds {args.resync_seconds} must be within 0.1..3600")
+    if args.webhook_secret is not None and args.webhook_secret.count("/") != 1:
+        p.error(f"--webhook-secret {args.webhook_secret!r} must be <namespace>/<name>")
+    if args.webhook and args.webhook_secret:
+        args.webhook_cert, args.webhook_key, args.webhook_ca = _webhook_files(
+            p, args.kubeconfig, args.webhook_secret
+        )
     if args.webhook:
         missing = [f for f in ("webhook_cert", "webhook_key", "webhook_ca") if not getattr(args, f)]
         if missing:
             p.error(
                 "--webhook needs "
                 + ", ".join("--" + m.replace("_", "-") for m in missing)
-                + " (or --no-webhook)"
+                + " (or --webhook-secret, or --no-webhook)"
             )
         for f in ("webhook_cert", "webhook_key", "webhook_ca"):
             if not Path(getattr(args, f)).is_file():
@@ -135,10 +158,42 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
         webhook_cert=args.webhook_cert,
         webhook_key=args.webhook_key,
         webhook_ca=args.webhook_ca,
+        webhook_managed=args.webhook_managed,
         resync_seconds=args.resync_seconds,
         zk_watches=args.zk_watches,
     )
     return config, args
+
+
+def _webhook_files(
+    p: argparse.ArgumentParser, kubeconfig: str | None, ref: str
+) -> tuple[str, str, str]:
+    """Write the webhook's TLS Secret to private files (a read-only root filesystem still has
+    a writable temporary directory) and return their paths: cert, key, CA."""
+    import base64
+    import tempfile
+
+    from kubernetes import client
+
+    from matrixserve.adapters.kube import api_client
+
+    namespace, name = ref.split("/", 1)
+    try:
+        secret = client.CoreV1Api(api_client(kubeconfig)).read_namespaced_secret(name, namespace)
+    except client.ApiException as exc:
+        p.error(f"--webhook-secret {ref}: cannot read it ({exc.status} {exc.reason})")
+    data = secret.data or {}
+    missing = [k for k in ("tls.crt", "tls.key", "ca.crt") if k not in data]
+    if missing:
+        p.error(f"--webhook-secret {ref}: no {', '.join(missing)} in it")
+    folder = Path(tempfile.mkdtemp(prefix="matrixserve-webhook-"))
+    paths = []
+    for key in ("tls.crt", "tls.key", "ca.crt"):
+        path = folder / key
+        path.touch(mode=0o600)
+        path.write_bytes(base64.b64decode(data[key]))
+        paths.append(str(path))
+    return paths[0], paths[1], paths[2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     assert _runtime.startup is not None
     if config.webhook:
         _pdgroup.register_webhook()
-    liveness = f"http://127.0.0.1:{args.liveness_port}/healthz" if args.liveness_port else None
+    liveness = (
+        f"http://{args.liveness_address}:{args.liveness_port}/healthz"
+        if args.liveness_port
+        else None
+    )
     kopf.run(
         standalone=True,
         clusterwide=not args.namespace,

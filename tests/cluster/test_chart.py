@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+import yaml
+from kubernetes import client, config
+
+from helpers import wait_for
+from matrixserve.devcluster.cluster import ClusterInfo
+
 CHART = Path(__file__).resolve().parents[2] / "charts" / "matrixserve"
+SAMPLE = Path(__file__).resolve().parents[2] / "crds" / "samples" / "pdgroup-2p1d.yaml"
 
 
 def test_helm_lint_is_clean(run_tool: Callable[..., Any]) -> None:
@@ -16,10 +25,13 @@ def test_helm_lint_is_clean(run_tool: Callable[..., Any]) -> None:
 
 def test_bad_values_fail_with_the_schema_message(run_tool: Callable[..., Any]) -> None:
     bad_scale = run_tool(
-        "helm", "template", "x", str(CHART), "--set", "engineTimeScale=-1", check=False
+        "helm", "template", "x", str(CHART), "--set", "operator.engine.timeScale=-1", check=False
     )
     assert bad_scale.returncode != 0
-    assert "engineTimeScale" in bad_scale.stderr
+    assert "/operator/engine/timeScale" in bad_scale.stderr
+    two = run_tool("helm", "template", "x", str(CHART), "--set", "operator.replicas=2", check=False)
+    assert two.returncode != 0
+    assert "/operator/replicas" in two.stderr
     typo = run_tool(
         "helm", "template", "x", str(CHART), "--set", "zookeper.external=a:1", check=False
     )
@@ -38,3 +50,168 @@ def test_bad_values_fail_with_the_schema_message(run_tool: Callable[..., Any]) -
     assert "zookeeper.external" in bad_address.stderr or "external" in bad_address.stderr
     good = run_tool("helm", "template", "x", str(CHART), "--set", "zookeeper.external=zk-0.zk:2181")
     assert good.returncode == 0
+
+
+def _service_account_kubeconfig(
+    cluster: ClusterInfo, core: client.CoreV1Api, namespace: str, account: str, path: Path
+) -> Path:
+    """A kubeconfig that authenticates as the ServiceAccount (its Kubernetes 1.20 token Secret)."""
+
+    def token() -> str | None:
+        sa = core.read_namespaced_service_account(account, namespace)
+        for ref in sa.secrets or []:
+            secret = core.read_namespaced_secret(ref.name, namespace)
+            if secret.data and "token" in secret.data:
+                return base64.b64decode(secret.data["token"]).decode()
+        return None
+
+    value = wait_for(token, timeout=30, what=f"the token of ServiceAccount {account}")
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {
+                        "name": "c",
+                        "cluster": {
+                            "server": cluster.server,
+                            "certificate-authority": cluster.ca_file,
+                        },
+                    }
+                ],
+                "users": [{"name": account, "user": {"token": value}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": account}}],
+                "current-context": "c",
+            }
+        )
+    )
+    return path
+
+
+def _ready(custom: client.CustomObjectsApi, namespace: str, name: str) -> bool:
+    obj = custom.get_namespaced_custom_object(
+        "matrixserve.io", "v1alpha1", namespace, "pdgroups", name
+    )
+    return any(
+        c["type"] == "Ready" and c["status"] == "True"
+        for c in (obj.get("status") or {}).get("conditions", [])
+    )
+
+
+def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
+    cluster: ClusterInfo,
+    api_client: client.ApiClient,
+    namespace: str,
+    run_tool: Callable[..., Any],
+    start_operator: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    # Unique per test (the chart's cluster-scoped objects are named after it), and short enough
+    # that the chart's names are not truncated.
+    release = f"r{namespace[-6:]}"
+    run_tool(
+        "helm", "install", release, str(CHART), "-n", namespace,
+        "--set", f"watchNamespaces={{{namespace}}}",
+        "--set", "operator.replicas=0", "--set", "gateway.replicas=0",
+        "--set", "operator.webhook.enabled=false",
+        "--set", f"zookeeper.external={cluster.zookeeper}",
+    )  # fmt: skip
+    core = client.CoreV1Api(api_client)
+    custom = client.CustomObjectsApi(api_client)
+    try:
+        account = f"{release}-matrixserve-operator"
+        kubeconfig = _service_account_kubeconfig(
+            cluster, core, namespace, account, tmp_path / "operator.kubeconfig"
+        )
+        operator = start_operator(namespace, webhook=False, extra=("--kubeconfig", str(kubeconfig)))
+        body = yaml.safe_load(SAMPLE.read_text())
+        body["metadata"] = {"name": "g"}
+        custom.create_namespaced_custom_object(
+            "matrixserve.io", "v1alpha1", namespace, "pdgroups", body
+        )
+        wait_for(lambda: _ready(custom, namespace, "g"), what="the group Ready")
+        # Scale decode out.
+        custom.patch_namespaced_custom_object(
+            "matrixserve.io",
+            "v1alpha1",
+            namespace,
+            "pdgroups",
+            "g",
+            {"spec": {"decode": {"replicas": 2}}},
+        )
+
+        def pods() -> list[str]:
+            listed = core.list_namespaced_pod(namespace, label_selector="matrixserve.io/group=g")
+            return sorted(
+                p.metadata.name for p in listed.items if not p.metadata.deletion_timestamp
+            )
+
+        wait_for(lambda: len(pods()) == 4 and _ready(custom, namespace, "g"), what="decode 1 -> 2")
+        # A fault: an engine pod disappears; the operator replaces it.
+        core.delete_namespaced_pod("g-d-1", namespace, grace_period_seconds=0)
+        wait_for(
+            lambda: "g-d-1" in pods() and _ready(custom, namespace, "g"),
+            what="the lost decode replaced and the group Ready again",
+        )
+        # Scale prefill in: the operator deletes the pod it takes out of service.
+        custom.patch_namespaced_custom_object(
+            "matrixserve.io", "v1alpha1", namespace, "pdgroups", "g",
+            {"spec": {"prefill": {"replicas": 1}}},
+        )  # fmt: skip
+        wait_for(
+            lambda: "g-p-1" not in pods() and _ready(custom, namespace, "g"),
+            what="prefill 2 -> 1",
+        )
+        custom.delete_namespaced_custom_object(
+            "matrixserve.io", "v1alpha1", namespace, "pdgroups", "g"
+        )
+
+        def gone() -> bool:
+            try:
+                custom.get_namespaced_custom_object(
+                    "matrixserve.io", "v1alpha1", namespace, "pdgroups", "g"
+                )
+            except client.ApiException as exc:
+                return exc.status == 404
+            return False
+
+        wait_for(gone, what="the group deleted (finalizer run)")
+        log = operator.log()
+        refused = [
+            line
+            for line in log.splitlines()
+            if "Forbidden" in line or " 403" in line or "Failed to post an event" in line
+        ]
+        assert not refused, "\n".join(refused[:5])
+        reasons = {
+            e.reason
+            for e in core.list_namespaced_event(namespace).items
+            if e.involved_object.kind == "PDGroup"
+        }
+        assert {"CreatedPod", "DeletedPod"} <= reasons, reasons
+        assert " 403" not in log, log[-3000:]
+
+        # What the chart does not grant is refused.
+        with config.new_client_from_config(config_file=str(kubeconfig)) as as_operator:
+            denied = [
+                lambda: client.CoreV1Api(as_operator).list_namespaced_secret(namespace),
+                lambda: client.CoreV1Api(as_operator).delete_node("nonexistent"),
+                lambda: client.CoreV1Api(as_operator).list_namespaced_pod("default"),
+                lambda: client.CustomObjectsApi(as_operator).list_namespaced_custom_object(
+                    "matrixserve.io", "v1alpha1", "default", "pdgroups"
+                ),
+                lambda: client.AppsV1Api(as_operator).list_namespaced_deployment(namespace),
+            ]
+            for call in denied:
+                with pytest.raises(client.ApiException) as refused:
+                    call()
+                assert refused.value.status == 403
+            # ... and the one Secret it may read is its webhook certificate, by name.
+            with pytest.raises(client.ApiException) as missing:
+                client.CoreV1Api(as_operator).read_namespaced_secret(
+                    f"{release}-matrixserve-webhook-tls", namespace
+                )
+            assert missing.value.status == 404  # allowed, and absent: the webhook is off here
+    finally:
+        run_tool("helm", "uninstall", release, "-n", namespace, "--wait")

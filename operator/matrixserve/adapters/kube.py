@@ -20,13 +20,41 @@ from matrixserve.domain.pods import LABEL_GROUP, LABEL_ROLE, LABEL_SUPERPOD
 GROUP, VERSION, PLURAL = "matrixserve.io", "v1alpha1", "pdgroups"
 
 
-def api_client(kubeconfig: str | None = None) -> client.ApiClient:
-    """In-cluster when running in a pod (service-account token), else the kubeconfig."""
+def _configuration(kubeconfig: str | None) -> client.Configuration:
+    """The given kubeconfig; else in-cluster (a pod's service-account token); else $KUBECONFIG
+    or ~/.kube/config."""
+    conf = client.Configuration()
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=conf)
+        return conf
     try:
-        config.load_incluster_config()
-        return client.ApiClient()
+        config.load_incluster_config(client_configuration=conf)
     except config.ConfigException:
-        return config.new_client_from_config(config_file=kubeconfig)
+        config.load_kube_config(client_configuration=conf)
+    return conf
+
+
+def api_client(kubeconfig: str | None = None) -> client.ApiClient:
+    return client.ApiClient(_configuration(kubeconfig))
+
+
+def credentials(kubeconfig: str | None = None) -> dict[str, Any]:
+    """The same identity as :func:`api_client`, as plain connection facts (for kopf's login: the
+    framework's own calls must not run under other credentials than the operator's)."""
+    conf = _configuration(kubeconfig)
+    header = conf.get_api_key_with_prefix("BearerToken") or conf.get_api_key_with_prefix(
+        "authorization"
+    )
+    scheme, token = header.split(" ", 1) if header else (None, None)
+    return {
+        "server": conf.host,
+        "ca_path": conf.ssl_ca_cert,
+        "insecure": not conf.verify_ssl,
+        "scheme": scheme,
+        "token": token,
+        "certificate_path": conf.cert_file,
+        "private_key_path": conf.key_file,
+    }
 
 
 class KubeAdapter:

@@ -14,7 +14,7 @@ from typing import Any
 import kopf
 from prometheus_client import start_http_server
 
-from matrixserve.adapters.kube import KubeAdapter, api_client
+from matrixserve.adapters.kube import KubeAdapter, api_client, credentials
 from matrixserve.adapters.zookeeper import ZkAdapter
 from matrixserve.domain.pods import EngineSettings
 from matrixserve.handlers.metrics import OperatorMetrics
@@ -37,9 +37,18 @@ class OperatorConfig:
     webhook_cert: str | None = None
     webhook_key: str | None = None
     webhook_ca: str | None = None
+    webhook_managed: bool = True  # kopf creates/patches the configuration (off: the chart owns it)
     worker_limit: int = 64
     resync_seconds: float = 10.0
     zk_watches: bool = True
+
+
+@kopf.on.login()
+def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    """kopf's own calls (watches, patches, Events) under the operator's identity: --kubeconfig
+    if given, else the pod's service account (kopf's default would read $KUBECONFIG first)."""
+    cfg: OperatorConfig = memo.config
+    return kopf.ConnectionInfo(**credentials(cfg.kubeconfig))
 
 
 @kopf.on.startup()
@@ -65,7 +74,8 @@ async def startup(
             pkeyfile=cfg.webhook_key,
             cafile=cfg.webhook_ca,
         )
-        settings.admission.managed = WEBHOOK_CONFIGURATION
+        if cfg.webhook_managed:
+            settings.admission.managed = WEBHOOK_CONFIGURATION
     metrics = OperatorMetrics()
     zk = ZkAdapter(cfg.zookeeper)
     kube = KubeAdapter(api_client(cfg.kubeconfig))
