@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import base64
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from kubernetes import client, config
 
 from helpers import wait_for
-from matrixserve.devcluster.cluster import ClusterInfo
+from matrixserve.devcluster.cluster import ClusterInfo, free_ports
+from matrixserve.devcluster.procs import Supervisor
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "matrixserve"
 SAMPLE = Path(__file__).resolve().parents[2] / "crds" / "samples" / "pdgroup-2p1d.yaml"
@@ -89,6 +93,13 @@ def _service_account_kubeconfig(
     return path
 
 
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _ready(custom: client.CustomObjectsApi, namespace: str, name: str) -> bool:
     obj = custom.get_namespaced_custom_object(
         "matrixserve.io", "v1alpha1", namespace, "pdgroups", name
@@ -131,6 +142,42 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
             "matrixserve.io", "v1alpha1", namespace, "pdgroups", body
         )
         wait_for(lambda: _ready(custom, namespace, "g"), what="the group Ready")
+        # The gateway under its own ServiceAccount discovers the group and serves a request.
+        gateway_kubeconfig = _service_account_kubeconfig(
+            cluster, core, namespace, f"{release}-matrixserve-gateway", tmp_path / "gw.kubeconfig"
+        )
+        (port,) = free_ports(1)
+        supervisor = Supervisor(tmp_path / "gateway")
+        supervisor.start(
+            "gateway",
+            [
+                *(
+                    sys.executable,
+                    "-m",
+                    "matrixserve.gateway",
+                    "--kubeconfig",
+                    str(gateway_kubeconfig),
+                ),
+                *("--zookeeper", cluster.zookeeper, "--namespace", namespace),
+                *("--port", str(port), "--time-scale", "20"),
+            ],
+            env=dict(os.environ),
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_for(lambda: _answers(f"{url}/healthz"), timeout=30, what="the gateway")
+            answer = httpx.post(
+                f"{url}/v1/completions",
+                json={"model": "general", "prompt": "hi", "max_tokens": 3},
+                timeout=30,
+                trust_env=False,
+            )
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["usage"]["completion_tokens"] == 3
+        finally:
+            supervisor.stop("gateway")
+        gateway_log = supervisor.log_path("gateway").read_text()
+        assert "Forbidden" not in gateway_log, gateway_log[-2000:]
         # Scale decode out.
         custom.patch_namespaced_custom_object(
             "matrixserve.io",
