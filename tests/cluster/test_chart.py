@@ -12,9 +12,11 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from kazoo.client import KazooClient
 from kubernetes import client, config
 
 from helpers import wait_for
+from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo, free_ports
 from matrixserve.devcluster.procs import Supervisor
 
@@ -262,3 +264,124 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
             assert missing.value.status == 404  # allowed, and absent: the webhook is off here
     finally:
         run_tool("helm", "uninstall", release, "-n", namespace, "--wait")
+
+
+def test_helm_install_upgrade_uninstall_on_the_local_cluster(
+    cluster: ClusterInfo,
+    api_client: client.ApiClient,
+    namespace: str,
+    crds_installed: list[str],
+    run_tool: Callable[..., Any],
+) -> None:
+    """The chart for real: its operator and gateway pods run (the node emulator maps the image to
+    local commands and gives each pod its ServiceAccount's token), a sample group gets Ready, a
+    request through the gateway streams; an upgrade rolls the operator and leaves the group's pods
+    alone; deleting the group and uninstalling leaves no pods and no znodes."""
+    release = f"r{namespace[-6:]}"
+    core = client.CoreV1Api(api_client)
+    custom = client.CustomObjectsApi(api_client)
+    common = [
+        *("-n", namespace, "--set", f"watchNamespaces={{{namespace}}}"),
+        *(
+            "--set",
+            "operator.webhook.enabled=false",
+            "--set",
+            f"zookeeper.external={cluster.zookeeper}",
+        ),
+        *("--set", "operator.engine.timeScale=20", "--set", "operator.engine.loadSource=NPUForkUB"),
+    ]
+    run_tool("helm", "install", release, str(CHART), *common)
+
+    def component_pods(component: str) -> list[Any]:
+        listed = core.list_namespaced_pod(
+            namespace, label_selector=f"app.kubernetes.io/component={component}"
+        ).items
+        return [p for p in listed if not p.metadata.deletion_timestamp]
+
+    def running(component: str) -> Any:
+        pods = component_pods(component)
+        ready = [
+            p
+            for p in pods
+            if p.status.phase == "Running"
+            and any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
+        ]
+        return ready[0] if len(pods) == 1 and ready else None
+
+    zk = KazooClient(hosts=cluster.zookeeper)
+    zk.start()
+    try:
+        operator_pod = wait_for(lambda: running("operator"), timeout=60, what="the operator pod")
+        gateway_pod = wait_for(lambda: running("gateway"), timeout=60, what="the gateway pod")
+        # The operator process runs with its ServiceAccount's token, nothing else.
+        emulated = httpx.get(f"{cluster.node_emulator}/pods", trust_env=False).json()
+        (pid,) = [
+            p["pids"]["operator"] for p in emulated if p["name"] == operator_pod.metadata.name
+        ]
+        environ = dict(
+            item.split("=", 1)
+            for item in Path(f"/proc/{pid}/environ").read_text().split("\0")
+            if "=" in item
+        )
+        used = yaml.safe_load(Path(environ["KUBECONFIG"]).read_text())["users"][0]["user"]["token"]
+        account = core.read_namespaced_service_account(f"{release}-matrixserve-operator", namespace)
+        secret = core.read_namespaced_secret(account.secrets[0].name, namespace)
+        assert used == base64.b64decode(secret.data["token"]).decode()
+        body = yaml.safe_load(SAMPLE.read_text())
+        body["metadata"] = {"name": "g"}
+        custom.create_namespaced_custom_object(
+            "matrixserve.io", "v1alpha1", namespace, "pdgroups", body
+        )
+        wait_for(lambda: _ready(custom, namespace, "g"), what="the group Ready")
+        url = f"http://{gateway_pod.status.pod_ip}:8090"
+        wait_for(
+            lambda: "general" in httpx.get(f"{url}/v1/models", trust_env=False).text,
+            timeout=20,
+            what="the gateway to see the group",
+        )
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/chat/completions",
+            json={
+                "model": "general",
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": True,
+                "max_tokens": 4,
+            },
+            timeout=30,
+            trust_env=False,
+        ) as response:
+            assert response.status_code == 200
+            chunks = [line for line in response.iter_lines() if line.startswith("data: ")]
+        assert chunks[-1] == "data: [DONE]"
+        assert sum('"content"' in c for c in chunks) >= 4
+
+        engines = {p.metadata.name: p.metadata.uid for p in core.list_namespaced_pod(
+            namespace, label_selector="matrixserve.io/group=g").items}  # fmt: skip
+        run_tool(
+            "helm", "upgrade", release, str(CHART), *common, "--set", "operator.logLevel=DEBUG"
+        )
+        wait_for(
+            lambda: (p := running("operator")) is not None and p.metadata.uid != operator_pod.metadata.uid,
+            timeout=60,
+            what="the operator rolled by the upgrade",
+        )  # fmt: skip
+        after = {p.metadata.name: p.metadata.uid for p in core.list_namespaced_pod(
+            namespace, label_selector="matrixserve.io/group=g").items}  # fmt: skip
+        assert after == engines, "the upgrade must not touch the group's pods"
+        assert _ready(custom, namespace, "g")
+
+        custom.delete_namespaced_custom_object(
+            "matrixserve.io", "v1alpha1", namespace, "pdgroups", "g"
+        )
+        paths = zl.GroupPaths(namespace, "g")
+        wait_for(lambda: zk.exists(paths.root) is None, what="the group's znodes removed")
+        run_tool("helm", "uninstall", release, "-n", namespace, "--wait")
+        wait_for(
+            lambda: not core.list_namespaced_pod(namespace).items,
+            timeout=60,
+            what="no pod left in the namespace",
+        )
+    finally:
+        zk.stop()
+        run_tool("helm", "uninstall", release, "-n", namespace, check=False)

@@ -367,3 +367,36 @@ def test_device_status_render_inject_heal(tmp_path: Path) -> None:
     assert status.heal(devicestatus.FaultKind.HBM_ERROR, 5)
     assert status.render("t2")["npus"][2]["health"] == "Healthy"
     assert not list(tmp_path.glob(".status.json.*")), "no temp files left behind"
+
+
+def test_the_service_account_token_secret_is_the_volume_mounted_at_the_service_account_path() -> (
+    None
+):
+    from enginestub.node import podspec
+
+    pod = {
+        "spec": {
+            "containers": [
+                {
+                    "name": "c",
+                    "volumeMounts": [
+                        {"name": "data", "mountPath": "/data"},
+                        {"name": "sa-token-x1", "mountPath": podspec.SERVICE_ACCOUNT_MOUNT},
+                    ],
+                }
+            ],
+            "volumes": [
+                {"name": "data", "secret": {"secretName": "not-this"}},
+                {"name": "sa-token-x1", "secret": {"secretName": "sa-token-x1"}},
+            ],
+        }
+    }
+    assert podspec.service_account_secret(pod) == "sa-token-x1"
+    pod["spec"]["containers"][0]["volumeMounts"].pop()  # automountServiceAccountToken: false
+    assert podspec.service_account_secret(pod) is None
+    config = json.loads(podspec.token_kubeconfig("https://127.0.0.1:6443", "/ca.crt", "tok"))
+    assert config["users"][0]["user"]["token"] == "tok"
+    assert config["clusters"][0]["cluster"] == {
+        "server": "https://127.0.0.1:6443",
+        "certificate-authority": "/ca.crt",
+    }

@@ -185,6 +185,7 @@ async def _run(args: argparse.Namespace) -> int:
             control_port=args.control_port,
             apiserver_host=server_url.hostname,
             apiserver_port=server_url.port,
+            apiserver_ca=api.configuration.ssl_ca_cert,
             delete_nodes_on_exit=args.delete_nodes_on_exit,
             zygote=not args.no_zygote,
         ),

@@ -57,6 +57,8 @@ ENV_PASSTHROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "VIRTUA
 
 DEFAULT_IMAGE_MAP: dict[str, list[str]] = {
     "matrixserve/engine-stub": [sys.executable, "-m", "enginestub"],
+    # The operator/gateway image: its entrypoint is "python -m"; the chart's args name the module.
+    "matrixserve/matrixserve": [sys.executable, "-m"],
     # Sleep-like pods for tests and scale runs: the container's command runs on the host.
     "busybox": [],
     "matrixserve/host-command": [],
@@ -77,6 +79,7 @@ class EmulatorConfig:
     control_port: int = 0
     apiserver_host: str | None = None
     apiserver_port: int | None = None
+    apiserver_ca: str | None = None  # CA bundle file of the API server (for pods' kubeconfigs)
     delete_nodes_on_exit: bool = False
     stop_grace_on_exit: float = 5.0
     zygote: bool = True  # fork engine-stub containers from a warm process (see .zygote)
@@ -640,7 +643,9 @@ class Emulator:
         record.ip = state.addresses.claim((pod.get("status") or {}).get("podIP"))
         # --- containers ----------------------------------------------------------------
         base_env = self._base_env(state, record)
+        workdir = self.config.state_dir / "pods" / f"{record.namespace}_{record.name}_{record.uid}"
         try:
+            base_env.update(await self._service_account_env(record.namespace, pod, workdir))
             lookup = await self._lookup_for(record.namespace, pod)
             plans = podspec.plan_containers(
                 _with_status(pod, record.ip, state.addresses.host_ip),
@@ -660,7 +665,6 @@ class Emulator:
             await self._event(record, "Failed", f"Error: {exc}", "Warning")
             self._mark_dirty(record.uid)
             return
-        workdir = self.config.state_dir / "pods" / f"{record.namespace}_{record.name}_{record.uid}"
         runner = PodRunner(
             namespace=record.namespace,
             name=record.name,
@@ -700,6 +704,47 @@ class Emulator:
             env["KUBERNETES_SERVICE_HOST"] = self.config.apiserver_host
             env["KUBERNETES_SERVICE_PORT"] = str(self.config.apiserver_port)
         return env
+
+    async def _service_account_env(
+        self, namespace: str, pod: dict[str, Any], workdir: Path
+    ) -> dict[str, str]:
+        """The pod's service-account credentials, as a kubelet would mount them: the token Secret
+        the ServiceAccount admission plugin put in the pod's volumes. A process here cannot see
+        /var/run/secrets, so the emulator writes a kubeconfig for that token into the pod's
+        directory and points ``KUBECONFIG`` at it (clients then run as the ServiceAccount, under
+        its RBAC, exactly as in a pod)."""
+        secret_name = podspec.service_account_secret(pod)
+        if secret_name is None or not (self.config.apiserver_host and self.config.apiserver_port):
+            return {}
+        try:
+            secret = await asyncio.to_thread(
+                self.core.read_namespaced_secret, secret_name, namespace
+            )
+        except client.ApiException as exc:
+            raise podspec.ContainerConfigError(
+                f'service-account token Secret "{secret_name}": {exc.status} {exc.reason}'
+            ) from exc
+        data = {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+        if not data.get("token"):
+            raise podspec.ContainerConfigError(f'Secret "{secret_name}" holds no token')
+        folder = workdir / "serviceaccount"
+        folder.mkdir(parents=True, exist_ok=True)
+        for key in ("token", "ca.crt", "namespace"):
+            if key in data:
+                path = folder / key
+                path.touch(mode=0o600)
+                path.write_bytes(data[key])
+        ca = str(folder / "ca.crt") if "ca.crt" in data else self.config.apiserver_ca
+        kubeconfig = folder / "kubeconfig"
+        kubeconfig.touch(mode=0o600)
+        kubeconfig.write_text(
+            podspec.token_kubeconfig(
+                f"https://{self.config.apiserver_host}:{self.config.apiserver_port}",
+                ca,
+                data["token"].decode(),
+            )
+        )
+        return {"KUBECONFIG": str(kubeconfig)}
 
     async def _lookup_for(self, namespace: str, pod: dict[str, Any]) -> podspec.SecretLookup:
         """Prefetch the ConfigMaps and Secrets the pod's env refers to (the lookup stays pure)."""

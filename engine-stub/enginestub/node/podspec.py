@@ -10,6 +10,7 @@ pods).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -222,6 +223,43 @@ def npu_request(pod: Mapping[str, Any]) -> int:
         if value is not None:
             total += int(str(value))
     return total
+
+
+SERVICE_ACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def service_account_secret(pod: Mapping[str, Any]) -> str | None:
+    """The token Secret mounted at the service-account path (put there by the ServiceAccount
+    admission plugin), or None when the pod has no service-account token."""
+    spec = pod.get("spec") or {}
+    mounted = {
+        m.get("name")
+        for c in spec.get("containers") or []
+        for m in c.get("volumeMounts") or []
+        if m.get("mountPath") == SERVICE_ACCOUNT_MOUNT
+    }
+    for volume in spec.get("volumes") or []:
+        if volume.get("name") in mounted and "secret" in volume:
+            name = volume["secret"].get("secretName")
+            return str(name) if name else None
+    return None
+
+
+def token_kubeconfig(server: str, ca_file: str | None, token: str) -> str:
+    """A kubeconfig that authenticates with a bearer token (JSON is valid YAML)."""
+    cluster: dict[str, Any] = {"server": server}
+    if ca_file:
+        cluster["certificate-authority"] = ca_file
+    return json.dumps(
+        {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "cluster", "cluster": cluster}],
+            "users": [{"name": "pod", "user": {"token": token}}],
+            "contexts": [{"name": "pod", "context": {"cluster": "cluster", "user": "pod"}}],
+            "current-context": "pod",
+        }
+    )
 
 
 def plan_containers(

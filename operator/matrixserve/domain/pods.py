@@ -125,6 +125,8 @@ def pod_manifest(
         "spec": {
             "restartPolicy": "Always",
             "terminationGracePeriodSeconds": 10,
+            # Engines talk to ZooKeeper and their peers, never to the Kubernetes API.
+            "automountServiceAccountToken": False,
             "nodeSelector": {LABEL_NPU_TYPE: r.npu_type},
             "affinity": _affinity(group, role),
             "containers": [
