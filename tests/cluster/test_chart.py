@@ -273,21 +273,18 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
     crds_installed: list[str],
     run_tool: Callable[..., Any],
 ) -> None:
-    """The chart for real: its operator and gateway pods run (the node emulator maps the image to
-    local commands and gives each pod its ServiceAccount's token), a sample group gets Ready, a
-    request through the gateway streams; an upgrade rolls the operator and leaves the group's pods
+    """The chart for real: operator, gateway and ZooKeeper pods run (the node emulator maps the
+    images to local commands, gives each pod its ServiceAccount's token and routes Services),
+    the chart's webhook refuses an invalid group, a sample group gets Ready, a request through
+    the gateway's Service streams; an upgrade rolls the operator and leaves the group's pods
     alone; deleting the group and uninstalling leaves no pods and no znodes."""
     release = f"r{namespace[-6:]}"
+    full = f"{release}-matrixserve"
     core = client.CoreV1Api(api_client)
     custom = client.CustomObjectsApi(api_client)
     common = [
         *("-n", namespace, "--set", f"watchNamespaces={{{namespace}}}"),
-        *(
-            "--set",
-            "operator.webhook.enabled=false",
-            "--set",
-            f"zookeeper.external={cluster.zookeeper}",
-        ),
+        *("--set", "zookeeper.persistence=false", "--set", "gateway.service.port=8080"),
         *("--set", "operator.engine.timeScale=20", "--set", "operator.engine.loadSource=NPUForkUB"),
     ]
     run_tool("helm", "install", release, str(CHART), *common)
@@ -308,11 +305,22 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         ]
         return ready[0] if len(pods) == 1 and ready else None
 
-    zk = KazooClient(hosts=cluster.zookeeper)
-    zk.start()
+    def refusal(bad: dict[str, Any]) -> client.ApiException | None:
+        try:
+            custom.create_namespaced_custom_object(
+                "matrixserve.io", "v1alpha1", namespace, "pdgroups", bad, dry_run="All"
+            )
+        except client.ApiException as exc:
+            return exc
+        return None
+
+    zk_service = core.read_namespaced_service(f"{full}-zookeeper", namespace)
+    zk = KazooClient(hosts=f"{zk_service.spec.cluster_ip}:2181")
     try:
+        wait_for(lambda: running("zookeeper"), timeout=60, what="the ZooKeeper pod")
         operator_pod = wait_for(lambda: running("operator"), timeout=60, what="the operator pod")
-        gateway_pod = wait_for(lambda: running("gateway"), timeout=60, what="the gateway pod")
+        wait_for(lambda: running("gateway"), timeout=60, what="the gateway pod")
+        zk.start(timeout=15)  # through the Service's ClusterIP
         # The operator process runs with its ServiceAccount's token, nothing else.
         emulated = httpx.get(f"{cluster.node_emulator}/pods", trust_env=False).json()
         (pid,) = [
@@ -324,16 +332,30 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
             if "=" in item
         )
         used = yaml.safe_load(Path(environ["KUBECONFIG"]).read_text())["users"][0]["user"]["token"]
-        account = core.read_namespaced_service_account(f"{release}-matrixserve-operator", namespace)
+        account = core.read_namespaced_service_account(f"{full}-operator", namespace)
         secret = core.read_namespaced_secret(account.secrets[0].name, namespace)
         assert used == base64.b64decode(secret.data["token"]).decode()
+
+        # The chart's webhook (API server -> Service -> operator pod) refuses an invalid group.
         body = yaml.safe_load(SAMPLE.read_text())
+        bad = yaml.safe_load(SAMPLE.read_text())
+        bad["metadata"] = {"name": "bad"}
+        bad["spec"]["decode"]["devicesPerInstance"] = 4
+        refused = wait_for(
+            lambda: refusal(bad), timeout=30, what="the webhook to refuse an invalid group"
+        )
+        assert refused.status == 422, refused.body
+        assert "same devices per instance (2 vs 4)" in refused.body
+
         body["metadata"] = {"name": "g"}
         custom.create_namespaced_custom_object(
             "matrixserve.io", "v1alpha1", namespace, "pdgroups", body
         )
         wait_for(lambda: _ready(custom, namespace, "g"), what="the group Ready")
-        url = f"http://{gateway_pod.status.pod_ip}:8090"
+        paths = zl.GroupPaths(namespace, "g")
+        assert zk.exists(paths.root) is not None, "the group lives in the bundled ZooKeeper"
+        gateway_service = core.read_namespaced_service(f"{full}-gateway", namespace)
+        url = f"http://{gateway_service.spec.cluster_ip}:8080"
         wait_for(
             lambda: "general" in httpx.get(f"{url}/v1/models", trust_env=False).text,
             timeout=20,
@@ -356,25 +378,26 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         assert chunks[-1] == "data: [DONE]"
         assert sum('"content"' in c for c in chunks) >= 4
 
-        engines = {p.metadata.name: p.metadata.uid for p in core.list_namespaced_pod(
-            namespace, label_selector="matrixserve.io/group=g").items}  # fmt: skip
+        def group_pods() -> dict[str, str]:
+            listed = core.list_namespaced_pod(namespace, label_selector="matrixserve.io/group=g")
+            return {p.metadata.name: p.metadata.uid for p in listed.items}
+
+        engines = group_pods()
         run_tool(
             "helm", "upgrade", release, str(CHART), *common, "--set", "operator.logLevel=DEBUG"
         )
-        wait_for(
-            lambda: (p := running("operator")) is not None and p.metadata.uid != operator_pod.metadata.uid,
-            timeout=60,
-            what="the operator rolled by the upgrade",
-        )  # fmt: skip
-        after = {p.metadata.name: p.metadata.uid for p in core.list_namespaced_pod(
-            namespace, label_selector="matrixserve.io/group=g").items}  # fmt: skip
-        assert after == engines, "the upgrade must not touch the group's pods"
+
+        def rolled() -> bool:
+            pod = running("operator")
+            return pod is not None and pod.metadata.uid != operator_pod.metadata.uid
+
+        wait_for(rolled, timeout=60, what="the operator rolled by the upgrade")
+        assert group_pods() == engines, "the upgrade must not touch the group's pods"
         assert _ready(custom, namespace, "g")
 
         custom.delete_namespaced_custom_object(
             "matrixserve.io", "v1alpha1", namespace, "pdgroups", "g"
         )
-        paths = zl.GroupPaths(namespace, "g")
         wait_for(lambda: zk.exists(paths.root) is None, what="the group's znodes removed")
         run_tool("helm", "uninstall", release, "-n", namespace, "--wait")
         wait_for(
@@ -382,6 +405,9 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
             timeout=60,
             what="no pod left in the namespace",
         )
+        webhooks = client.AdmissionregistrationV1Api(api_client)
+        names = [w.metadata.name for w in webhooks.list_validating_webhook_configuration().items]
+        assert f"{full}-pdgroups" not in names, "the chart's webhook goes with the release"
     finally:
         zk.stop()
         run_tool("helm", "uninstall", release, "-n", namespace, check=False)

@@ -28,7 +28,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if .Values.zookeeper.external -}}
 {{- .Values.zookeeper.external -}}
 {{- else -}}
-{{- printf "%s-zookeeper.%s.svc:2181" (include "matrixserve.fullname" .) .Release.Namespace -}}
+{{- /* The bundled ZooKeeper's Service, by the variables the kubelet injects for it (no DNS
+needed; Helm creates Services before the Deployments that use them). */ -}}
+{{- $var := printf "%s_ZOOKEEPER_SERVICE" (include "matrixserve.fullname" . | upper | replace "-" "_") -}}
+{{- printf "$(%s_HOST):$(%s_PORT)" $var $var -}}
 {{- end -}}
 {{- end -}}
 

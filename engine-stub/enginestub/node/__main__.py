@@ -84,6 +84,17 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start every engine-stub container as a fresh interpreter (no warm fork server)",
     )
+    run.add_argument(
+        "--service-proxy",
+        action="store_true",
+        help="route Services: listen on each ClusterIP:port (the cluster's service range must be "
+        "loopback, 127.128.0.0/10) and forward to ready pods; inject <NAME>_SERVICE_HOST/PORT",
+    )
+    run.add_argument(
+        "--service-cidr",
+        default=None,
+        help="the cluster's service range (with --service-proxy): held with a machine-wide lock",
+    )
     run.add_argument("--log-level", default="INFO")
 
     fault = sub.add_parser("fault", help="inject (or --heal) a fault through a running emulator")
@@ -171,6 +182,15 @@ async def _run(args: argparse.Namespace) -> int:
         ]
     else:
         servers = build(_topology(args))
+    service_lock = None
+    if args.service_proxy and args.service_cidr:
+        from enginestub.node.network import lock_service_cidr
+
+        service_lock = lock_service_cidr(args.service_cidr)
+        if service_lock is None:
+            raise SystemExit(
+                f"--service-cidr {args.service_cidr} is held by another cluster's node emulator"
+            )
     server_url = urlparse(api.configuration.host)
     emulator = Emulator(
         EmulatorConfig(
@@ -186,6 +206,7 @@ async def _run(args: argparse.Namespace) -> int:
             apiserver_host=server_url.hostname,
             apiserver_port=server_url.port,
             apiserver_ca=api.configuration.ssl_ca_cert,
+            service_proxy=args.service_proxy,
             delete_nodes_on_exit=args.delete_nodes_on_exit,
             zygote=not args.no_zygote,
         ),

@@ -41,7 +41,7 @@ from typing import Any
 
 from kubernetes import client, watch
 
-from enginestub.node import allocator, devicestatus, podspec, podstatus
+from enginestub.node import allocator, devicestatus, podspec, podstatus, services
 from enginestub.node.network import AddressExhausted, NodeAddresses, candidate_cidrs
 from enginestub.node.runner import PodRunner, Zygote, rfc3339
 from enginestub.node.topology import LABEL_EMULATED, Server
@@ -59,6 +59,8 @@ DEFAULT_IMAGE_MAP: dict[str, list[str]] = {
     "matrixserve/engine-stub": [sys.executable, "-m", "enginestub"],
     # The operator/gateway image: its entrypoint is "python -m"; the chart's args name the module.
     "matrixserve/matrixserve": [sys.executable, "-m"],
+    # The chart's bundled ZooKeeper: Debian's ZooKeeper on the pod's IP.
+    "zookeeper": [sys.executable, "-m", "enginestub.node.zookeeper"],
     # Sleep-like pods for tests and scale runs: the container's command runs on the host.
     "busybox": [],
     "matrixserve/host-command": [],
@@ -80,6 +82,7 @@ class EmulatorConfig:
     apiserver_host: str | None = None
     apiserver_port: int | None = None
     apiserver_ca: str | None = None  # CA bundle file of the API server (for pods' kubeconfigs)
+    service_proxy: bool = False  # route Services' ClusterIPs (loopback range) to pods
     delete_nodes_on_exit: bool = False
     stop_grace_on_exit: float = 5.0
     zygote: bool = True  # fork engine-stub containers from a warm process (see .zygote)
@@ -133,6 +136,11 @@ class Emulator:
         self._pod_chains: dict[str, asyncio.Task[None]] = {}
         self._zygote_proc: asyncio.subprocess.Process | None = None
         self.zygote: Zygote | None = None
+        self.proxy: services.ServiceProxy | None = None
+        if config.service_proxy and config.apiserver_host and config.apiserver_port:
+            self.proxy = services.ServiceProxy(
+                api, self._backends, (config.apiserver_host, config.apiserver_port)
+            )
 
     # ================================================================== main
     async def run(self) -> None:
@@ -160,6 +168,8 @@ class Emulator:
         if self.config.mode == "full":
             tasks.append(asyncio.create_task(self._status_writer(), name="status-writer"))
             tasks.append(asyncio.create_task(self._pod_events(), name="pod-events"))
+            if self.proxy is not None:
+                tasks.append(asyncio.create_task(self.proxy.run(), name="service-proxy"))
         log.info(
             "node emulator %s: %d nodes, control %s",
             self.identity,
@@ -174,6 +184,31 @@ class Emulator:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._shutdown()
             await control.stop()
+
+    def _backends(self, namespace: str, selector: Mapping[str, str]) -> list[services.Backend]:
+        """Ready pods of ours in the namespace whose labels match the selector."""
+        found = []
+        for record in list(self.pods.values()):
+            labels = (record.pod.get("metadata") or {}).get("labels")
+            if (
+                record.namespace != namespace
+                or record.terminating
+                or not record.ip
+                or not services.matches(selector, labels)
+                or not any(
+                    c.get("type") == "Ready" and c.get("status") == "True"
+                    for c in record.conditions
+                )
+            ):
+                continue
+            ports = {
+                p["name"]: int(p["containerPort"])
+                for c in record.pod["spec"].get("containers") or []
+                for p in c.get("ports") or []
+                if p.get("name")
+            }
+            found.append(services.Backend(record.ip, ports))
+        return found
 
     def _spawn(self, coro: Any) -> None:
         """Run a fire-and-forget coroutine, keeping a reference until it is done."""
@@ -643,6 +678,8 @@ class Emulator:
         record.ip = state.addresses.claim((pod.get("status") or {}).get("podIP"))
         # --- containers ----------------------------------------------------------------
         base_env = self._base_env(state, record)
+        if self.proxy is not None:
+            base_env.update(self.proxy.namespace_env(record.namespace))
         workdir = self.config.state_dir / "pods" / f"{record.namespace}_{record.name}_{record.uid}"
         try:
             base_env.update(await self._service_account_env(record.namespace, pod, workdir))

@@ -10,10 +10,14 @@ process binds its own 127.x.y.z without any interface set-up, and traffic never 
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import itertools
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 POD_NETWORK = ipaddress.IPv4Network("127.64.0.0/10")
 
@@ -76,3 +80,31 @@ class NodeAddresses:
 
     def release(self, ip: str) -> None:
         self.in_use.discard(ip)
+
+
+# --------------------------------------------------------------------------- Services
+SERVICE_NETWORK = ipaddress.IPv4Network("127.128.0.0/10")  # ClusterIPs, one /16 per cluster
+SERVICE_LOCKS = Path(tempfile.gettempdir()) / "matrixserve-service-cidrs"
+
+
+def lock_service_cidr(cidr: str) -> Any:
+    """Hold a machine-wide lock on a service /16 (an open file; closing it releases the lock);
+    None if another process holds it."""
+    SERVICE_LOCKS.mkdir(mode=0o777, exist_ok=True)
+    handle = (SERVICE_LOCKS / cidr.replace("/", "_")).open("a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    return handle
+
+
+def free_service_cidr() -> str:
+    """A service /16 nobody holds now (its cluster's node emulator holds it while it runs)."""
+    for subnet in SERVICE_NETWORK.subnets(new_prefix=16):
+        handle = lock_service_cidr(str(subnet))
+        if handle is not None:
+            handle.close()
+            return str(subnet)
+    raise AddressExhausted(f"every service /16 in {SERVICE_NETWORK} is in use")

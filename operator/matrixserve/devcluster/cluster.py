@@ -41,7 +41,6 @@ from matrixserve.devcluster import pki, tools
 from matrixserve.devcluster.errors import DevClusterError, tail
 from matrixserve.devcluster.procs import Supervisor
 
-SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 COMPONENTS = (
     "etcd",
@@ -78,6 +77,7 @@ class ClusterInfo:
     bin_dir: str
     helm: str
     node_emulator: str = ""  # control API URL of the node emulator
+    service_cidr: str = ""  # ClusterIPs: a loopback /16 the node emulator routes
 
     @classmethod
     def load(cls, path: Path) -> ClusterInfo:
@@ -199,7 +199,15 @@ class DevCluster:
         kubeconfig = self.state_dir / "kubeconfig"
         server = f"https://{LOOPBACK}:{ports.apiserver}"
         _write_kubeconfig(kubeconfig, server, ca.cert, token)
+        # The service range: a loopback /16 (the node emulator routes its ClusterIPs), kept for
+        # the state dir's lifetime since etcd remembers the ClusterIPs it handed out.
+        cidr_file = self.state_dir / "service-cidr"
+        if not cidr_file.exists():
+            from enginestub.node.network import free_service_cidr
+
+            cidr_file.write_text(free_service_cidr())
         info = ClusterInfo(
+            service_cidr=cidr_file.read_text().strip(),
             state_dir=str(self.state_dir),
             kubeconfig=str(kubeconfig),
             server=server,
@@ -329,7 +337,7 @@ class DevCluster:
                 f"--service-account-signing-key-file={sa.key}",
                 "--authorization-mode=Node,RBAC",
                 f"--token-auth-file={tokens_csv}",
-                f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+                f"--service-cluster-ip-range={info.service_cidr}",
                 # Nothing routes to Service IPs here; don't reconcile the kubernetes endpoint
                 # (it would log "may not be in the loopback range" every few seconds).
                 "--endpoint-reconciler-type=none",
@@ -454,6 +462,9 @@ class DevCluster:
                 "--servers",
                 str(servers),
                 "--delete-nodes-on-exit",
+                "--service-proxy",
+                "--service-cidr",
+                info.service_cidr,
             ],
             env={**os.environ, "KUBECONFIG": str(kubeconfig)},
         )

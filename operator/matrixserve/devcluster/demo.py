@@ -1,14 +1,17 @@
 """``make demo``: MatrixServe's main job on the local cluster, end to end.
 
 1. the cluster (etcd, API server, controller-manager, scheduler, ZooKeeper, node emulator);
-2. the CRDs, and the operator (validating webhook on, certificate from the cluster's CA);
+2. ``helm upgrade --install`` of ``charts/matrixserve`` in ``matrixserve-system``, the way users
+   install it: CRDs, the operator (its webhook served through the chart's Service), the gateway,
+   the bundled ZooKeeper, least-privilege RBAC; the node emulator runs those pods;
 3. the sample PDGroup (``crds/samples/pdgroup-2p1d.yaml``: 2 prefill + 1 decode, 2 NPUs = 4 dies
    each) in namespace ``matrixserve-demo``, until Ready;
-4. its status table, its RoCE map read back from ZooKeeper, and one OpenAI-style streamed chat
-   completion through the gateway (``python -m matrixserve.gateway``), which forwards it on demand
-   to a prefill entrance (the answer, the instances that served it, emulated timings).
+4. its status table, its RoCE map read back from the chart's ZooKeeper, and one OpenAI-style
+   streamed chat completion through the gateway's Service, which forwards it on demand to a
+   prefill entrance (the answer, the instances that served it, emulated timings).
 
-Everything stays up; ``make cluster-down`` stops it. Re-running replaces the group.
+Everything stays up; ``make cluster-down`` stops it. Re-running upgrades the release and replaces
+the group.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,8 +29,8 @@ from kazoo.client import KazooClient
 from kubernetes import client, config
 
 from matrixserve.api import zk_layout as zl
-from matrixserve.devcluster import pki, tools
-from matrixserve.devcluster.cluster import ClusterInfo, DevCluster, free_ports
+from matrixserve.devcluster import tools
+from matrixserve.devcluster.cluster import ClusterInfo, DevCluster
 from matrixserve.devcluster.namespaces import wait_for_service_account
 
 NAMESPACE = "matrixserve-demo"
@@ -48,84 +50,33 @@ def _until(what: str, timeout: float, attempt: Any, every: float = 0.2) -> Any:
         time.sleep(every)
 
 
-def install_crds(api: client.ApiClient) -> None:
-    ext = client.ApiextensionsV1Api(api)
-    for path in sorted((REPO / "crds").glob("matrixserve.io_*.yaml")):
-        body = yaml.safe_load(path.read_text())
-        try:
-            ext.create_custom_resource_definition(body)
-        except client.ApiException as exc:
-            if exc.status != 409:
-                raise
-            current = ext.read_custom_resource_definition(body["metadata"]["name"])
-            body["metadata"]["resourceVersion"] = current.metadata.resource_version
-            ext.replace_custom_resource_definition(body["metadata"]["name"], body)
-    for name in (
-        yaml.safe_load(p.read_text())["metadata"]["name"]
-        for p in (REPO / "crds").glob("matrixserve.io_*.yaml")
-    ):
-        _until(
-            f"CRD {name} established",
-            30,
-            lambda n=name: any(
-                c.type == "Established" and c.status == "True"
-                for c in ext.read_custom_resource_definition(n).status.conditions or []
-            ),
-        )
+RELEASE = "matrixserve"
+SYSTEM = "matrixserve-system"
+# The chart's values for the local cluster: no storage provisioner, no root needed for ports.
+LOCAL_VALUES = (
+    "zookeeper.persistence=false",
+    "gateway.service.port=8080",
+    f"operator.engine.timeScale={TIME_SCALE}",
+)
 
 
-def ensure_operator(cluster: DevCluster, info: ClusterInfo) -> None:
-    record = cluster.supervisor.record("operator")
-    if record is not None and record.alive():
-        return
-    pki_dir = Path(info.state_dir) / "pki"
-    ca = pki.KeyPair(pki_dir / "ca.crt", pki_dir / "ca.key")
-    cert = pki.issue_certificate(ca, pki_dir, "webhook", "matrixserve-webhook", ["IP:127.0.0.1"])
-    metrics, liveness, webhook = free_ports(3)
-    cluster.supervisor.start(
-        "operator",
-        [
-            sys.executable,
-            "-m",
-            "matrixserve",
-            "--zookeeper",
-            info.zookeeper,
-            "--engine-time-scale",
-            TIME_SCALE,
-            "--metrics-port",
-            str(metrics),
-            "--liveness-port",
-            str(liveness),
-            "--webhook-port",
-            str(webhook),
-            "--webhook-cert",
-            str(cert.cert),
-            "--webhook-key",
-            str(cert.key),
-            "--webhook-ca",
-            str(ca.cert),
-        ],
-        env={**os.environ, "KUBECONFIG": info.kubeconfig},
-    )
-    _until("the operator to be live", 30, lambda: _live(liveness))
-    (Path(info.state_dir) / "operator.json").write_text(
-        json.dumps(
-            {
-                "metrics": f"http://127.0.0.1:{metrics}/metrics",
-                "liveness": f"http://127.0.0.1:{liveness}/healthz",
-            }
-        )
-    )
+def install_release(info: ClusterInfo) -> None:
+    env = {**os.environ, "KUBECONFIG": info.kubeconfig}
+    args = [info.helm, "upgrade", "--install", RELEASE, str(REPO / "charts" / "matrixserve")]
+    args += ["-n", SYSTEM, "--create-namespace", "--wait", "--timeout", "3m"]
+    for value in LOCAL_VALUES:
+        args += ["--set", value]
+    print(f"$ helm upgrade --install {RELEASE} charts/matrixserve -n {SYSTEM} ...")
+    done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"helm failed ({done.returncode}):\n{done.stderr.strip()}")
+    for line in done.stdout.splitlines()[:4]:
+        print(f"  {line}")
 
 
-def _live(port: int) -> bool:
-    try:
-        return (
-            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1, trust_env=False).status_code
-            == 200
-        )
-    except httpx.HTTPError:
-        return False
+def service_address(api: client.ApiClient, name: str, port: int) -> str:
+    svc = client.CoreV1Api(api).read_namespaced_service(f"{RELEASE}-{name}", SYSTEM)
+    return f"{svc.spec.cluster_ip}:{port}"
 
 
 def apply_group(api: client.ApiClient) -> None:
@@ -190,7 +141,7 @@ def wait_ready(api: client.ApiClient) -> float:
     return time.monotonic() - started
 
 
-def show(info: ClusterInfo) -> None:
+def show(info: ClusterInfo, zookeeper: str) -> None:
     env = {**os.environ, "KUBECONFIG": info.kubeconfig}
     kubectl = str(tools.kubectl_path())
     for args in (
@@ -203,12 +154,14 @@ def show(info: ClusterInfo) -> None:
                 [kubectl, *args], env=env, capture_output=True, text=True, check=False
             ).stdout.rstrip()
         )
-    zk = KazooClient(hosts=info.zookeeper)
+    zk = KazooClient(hosts=zookeeper)
     zk.start(timeout=10)
     try:
         paths = zl.GroupPaths(NAMESPACE, GROUP)
         roce_map = zl.RoceMap.parse(zk.get(paths.roce_map)[0])
-        print(f"\nRoCE map v{roce_map.version} from ZooKeeper ({paths.roce_map}):")
+        print(
+            f"\nRoCE map v{roce_map.version} from the chart's ZooKeeper {zookeeper} ({paths.roce_map}):"
+        )
         for role, entries in (("P", roce_map.prefill), ("D", roce_map.decode)):
             for e in entries:
                 print(f"  {role}  {e.instance:<14} pod {e.pod_ip:<12} RoCE {', '.join(e.roce_ips)}")
@@ -218,33 +171,6 @@ def show(info: ClusterInfo) -> None:
         print(f"  entrances: {', '.join(sorted(zk.get_children(paths.entrances)))}")
     finally:
         zk.stop()
-
-
-def ensure_gateway(cluster: DevCluster, info: ClusterInfo) -> str:
-    state = Path(info.state_dir) / "gateway.json"
-    record = cluster.supervisor.record("gateway")
-    if record is not None and record.alive() and state.exists():
-        return str(json.loads(state.read_text())["url"])
-    (port,) = free_ports(1)
-    cluster.supervisor.start(
-        "gateway",
-        [
-            sys.executable,
-            "-m",
-            "matrixserve.gateway",
-            "--zookeeper",
-            info.zookeeper,
-            "--port",
-            str(port),
-            "--time-scale",
-            TIME_SCALE,
-        ],
-        env={**os.environ, "KUBECONFIG": info.kubeconfig},
-    )
-    url = f"http://127.0.0.1:{port}"
-    _until("the gateway to be up", 30, lambda: _get_ok(f"{url}/healthz"))
-    state.write_text(json.dumps({"url": url}))
-    return url
 
 
 def _get_ok(url: str) -> bool:
@@ -298,19 +224,21 @@ def ask_gateway(url: str) -> None:
 
 def run(cluster: DevCluster, info: ClusterInfo) -> int:
     with config.new_client_from_config(config_file=info.kubeconfig) as api:
-        print("\nInstalling the CRDs and starting the operator ...")
-        install_crds(api)
-        ensure_operator(cluster, info)
+        print("\nInstalling MatrixServe with its Helm chart ...")
+        install_release(info)
         print(
             f"Applying crds/samples/pdgroup-2p1d.yaml as {NAMESPACE}/{GROUP} (2 prefill + 1 decode, 4 dies each):"
         )
         apply_group(api)
         seconds = wait_ready(api)
         print(f"Ready after {seconds:.1f}s (engine time scale {TIME_SCALE}).")
-    show(info)
-    url = ensure_gateway(cluster, info)
+        zookeeper = service_address(api, "zookeeper", 2181)
+        url = f"http://{service_address(api, 'gateway', 8080)}"
+    show(info, zookeeper)
     ask_gateway(url)
     print(
-        f"\nThe gateway stays up at {url} (OpenAI API: /v1/models, /v1/completions, /v1/chat/completions)."
+        f"\nThe gateway Service stays up at {url} (OpenAI API: /v1/models, /v1/completions, "
+        "/v1/chat/completions); `helm uninstall matrixserve -n matrixserve-system` after deleting "
+        "the group removes MatrixServe."
     )
     return 0
