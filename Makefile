@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 .DEFAULT_GOAL := help
 .PHONY: help venv setup test test-unit lint demo cluster-up cluster-down cluster-status bench \
         bench-node-emulator bench-engine-streams bench-operator-setup bench-gateway-overhead bench-ttft-slo \
-        kind-up kind-down clean
+        kind-up kind-down kind-load e2e-kind images clean
 
 help:
 	@echo "make demo          bring up the local control plane + ZooKeeper and show what runs"
@@ -23,7 +23,8 @@ help:
 	@echo "make bench         every benchmark (each alone: make bench-<name>)"
 	@echo "make cluster-up    start the dev cluster (see 'python -m matrixserve.devcluster env')"
 	@echo "make cluster-down  stop exactly what cluster-up started"
-	@echo "make kind-up       a kind cluster for users with Docker"
+	@echo "make images        build the operator/gateway and engine-stub images"
+	@echo "make kind-up       a kind cluster for users with Docker (then make kind-load, make e2e-kind)"
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is required")'
@@ -36,9 +37,26 @@ venv: $(STAMP)
 setup: venv
 	$(DEVCLUSTER) setup
 
-# The whole suite: lint (layering is part of correctness), then unit and cluster tests.
+# The whole suite: lint (layering is part of correctness), then unit and cluster tests; in CI
+# (CI=true, root) the two images are built and checked as well (podman; see `make images`).
 test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+	@if [ "$$CI" = "true" ]; then $(MAKE) --no-print-directory images; fi
+
+# The operator/gateway and engine-stub images: docker build with a Docker engine, else podman
+# (vfs, chroot isolation) on a debootstrap base, each checked by running its entrypoint.
+images: setup
+	$(DEVCLUSTER) images
+
+# kind, for users with Docker: load the images into the kind cluster and run the end-to-end
+# check there (helm install with the node-emulator DaemonSet, a group Ready, a chat completion).
+kind-load: images
+	@command -v kind >/dev/null || { echo "kind-load needs kind on PATH"; exit 1; }
+	kind load docker-image --name matrixserve matrixserve/matrixserve:0.1.0 matrixserve/engine-stub:0.1.0
+
+e2e-kind: kind-up kind-load
+	kubectl config use-context kind-matrixserve
+	bash scripts/e2e-kind.sh
 
 test-unit: venv
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)

@@ -58,6 +58,41 @@ def test_bad_values_fail_with_the_schema_message(run_tool: Callable[..., Any]) -
     assert good.returncode == 0
 
 
+def test_the_rendered_chart_runs_locked_down_with_no_wildcard_rbac(
+    run_tool: Callable[..., Any],
+) -> None:
+    rendered = run_tool(
+        "helm", "template", "r", str(CHART), "--set", "nodeEmulator.enabled=true",
+        "--set", "metrics.serviceMonitor.enabled=true",
+    ).stdout  # fmt: skip
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for doc in docs:
+        by_kind.setdefault(doc["kind"], []).append(doc)
+    (operator,) = [d for d in by_kind["Deployment"] if d["metadata"]["name"].endswith("-operator")]
+    assert operator["spec"]["strategy"] == {"type": "Recreate"}
+    assert operator["spec"]["replicas"] == 1
+    assert operator["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]
+    for workload in by_kind["Deployment"] + by_kind["DaemonSet"]:
+        pod = workload["spec"]["template"]["spec"]
+        for container in pod["containers"]:
+            ctx = container["securityContext"]
+            assert ctx["allowPrivilegeEscalation"] is False, workload["metadata"]["name"]
+            assert ctx["readOnlyRootFilesystem"] is True, workload["metadata"]["name"]
+            assert ctx["runAsNonRoot"] is True, workload["metadata"]["name"]
+            assert container["resources"]["limits"], workload["metadata"]["name"]
+    for role in by_kind["ClusterRole"] + by_kind["Role"]:
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"], role["metadata"]["name"]
+            assert "*" not in rule["resources"], role["metadata"]["name"]
+            assert not {"secrets"} & set(rule["resources"]) or rule.get("resourceNames"), (
+                f"{role['metadata']['name']}: Secrets only by name"
+            )
+    (webhook,) = by_kind["ValidatingWebhookConfiguration"]
+    assert webhook["webhooks"][0]["clientConfig"]["caBundle"]
+    assert {"ServiceMonitor", "PodMonitor", "ConfigMap", "StatefulSet"} <= set(by_kind)
+
+
 def _service_account_kubeconfig(
     cluster: ClusterInfo, core: client.CoreV1Api, namespace: str, account: str, path: Path
 ) -> Path:

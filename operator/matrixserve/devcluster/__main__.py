@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show components, pids and addresses")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("env", help="print shell exports (KUBECONFIG, MATRIXSERVE_ZK, ...)")
+    sub.add_parser(
+        "images", help="build the operator/gateway and engine-stub images (docker, else podman)"
+    )
     return parser
 
 
@@ -98,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
             info = cluster.up()
             print_status(cluster)
             return demo.run(cluster, info)
+        elif args.command == "images":
+            from matrixserve.devcluster import images
+
+            for tag in images.build(cluster.state_dir / "images.log"):
+                print(f"built and checked: {tag}")
         elif args.command == "down":
             stopped = cluster.down()
             print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))

@@ -61,8 +61,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.zookeeper:
         p.error("--zookeeper (or $MATRIXSERVE_ZK) is required")
-    if not args.host.startswith("127."):
-        p.error("the gateway binds loopback addresses (127.0.0.0/8) only")
+    if not args.host.startswith("127.") and args.host != env.get("POD_IP"):
+        p.error(
+            "the gateway binds a loopback address (127.0.0.0/8) or its own pod's IP ($POD_IP), "
+            f"not {args.host}"
+        )
     if args.time_scale <= 0 or args.default_ttft_ms <= 0 or args.report_interval <= 0:
         p.error("--time-scale, --default-ttft-ms and --report-interval must be positive")
     if args.api_keys_secret is not None and args.api_keys_secret.count("/") != 1:
