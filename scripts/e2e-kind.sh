@@ -11,11 +11,10 @@ helm upgrade --install matrixserve charts/matrixserve -n "$ns" --create-namespac
 kubectl create namespace "$demo" --dry-run=client -o yaml | kubectl apply -f -
 sed 's/name: chat-g0/name: g/' crds/samples/pdgroup-2p1d.yaml | kubectl apply -n "$demo" -f -
 kubectl wait -n "$demo" pdgroup/g --for=condition=Ready --timeout=5m
-kubectl -n "$ns" port-forward svc/matrixserve-gateway 18080:80 >/dev/null 2>&1 &
-forward=$!
-trap 'kill $forward 2>/dev/null || true' EXIT
-sleep 3
-answer=$(curl -sf http://127.0.0.1:18080/v1/chat/completions -H 'Content-Type: application/json' \
+# From inside the cluster: the gateway listens on its pod IP (kubectl port-forward would dial
+# the pod's localhost).
+answer=$(kubectl run e2e-curl -n "$demo" --rm -i --restart=Never --quiet --image=curlimages/curl:8.10.1 -- \
+  curl -sf "http://matrixserve-gateway.$ns.svc/v1/chat/completions" -H 'Content-Type: application/json' \
   -d '{"model":"general","messages":[{"role":"user","content":"hi"}],"max_tokens":4}') \
   || fail "no answer from the gateway"
 echo "$answer" | grep -q '"completion_tokens": *4' || fail "unexpected answer: $answer"

@@ -342,7 +342,7 @@ def test_without_zookeeper_the_gateway_routes_by_pdgroup_status(
     serving_group: Callable[..., Any],
     start_gateway: Callable[..., str],
 ) -> None:
-    serving_group()
+    operator = serving_group()
     host, port = cluster.zookeeper.rsplit(":", 1)
     proxy = TcpProxy((host, int(port)))
     try:
@@ -350,6 +350,7 @@ def test_without_zookeeper_the_gateway_routes_by_pdgroup_status(
         wait_for(lambda: _zookeeper_connected(url) == 1, timeout=10, what="ZooKeeper connected")
         assert _routes(url) == ("zookeeper", ["g-p-0", "g-p-1"])
         proxy.cut()  # the gateway loses ZooKeeper; the operator and engines keep theirs
+        cut_at = time.monotonic()
         wait_for(lambda: _zookeeper_connected(url) == 0, timeout=10, what="ZooKeeper lost")
         assert _routes(url) == ("status", ["g-p-0", "g-p-1"])
         assert _served(url, 3) <= {"g-p-0", "g-p-1"}
@@ -372,6 +373,8 @@ def test_without_zookeeper_the_gateway_routes_by_pdgroup_status(
         assert _zookeeper_connected(never) == 0
         assert _routes(never) == ("status", ["g-p-0", "g-p-1", "g-p-2"])
         assert _served(never, 3) <= {"g-p-0", "g-p-1", "g-p-2"}
+        # Outlast kazoo's 10 s session timeout: the session (and its watches) are lost.
+        time.sleep(max(0.0, 12 - (time.monotonic() - cut_at)))
         proxy.restore()
         wait_for(lambda: _zookeeper_connected(url) == 1, timeout=20, what="ZooKeeper back")
         wait_for(
@@ -380,5 +383,30 @@ def test_without_zookeeper_the_gateway_routes_by_pdgroup_status(
             what="entrances from ZooKeeper again",
         )
         assert _served(url, 3) <= {"g-p-0", "g-p-1", "g-p-2"}
+        # ZooKeeper, not the status, is the source again: with the operator stopped (the status
+        # no longer changes), an entrance removed in ZooKeeper leaves the routes within a second.
+        operator.stop()
+        zk = KazooClient(hosts=cluster.zookeeper)
+        zk.start()
+        try:
+            zk.delete(zl.GroupPaths(namespace, "g").entrance("g-p-2"))
+        finally:
+            zk.stop()
+        wait_for(
+            lambda: _routes(url) == ("zookeeper", ["g-p-0", "g-p-1"]),
+            timeout=1.5,
+            what="the removal seen through ZooKeeper",
+        )
+        # Lose the session again with the entrances unchanged across the loss (the status still
+        # lists g-p-2): the gateway must read ZooKeeper again, not stay on the status.
+        proxy.cut()
+        time.sleep(12)
+        proxy.restore()
+        wait_for(lambda: _zookeeper_connected(url) == 1, timeout=20, what="ZooKeeper back again")
+        wait_for(
+            lambda: _routes(url) == ("zookeeper", ["g-p-0", "g-p-1"]),
+            timeout=3,
+            what="entrances re-read from ZooKeeper after the lost session",
+        )
     finally:
         proxy.close()

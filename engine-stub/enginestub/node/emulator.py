@@ -679,6 +679,10 @@ class Emulator:
         # --- containers ----------------------------------------------------------------
         base_env = self._base_env(state, record)
         if self.proxy is not None:
+            try:
+                await asyncio.wait_for(self.proxy.synced.wait(), 30)
+            except TimeoutError:
+                log.warning("Services not listed after 30 s: %s starts without them", record.name)
             base_env.update(self.proxy.namespace_env(record.namespace))
         workdir = self.config.state_dir / "pods" / f"{record.namespace}_{record.name}_{record.uid}"
         try:
@@ -751,8 +755,12 @@ class Emulator:
         directory and points ``KUBECONFIG`` at it (clients then run as the ServiceAccount, under
         its RBAC, exactly as in a pod)."""
         secret_name = podspec.service_account_secret(pod)
-        if secret_name is None or not (self.config.apiserver_host and self.config.apiserver_port):
+        if not (self.config.apiserver_host and self.config.apiserver_port):
             return {}
+        if secret_name is None:
+            # No token (automountServiceAccountToken: false): no credentials at all, rather than
+            # a client falling back to the developer's ~/.kube/config through $HOME.
+            return {"KUBECONFIG": str(workdir / "no-service-account-token")}
         try:
             secret = await asyncio.to_thread(
                 self.core.read_namespaced_secret, secret_name, namespace

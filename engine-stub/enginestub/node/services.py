@@ -96,6 +96,9 @@ class ServiceProxy:
         self.listeners: dict[tuple[str, int], _Listener] = {}
         self._turn = itertools.count()
         self._stop = threading.Event()
+        # Set once the first listing is applied: a kubelet gives a pod its Service variables
+        # only after its informer synced, and so does the emulator (see Emulator._admit).
+        self.synced = asyncio.Event()
 
     async def run(self) -> None:
         events: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue()
@@ -104,7 +107,11 @@ class ServiceProxy:
         try:
             while True:
                 item = await asyncio.to_thread(_get, events, 0.5)
-                if item is not None:
+                if item is None:
+                    continue
+                if item[0] == "SYNCED":
+                    self.synced.set()
+                else:
                     await self._on_service(*item)
         finally:
             self._stop.set()
@@ -124,8 +131,10 @@ class ServiceProxy:
                 for item in items:
                     seen.add((item["metadata"]["namespace"], item["metadata"]["name"]))
                     out.put(("SYNC", item))
-                for key in [k for k in list(self.services) if k not in seen]:
-                    out.put(("DELETED", self.services[key]))
+                for key, svc in list(self.services.items()):
+                    if key not in seen:
+                        out.put(("DELETED", svc))
+                out.put(("SYNCED", {}))
                 stream = watch.Watch()
                 for event in stream.stream(
                     self.core.list_service_for_all_namespaces,
@@ -225,10 +234,12 @@ class ServiceProxy:
         except OSError:
             writer.close()
             return
-        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
-        for w in (writer, up_writer):
-            with contextlib.suppress(Exception):
-                w.close()
+        try:
+            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        finally:
+            for w in (writer, up_writer):
+                with contextlib.suppress(Exception):
+                    w.close()
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -116,7 +116,9 @@ class Gateway:
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=2),
+            # sock_read: an engine silent for a minute mid-stream is hung; end the stream (the
+            # client gets an error chunk) rather than hold its counters and slot for ever.
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=2, sock_read=60),
         )
         if self.config.policy is Policy.LEAST_LOADED:
             self._poller = asyncio.create_task(self._poll_reports())
@@ -337,9 +339,17 @@ class Gateway:
             flight.end()
 
     async def _events(self, upstream: aiohttp.ClientResponse) -> Any:
-        async for line in upstream.content:
-            if line.startswith(b"data: "):
-                yield json.loads(line[6:])
+        """The engine's SSE events; a broken or silent upstream becomes a final error event."""
+        try:
+            async for line in upstream.content:
+                if line.startswith(b"data: "):
+                    yield json.loads(line[6:])
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            yield {
+                "type": "error",
+                "code": "upstream_failed",
+                "message": f"the serving instance failed mid-stream ({type(exc).__name__})",
+            }
 
     async def _relay_stream(
         self,

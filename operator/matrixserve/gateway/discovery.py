@@ -39,6 +39,7 @@ class GroupRoute:
     zk_entrances: list[Entrance] | None = None  # from the children watch; None: not (re)read yet
     status_entrances: list[Entrance] = field(default_factory=list)  # from the PDGroup status
     watched: bool = False
+    generation: int = 0  # bumped when the session is lost: older watches then stop
 
 
 class Discovery:
@@ -53,8 +54,10 @@ class Discovery:
         self._stop = threading.Event()
         self._arm = threading.Event()
         self.synced = threading.Event()
-        self.zk_connected = zk.connected
-        zk.add_listener(self._zk_state)
+        self.zk_connected = False
+        zk.add_listener(self._zk_state)  # first, then the state: no transition goes unseen
+        with self.lock:
+            self.zk_connected = zk.connected
 
     def start(self) -> None:
         threading.Thread(target=self._watch_groups, daemon=True, name="pdgroup-watch").start()
@@ -159,7 +162,12 @@ class Discovery:
             self.zk_connected = state == KazooState.CONNECTED
             for route in self.groups.values():
                 if state == KazooState.LOST:
-                    route.zk_entrances = None  # the session's watches are gone: re-read first
+                    # The session's watches are gone, and kazoo's re-armed ChildrenWatch would
+                    # not report unchanged children: arm a fresh watch (new generation) and
+                    # route by status until it has read the entrances.
+                    route.zk_entrances = None
+                    route.watched = False
+                    route.generation += 1
                 self._refresh(route)
         if self.zk_connected:
             self._arm.set()
@@ -190,8 +198,11 @@ class Discovery:
     def _watch_entrances(self, route: GroupRoute) -> None:
         paths = zl.GroupPaths(route.namespace, route.name)
         self.zk.ensure_path(paths.entrances)
+        generation = route.generation
 
         def changed(children: list[str]) -> bool:
+            if route.generation != generation:
+                return False  # a newer watch (after a lost session) owns this route
             entrances = []
             for child in sorted(children):
                 try:
@@ -201,6 +212,8 @@ class Discovery:
                 except (NoNodeError, ValueError):
                     continue
             with self.lock:
+                if route.generation != generation:
+                    return False
                 route.zk_entrances = entrances
                 self._refresh(route)
                 alive = self.groups.get((route.namespace, route.name)) is route
