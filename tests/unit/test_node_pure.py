@@ -400,3 +400,31 @@ def test_the_service_account_token_secret_is_the_volume_mounted_at_the_service_a
         "server": "https://127.0.0.1:6443",
         "certificate-authority": "/ca.crt",
     }
+
+
+def test_service_variables_selectors_and_target_ports_follow_the_kubelet() -> None:
+    from enginestub.node import services
+
+    svc = {
+        "metadata": {"name": "ms-matrixserve-zookeeper"},
+        "spec": {
+            "clusterIP": "127.128.3.4",
+            "ports": [{"name": "client", "port": 2181}, {"name": "admin-http", "port": 8080}],
+        },
+    }
+    headless = {"metadata": {"name": "zk-headless"}, "spec": {"clusterIP": "None", "ports": []}}
+    env = services.service_env([svc, headless])
+    assert env == {
+        "MS_MATRIXSERVE_ZOOKEEPER_SERVICE_HOST": "127.128.3.4",
+        "MS_MATRIXSERVE_ZOOKEEPER_SERVICE_PORT": "2181",
+        "MS_MATRIXSERVE_ZOOKEEPER_SERVICE_PORT_CLIENT": "2181",
+        "MS_MATRIXSERVE_ZOOKEEPER_SERVICE_PORT_ADMIN_HTTP": "8080",
+    }
+    assert services.matches({"app": "zk"}, {"app": "zk", "x": "y"})
+    assert not services.matches({"app": "zk"}, {"app": "gw"})
+    assert not services.matches({}, {"app": "zk"})  # no selector: no pod is an endpoint
+    backend = services.Backend("127.64.0.9", {"client": 2181})
+    assert services.target_port({"port": 80, "targetPort": "client"}, backend) == 2181
+    assert services.target_port({"port": 80, "targetPort": 8090}, backend) == 8090
+    assert services.target_port({"port": 80}, backend) == 80
+    assert services.target_port({"port": 80, "targetPort": "missing"}, backend) is None
