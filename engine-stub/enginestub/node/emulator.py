@@ -24,14 +24,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import fcntl
 import json
 import logging
 import os
 import queue
 import secrets
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -42,7 +40,13 @@ from typing import Any
 from kubernetes import client, watch
 
 from enginestub.node import allocator, devicestatus, podspec, podstatus, services
-from enginestub.node.network import AddressExhausted, NodeAddresses, candidate_cidrs
+from enginestub.node.network import (
+    POD_LOCKS,
+    AddressExhausted,
+    NodeAddresses,
+    candidate_cidrs,
+    lock_cidr,
+)
 from enginestub.node.runner import PodRunner, Zygote, rfc3339
 from enginestub.node.topology import LABEL_EMULATED, Server
 
@@ -268,13 +272,8 @@ class Emulator:
     # ================================================================== nodes
     def _lock_cidr(self, cidr: str) -> bool:
         """Hold a machine-wide lock on a pod /24 for this process's lifetime; False if held elsewhere."""
-        folder = Path(tempfile.gettempdir()) / "matrixserve-pod-cidrs"
-        folder.mkdir(mode=0o777, exist_ok=True)
-        handle = (folder / cidr.replace("/", "_")).open("a")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
+        handle = lock_cidr(POD_LOCKS, cidr)
+        if handle is None:
             return False
         self._cidr_locks.append(handle)
         return True

@@ -85,19 +85,24 @@ class NodeAddresses:
 # --------------------------------------------------------------------------- Services
 SERVICE_NETWORK = ipaddress.IPv4Network("127.128.0.0/10")  # ClusterIPs, one /16 per cluster
 SERVICE_LOCKS = Path(tempfile.gettempdir()) / "matrixserve-service-cidrs"
+POD_LOCKS = Path(tempfile.gettempdir()) / "matrixserve-pod-cidrs"
 
 
-def lock_service_cidr(cidr: str) -> Any:
-    """Hold a machine-wide lock on a service /16 (an open file; closing it releases the lock);
-    None if another process holds it."""
-    SERVICE_LOCKS.mkdir(mode=0o777, exist_ok=True)
-    handle = (SERVICE_LOCKS / cidr.replace("/", "_")).open("a")
+def lock_cidr(folder: Path, cidr: str) -> Any:
+    """Hold a machine-wide lock on an address range (an open file in ``folder``; closing it, or
+    the process ending, releases the lock); None if another process holds it."""
+    folder.mkdir(mode=0o777, exist_ok=True)
+    handle = (folder / cidr.replace("/", "_")).open("a")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
         return None
     return handle
+
+
+def lock_service_cidr(cidr: str) -> Any:
+    return lock_cidr(SERVICE_LOCKS, cidr)
 
 
 def free_service_cidr() -> str:
