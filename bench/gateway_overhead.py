@@ -8,8 +8,9 @@ capacity on one core is therefore measured as 1 / (its CPU seconds per forwarded
 a closed-loop load of 64 clients.
 
 Then, at half of the rate the engines sustain, the client-side TTFT through the gateway is
-compared with the TTFT of the same requests sent straight to the engines (the baseline): the
-difference is what the gateway adds (p50, p99). Each open-loop run first sends 1 s of requests at
+compared with the TTFT of requests sent straight to the engines (the baseline), interleaved in
+the same run (one direct request every fourth slot, so both see the same machine at the same
+moments): the difference is what the gateway adds (p50, p99). Each open-loop run first sends 1 s of requests at
 the same rate that are not counted: the client's and the gateway's connection pools fill then
 (a burst of TCP set-ups that says nothing about steady-state forwarding; the diagnosis of the
 earlier +258 ms p99 found every slow request in the first 50 ms of the run).
@@ -75,24 +76,40 @@ async def closed_loop(urls: list[str], body: dict[str, Any], clients: int, secon
 
 
 async def open_loop(
-    urls: list[str], body: dict[str, Any], rate: float, seconds: float, warmup: float = 1.0
-) -> list[float]:
-    """TTFTs of requests sent at a fixed rate for ``seconds``, after ``warmup`` seconds at the
-    same rate on the same connection pool whose requests are not counted (connection set-up)."""
+    gateway: list[str],
+    body: dict[str, Any],
+    rate: float,
+    seconds: float,
+    direct: list[str],
+    direct_body: dict[str, Any],
+    every: int = 4,
+    warmup: float = 1.0,
+) -> tuple[list[float], list[float]]:
+    """TTFTs through the gateway at ``rate`` for ``seconds``, and, interleaved in the same run,
+    every ``every``-th slot also one request straight to the engines: both samples see the same
+    moments of the machine (its noise would otherwise land on one side only). A first
+    ``warmup`` seconds at the same rate is not counted (connection pools fill then)."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        tasks = []
+        via: list[asyncio.Task[float]] = []
+        straight: list[asyncio.Task[float]] = []
         start = time.monotonic()
         skip = int(rate * warmup)
         n = skip + int(rate * seconds)
         for i in range(n):
             await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
-            tasks.append(
-                asyncio.create_task(
-                    one(session, urls[i % len(urls)], {**body, "requestId": f"o{i}"})
-                )
+            task = asyncio.create_task(
+                one(session, gateway[i % len(gateway)], {**body, "requestId": f"o{i}"})
             )
-        ttfts = list(await asyncio.gather(*tasks))
-    return ttfts[skip:]
+            if i >= skip:
+                via.append(task)
+            if i % every == 0:
+                side = asyncio.create_task(
+                    one(session, direct[i % len(direct)], {**direct_body, "requestId": f"d{i}"})
+                )
+                if i >= skip:
+                    straight.append(side)
+        await asyncio.gather(*via, *straight, return_exceptions=False)
+    return [t.result() for t in via], [t.result() for t in straight]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -180,8 +197,7 @@ def main() -> int:
         sustained = forwarded / elapsed
         per_core = 1.0 / cpu_per_request
         rate = sustained / 2
-        via = asyncio.run(open_loop(gw, BODY, rate, 10))
-        straight = asyncio.run(open_loop(direct, direct_body, rate, 10))
+        via, straight = asyncio.run(open_loop(gw, BODY, rate, 10, direct, direct_body))
     finally:
         for proc in procs:
             proc.terminate()
