@@ -37,6 +37,14 @@ def wait_http(url: str, timeout: float = 30) -> None:
     raise SystemExit(f"{url} did not answer within {timeout:.0f}s")
 
 
+def gateway_command(zookeeper: str, namespace: str, port: int, *flags: str) -> list[str]:
+    """``python -m matrixserve.gateway`` for one namespace's groups on 127.0.0.1:``port``."""
+    return [
+        *(sys.executable, "-m", "matrixserve.gateway", "--zookeeper", zookeeper),
+        *("--namespace", namespace, "--port", str(port), *flags),
+    ]
+
+
 def engine_command(host: str, cpu: int, *flags: str) -> list[str]:
     """A colocated Llama3-8B engine stub on ``host``:8000, pinned to one core."""
     return [

@@ -33,7 +33,14 @@ from typing import Any
 
 import aiohttp
 import yaml
-from common import cpu_seconds, engine_command, wait_http
+from common import (
+    cpu_seconds,
+    engine_command,
+    gateway_command,
+    install_crds,
+    make_namespace,
+    wait_http,
+)
 from kazoo.client import KazooClient
 from kubernetes import client, config
 
@@ -124,16 +131,8 @@ def main() -> int:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         with config.new_client_from_config(config_file=info.kubeconfig) as api:
-            ext = client.ApiextensionsV1Api(api)
-            try:
-                ext.create_custom_resource_definition(
-                    yaml.safe_load((REPO / "crds" / "matrixserve.io_pdgroups.yaml").read_text())
-                )
-            except client.ApiException as exc:
-                if exc.status != 409:
-                    raise
-            time.sleep(2)
-            client.CoreV1Api(api).create_namespace({"metadata": {"name": "bench"}})
+            install_crds(api)
+            make_namespace(client.CoreV1Api(api), "bench")
             group = yaml.safe_load((REPO / "crds" / "samples" / "pdgroup-2p1d.yaml").read_text())
             group["metadata"] = {"name": "bench"}
             group["spec"]["scenario"] = "bench"
@@ -164,20 +163,8 @@ def main() -> int:
         (port,) = free_ports(1)
         gateway = subprocess.Popen(
             [
-                "taskset",
-                "-c",
-                "0",
-                sys.executable,
-                "-m",
-                "matrixserve.gateway",
-                "--zookeeper",
-                info.zookeeper,
-                "--namespace",
-                "bench",
-                "--port",
-                str(port),
-                "--time-scale",
-                "100000",
+                *("taskset", "-c", "0"),
+                *gateway_command(info.zookeeper, "bench", port, "--time-scale", "100000"),
             ],
             env={**os.environ, "KUBECONFIG": info.kubeconfig},
             stdout=subprocess.DEVNULL,

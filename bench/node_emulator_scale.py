@@ -26,11 +26,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import cpu_seconds
+from common import cpu_seconds, make_namespace
 from kubernetes import client, config
 
 from matrixserve.devcluster.cluster import DevCluster
-from matrixserve.devcluster.namespaces import wait_for_service_account
 from matrixserve.devcluster.procs import Supervisor
 
 RESULTS = Path(__file__).resolve().parent / "results" / "node-emulator.json"
@@ -108,8 +107,7 @@ def main() -> int:
                     "emulated nodes did not come up; see " + str(sup.log_path("node-emulator"))
                 )
             time.sleep(0.2)
-        core.create_namespace({"metadata": {"name": "bench"}})
-        wait_for_service_account(core, "bench")
+        make_namespace(core, "bench")
 
         def pod(i: int) -> dict[str, object]:
             return {

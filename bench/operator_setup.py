@@ -39,6 +39,7 @@ from enginestub.models import LLAMA3_8B
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import DevCluster, free_ports
 from matrixserve.devcluster.procs import Supervisor
+from matrixserve.domain.conditions import is_true
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "operator-setup.json"
@@ -82,10 +83,7 @@ class Probe:
         body = self.custom.get_namespaced_custom_object(
             "matrixserve.io", "v1alpha1", self.ns, "pdgroups", "bench"
         )
-        return any(
-            c["type"] == "Ready" and c["status"] == "True"
-            for c in (body.get("status") or {}).get("conditions", [])
-        )
+        return is_true(body.get("status"), "Ready")
 
 
 def run_variant(

@@ -44,13 +44,14 @@ from typing import Any
 import aiohttp
 import httpx
 import yaml
-from common import install_crds, make_namespace, wait_http
+from common import gateway_command, install_crds, make_namespace, wait_http
 from kubernetes import client, config
 
 from enginestub import timing
 from enginestub.models import LLAMA3_8B
 from matrixserve.devcluster.cluster import DevCluster, free_ports
 from matrixserve.devcluster.procs import Supervisor
+from matrixserve.domain.conditions import is_true
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "ttft-slo.json"
@@ -157,21 +158,7 @@ def start_gateway(sup: Supervisor, info: Any, policy: str, started: list[str]) -
     started.append(f"gateway-{policy}")
     sup.start(
         f"gateway-{policy}",
-        [
-            sys.executable,
-            "-m",
-            "matrixserve.gateway",
-            "--zookeeper",
-            info.zookeeper,
-            "--namespace",
-            NS,
-            "--port",
-            str(port),
-            "--time-scale",
-            str(SCALE),
-            "--policy",
-            policy,
-        ],
+        gateway_command(info.zookeeper, NS, port, "--time-scale", str(SCALE), "--policy", policy),
         env={**os.environ, "KUBECONFIG": info.kubeconfig},
     )
     url = f"http://127.0.0.1:{port}"
@@ -218,10 +205,7 @@ def main() -> int:
                 "matrixserve.io", "v1alpha1", NS, "pdgroups", group
             )
             deadline = time.monotonic() + 120
-            while not any(
-                c["type"] == "Ready" and c["status"] == "True"
-                for c in group_status(custom).get("conditions", [])
-            ):
+            while not is_true(group_status(custom), "Ready"):
                 if time.monotonic() > deadline:
                     raise SystemExit(f"the group did not get Ready: {group_status(custom)}")
                 time.sleep(0.5)

@@ -19,6 +19,7 @@ from helpers import wait_for
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo, free_ports
 from matrixserve.devcluster.procs import Supervisor
+from matrixserve.domain.conditions import is_true
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "matrixserve"
 SAMPLE = Path(__file__).resolve().parents[2] / "crds" / "samples" / "pdgroup-2p1d.yaml"
@@ -141,10 +142,7 @@ def _ready(custom: client.CustomObjectsApi, namespace: str, name: str) -> bool:
     obj = custom.get_namespaced_custom_object(
         "matrixserve.io", "v1alpha1", namespace, "pdgroups", name
     )
-    return any(
-        c["type"] == "Ready" and c["status"] == "True"
-        for c in (obj.get("status") or {}).get("conditions", [])
-    )
+    return is_true(obj.get("status"), "Ready")
 
 
 def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(

@@ -23,6 +23,7 @@ from helpers import TcpProxy, wait_for
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo, free_ports
 from matrixserve.devcluster.procs import Supervisor
+from matrixserve.domain.conditions import is_true
 
 SAMPLE = Path(__file__).resolve().parents[2] / "crds" / "samples" / "pdgroup-2p1d.yaml"
 
@@ -47,10 +48,7 @@ def serving_group(
             obj = custom.get_namespaced_custom_object(
                 "matrixserve.io", "v1alpha1", namespace, "pdgroups", "g"
             )
-            return any(
-                c["type"] == "Ready" and c["status"] == "True"
-                for c in (obj.get("status") or {}).get("conditions", [])
-            )
+            return is_true(obj.get("status"), "Ready")
 
         wait_for(ready, what="the group Ready")
         return operator

@@ -27,10 +27,8 @@ import contextlib
 import json
 import logging
 import os
-import queue
 import secrets
 import sys
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,6 +38,7 @@ from typing import Any
 from kubernetes import client, watch
 
 from enginestub.node import allocator, devicestatus, podspec, podstatus, services
+from enginestub.node.listwatch import watch_events
 from enginestub.node.network import (
     POD_LOCKS,
     AddressExhausted,
@@ -47,7 +46,7 @@ from enginestub.node.network import (
     candidate_cidrs,
     lock_cidr,
 )
-from enginestub.node.runner import PodRunner, Zygote, rfc3339
+from enginestub.node.runner import ENGINE_ARGV, PodRunner, Zygote, rfc3339
 from enginestub.node.topology import LABEL_EMULATED, Server
 
 log = logging.getLogger("enginestub.node")
@@ -60,7 +59,7 @@ ANNOTATION_EMULATOR = "matrixserve.io/node-emulator"
 ENV_PASSTHROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "VIRTUAL_ENV")
 
 DEFAULT_IMAGE_MAP: dict[str, list[str]] = {
-    "matrixserve/engine-stub": [sys.executable, "-m", "enginestub"],
+    "matrixserve/engine-stub": ENGINE_ARGV,  # forked from the zygote (runner.py)
     # The operator/gateway image: its entrypoint is "python -m"; the chart's args name the module.
     "matrixserve/matrixserve": [sys.executable, "-m"],
     # The chart's bundled ZooKeeper: Debian's ZooKeeper on the pod's IP.
@@ -153,8 +152,10 @@ class Emulator:
         self._loop = asyncio.get_running_loop()
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         if self.config.mode == "full" and self.config.zygote:
-            await self._start_zygote()
-        await self._register_nodes()
+            # The zygote warms up while the nodes register; pods wait for both.
+            await asyncio.gather(self._start_zygote(), self._register_nodes())
+        else:
+            await self._register_nodes()
         control = ControlServer(self)
         self.control_url = await control.start(self.config.control_host, self.config.control_port)
         (self.config.state_dir / "emulator.json").write_text(
@@ -541,17 +542,22 @@ class Emulator:
 
     # ================================================================== pods
     async def _pod_events(self) -> None:
-        events: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue()
-        thread = threading.Thread(
-            target=self._watch_pods, args=(events,), daemon=True, name="pod-watch"
-        )
-        thread.start()
-        while True:
-            item = await asyncio.to_thread(_get_or_none, events, 0.5)
-            if item is None:
-                continue
-            kind, pod = item
-            self._dispatch(kind, pod)
+        """List+watch the pods bound to any node (our nodes' are ours to run)."""
+
+        def keep(stream: watch.Watch) -> None:
+            self._watch = stream  # so that shutdown can stop it
+
+        async for kind, pod in watch_events(
+            self.core.list_pod_for_all_namespaces,
+            stopped=self._stop.is_set,
+            key=lambda pod: pod["metadata"]["uid"],
+            known=lambda: ((uid, r.pod) for uid, r in list(self.pods.items())),
+            what="pod",
+            on_stream=keep,
+            field_selector="spec.nodeName!=",
+        ):
+            if kind != "SYNCED":
+                self._dispatch(kind, pod)
 
     def _dispatch(self, kind: str, pod: dict[str, Any]) -> None:
         """Handle pods concurrently (a kubelet admits pods in parallel), but each pod's events
@@ -578,40 +584,6 @@ class Emulator:
                 del self._pod_chains[uid]
 
         task.add_done_callback(forget)
-
-    def _watch_pods(self, out: queue.Queue[tuple[str, dict[str, Any]] | None]) -> None:
-        """Thread: list+watch pods bound to any node; relist on expiry (410) or errors."""
-        selector = "spec.nodeName!="
-        while not self._stop.is_set():
-            try:
-                listing = self.core.list_pod_for_all_namespaces(
-                    field_selector=selector, _preload_content=False
-                )
-                data = json.loads(listing.data)
-                seen = set()
-                for item in data["items"]:
-                    seen.add(item["metadata"]["uid"])
-                    out.put(("SYNC", item))
-                for uid in [u for u in list(self.pods) if u not in seen]:
-                    out.put(("DELETED", self.pods[uid].pod))
-                version = data["metadata"]["resourceVersion"]
-                self._watch = watch.Watch()
-                for event in self._watch.stream(
-                    self.core.list_pod_for_all_namespaces,
-                    field_selector=selector,
-                    resource_version=version,
-                    timeout_seconds=240,
-                    allow_watch_bookmarks=True,
-                ):
-                    if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                        out.put((event["type"], event["raw_object"]))
-                    elif event["type"] == "ERROR":
-                        break
-            except Exception as exc:  # network, 410 Gone, API restarts: relist after a pause
-                if self._stop.is_set():
-                    return
-                log.warning("pod watch restarting: %s", exc)
-                time.sleep(1)
 
     async def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
@@ -761,14 +733,11 @@ class Emulator:
             # a client falling back to the developer's ~/.kube/config through $HOME.
             return {"KUBECONFIG": str(workdir / "no-service-account-token")}
         try:
-            secret = await asyncio.to_thread(
-                self.core.read_namespaced_secret, secret_name, namespace
-            )
+            data = await self._read_secret(namespace, secret_name)
         except client.ApiException as exc:
             raise podspec.ContainerConfigError(
                 f'service-account token Secret "{secret_name}": {exc.status} {exc.reason}'
             ) from exc
-        data = {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
         if not data.get("token"):
             raise podspec.ContainerConfigError(f'Secret "{secret_name}" holds no token')
         folder = workdir / "serviceaccount"
@@ -790,6 +759,10 @@ class Emulator:
         )
         return {"KUBECONFIG": str(kubeconfig)}
 
+    async def _read_secret(self, namespace: str, name: str) -> dict[str, bytes]:
+        secret = await asyncio.to_thread(self.core.read_namespaced_secret, name, namespace)
+        return {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+
     async def _lookup_for(self, namespace: str, pod: dict[str, Any]) -> podspec.SecretLookup:
         """Prefetch the ConfigMaps and Secrets the pod's env refers to (the lookup stays pure)."""
         wanted: set[tuple[str, str]] = set()
@@ -809,13 +782,8 @@ class Emulator:
         for kind, name in wanted:
             try:
                 if kind == "Secret":
-                    secret = await asyncio.to_thread(
-                        self.core.read_namespaced_secret, name, namespace
-                    )
-                    found[(kind, name)] = {
-                        k: base64.b64decode(v).decode("utf-8", "replace")
-                        for k, v in (secret.data or {}).items()
-                    }
+                    raw = await self._read_secret(namespace, name)
+                    found[(kind, name)] = {k: v.decode("utf-8", "replace") for k, v in raw.items()}
                 else:
                     cm = await asyncio.to_thread(
                         self.core.read_namespaced_config_map, name, namespace
@@ -963,13 +931,6 @@ class Emulator:
             await asyncio.to_thread(self.core.create_namespaced_event, namespace, body)
         except client.ApiException as exc:
             log.debug("event %s for %s not recorded: %s", reason, involved.get("name"), exc.reason)
-
-
-def _get_or_none(q: queue.Queue[Any], timeout: float) -> Any:
-    try:
-        return q.get(timeout=timeout)
-    except queue.Empty:
-        return None
 
 
 def _with_status(pod: dict[str, Any], pod_ip: str, host_ip: str) -> dict[str, Any]:

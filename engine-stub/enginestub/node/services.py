@@ -17,14 +17,14 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import queue
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes import client, watch
+from kubernetes import client
+
+from enginestub.node.listwatch import watch_events
 
 log = logging.getLogger("enginestub.node.services")
 
@@ -101,18 +101,18 @@ class ServiceProxy:
         self.synced = asyncio.Event()
 
     async def run(self) -> None:
-        events: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue()
-        thread = threading.Thread(target=self._watch, args=(events,), daemon=True)
-        thread.start()
         try:
-            while True:
-                item = await asyncio.to_thread(_get, events, 0.5)
-                if item is None:
-                    continue
-                if item[0] == "SYNCED":
+            async for kind, svc in watch_events(
+                self.core.list_service_for_all_namespaces,
+                stopped=self._stop.is_set,
+                key=lambda svc: (svc["metadata"]["namespace"], svc["metadata"]["name"]),
+                known=lambda: list(self.services.items()),
+                what="service",
+            ):
+                if kind == "SYNCED":
                     self.synced.set()
                 else:
-                    await self._on_service(*item)
+                    await self._on_service(kind, svc)
         finally:
             self._stop.set()
             for listener in self.listeners.values():
@@ -121,35 +121,6 @@ class ServiceProxy:
 
     def namespace_env(self, namespace: str) -> dict[str, str]:
         return service_env(s for (ns, _), s in list(self.services.items()) if ns == namespace)
-
-    def _watch(self, out: queue.Queue[tuple[str, dict[str, Any]] | None]) -> None:
-        while not self._stop.is_set():
-            try:
-                listing = self.core.list_service_for_all_namespaces()
-                items = self.core.api_client.sanitize_for_serialization(listing.items)
-                seen = set()
-                for item in items:
-                    seen.add((item["metadata"]["namespace"], item["metadata"]["name"]))
-                    out.put(("SYNC", item))
-                for key, svc in list(self.services.items()):
-                    if key not in seen:
-                        out.put(("DELETED", svc))
-                out.put(("SYNCED", {}))
-                stream = watch.Watch()
-                for event in stream.stream(
-                    self.core.list_service_for_all_namespaces,
-                    resource_version=listing.metadata.resource_version,
-                    timeout_seconds=240,
-                ):
-                    if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                        out.put((event["type"], event["raw_object"]))
-                    if self._stop.is_set():
-                        stream.stop()
-            except Exception as exc:  # API restarts, 410 Gone: relist
-                if self._stop.is_set():
-                    return
-                log.warning("service watch restarting: %s", exc)
-                time.sleep(1)
 
     async def _on_service(self, kind: str, svc: dict[str, Any]) -> None:
         key = (svc["metadata"]["namespace"], svc["metadata"]["name"])
@@ -254,10 +225,3 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             writer.close()
     except (ConnectionError, OSError):
         writer.close()
-
-
-def _get(q: queue.Queue[Any], timeout: float) -> Any:
-    try:
-        return q.get(timeout=timeout)
-    except queue.Empty:
-        return None

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
             info = cluster.up()
             print_status(cluster)
-            return demo.run(cluster, info)
+            return demo.run(info)
         elif args.command == "images":
             from matrixserve.devcluster import images
 

@@ -30,7 +30,7 @@ from kubernetes import client, config
 
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster import tools
-from matrixserve.devcluster.cluster import ClusterInfo, DevCluster
+from matrixserve.devcluster.cluster import ClusterInfo
 from matrixserve.devcluster.namespaces import wait_for_service_account
 
 NAMESPACE = "matrixserve-demo"
@@ -173,13 +173,6 @@ def show(info: ClusterInfo, zookeeper: str) -> None:
         zk.stop()
 
 
-def _get_ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def _knows(url: str, scenario: str) -> bool:
     models = httpx.get(f"{url}/v1/models", timeout=5, trust_env=False).json()["data"]
     return scenario in [m["id"] for m in models]
@@ -222,7 +215,7 @@ def ask_gateway(url: str) -> None:
     )
 
 
-def run(cluster: DevCluster, info: ClusterInfo) -> int:
+def run(info: ClusterInfo) -> int:
     with config.new_client_from_config(config_file=info.kubeconfig) as api:
         print("\nInstalling MatrixServe with its Helm chart ...")
         install_release(info)

@@ -1,8 +1,7 @@
 """``python -m matrixserve.devcluster images`` (``make images``): build the two images.
 
-With a running Docker engine: ``docker build`` of ``operator/Dockerfile``
-(``matrixserve/matrixserve``) and ``engine-stub/Dockerfile`` (``matrixserve/engine-stub``) on
-their standard ``python:3.11.7-slim-bookworm`` base. Without one (these machines have only the
+With a running Docker engine: ``docker build`` of the ``Dockerfile``'s two targets
+(``matrixserve/matrixserve`` and ``matrixserve/engine-stub``) on their standard ``python:3.11.7-slim-bookworm`` base. Without one (these machines have only the
 Docker client): podman with the vfs storage driver and chroot isolation (no overlay, no cgroups
 needed), on a base image imported from a ``debootstrap`` rootfs of Debian bookworm with Python
 3.11 (cached in the tool cache); pip reaches PyPI through the host's CA bundle, mounted at build
@@ -25,8 +24,8 @@ from matrixserve.devcluster.paths import cache_dir
 REPO = Path(__file__).resolve().parents[3]
 VERSION = "0.1.0"
 IMAGES = (
-    ("matrixserve/matrixserve", "operator/Dockerfile", ["matrixserve", "--help"]),
-    ("matrixserve/engine-stub", "engine-stub/Dockerfile", ["enginestub", "--help"]),
+    ("matrixserve/matrixserve", "matrixserve", ["matrixserve", "--help"]),
+    ("matrixserve/engine-stub", "engine-stub", ["enginestub", "--help"]),
 )
 BASE = "localhost/matrixserve/python-base:bookworm"
 PODMAN = ("podman", "--storage-driver", "vfs")
@@ -91,11 +90,11 @@ def build(log: Path) -> list[str]:
     """Build both images; the tags built."""
     built = []
     if _docker_engine():
-        for name, dockerfile, _ in IMAGES:
+        for name, target, _ in IMAGES:
             tag = f"{name}:{VERSION}"
             tools.say(f"docker build {tag}")
             tools.run_logged(
-                ["docker", "build", "-f", dockerfile, "-t", tag, "."],
+                ["docker", "build", "--target", target, "-t", tag, "."],
                 step=f"docker build {tag}",
                 log=log,
                 cwd=REPO,
@@ -110,7 +109,7 @@ def build(log: Path) -> list[str]:
         )
     tools.ensure_apt_packages(log, ("podman", "debootstrap"))
     _base_image(log)
-    for name, dockerfile, smoke in IMAGES:
+    for name, target, smoke in IMAGES:
         tag = f"{name}:{VERSION}"
         tools.say(f"podman build {tag} (vfs, chroot isolation)")
         tools.run_logged(
@@ -126,8 +125,8 @@ def build(log: Path) -> list[str]:
                 "PIP_CERT=/host-certs/ca-certificates.crt",
                 "--build-arg",
                 f"BASE={BASE}",
-                "-f",
-                dockerfile,
+                "--target",
+                target,
                 "-t",
                 tag,
                 ".",

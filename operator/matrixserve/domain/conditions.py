@@ -38,3 +38,11 @@ def merge(
             }
         )
     return out
+
+
+def is_true(status: Mapping[str, Any] | None, kind: str) -> bool:
+    """Whether the object's status has condition ``kind`` with status "True"."""
+    return any(
+        c.get("type") == kind and c.get("status") == "True"
+        for c in (status or {}).get("conditions") or []
+    )

@@ -82,7 +82,8 @@ async def serve(args: argparse.Namespace) -> int:
         hosts=args.zookeeper, connection_retry={"max_tries": -1, "delay": 0.2, "max_delay": 5}
     )
     zk.start_async()
-    discovery = Discovery(api_client(args.kubeconfig), zk, args.namespace)
+    api = api_client(args.kubeconfig)
+    discovery = Discovery(api, zk, args.namespace)
     discovery.start()
     gateway = Gateway(
         discovery,
@@ -102,7 +103,7 @@ async def serve(args: argparse.Namespace) -> int:
     if args.api_keys_secret:
         namespace, name = args.api_keys_secret.split("/", 1)
         asyncio.get_running_loop().create_task(
-            keep_keys(gateway, api_client(args.kubeconfig), namespace, name)
+            keep_keys(gateway, api, namespace, name)
         )
     runner = web.AppRunner(gateway.app(), access_log=None)
     await runner.setup()

@@ -180,8 +180,16 @@ class Gateway:
         started = time.monotonic()
         tried = rejected = 0
         request_id = f"{scenario}-{uuid.uuid4().hex[:12]}"
+
+        def spent() -> str:
+            return (
+                f"no prefill accepted within the TTFT budget of {budget * 1000:.0f} ms "
+                f"({tried} tries, {rejected} rejections)"
+            )
+
         while True:
             entrances = [e for g in routes for e in g.entrances]
+            slots = {e.instance: g.prefill_batch for g in routes for e in g.entrances}
             if not entrances:
                 return f"scenario {scenario!r} has no prefill entrance open"
             ranked = order(
@@ -196,16 +204,14 @@ class Gateway:
             if self.config.policy is not Policy.ON_DEMAND:
                 ranked = ranked[:1]  # baselines commit to one choice; their prefills queue
             for entrance in ranked:
-                if self.config.policy is Policy.ON_DEMAND and self.holding.get(
-                    entrance.instance, 0
-                ) >= entrance_batch(routes, entrance):
+                if (
+                    self.config.policy is Policy.ON_DEMAND
+                    and self.holding.get(entrance.instance, 0) >= slots[entrance.instance]
+                ):
                     continue  # every slot it has is held by this gateway's requests: skip the try
                 remaining = budget - (time.monotonic() - started)
                 if remaining <= 0:
-                    return (
-                        f"no prefill accepted within the TTFT budget of {budget * 1000:.0f} ms "
-                        f"({tried} tries, {rejected} rejections)"
-                    )
+                    return spent()
                 body = {
                     "requestId": request_id,
                     "prompt": completion.prompt,
@@ -224,10 +230,7 @@ class Gateway:
                     del self.last_accepted[scenario]  # it is busy: batch forwarding moves on
             remaining = budget - (time.monotonic() - started)
             if remaining <= 0:
-                return (
-                    f"no prefill accepted within the TTFT budget of {budget * 1000:.0f} ms "
-                    f"({tried} tries, {rejected} rejections)"
-                )
+                return spent()
             released = self.released
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(released.wait(), min(remaining, RETRY_PAUSE_SECONDS))
@@ -246,16 +249,11 @@ class Gateway:
         name = self.keys.get(key) if key else None
         if name is None:
             self.metrics.requests.labels(scenario="", outcome="unauthorized").inc()
-            return web.json_response(
-                {
-                    "error": {
-                        "message": "missing or invalid API key: send Authorization: Bearer <key>",
-                        "type": "invalid_request_error",
-                        "param": None,
-                        "code": "invalid_api_key",
-                    }
-                },
-                status=401,
+            return _failure(
+                401,
+                "missing or invalid API key: send Authorization: Bearer <key>",
+                "invalid_request_error",
+                "invalid_api_key",
             )
         if self.config.rate_limit > 0:
             now = time.monotonic()
@@ -267,18 +265,12 @@ class Gateway:
             )
             if not bucket.take(now):
                 self.metrics.requests.labels(scenario="", outcome="rate_limited").inc()
-                return web.json_response(
-                    {
-                        "error": {
-                            "message": f"rate limit of {self.config.rate_limit:g} requests/s for key {name!r} "
-                            "exceeded",
-                            "type": "rate_limit_exceeded",
-                            "param": None,
-                            "code": "rate_limited",
-                        }
-                    },
-                    status=429,
-                    headers={"Retry-After": f"{max(bucket.retry_after(), 0.001):.3f}"},
+                return _failure(
+                    429,
+                    f"rate limit of {self.config.rate_limit:g} requests/s for key {name!r} exceeded",
+                    "rate_limit_exceeded",
+                    "rate_limited",
+                    retry_after=f"{max(bucket.retry_after(), 0.001):.3f}",
                 )
         return None
 
@@ -314,18 +306,7 @@ class Gateway:
         chosen = await self.forward(scenario, routes, completion)
         if isinstance(chosen, str):
             self.metrics.requests.labels(scenario=scenario, outcome="rejected").inc()
-            return web.json_response(
-                {
-                    "error": {
-                        "message": chosen,
-                        "type": "server_busy",
-                        "param": None,
-                        "code": "no_capacity",
-                    }
-                },
-                status=503,
-                headers={"Retry-After": "1"},
-            )
+            return _failure(503, chosen, "server_busy", "no_capacity", retry_after="1")
         entrance, upstream = chosen
         flight = _Flight(self, entrance.instance)
         try:
@@ -389,28 +370,15 @@ class Gateway:
                     outcome = "ok"
                     break
                 elif event["type"] == "error":
-                    await _send(
-                        response,
-                        {
-                            "error": {
-                                "message": event["message"],
-                                "type": "server_error",
-                                "code": event.get("code"),
-                            }
-                        },
-                    )
+                    await _send(response, _error_chunk(event["message"], event.get("code")))
                     outcome = event.get("code", "error")
                     break
             if outcome == "incomplete":
                 await _send(
                     response,
-                    {
-                        "error": {
-                            "message": "the serving instance closed the stream early",
-                            "type": "server_error",
-                            "code": "stream_interrupted",
-                        }
-                    },
+                    _error_chunk(
+                        "the serving instance closed the stream early", "stream_interrupted"
+                    ),
                 )
             await response.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, aiohttp.ClientError) as exc:
@@ -444,16 +412,8 @@ class Gateway:
         if done is None:
             self.metrics.requests.labels(scenario=scenario, outcome="error").inc()
             message = error["message"] if error else "the serving instance closed the stream early"
-            return web.json_response(
-                {
-                    "error": {
-                        "message": message,
-                        "type": "server_error",
-                        "param": None,
-                        "code": (error or {}).get("code", "stream_interrupted"),
-                    }
-                },
-                status=502,
+            return _failure(
+                502, message, "server_error", (error or {}).get("code", "stream_interrupted")
             )
         self.metrics.requests.labels(scenario=scenario, outcome="ok").inc()
         full = "".join(text)
@@ -575,14 +535,6 @@ class _Flight:
         self.gateway.metrics.open_streams.dec()
 
 
-def entrance_batch(routes: list[GroupRoute], entrance: Entrance) -> int:
-    """The prefill batch size (slots) of the group the entrance belongs to."""
-    for route in routes:
-        if entrance in route.entrances:
-            return route.prefill_batch
-    return 1 << 30
-
-
 def _chunk(
     ident: str, created: int, c: Completion, piece: Any, finish: str | None
 ) -> dict[str, Any]:
@@ -611,3 +563,17 @@ async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
 
 def _error(exc: BadRequest) -> web.Response:
     return web.json_response(exc.body(), status=exc.status)
+
+
+def _failure(
+    status: int, message: str, kind: str, code: str | None, retry_after: str | None = None
+) -> web.Response:
+    """An OpenAI-style error response."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    headers = {"Retry-After": retry_after} if retry_after is not None else None
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _error_chunk(message: str, code: str | None) -> dict[str, Any]:
+    """The last SSE chunk of a stream that failed after it started."""
+    return {"error": {"message": message, "type": "server_error", "code": code}}

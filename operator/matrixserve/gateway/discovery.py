@@ -22,6 +22,7 @@ from kazoo.exceptions import KazooException, NoNodeError
 from kazoo.recipe.watchers import ChildrenWatch
 from kubernetes import client, watch
 
+from matrixserve.adapters.kube import GROUP, PLURAL, VERSION
 from matrixserve.api import zk_layout as zl
 from matrixserve.domain.forwarding import Entrance, entrances_from_status
 
@@ -80,17 +81,22 @@ class Discovery:
             return sorted({g.scenario for g in self.groups.values()})
 
     # ------------------------------------------------------------------ Kubernetes
-    def _list(self) -> Any:
+    def _list_call(self) -> tuple[Any, tuple[str, ...]]:
+        """The list function and its arguments (for the listing and for the watch)."""
         if self.namespace:
-            return self.custom.list_namespaced_custom_object(
-                "matrixserve.io", "v1alpha1", self.namespace, "pdgroups"
+            return self.custom.list_namespaced_custom_object, (
+                GROUP,
+                VERSION,
+                self.namespace,
+                PLURAL,
             )
-        return self.custom.list_cluster_custom_object("matrixserve.io", "v1alpha1", "pdgroups")
+        return self.custom.list_cluster_custom_object, (GROUP, VERSION, PLURAL)
 
     def _watch_groups(self) -> None:
+        func, args = self._list_call()
         while not self._stop.is_set():
             try:
-                listing = self._list()
+                listing = func(*args)
                 seen = set()
                 for obj in listing.get("items", []):
                     seen.add(self._upsert(obj))
@@ -98,16 +104,6 @@ class Discovery:
                     for key in [k for k in self.groups if k not in seen]:
                         del self.groups[key]
                 self.synced.set()
-                func = (
-                    self.custom.list_namespaced_custom_object
-                    if self.namespace
-                    else self.custom.list_cluster_custom_object
-                )
-                args = (
-                    ("matrixserve.io", "v1alpha1", self.namespace, "pdgroups")
-                    if self.namespace
-                    else ("matrixserve.io", "v1alpha1", "pdgroups")
-                )
                 stream = watch.Watch()
                 for event in stream.stream(
                     func,

@@ -1,10 +1,13 @@
-# The operator/gateway image: entrypoint `python -m`, the first argument names the module
-# (`matrixserve` = the operator, `matrixserve.gateway` = the gateway), as the Helm chart runs it.
-# Build from the repository root (one source tree, two packages):
-#   docker build -f operator/Dockerfile -t matrixserve/matrixserve:0.1.0 .
+# MatrixServe's two images, from one source tree (build from the repository root):
+#   docker build --target matrixserve -t matrixserve/matrixserve:0.1.0 .   # operator + gateway
+#   docker build --target engine-stub -t matrixserve/engine-stub:0.1.0 .   # engine stub + node emulator
+# matrixserve: entrypoint `python -m`, the first argument names the module (`matrixserve` = the
+# operator, `matrixserve.gateway` = the gateway), as the Helm chart runs it. engine-stub:
+# `python -m enginestub` (the engine; `python -m enginestub.node` is the node emulator, in kind a
+# DaemonSet in --mode advertise).
 # BASE can be swapped for a locally imported base image (see `make images`).
 ARG BASE=python:3.11.7-slim-bookworm
-FROM ${BASE}
+FROM ${BASE} AS runtime
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -23,9 +26,14 @@ COPY operator ./operator
 COPY engine-stub ./engine-stub
 RUN python3 -m pip install --break-system-packages --no-deps . \
  && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin matrixserve
-
 USER 10001
-EXPOSE 8080 8081 8090 9443
 HEALTHCHECK NONE
+
+FROM runtime AS matrixserve
+EXPOSE 8080 8081 8090 9443
 ENTRYPOINT ["python3", "-m"]
 CMD ["matrixserve"]
+
+FROM runtime AS engine-stub
+EXPOSE 8000
+ENTRYPOINT ["python3", "-m", "enginestub"]
