@@ -172,7 +172,6 @@ def build_app(
             return web.json_response(
                 {"peer": peer, "state": "broken", "reason": f"link down to {', '.join(down)}"}
             )
-        started = engine.clock.now()
         try:
             response = await engine.http.get(f"http://{peer}/v1/info", timeout=2.0)
             flows = (
@@ -188,7 +187,9 @@ def build_app(
         took = await engine.kv_ingress.consume(
             nbytes, cap=link_bandwidth(cfg.kv_plane, False) * len(cfg.dies) / max(flows, 1)
         )
-        took += engine.clock.now() - started - took
+        # Only the dummy transfer counts: the /v1/info read above stands in for what the fabric
+        # would tell the sender about the peer's egress, so its wall-clock round trip on this
+        # machine is not link time (and under CI load it alone would read as "saturated").
         state = "saturated" if took > 2 * alone + 0.05 else "ok"
         return web.json_response(
             {"peer": peer, "state": state, "seconds": took, "aloneSeconds": alone}
