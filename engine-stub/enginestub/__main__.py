@@ -58,12 +58,26 @@ async def serve(argv: list[str] | None = None) -> int:
         await resident.start()
     else:
         asyncio.get_running_loop().create_task(engine.load_model())
-    await stop.wait()
-    if resident is not None:
+    stopping = asyncio.create_task(stop.wait())
+    protocol = resident.task if resident is not None else None
+    await asyncio.wait(
+        {stopping} if protocol is None else {stopping, protocol},
+        return_when=asyncio.FIRST_COMPLETED,
+    )
+    code = 0
+    if protocol is not None and protocol.done() and not stopping.done():
+        # the group protocol failed (e.g. links not verified in time): exit, so the container
+        # restarts and the failure shows as restarts and this log line
+        stopping.cancel()
+        logging.getLogger("enginestub").error(
+            "the group protocol failed: %s; exiting", protocol.exception()
+        )
+        code = 1
+    elif resident is not None:
         await resident.stop()
     await runner.cleanup()
     await engine.close()
-    return 0
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

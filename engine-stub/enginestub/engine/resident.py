@@ -7,7 +7,9 @@
 3. **Link** to every peer of the opposite role in the map: an HTTP handshake to the peer pod,
    which checks that the caller is in its map with the opposite role and the same device count,
    then the verified sub-links (device k <-> device k) are written to ``links/<p>--<d>``. Waits
-   for all its links (a peer may create them) until ``link_timeout``.
+   for all its links (a peer may create them) until ``link_timeout`` (emulated) and at least
+   ``LINK_WALL_FLOOR_SECONDS`` of wall time have passed; then the process exits with an error
+   (P/D-Serve §3.2: a linking timeout fails the instance), so its container restarts.
 4. **Load** the model (time = bytes / bandwidth of the source).
 5. **Health**: an ephemeral ``health/<instance>``, refreshed every ``health_interval``.
 6. Keeps watching: a peer added to the map later links to this instance itself (the newcomer
@@ -33,12 +35,14 @@ from typing import Any
 
 import httpx
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
+from kazoo.handlers.threading import KazooTimeoutError
 
 from enginestub.engine.core import Engine
 from matrixserve.api import zk_layout as zl
 
 log = logging.getLogger("enginestub.resident")
+LINK_WALL_FLOOR_SECONDS = 30.0
 
 
 class LinkError(Exception):
@@ -110,6 +114,11 @@ class Resident:
         for folder in self.paths.all_folders():
             await self._zk(self.zk.ensure_path, folder)
         await self._run()
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The protocol's task: it ends only by failing (or by :meth:`stop`)."""
+        return self._task
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -311,6 +320,9 @@ class Resident:
         """Link to every opposite-role peer; wait until every such link exists (ours or theirs)."""
         clock = self.engine.clock
         deadline = clock.now() + self.engine.config.link_timeout
+        # Peers here are real processes whose start-up takes wall time, not emulated time: at a
+        # large time scale the emulated timeout alone would be a few wall seconds.
+        wall_deadline = time.monotonic() + LINK_WALL_FLOOR_SECONDS
         while True:
             assert self.roce_map is not None
             peers = self.roce_map.peers_of(self.instance)
@@ -322,7 +334,7 @@ class Resident:
                     missing.append(f"{peer.instance}: {exc}")
             if not missing:
                 return
-            if clock.now() > deadline:
+            if clock.now() > deadline and time.monotonic() > wall_deadline:
                 raise LinkError("links not verified before the timeout: " + "; ".join(missing))
             await clock.sleep(0.5)
 
@@ -377,7 +389,10 @@ class Resident:
             self._health_dirty.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._health_dirty.wait(), interval)
-            await self._write_health()
+            try:
+                await self._write_health()
+            except (KazooException, KazooTimeoutError) as exc:  # _keep_registered rewrites it
+                log.warning("health report not written (%s); retrying", type(exc).__name__)
 
     async def _keep_registered(self) -> None:
         while True:

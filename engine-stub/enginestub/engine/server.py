@@ -183,16 +183,23 @@ def build_app(
             return web.json_response(
                 {"peer": peer, "state": "broken", "reason": f"unreachable: {type(exc).__name__}"}
             )
-        alone = nbytes / (link_bandwidth(cfg.kv_plane, same_node=False) * len(cfg.dies))
-        took = await engine.kv_ingress.consume(
-            nbytes, cap=link_bandwidth(cfg.kv_plane, False) * len(cfg.dies) / max(flows, 1)
-        )
-        # Only the dummy transfer counts: the /v1/info read above stands in for what the fabric
-        # would tell the sender about the peer's egress, so its wall-clock round trip on this
-        # machine is not link time (and under CI load it alone would read as "saturated").
-        state = "saturated" if took > 2 * alone + 0.05 else "ok"
+        link = link_bandwidth(cfg.kv_plane, same_node=False) * len(cfg.dies)
+        # The dummy transfer is one more flow out of the peer and one more into this instance;
+        # the share it gets from the model (not from the wall clock, whose jitter on a loaded
+        # machine is multiplied by the time scale) tells a saturated peer from a free one.
+        cap = link / (flows + 1)
+        share = min(cap, engine.kv_ingress.capacity / (engine.kv_ingress.active + 1))
+        alone = nbytes / link
+        took = await engine.kv_ingress.consume(nbytes, cap=cap)
+        state = "saturated" if share < link / 2 else "ok"
         return web.json_response(
-            {"peer": peer, "state": state, "seconds": took, "aloneSeconds": alone}
+            {
+                "peer": peer,
+                "state": state,
+                "seconds": took,
+                "aloneSeconds": alone,
+                "shareOfLink": share / link,
+            }
         )
 
     async def expert_forward(request: web.Request) -> web.Response:
