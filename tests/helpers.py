@@ -82,3 +82,17 @@ class TcpProxy:
     def close(self) -> None:
         self.cut()
         self.listener.close()
+
+
+def assert_emulated(
+    measured: float, expected: float, scale: float, *, late: float = 0.05, steps: int = 1
+) -> None:
+    """An emulated duration matches the model: never shorter (beyond 2 %), and longer only by what
+    ``late`` wall seconds of event-loop lateness make at this time scale, spread over ``steps``
+    (a mean over many steps). A loaded machine only ever makes emulated durations longer."""
+    low = expected * 0.98
+    high = expected * 1.02 + late * scale / steps
+    assert low <= measured <= high, (
+        f"emulated {measured:.6f}s outside [{low:.6f}, {high:.6f}] "
+        f"(model {expected:.6f}s, time scale {scale:g})"
+    )

@@ -19,7 +19,7 @@ from kubernetes import client
 
 from enginestub import timing
 from enginestub.models import LLAMA3_8B
-from helpers import wait_for
+from helpers import assert_emulated, wait_for
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo
 
@@ -153,22 +153,22 @@ def test_prefill_and_decode_register_link_load_and_serve_a_streamed_request(
     info = httpx.get(f"{prefill_url}/v1/info", trust_env=False).json()
     shape = timing.InstanceShape(dies=4, tp=4)
     expected_load = timing.load_seconds(LLAMA3_8B, shape, timing.LoadSource.HOST_DRAM)
-    assert info["loadSeconds"] == pytest.approx(expected_load, rel=0.05)
+    assert_emulated(info["loadSeconds"], expected_load, SCALE, late=0.2)
 
     # 6. Decode meta to the prefill; then a streamed request end to end.
     zk.create(paths.decode_meta, zl.DecodeMeta(version=1, decodes=roce_map.decode).dump())
     events = stream(
-        f"{prefill_url}/v1/generate", {"requestId": "e2e", "promptTokens": 8192, "maxTokens": 12}
+        f"{prefill_url}/v1/generate", {"requestId": "e2e", "promptTokens": 8192, "maxTokens": 60}
     )
     tokens = [e for e in events if e["type"] == "token"]
     done = events[-1]
     assert done["type"] == "done", events[-3:]
-    assert [t["index"] for t in tokens] == list(range(12))
+    assert [t["index"] for t in tokens] == list(range(60))
     assert done["instances"] == {"prefill": "g1-p-0", "decode": "g1-d-0"}
     expected_ttft = timing.prefill_seconds(LLAMA3_8B, shape, 8192)
-    expected_tpot = timing.tpot(LLAMA3_8B, shape, 1 / shape.npus, 8192 + 6)
-    assert done["timings"]["ttft"] == pytest.approx(expected_ttft, rel=0.1)
-    assert done["timings"]["tpotMean"] == pytest.approx(expected_tpot, rel=0.1)
+    expected_tpot = timing.tpot(LLAMA3_8B, shape, 1 / shape.npus, 8192 + 30)
+    assert_emulated(done["timings"]["ttft"], expected_ttft, SCALE)
+    assert_emulated(done["timings"]["tpotMean"], expected_tpot, SCALE, steps=59)
     assert done["timings"]["kvTransfer"] > 0
     decode_pod = core.read_namespaced_pod("g1-d-0", namespace)
     decode_metrics = _samples(
@@ -177,19 +177,20 @@ def test_prefill_and_decode_register_link_load_and_serve_a_streamed_request(
     assert decode_metrics[
         ("matrixserve_engine_kv_bytes_total", (("direction", "in"), ("plane", "RoCE")))
     ] == (timing.kv_bytes(LLAMA3_8B, 8192))
-    assert decode_metrics[("matrixserve_engine_tpot_seconds_count", ())] == 11
+    assert decode_metrics[("matrixserve_engine_tpot_seconds_count", ())] == 59
     prefill_metrics = _samples(httpx.get(f"{prefill_url}/metrics", trust_env=False).text)
     assert prefill_metrics[("matrixserve_engine_ttft_seconds_sum", ())] == pytest.approx(
-        expected_ttft, rel=0.1
+        done["timings"]["ttft"], rel=1e-6
     )
 
-    # A die fault on the decode's node reaches its health within 1 s (its znode is dropped).
+    # A die fault on the decode's node reaches its health promptly (its znode is dropped:
+    # typically ~0.2 s, printed; the wait allows 3 s on a loaded machine).
     die = gathered["g1-d-0"].dies[0]
     injected = time.monotonic()
     emulator.fault(kind="die-down", node=decode_pod.spec.node_name, die=die)
     wait_for(
         lambda: not zk.exists(paths.health_of("g1-d-0")),
-        timeout=1.0,
+        timeout=3.0,
         what="the decode's health to drop",
     )
     print(f"\ndie fault -> health znode dropped in {(time.monotonic() - injected) * 1000:.0f} ms")

@@ -185,9 +185,11 @@ def test_crashing_container_restarts_with_backoff_and_reports_exit_code(
     times = [float(x) for x in starts.read_text().split()]
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert len(gaps) >= 3
-    # Exponential back-off from 0.5 s: each gap roughly doubles.
-    assert gaps[0] >= 0.4
-    assert gaps[2] > 2.5 * gaps[0], f"back-off did not grow: {gaps}"
+    # Exponential back-off from 0.5 s: each gap at least doubles the wait (a gap is the back-off
+    # plus the restart's own start-up, which a loaded machine only lengthens).
+    assert gaps[0] >= 0.4, gaps
+    assert gaps[1] >= 0.9, f"back-off did not grow: {gaps}"
+    assert gaps[2] >= 1.8, f"back-off did not grow: {gaps}"
     events = core.list_namespaced_event(
         namespace, field_selector="involvedObject.name=crasher"
     ).items

@@ -20,6 +20,7 @@ from enginestub.engine.config import HBM_USABLE_FRACTION
 from enginestub.models import GPT3_175B, LLAMA3_8B
 from enginestub.node import devicestatus
 from enginestub.node.topology import SuperPodSpec, TopologySpec, build
+from helpers import assert_emulated
 
 LLAMA = ["--model", "llama3-8b", "--dies", "0,1"]
 GPT3 = ["--model", "gpt3-175b", "--dies", "0,1,2,3,4,5,6,7"]
@@ -40,28 +41,27 @@ def test_colocated_streams_tokens_with_ttft_and_tpot_from_the_model(
         "colo", "--role", "colocated", *LLAMA, "--time-scale", "1", "--load-source", "NPUForkUB"
     )
     status, events = stream(
-        f"{engine.url}/v1/generate", {"requestId": "r1", "promptTokens": 8192, "maxTokens": 20}
+        f"{engine.url}/v1/generate", {"requestId": "r1", "promptTokens": 8192, "maxTokens": 60}
     )
     assert status == 200
     tokens = [e for e in events if e["type"] == "token"]
-    assert [t["index"] for t in tokens] == list(range(20))
+    assert [t["index"] for t in tokens] == list(range(60))
     done = events[-1]
     assert done["type"] == "done"
-    assert done["usage"] == {"promptTokens": 8192, "completionTokens": 20}
+    assert done["usage"] == {"promptTokens": 8192, "completionTokens": 60}
     shape = timing.InstanceShape(dies=2, tp=2)
     expected_ttft = timing.prefill_seconds(LLAMA3_8B, shape, 8192)
-    expected_tpot = timing.tpot(LLAMA3_8B, shape, 1 / shape.npus, 8192 + 10)
-    assert done["timings"]["ttft"] == pytest.approx(expected_ttft, rel=0.05)
-    assert done["timings"]["tpotMean"] == pytest.approx(expected_tpot, rel=0.05)
+    expected_tpot = timing.tpot(LLAMA3_8B, shape, 1 / shape.npus, 8192 + 30)
+    assert_emulated(done["timings"]["ttft"], expected_ttft, 1)
+    assert_emulated(done["timings"]["tpotMean"], expected_tpot, 1, steps=59)
     # The same figures reach Prometheus.
     assert metric(engine.url, "matrixserve_engine_ttft_seconds_count") == 1
     assert metric(engine.url, "matrixserve_engine_ttft_seconds_sum") == pytest.approx(
-        expected_ttft, rel=0.05
+        done["timings"]["ttft"], rel=1e-6
     )
     tpot_sum = metric(engine.url, "matrixserve_engine_tpot_seconds_sum")
-    assert tpot_sum / metric(engine.url, "matrixserve_engine_tpot_seconds_count") == pytest.approx(
-        expected_tpot, rel=0.05
-    )
+    tpot_count = metric(engine.url, "matrixserve_engine_tpot_seconds_count")
+    assert_emulated(tpot_sum / tpot_count, expected_tpot, 1, steps=59)
 
 
 def test_time_scale_compresses_wall_time_not_reported_time(start_engine: Any, stream: Any) -> None:
@@ -78,9 +78,11 @@ def test_time_scale_compresses_wall_time_not_reported_time(start_engine: Any, st
             f"{engine.url}/v1/generate", {"requestId": "r", "promptTokens": 32000, "maxTokens": 2}
         )
         results[name] = (time.monotonic() - began, events[-1]["timings"]["ttft"])
-    assert results["x20"][1] == pytest.approx(results["x1"][1], rel=0.1), (
-        "emulated TTFT must not depend on the scale"
-    )
+    # Emulated TTFT does not depend on the scale: both match the model (reporting wall time
+    # would make x20's 20 times shorter, scaling twice 20 times longer).
+    expected = timing.prefill_seconds(LLAMA3_8B, timing.InstanceShape(dies=2, tp=2), 32000)
+    assert_emulated(results["x1"][1], expected, 1)
+    assert_emulated(results["x20"][1], expected, 20)
     assert results["x20"][0] < results["x1"][0] / 3, "a larger time scale must take less wall time"
 
 
@@ -103,7 +105,7 @@ def test_prefill_rejects_instead_of_queueing(start_engine: Any, stream: Any) -> 
             f"{engine.url}/v1/generate",
             {"requestId": "long", "promptTokens": 32000, "maxTokens": 1},
         )
-        time.sleep(0.15)
+        _wait_slots_used(engine.url, 1)
         began = time.monotonic()
         status, body = stream(
             f"{engine.url}/v1/generate", {"requestId": "second", "promptTokens": 10, "maxTokens": 1}
@@ -116,7 +118,7 @@ def test_prefill_rejects_instead_of_queueing(start_engine: Any, stream: Any) -> 
             f"{engine.url}/v1/generate",
             {"requestId": "long2", "promptTokens": 32000, "maxTokens": 1},
         )
-        time.sleep(0.15)
+        _wait_slots_used(engine.url, 1)
         q_status, q_events = stream(
             f"{engine.url}/v1/generate",
             {"requestId": "queued", "promptTokens": 10, "maxTokens": 1, "admission": "queue"},
@@ -134,6 +136,17 @@ def test_prefill_rejects_instead_of_queueing(start_engine: Any, stream: Any) -> 
     )
     assert bad_status == 400
     assert "admission" in bad[0]["error"]["message"]
+
+
+def _health(url: str) -> dict[str, Any]:
+    return dict(httpx.get(f"{url}/v1/info", trust_env=False).json()["health"])
+
+
+def _wait_slots_used(url: str, used: int) -> None:
+    deadline = time.monotonic() + 10
+    while _health(url)["prefillSlots"]["used"] != used:
+        assert time.monotonic() < deadline, f"{url}: prefill slots never reached {used} in use"
+        time.sleep(0.01)
 
 
 def _pd_pair(start_engine: Any, plane: str, name: str, scale: str = "0.1") -> tuple[Any, Any]:
@@ -183,15 +196,17 @@ def test_kv_over_roce_vs_ub_differs_by_the_modelled_bandwidth_ratio(
         assert events[-1]["type"] == "done", events[-1]
         times[plane] = events[-1]["timings"]["kvTransfer"]
     nbytes = timing.kv_bytes(GPT3_175B, 2048)
-    assert times["RoCE"] == pytest.approx(
-        cal.ROCE_LATENCY + nbytes / (8 * cal.ROCE_DIE_BANDWIDTH), rel=0.05
+    # each plane against its own model (time scale 0.1): a transfer on the wrong plane is 6-8x off
+    assert_emulated(times["RoCE"], cal.ROCE_LATENCY + nbytes / (8 * cal.ROCE_DIE_BANDWIDTH), 0.1)
+    assert_emulated(
+        times["UB"], cal.UB_LATENCY_INTER + nbytes / (8 * cal.UB_READ_BANDWIDTH_INTER), 0.1
     )
     ratio = times["RoCE"] / times["UB"]
     modelled = cal.UB_READ_BANDWIDTH_INTER / cal.ROCE_DIE_BANDWIDTH
     print(
         f"\nKV {nbytes / 2**30:.1f} GiB: RoCE {times['RoCE']:.4f}s, UB {times['UB']:.4f}s -> {ratio:.2f}x (model {modelled:.2f}x)"
     )
-    assert ratio == pytest.approx(modelled, rel=0.1)
+    assert ratio > modelled / 2, "UB must be the far faster plane"
 
 
 def test_two_concurrent_kv_pulls_into_one_decode_take_twice_as_long(
@@ -209,7 +224,8 @@ def test_two_concurrent_kv_pulls_into_one_decode_take_twice_as_long(
     single = alone[-1]["timings"]["kvTransfer"]
     print(f"\nKV pull alone {single:.4f}s, two at once {together[0]:.4f}s / {together[1]:.4f}s")
     for t in together:
-        assert t == pytest.approx(2 * single, rel=0.15)
+        # shared fairly: twice as long, less whatever the two requests were out of step
+        assert 1.6 * single <= t <= 2.3 * single
     assert metric(
         decode.url, 'matrixserve_engine_kv_bytes_total{direction="in",plane="RoCE"}'
     ) == pytest.approx(3 * timing.kv_bytes(GPT3_175B, 2048))
@@ -241,7 +257,10 @@ def test_die_fault_in_the_device_file_is_seen_within_one_second_and_fails_reques
             f"{engine.url}/v1/generate",
             {"requestId": "inflight", "promptTokens": 100, "maxTokens": 2000},
         )
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while _health(engine.url)["decodeBatch"]["running"] < 1:
+            assert time.monotonic() < deadline, "the request never started decoding"
+            time.sleep(0.02)
         status.inject(devicestatus.Fault(devicestatus.FaultKind.DIE_DOWN, 3, "t1"))
         devicestatus.write_atomically(device_file, status.render("t1"))
         injected = time.monotonic()
@@ -284,9 +303,9 @@ def test_injected_faults_slow_hang_and_bad_fault_requests(start_engine: Any, str
     _, slowed = stream(
         f"{engine.url}/v1/generate", {"requestId": "s", "promptTokens": 4096, "maxTokens": 2}
     )
-    assert slowed[-1]["timings"]["ttft"] == pytest.approx(
-        3 * normal[-1]["timings"]["ttft"], rel=0.1
-    )
+    expected = timing.prefill_seconds(LLAMA3_8B, timing.InstanceShape(dies=2, tp=2), 4096)
+    assert_emulated(normal[-1]["timings"]["ttft"], expected, 1)
+    assert_emulated(slowed[-1]["timings"]["ttft"], 3 * expected, 1)
     httpx.request("DELETE", f"{engine.url}/v1/faults", json={"kind": "slow"}, trust_env=False)
 
     assert (
@@ -395,14 +414,37 @@ def test_hbm_limits_the_decode_batch(start_engine: Any, stream: Any) -> None:
         assert "does not fit" in body[0]["error"]["message"]
 
 
-def test_link_probe_tells_a_working_link_from_a_broken_one(start_engine: Any) -> None:
-    """xDeepServe §6.1: a dummy transfer to the peer; a link-down fault makes it 'broken'."""
-    prefill, decode = _pd_pair(start_engine, "RoCE", "probe", scale="1")
+def test_link_probe_tells_a_working_link_from_a_saturated_and_a_broken_one(
+    start_engine: Any, stream: Any
+) -> None:
+    """xDeepServe §6.1: a dummy transfer to the peer; busy transfers make it 'saturated', a
+    link-down fault 'broken'."""
+    prefill, decode = _pd_pair(start_engine, "RoCE", "probe")
     prefill_ips = httpx.get(f"{prefill.url}/v1/info", trust_env=False).json()["roceIps"]
     body = {"peer": prefill.address, "peerRoceIps": prefill_ips}
     healthy = httpx.post(f"{decode.url}/v1/probe", json=body, trust_env=False).json()
     assert healthy["state"] == "ok"
+    assert healthy["shareOfLink"] == 1.0
     assert healthy["seconds"] >= healthy["aloneSeconds"]
+    # Two KV pulls from this prefill into this decode under way: the probe's share is a third.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        pulls = [
+            pool.submit(
+                stream,
+                f"{prefill.url}/v1/generate",
+                {"requestId": f"busy{i}", "promptTokens": 2048, "maxTokens": 2},
+                120,
+            )
+            for i in range(2)
+        ]
+        deadline = time.monotonic() + 60
+        while _health(prefill.url)["kvEgressFlows"] < 2:
+            assert time.monotonic() < deadline, "the two KV pulls never ran together"
+            time.sleep(0.005)
+        busy = httpx.post(f"{decode.url}/v1/probe", json=body, trust_env=False).json()
+        assert all(f.result()[1][-1]["type"] == "done" for f in pulls)
+    assert busy["state"] == "saturated", busy
+    assert busy["shareOfLink"] <= 1 / 3 + 1e-9
     httpx.post(
         f"{decode.url}/v1/faults",
         json={"kind": "link-down", "peerRoceIp": prefill_ips[2]},
@@ -425,7 +467,7 @@ def test_a_prefill_slot_frees_once_the_decode_has_pulled_the_kv(
 ) -> None:
     """P/D-Serve §3.5: a prompt occupies a prefill slot while it waits for the KV transfer, not
     while the decode generates: long generations must not starve the prefill."""
-    prefill, _ = _pd_pair(start_engine, "UB", "slot", scale="5")
+    prefill, decode = _pd_pair(start_engine, "UB", "slot", scale="5")
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         long_streams = [
             pool.submit(
@@ -437,14 +479,12 @@ def test_a_prefill_slot_frees_once_the_decode_has_pulled_the_kv(
             for i in range(4)  # the prefill's batch is 4
         ]
 
-        def used() -> int:
-            info = httpx.get(f"{prefill.url}/v1/info", trust_env=False).json()
-            return int(info["health"]["prefillSlots"]["used"])
-
+        # all four decoding (so admitted and pulled), then their slots must be free
         deadline = time.monotonic() + 10
-        while used() > 0:
-            assert time.monotonic() < deadline, "slots still held after the KV was pulled"
-            time.sleep(0.05)
+        while _health(decode.url)["decodeBatch"]["running"] < 4:
+            assert time.monotonic() < deadline, "the four requests never reached the decode batch"
+            time.sleep(0.02)
+        _wait_slots_used(prefill.url, 0)
         status, events = stream(
             f"{prefill.url}/v1/generate", {"requestId": "next", "promptTokens": 64, "maxTokens": 2}
         )
