@@ -102,9 +102,7 @@ async def serve(args: argparse.Namespace) -> int:
     await gateway.start()
     if args.api_keys_secret:
         namespace, name = args.api_keys_secret.split("/", 1)
-        asyncio.get_running_loop().create_task(
-            keep_keys(gateway, api, namespace, name)
-        )
+        asyncio.get_running_loop().create_task(keep_keys(gateway, api, namespace, name))
     runner = web.AppRunner(gateway.app(), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()

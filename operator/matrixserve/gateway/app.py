@@ -320,17 +320,25 @@ class Gateway:
             flight.end()
 
     async def _events(self, upstream: aiohttp.ClientResponse) -> Any:
-        """The engine's SSE events; a broken or silent upstream becomes a final error event."""
+        """The engine's SSE events, in batches of what had arrived together (one write to the
+        client per batch, not per token); a broken or silent upstream becomes a final error
+        event."""
+        partial = b""
         try:
-            async for line in upstream.content:
-                if line.startswith(b"data: "):
-                    yield json.loads(line[6:])
+            while data := await upstream.content.readany():
+                lines = (partial + data).split(b"\n")
+                partial = lines.pop()
+                batch = [json.loads(line[6:]) for line in lines if line.startswith(b"data: ")]
+                if batch:
+                    yield batch
         except (aiohttp.ClientError, TimeoutError) as exc:
-            yield {
-                "type": "error",
-                "code": "upstream_failed",
-                "message": f"the serving instance failed mid-stream ({type(exc).__name__})",
-            }
+            yield [
+                {
+                    "type": "error",
+                    "code": "upstream_failed",
+                    "message": f"the serving instance failed mid-stream ({type(exc).__name__})",
+                }
+            ]
 
     async def _relay_stream(
         self,
@@ -345,33 +353,38 @@ class Gateway:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        ident, created, first = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), True
+        ident, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        token_frame = _TokenFrame(_chunk(ident, created, c, _PIECE, None))
         outcome = "incomplete"
         try:
             if c.chat:
                 await _send(response, _chunk(ident, created, c, {"role": "assistant"}, None))
-            async for event in self._events(upstream):
-                if event["type"] == "token":
-                    flight.token()
-                    if first:
-                        self.metrics.ttft.labels(scenario=scenario).observe(
-                            time.monotonic() - started
-                        )
-                        first = False
-                    await _send(response, _chunk(ident, created, c, event["text"], None))
-                elif event["type"] == "done":
-                    final = _chunk(ident, created, c, "" if not c.chat else {}, "length")
-                    final["usage"] = _usage(event)
-                    final["matrixserve"] = {
-                        "timings": event["timings"],
-                        "instances": event["instances"],
-                    }
-                    await _send(response, final)
-                    outcome = "ok"
-                    break
-                elif event["type"] == "error":
-                    await _send(response, _error_chunk(event["message"], event.get("code")))
-                    outcome = event.get("code", "error")
+            async for batch in self._events(upstream):
+                frames: list[bytes] = []
+                for event in batch:
+                    if event["type"] == "token":
+                        flight.token()
+                        if flight.tokens == 1:
+                            self.metrics.ttft.labels(scenario=scenario).observe(
+                                time.monotonic() - started
+                            )
+                        frames.append(token_frame(event["text"]))
+                    elif event["type"] == "done":
+                        final = _chunk(ident, created, c, "" if not c.chat else {}, "length")
+                        final["usage"] = _usage(event)
+                        final["matrixserve"] = {
+                            "timings": event["timings"],
+                            "instances": event["instances"],
+                        }
+                        frames.append(_frame(final))
+                        outcome = "ok"
+                        break
+                    elif event["type"] == "error":
+                        frames.append(_frame(_error_chunk(event["message"], event.get("code"))))
+                        outcome = event.get("code", "error")
+                        break
+                await response.write(b"".join(frames))
+                if outcome != "incomplete":
                     break
             if outcome == "incomplete":
                 await _send(
@@ -397,16 +410,21 @@ class Gateway:
         text: list[str] = []
         done: dict[str, Any] | None = None
         error: dict[str, Any] | None = None
-        async for event in self._events(upstream):
-            if event["type"] == "token":
-                flight.token()
-                if not text:
-                    self.metrics.ttft.labels(scenario=scenario).observe(time.monotonic() - started)
-                text.append(event["text"])
-            elif event["type"] == "done":
+        async for batch in self._events(upstream):
+            for event in batch:
+                if event["type"] == "token":
+                    flight.token()
+                    if not text:
+                        self.metrics.ttft.labels(scenario=scenario).observe(
+                            time.monotonic() - started
+                        )
+                    text.append(event["text"])
+                elif event["type"] in ("done", "error"):
+                    break
+            if event["type"] == "done":
                 done = event
                 break
-            elif event["type"] == "error":
+            if event["type"] == "error":
                 error = event
                 break
         if done is None:
@@ -557,8 +575,28 @@ def _usage(done: dict[str, Any]) -> dict[str, int]:
     }
 
 
+_PIECE = "\x00piece\x00"  # stands in for a token's text in a serialised chunk
+
+
+class _TokenFrame:
+    """A stream's token events as SSE frames: the chunk around the text is serialised once per
+    stream, and each token only has its text encoded (the same bytes ``_frame`` would make)."""
+
+    def __init__(self, chunk: dict[str, Any]) -> None:
+        # the text is the chunk's last string: whatever the client named its model, the last
+        # occurrence of the stand-in is the text's place
+        self.head, _, self.tail = _frame(chunk).rpartition(json.dumps(_PIECE).encode())
+
+    def __call__(self, text: str) -> bytes:
+        return self.head + json.dumps(text).encode() + self.tail
+
+
+def _frame(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
 async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+    await response.write(_frame(payload))
 
 
 def _error(exc: BadRequest) -> web.Response:
