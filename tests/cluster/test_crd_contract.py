@@ -126,6 +126,7 @@ def test_samples_are_accepted_by_the_api_server_and_the_models(
         ({"spec": {"ratioPolicy": {"mode": "Sometimes"}}}, 'Unsupported value: "Sometimes"'),
         ({"spec": {"service": "Not A DNS Name"}}, "spec.service"),
         ({"spec": {"decode": {"podsPerInstance": 2}}}, "spec.decode.podsPerInstance"),
+        ({"spec": {"slo": {"ttftMillisecondsPer1kTokens": -5}}}, "ttftMillisecondsPer1kTokens"),
     ],
 )
 def test_schema_rejects_bad_pdgroups_with_the_api_servers_message(

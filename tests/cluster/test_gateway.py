@@ -253,6 +253,69 @@ def test_a_decode_killed_mid_stream_ends_the_stream_with_an_error_and_new_reques
     assert ok == 4, "new requests must succeed on the remaining decode"
 
 
+def test_a_hung_prefill_gets_a_503_once_the_budget_for_the_prompts_length_is_spent(
+    cluster: ClusterInfo,
+    api_client: client.ApiClient,
+    namespace: str,
+    serving_group: Callable[..., Any],
+    start_gateway: Callable[..., str],
+) -> None:
+    """P/D-Serve §2.2.2/§3.5: the TTFT threshold depends on the prompt's length; the gateway
+    waits for a prefill's answer only within it (a hung prefill is not waited on for ever), then
+    answers 503 with the reason. The gateway runs at time scale 20: budgets are emulated."""
+    serving_group(prefill=1, decode=1)
+    client.CustomObjectsApi(api_client).patch_namespaced_custom_object(
+        "matrixserve.io",
+        "v1alpha1",
+        namespace,
+        "pdgroups",
+        "g",
+        {"spec": {"slo": {"ttftMilliseconds": 2000, "ttftMillisecondsPer1kTokens": 1000}}},
+    )
+    url = start_gateway()
+    wait_for(
+        lambda: (
+            httpx.get(f"{url}/v1/routes", trust_env=False)
+            .json()["groups"][0]
+            .get("ttftMillisecondsPer1kTokens")
+            == 1000
+        ),
+        timeout=10,
+        what="the per-1k-token threshold in the routes",
+    )
+    pod = client.CoreV1Api(api_client).read_namespaced_pod("g-p-0", namespace)
+    prefill = f"http://{pod.status.pod_ip}:8000"
+    hang = {"kind": "hang"}
+    assert httpx.post(f"{prefill}/v1/faults", json=hang, trust_env=False).status_code == 201
+    try:
+        answers = {}
+        for chars in (100, 40_000):  # 25 and 10,000 tokens: budgets 2,025 and 12,000 ms
+            began = time.monotonic()
+            code, body = sse(
+                f"{url}/v1/completions",
+                {"model": "general", "prompt": "x" * chars, "max_tokens": 2, "stream": True},
+            )
+            answers[chars] = (code, body[0], time.monotonic() - began)
+    finally:
+        httpx.request("DELETE", f"{prefill}/v1/faults", json=hang, trust_env=False)
+    for chars, budget_ms in ((100, 2025), (40_000, 12000)):
+        code, body, took = answers[chars]
+        assert code == 503, body
+        assert body["error"]["code"] == "no_capacity"
+        assert f"TTFT budget of {budget_ms} ms" in body["error"]["message"], body
+        assert "1 not answered in time" in body["error"]["message"], body
+        # waited the budget (emulated ms / 20 in wall time), not the engine's 60 s read timeout
+        assert budget_ms / 20 / 1000 * 0.9 <= took < budget_ms / 20 / 1000 + 3, (chars, took)
+    metrics = httpx.get(f"{url}/metrics", trust_env=False).text
+    assert 'matrixserve_gateway_forward_attempts_total{answer="timeout"}' in metrics
+    code, chunks = sse(
+        f"{url}/v1/completions",
+        {"model": "general", "prompt": "healed", "max_tokens": 2, "stream": True},
+    )
+    assert code == 200, chunks
+    assert "choices" in chunks[-2], chunks
+
+
 def test_api_keys_are_required_when_configured_and_rate_limited_per_key(
     api_client: client.ApiClient,
     namespace: str,

@@ -130,6 +130,30 @@ def test_prefill_rejects_instead_of_queueing(start_engine: Any, stream: Any) -> 
     assert answered_in < 0.5, "a rejection must not wait behind the 1.3 s prefill (no queue)"
     assert q_status == 200
     assert q_events[-1]["timings"]["ttft"] > 1.0, "the queued request waited for the long prefill"
+    # Its budget spent in the queue, a request is not prefilled (checked before prefill too).
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(
+            stream,
+            f"{engine.url}/v1/generate",
+            {"requestId": "long3", "promptTokens": 32000, "maxTokens": 1},
+        )
+        _wait_slots_used(engine.url, 1)
+        late_status, late = stream(
+            f"{engine.url}/v1/generate",
+            {
+                "requestId": "late",
+                "promptTokens": 10,
+                "maxTokens": 1,
+                "admission": "queue",
+                "ttftBudget": 0.2,
+            },
+        )
+        assert busy.result()[0] == 200
+    assert late_status == 200
+    assert late[-1]["type"] == "error"
+    assert late[-1]["code"] == "ttft_timeout"
+    assert "not prefilled" in late[-1]["message"]
+    assert not any(e["type"] == "token" for e in late)
     bad_status, bad = stream(
         f"{engine.url}/v1/generate",
         {"requestId": "x", "promptTokens": 10, "maxTokens": 1, "admission": "maybe"},

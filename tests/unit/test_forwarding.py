@@ -11,8 +11,10 @@ from matrixserve.domain.forwarding import (
     Entrance,
     Policy,
     entrances_from_status,
+    estimate_tokens,
     order,
     parse_completion,
+    ttft_threshold_ms,
 )
 
 E = [Entrance("p0", "a:1"), Entrance("p1", "b:1"), Entrance("p2", "c:1")]
@@ -148,3 +150,16 @@ def test_entrances_from_status_take_serving_rows_with_an_endpoint_in_entrance_or
     ]
     assert entrances_from_status(None) == []
     assert entrances_from_status({"entrances": ["x"]}) == []
+
+
+def test_the_gateway_counts_prompt_tokens_as_the_engines_do() -> None:
+    from enginestub.engine.core import count_tokens
+
+    for n in (1, 3, 4, 5, 399, 400, 401, 40_000):
+        assert estimate_tokens("x" * n) == count_tokens("x" * n)
+
+
+def test_the_ttft_threshold_grows_with_the_prompt() -> None:
+    assert ttft_threshold_ms(2000, 0, 10_000) == 2000
+    assert ttft_threshold_ms(2000, 1000, 25) == 2025
+    assert ttft_threshold_ms(100, 30, 8192) == pytest.approx(345.76)

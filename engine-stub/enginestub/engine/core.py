@@ -450,6 +450,18 @@ class Engine:
             if req.queued:  # time in the local queue counts toward TTFT, as in the baseline
                 await self._wait_for_slot(req)
                 slot_held = True
+                waited = self.clock.now() - started
+                if req.ttft_budget is not None and waited > req.ttft_budget:
+                    # P/D-Serve §2.2.2 early intervention: checked before prefill too, so a prompt
+                    # whose budget ran out in the queue does not use the prefill.
+                    self.metrics.requests.labels(stage="prefill", outcome="timeout").inc()
+                    yield {
+                        "type": "error",
+                        "code": "ttft_timeout",
+                        "message": f"waited {waited:.3f}s in the prefill queue, over the "
+                        f"{req.ttft_budget:.3f}s budget; not prefilled",
+                    }
+                    return
             prefill_time = await self._run_prefill(req)
             ttft = self.clock.now() - started
             self.metrics.ttft.observe(ttft)

@@ -66,6 +66,8 @@ class RatioPolicy(_Spec):
 
 class SLO(_Spec):
     ttft_milliseconds: int | None = Field(default=None, alias="ttftMilliseconds", ge=1, le=600000)
+    # P/D-Serve §2.2.2: "the timeout threshold for 1k is quite different from that of 8k"
+    ttft_per_1k_tokens: int = Field(default=0, alias="ttftMillisecondsPer1kTokens", ge=0, le=600000)
     tpot_milliseconds: int | None = Field(default=None, alias="tpotMilliseconds", ge=1, le=60000)
 
 

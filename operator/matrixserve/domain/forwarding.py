@@ -111,6 +111,19 @@ class BadRequest(Exception):
         }
 
 
+def estimate_tokens(text: str) -> int:
+    """The prompt's tokens as the engines count them (the engine stub's stand-in tokenizer:
+    about four characters a token)."""
+    return max(1, -(-len(text) // 4))
+
+
+def ttft_threshold_ms(base_ms: float, per_1k_tokens_ms: float, prompt_tokens: int) -> float:
+    """A prompt's TTFT threshold: P/D-Serve §2.2.2 has thresholds depend on the prompt's length
+    ("the timeout threshold for 1k is quite different from that of 8k"); here a base plus a part
+    per thousand prompt tokens (``slo.ttftMilliseconds`` + ``slo.ttftMillisecondsPer1kTokens``)."""
+    return base_ms + per_1k_tokens_ms * prompt_tokens / 1000.0
+
+
 @dataclass(frozen=True)
 class Completion:
     model: str

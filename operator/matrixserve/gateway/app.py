@@ -3,15 +3,18 @@ and not), ``/v1/models``, ``/v1/routes`` (what it routes by), ``/healthz``, ``/m
 
 On-demand forwarding with rejection (P/D-Serve §3.5): try the scenario's prefill entrances in the
 policy's order; a 429 from a prefill means "busy, try the next"; when every entrance rejected,
-re-order and try again after a short pause, until the TTFT budget (the group's
-``slo.ttftMilliseconds``) is spent, then answer 503 with the reason. The stream of the accepting
-prefill (decode -> prefill -> gateway) is relayed as OpenAI chunks; a decode failing mid-stream
-ends the client's stream with an error chunk and ``[DONE]``.
+re-order and try again after a short pause, until the TTFT budget is spent, then answer 503 with
+the reason. The budget is the request's own threshold, by its prompt's length (P/D-Serve §2.2.2):
+the group's ``slo.ttftMilliseconds`` plus ``slo.ttftMillisecondsPer1kTokens`` per thousand
+prompt tokens. The stream of the accepting prefill (decode -> prefill -> gateway) is relayed as
+OpenAI chunks; a decode failing mid-stream ends the client's stream with an error chunk and
+``[DONE]``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import json
@@ -39,8 +42,10 @@ from matrixserve.domain.forwarding import (
     Policy,
     TokenBucket,
     bearer,
+    estimate_tokens,
     order,
     parse_completion,
+    ttft_threshold_ms,
 )
 from matrixserve.gateway.discovery import Discovery, GroupRoute
 
@@ -48,6 +53,7 @@ log = logging.getLogger("matrixserve.gateway")
 # When every entrance is busy, wait for a slot to be released (a stream's second token or its
 # end), at most this long (wall s: other gateways' requests release slots this one cannot see).
 RETRY_PAUSE_SECONDS = 0.02
+_REFUSAL = {"rejected": "rejected", "timeout": "not answered in time", "unreachable": "unreachable"}
 
 
 @dataclass(frozen=True)
@@ -153,38 +159,59 @@ class Gateway:
     def _scenario(self, request: web.Request, completion: Completion) -> str:
         return request.headers.get("X-MatrixServe-Scenario") or completion.model
 
-    def _budget(self, routes: list[GroupRoute]) -> float:
-        slo = min((g.ttft_ms for g in routes if g.ttft_ms), default=self.config.default_ttft_ms)
+    def _budget(self, routes: list[GroupRoute], completion: Completion) -> float:
+        """The request's TTFT threshold in emulated seconds: the tightest of its groups'
+        thresholds for a prompt of this length."""
+        tokens = estimate_tokens(completion.prompt)
+        slo = min(
+            (ttft_threshold_ms(g.ttft_ms, g.ttft_per_1k_ms, tokens) for g in routes if g.ttft_ms),
+            default=float(self.config.default_ttft_ms),
+        )
         return slo / 1000.0
 
-    async def _try(self, entrance: Entrance, body: dict[str, Any]) -> aiohttp.ClientResponse | None:
+    async def _try(
+        self, entrance: Entrance, body: dict[str, Any], remaining: float
+    ) -> aiohttp.ClientResponse | str:
+        """One prefill's answer: its stream if it accepted, else why not (the metric's label).
+        The answer is waited for at most the ``remaining`` budget (wall s): a prefill that
+        neither accepts nor rejects in time (hung, overloaded) is passed over, never waited on
+        past the budget."""
         assert self.session is not None
         try:
-            response = await self.session.post(f"http://{entrance.address}/v1/generate", json=body)
-        except (aiohttp.ClientError, TimeoutError):
-            self.metrics.attempts.labels(answer="unreachable").inc()
-            return None
-        if response.status == 200:
-            self.metrics.attempts.labels(answer="accepted").inc()
-            return response
-        answer = "rejected" if response.status == 429 else f"http_{response.status}"
+            async with asyncio.timeout(remaining):
+                response = await self.session.post(
+                    f"http://{entrance.address}/v1/generate", json=body
+                )
+        except TimeoutError:
+            answer = "timeout"
+        except aiohttp.ClientError:
+            answer = "unreachable"
+        else:
+            if response.status == 200:
+                self.metrics.attempts.labels(answer="accepted").inc()
+                return response
+            answer = "rejected" if response.status == 429 else f"http_{response.status}"
+            response.release()
         self.metrics.attempts.labels(answer=answer).inc()
-        response.release()
-        return None
+        return answer
 
     async def forward(
         self, scenario: str, routes: list[GroupRoute], completion: Completion
     ) -> tuple[Entrance, aiohttp.ClientResponse] | str:
         """An accepting prefill and its stream, or why there is none."""
-        budget = self._budget(routes)
+        slo = self._budget(routes, completion)  # emulated seconds, as the engines count time
+        budget = slo / self.config.time_scale  # wall seconds, as this gateway waits
         started = time.monotonic()
-        tried = rejected = 0
+        tried = 0
+        refusals: collections.Counter[str] = collections.Counter()
         request_id = f"{scenario}-{uuid.uuid4().hex[:12]}"
 
         def spent() -> str:
             return (
-                f"no prefill accepted within the TTFT budget of {budget * 1000:.0f} ms "
-                f"({tried} tries, {rejected} rejections)"
+                f"no prefill accepted within the TTFT budget of {slo * 1000:.0f} ms "
+                f"({tried} tries: "
+                + (", ".join(f"{n} {_REFUSAL.get(a, a)}" for a, n in refusals.items()) or "none")
+                + ")"
             )
 
         while True:
@@ -221,11 +248,11 @@ class Gateway:
                     "admission": "reject" if self.config.policy is Policy.ON_DEMAND else "queue",
                 }
                 tried += 1
-                response = await self._try(entrance, body)
-                if response is not None:
+                response = await self._try(entrance, body, remaining)
+                if not isinstance(response, str):
                     self.last_accepted[scenario] = entrance.instance
                     return entrance, response
-                rejected += 1
+                refusals[response] += 1
                 if self.last_accepted.get(scenario) == entrance.instance:
                     del self.last_accepted[scenario]  # it is busy: batch forwarding moves on
             remaining = budget - (time.monotonic() - started)
@@ -483,6 +510,7 @@ class Gateway:
                     "name": g.name,
                     "scenario": g.scenario,
                     "ttftMilliseconds": g.ttft_ms,
+                    "ttftMillisecondsPer1kTokens": g.ttft_per_1k_ms,
                     "entrances": [
                         {"instance": e.instance, "address": e.address} for e in g.entrances
                     ],

@@ -35,6 +35,7 @@ class GroupRoute:
     name: str
     scenario: str
     ttft_ms: int | None
+    ttft_per_1k_ms: int = 0  # spec.slo.ttftMillisecondsPer1kTokens
     prefill_batch: int = 1 << 30  # spec.prefill.batchSize: slots per prefill
     entrances: list[Entrance] = field(default_factory=list)  # what requests use
     zk_entrances: list[Entrance] | None = None  # from the children watch; None: not (re)read yet
@@ -130,13 +131,15 @@ class Discovery:
     def _upsert(self, obj: dict[str, Any]) -> tuple[str, str]:
         meta, spec = obj["metadata"], obj.get("spec") or {}
         key = (meta["namespace"], meta["name"])
-        ttft = (spec.get("slo") or {}).get("ttftMilliseconds")
+        slo = spec.get("slo") or {}
+        ttft = slo.get("ttftMilliseconds")
         with self.lock:
             route = self.groups.get(key)
             if route is None:
                 route = GroupRoute(key[0], key[1], spec.get("scenario", ""), ttft)
                 self.groups[key] = route
             route.scenario, route.ttft_ms = spec.get("scenario", ""), ttft
+            route.ttft_per_1k_ms = int(slo.get("ttftMillisecondsPer1kTokens") or 0)
             route.prefill_batch = int((spec.get("prefill") or {}).get("batchSize") or 1 << 30)
             route.status_entrances = entrances_from_status(obj.get("status"))
             self._refresh(route)
