@@ -199,6 +199,7 @@ def main() -> int:
     started: list[str] = []
     table: dict[str, dict[int, tuple[float, int, float]]] = {p: {} for p in POLICIES}
     table_rps: dict[str, dict[int, float]] = {p: {} for p in POLICIES}
+    shares: dict[str, dict[int, dict[str, float]]] = {p: {} for p in POLICIES}
     try:
         with config.new_client_from_config(config_file=info.kubeconfig) as api:
             install_crds(api)
@@ -246,11 +247,18 @@ def main() -> int:
         for k in LEVELS:
             for policy in POLICIES:
                 results = asyncio.run(run(urls[policy], k * a))
-                ok = sum(
-                    1
+                met = [
+                    (n, t is not None and t <= ttft_threshold_ms(SLO_MS, per_1k, n) / 1000)
                     for t, _, n in results
-                    if t is not None and t <= ttft_threshold_ms(SLO_MS, per_1k, n) / 1000
-                )
+                ]
+                ok = sum(1 for _, hit in met if hit)
+                by_length = {
+                    kind: 100.0
+                    * sum(hit for n, hit in met if (n >= LONG[0]) == is_long)
+                    / max(1, sum(1 for n, _ in met if (n >= LONG[0]) == is_long))
+                    for kind, is_long in (("short", False), ("long", True))
+                }
+                shares[policy][k] = by_length
                 done = [t for t, _, _ in results if t is not None]
                 p99 = sorted(done)[int(0.99 * (len(done) - 1))] if done else float("nan")
                 table[policy][k] = (100.0 * ok / max(1, len(results)), len(results), p99)
@@ -259,7 +267,9 @@ def main() -> int:
                 tries = attempts(urls[policy])
                 print(
                     f"  {k}A ({k * a} users) {policy:13} {table[policy][k][0]:6.1f} % of "
-                    f"{len(results)} requests within their thresholds (TTFT p99 {p99 * 1000:.0f} ms); "
+                    f"{len(results)} requests within their thresholds (short prompts "
+                    f"{by_length['short']:.1f} %, long {by_length['long']:.1f} %; TTFT p99 "
+                    f"{p99 * 1000:.0f} ms); "
                     f"prefill tries so far {tries}",
                     flush=True,
                 )
@@ -290,6 +300,8 @@ def main() -> int:
             results_json[f"{key}_{k}a_requests"] = n
             results_json[f"{key}_{k}a_throughput_rps"] = round(table_rps[policy][k], 2)
             results_json[f"{key}_{k}a_ttft_p99_ms"] = round(p99 * 1000, 1)
+            for kind, pct_kind in shares[policy][k].items():
+                results_json[f"{key}_{k}a_{kind}_prompts_attainment_pct"] = round(pct_kind, 2)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results_json, indent=2) + "\n")
     print(

@@ -355,10 +355,12 @@ class Gateway:
             while data := await upstream.content.readany():
                 lines = (partial + data).split(b"\n")
                 partial = lines.pop()
-                batch = [json.loads(line[6:]) for line in lines if line.startswith(b"data: ")]
+                batch = [
+                    json.loads(line[6:].decode()) for line in lines if line.startswith(b"data: ")
+                ]
                 if batch:
                     yield batch
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: bad JSON
             yield [
                 {
                     "type": "error",
