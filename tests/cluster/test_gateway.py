@@ -109,6 +109,12 @@ def gateway(start_gateway: Callable[..., str]) -> str:
     return start_gateway()
 
 
+def _patch_group(api_client: client.ApiClient, namespace: str, spec: dict[str, Any]) -> None:
+    client.CustomObjectsApi(api_client).patch_namespaced_custom_object(
+        "matrixserve.io", "v1alpha1", namespace, "pdgroups", "g", {"spec": spec}
+    )
+
+
 def sse(
     url: str, body: dict[str, Any], headers: dict[str, str] | None = None
 ) -> tuple[int, list[Any]]:
@@ -264,13 +270,10 @@ def test_a_hung_prefill_gets_a_503_once_the_budget_for_the_prompts_length_is_spe
     waits for a prefill's answer only within it (a hung prefill is not waited on for ever), then
     answers 503 with the reason. The gateway runs at time scale 20: budgets are emulated."""
     serving_group(prefill=1, decode=1)
-    client.CustomObjectsApi(api_client).patch_namespaced_custom_object(
-        "matrixserve.io",
-        "v1alpha1",
+    _patch_group(
+        api_client,
         namespace,
-        "pdgroups",
-        "g",
-        {"spec": {"slo": {"ttftMilliseconds": 2000, "ttftMillisecondsPer1kTokens": 1000}}},
+        {"slo": {"ttftMilliseconds": 2000, "ttftMillisecondsPer1kTokens": 1000}},
     )
     url = start_gateway()
     wait_for(
@@ -417,14 +420,7 @@ def test_without_zookeeper_the_gateway_routes_by_pdgroup_status(
         assert _routes(url) == ("status", ["g-p-0", "g-p-1"])
         assert _served(url, 3) <= {"g-p-0", "g-p-1"}
         # A third prefill opens while the gateway has no ZooKeeper: the status brings it.
-        client.CustomObjectsApi(api_client).patch_namespaced_custom_object(
-            "matrixserve.io",
-            "v1alpha1",
-            namespace,
-            "pdgroups",
-            "g",
-            {"spec": {"prefill": {"replicas": 3}}},
-        )
+        _patch_group(api_client, namespace, {"prefill": {"replicas": 3}})
         wait_for(
             lambda: _routes(url) == ("status", ["g-p-0", "g-p-1", "g-p-2"]),
             timeout=30,

@@ -99,31 +99,15 @@ def test_prefill_rejects_instead_of_queueing(start_engine: Any, stream: Any) -> 
         "--load-source",
         "NPUForkUB",
     )
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        busy = pool.submit(
-            stream,
-            f"{engine.url}/v1/generate",
-            {"requestId": "long", "promptTokens": 32000, "maxTokens": 1},
-        )
-        _wait_slots_used(engine.url, 1)
-        began = time.monotonic()
-        status, body = stream(
-            f"{engine.url}/v1/generate", {"requestId": "second", "promptTokens": 10, "maxTokens": 1}
-        )
-        answered_in = time.monotonic() - began
-        assert busy.result()[0] == 200
-        # The baseline's admission, asked per request: wait in the local queue behind the slot.
-        busy = pool.submit(
-            stream,
-            f"{engine.url}/v1/generate",
-            {"requestId": "long2", "promptTokens": 32000, "maxTokens": 1},
-        )
-        _wait_slots_used(engine.url, 1)
-        q_status, q_events = stream(
-            f"{engine.url}/v1/generate",
-            {"requestId": "queued", "promptTokens": 10, "maxTokens": 1, "admission": "queue"},
-        )
-        assert busy.result()[0] == 200
+    status, body, answered_in = _behind_a_long_prompt(
+        engine.url, stream, {"requestId": "second", "promptTokens": 10, "maxTokens": 1}
+    )
+    # The baseline's admission, asked per request: wait in the local queue behind the slot.
+    q_status, q_events, _ = _behind_a_long_prompt(
+        engine.url,
+        stream,
+        {"requestId": "queued", "promptTokens": 10, "maxTokens": 1, "admission": "queue"},
+    )
     assert status == 429
     assert body[0]["error"]["code"] == "rejected"
     assert "prefill busy: 1/1 slots in use" in body[0]["error"]["message"]
@@ -131,24 +115,17 @@ def test_prefill_rejects_instead_of_queueing(start_engine: Any, stream: Any) -> 
     assert q_status == 200
     assert q_events[-1]["timings"]["ttft"] > 1.0, "the queued request waited for the long prefill"
     # Its budget spent in the queue, a request is not prefilled (checked before prefill too).
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        busy = pool.submit(
-            stream,
-            f"{engine.url}/v1/generate",
-            {"requestId": "long3", "promptTokens": 32000, "maxTokens": 1},
-        )
-        _wait_slots_used(engine.url, 1)
-        late_status, late = stream(
-            f"{engine.url}/v1/generate",
-            {
-                "requestId": "late",
-                "promptTokens": 10,
-                "maxTokens": 1,
-                "admission": "queue",
-                "ttftBudget": 0.2,
-            },
-        )
-        assert busy.result()[0] == 200
+    late_status, late, _ = _behind_a_long_prompt(
+        engine.url,
+        stream,
+        {
+            "requestId": "late",
+            "promptTokens": 10,
+            "maxTokens": 1,
+            "admission": "queue",
+            "ttftBudget": 0.2,
+        },
+    )
     assert late_status == 200
     assert late[-1]["type"] == "error"
     assert late[-1]["code"] == "ttft_timeout"
@@ -160,6 +137,23 @@ def test_prefill_rejects_instead_of_queueing(start_engine: Any, stream: Any) -> 
     )
     assert bad_status == 400
     assert "admission" in bad[0]["error"]["message"]
+
+
+def _behind_a_long_prompt(url: str, stream: Any, body: dict[str, Any]) -> tuple[int, Any, float]:
+    """``body``'s answer from a one-slot engine whose slot a 32k-token prompt holds, and how long
+    it took (wall s)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(
+            stream,
+            f"{url}/v1/generate",
+            {"requestId": f"long-{body['requestId']}", "promptTokens": 32000, "maxTokens": 1},
+        )
+        _wait_slots_used(url, 1)
+        began = time.monotonic()
+        status, events = stream(f"{url}/v1/generate", body)
+        took = time.monotonic() - began
+        assert busy.result()[0] == 200
+    return status, events, took
 
 
 def _health(url: str) -> dict[str, Any]:
