@@ -7,23 +7,64 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 
 def wait_for(
-    predicate: Callable[[], Any], timeout: float = 60, what: str = "condition", every: float = 0.1
+    predicate: Callable[[], Any],
+    timeout: float = 60,
+    what: str = "condition",
+    every: float = 0.1,
+    explain: Callable[[], str] | None = None,
 ) -> Any:
-    """Poll until ``predicate()`` is truthy and return it; fail the test after ``timeout`` s."""
+    """Poll until ``predicate()`` is truthy and return it; fail the test after ``timeout`` s
+    (with ``explain()``'s account of the state then, if given)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+            detail = f"\n{explain()}" if explain is not None else ""
+            pytest.fail(f"timed out after {timeout}s waiting for {what}{detail}")
         time.sleep(every)
+
+
+def explain_namespace(state_dir: str, api_client: Any, namespace: str) -> str:
+    """What a namespace's PDGroups and pods look like, and the tails of its containers' logs
+    (the node emulator keeps them under the cluster's state directory): for failure messages."""
+    from kubernetes import client
+
+    lines = []
+    try:
+        groups = client.CustomObjectsApi(api_client).list_namespaced_custom_object(
+            "matrixserve.io", "v1alpha1", namespace, "pdgroups"
+        )["items"]
+        for g in groups:
+            status = g.get("status") or {}
+            lines.append(f"PDGroup {g['metadata']['name']}: phase {status.get('phase')}")
+            for c in status.get("conditions") or []:
+                lines.append(
+                    f"  {c.get('type')}={c.get('status')} {c.get('reason')}: {c.get('message')}"
+                )
+        for pod in client.CoreV1Api(api_client).list_namespaced_pod(namespace).items:
+            states = [
+                f"{cs.name} ready={cs.ready} restarts={cs.restart_count} "
+                f"state={cs.state.to_dict() if cs.state else None}"
+                for cs in pod.status.container_statuses or []
+            ]
+            lines.append(f"pod {pod.metadata.name}: {pod.status.phase} {'; '.join(states)}")
+    except Exception as exc:  # an explanation must never hide the failure it explains
+        lines.append(f"(reading the namespace failed: {exc})")
+    pods = Path(state_dir) / "emulator" / "pods"
+    for log in sorted(pods.glob(f"{namespace}_*/*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-12:]
+        lines.append(f"--- {log.parent.name.split('_')[1]}/{log.name}")
+        lines.extend(f"    {line}" for line in tail)
+    return "\n".join(lines)
 
 
 class TcpProxy:

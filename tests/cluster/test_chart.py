@@ -15,7 +15,7 @@ import yaml
 from kazoo.client import KazooClient
 from kubernetes import client, config
 
-from helpers import wait_for
+from helpers import explain_namespace, wait_for
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo, free_ports
 from matrixserve.devcluster.procs import Supervisor
@@ -176,7 +176,11 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
         custom.create_namespaced_custom_object(
             "matrixserve.io", "v1alpha1", namespace, "pdgroups", body
         )
-        wait_for(lambda: _ready(custom, namespace, "g"), what="the group Ready")
+        wait_for(
+            lambda: _ready(custom, namespace, "g"),
+            what="the group Ready",
+            explain=lambda: explain_namespace(cluster.state_dir, api_client, namespace),
+        )
         # The gateway under its own ServiceAccount discovers the group and serves a request.
         gateway_kubeconfig = _service_account_kubeconfig(
             cluster, core, namespace, f"{release}-matrixserve-gateway", tmp_path / "gw.kubeconfig"
@@ -384,7 +388,11 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         custom.create_namespaced_custom_object(
             "matrixserve.io", "v1alpha1", namespace, "pdgroups", body
         )
-        wait_for(lambda: _ready(custom, namespace, "g"), what="the group Ready")
+        wait_for(
+            lambda: _ready(custom, namespace, "g"),
+            what="the group Ready",
+            explain=lambda: explain_namespace(cluster.state_dir, api_client, namespace),
+        )
         paths = zl.GroupPaths(namespace, "g")
         assert zk.exists(paths.root) is not None, "the group lives in the bundled ZooKeeper"
         gateway_service = core.read_namespaced_service(f"{full}-gateway", namespace)
