@@ -103,7 +103,9 @@ class Resident:
         """Connect (retrying: ZooKeeper may come later than the pod), then run the protocol."""
         while True:
             try:
-                await self._zk(self.zk.start, 15)
+                await self._zk(self.zk.start, 15)  # returns at once if already connected
+                for folder in self.paths.all_folders():  # a session that drops right away too
+                    await self._zk(self.zk.ensure_path, folder)
                 break
             except Exception as exc:  # kazoo raises its own timeout types
                 self.phase = "WaitingForZooKeeper"
@@ -111,8 +113,6 @@ class Resident:
                     "ZooKeeper %s unreachable (%s); retrying", self.engine.config.zookeeper, exc
                 )
                 await asyncio.sleep(2)
-        for folder in self.paths.all_folders():
-            await self._zk(self.zk.ensure_path, folder)
         await self._run()
 
     @property
