@@ -375,11 +375,19 @@ def test_a_missing_key_secret_fails_closed(
     assert response.status_code == 401
 
 
-def _zookeeper_connected(url: str) -> float:
+def _gauge(url: str, name: str) -> float:
     for line in httpx.get(f"{url}/metrics", trust_env=False).text.splitlines():
-        if line.startswith("matrixserve_gateway_zookeeper_connected "):
+        if line.startswith(f"{name} "):
             return float(line.split()[1])
-    raise AssertionError("no matrixserve_gateway_zookeeper_connected metric")
+    raise AssertionError(f"no {name} metric")
+
+
+def _zookeeper_connected(url: str) -> float:
+    return _gauge(url, "matrixserve_gateway_zookeeper_connected")
+
+
+def _sessions_lost(url: str) -> float:
+    return _gauge(url, "matrixserve_gateway_zookeeper_sessions_lost_total")
 
 
 def _routes(url: str) -> tuple[str, list[str]]:
@@ -431,10 +439,13 @@ def test_without_zookeeper_the_gateway_routes_by_pdgroup_status(
         assert _zookeeper_connected(never) == 0
         assert _routes(never) == ("status", ["g-p-0", "g-p-1", "g-p-2"])
         assert _served(never, 3) <= {"g-p-0", "g-p-1", "g-p-2"}
-        # Outlast kazoo's 10 s session timeout: the session (and its watches) are lost.
-        time.sleep(max(0.0, 12 - (time.monotonic() - cut_at)))
+        # Outlast kazoo's 10 s session timeout (ZooKeeper expires sessions on its 2 s tick): the
+        # session (and its watches) are lost, which the gateway learns on reconnecting.
+        assert _sessions_lost(url) == 0
+        time.sleep(max(0.0, 14 - (time.monotonic() - cut_at)))
         proxy.restore()
         wait_for(lambda: _zookeeper_connected(url) == 1, timeout=20, what="ZooKeeper back")
+        assert _sessions_lost(url) == 1, "the cut must have cost the session (else untested)"
         wait_for(
             lambda: _routes(url) == ("zookeeper", ["g-p-0", "g-p-1", "g-p-2"]),
             timeout=10,
@@ -458,9 +469,10 @@ def test_without_zookeeper_the_gateway_routes_by_pdgroup_status(
         # Lose the session again with the entrances unchanged across the loss (the status still
         # lists g-p-2): the gateway must read ZooKeeper again, not stay on the status.
         proxy.cut()
-        time.sleep(12)
+        time.sleep(14)
         proxy.restore()
         wait_for(lambda: _zookeeper_connected(url) == 1, timeout=20, what="ZooKeeper back again")
+        assert _sessions_lost(url) == 2, "the second cut must have cost the session too"
         wait_for(
             lambda: _routes(url) == ("zookeeper", ["g-p-0", "g-p-1"]),
             timeout=3,

@@ -343,15 +343,17 @@ class Emulator:
         server = state.server
         npus = str(server.npus)
         resource = next(k for k in server.capacity if k.startswith("huawei.com/"))
-        await asyncio.to_thread(
-            self.core.patch_node_status,
-            server.node_name,
-            {"status": {"capacity": {resource: npus}, "allocatable": {resource: npus}}},
-        )
+        # Labels first: once the NPUs are allocatable the scheduler may place pods that select
+        # on the SuperPod/server labels, so those must already be there.
         labels = {k: v for k, v in server.labels.items() if k.startswith("matrixserve.io/")}
         labels[LABEL_EMULATED] = "advertised"
         await asyncio.to_thread(
             self.core.patch_node, server.node_name, {"metadata": {"labels": labels}}
+        )
+        await asyncio.to_thread(
+            self.core.patch_node_status,
+            server.node_name,
+            {"status": {"capacity": {resource: npus}, "allocatable": {resource: npus}}},
         )
 
     def _node_status(self, state: NodeState) -> dict[str, Any]:

@@ -99,6 +99,11 @@ class GatewayMetrics:
             "1 while entrances come from ZooKeeper, 0 while they come from PDGroup status",
             registry=r,
         )
+        self.zookeeper_sessions_lost = Counter(
+            "matrixserve_gateway_zookeeper_sessions_lost",
+            "ZooKeeper sessions expired under the gateway (its watches were re-armed)",
+            registry=r,
+        )
 
 
 class Gateway:
@@ -107,6 +112,7 @@ class Gateway:
         self.config = config
         self.metrics = GatewayMetrics()
         self.metrics.zookeeper_connected.set_function(lambda: float(discovery.zk_connected))
+        discovery.on_session_lost = self.metrics.zookeeper_sessions_lost.inc
         self.open: dict[str, int] = {}  # open SSE streams per prefill
         self.prefilling: dict[str, int] = {}  # accepted, no first token yet, per prefill
         self.holding: dict[str, int] = {}  # accepted, KV not yet pulled by a decode, per prefill

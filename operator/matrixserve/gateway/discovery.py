@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,7 @@ class Discovery:
         self._arm = threading.Event()
         self.synced = threading.Event()
         self.zk_connected = False
+        self.on_session_lost: Callable[[], None] = lambda: None  # from kazoo's thread
         zk.add_listener(self._zk_state)  # first, then the state: no transition goes unseen
         with self.lock:
             self.zk_connected = zk.connected
@@ -168,6 +170,8 @@ class Discovery:
                     route.watched = False
                     route.generation += 1
                 self._refresh(route)
+        if state == KazooState.LOST:
+            self.on_session_lost()
         if self.zk_connected:
             self._arm.set()
             log.info("ZooKeeper connected: routing by ZooKeeper entrances")
