@@ -158,16 +158,16 @@ class Emulator:
             await self._register_nodes()
         control = ControlServer(self)
         self.control_url = await control.start(self.config.control_host, self.config.control_port)
-        (self.config.state_dir / "emulator.json").write_text(
-            json.dumps(
-                {
-                    "pid": os.getpid(),
-                    "identity": self.identity,
-                    "control": self.control_url,
-                    "mode": self.config.mode,
-                    "nodes": sorted(self.nodes),
-                }
-            )
+        # atomically: scripts and tests poll for this file and read it as soon as it exists
+        devicestatus.write_atomically(
+            self.config.state_dir / "emulator.json",
+            {
+                "pid": os.getpid(),
+                "identity": self.identity,
+                "control": self.control_url,
+                "mode": self.config.mode,
+                "nodes": sorted(self.nodes),
+            },
         )
         tasks = [asyncio.create_task(self._heartbeats(), name="heartbeats")]
         if self.config.mode == "full":
