@@ -73,7 +73,7 @@ async def serve(argv: list[str] | None = None) -> int:
             "the group protocol failed: %s; exiting", protocol.exception()
         )
         code = 1
-    elif resident is not None:
+    if resident is not None:
         await resident.stop()
     await runner.cleanup()
     await engine.close()

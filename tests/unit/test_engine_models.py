@@ -227,3 +227,28 @@ def test_cloudmatrix384_totals() -> None:
     assert CLOUDMATRIX384.server.plane_bandwidth(Plane.UB) == 16 * 196e9
     with pytest.raises(ValueError, match="unknown precision"):
         npu.die.flops("fp4")
+
+
+async def test_a_new_jobs_share_is_max_min_fair_beside_the_running_ones() -> None:
+    """What the link probe reports: two transfers capped at a quarter leave half the link."""
+    import asyncio
+
+    from enginestub.engine.clock import Clock
+    from enginestub.engine.sharing import SharedResource
+
+    link = SharedResource(Clock(1.0), 1.0)
+    assert link.share_for() == 1.0
+    running = [asyncio.create_task(link.consume(1e9, cap=0.25)) for _ in range(2)]
+    await asyncio.sleep(0)
+    try:
+        assert link.active == 2
+        assert link.share_for() == 0.5  # not 1/3: the capped ones leave the rest
+        assert link.share_for(cap=0.2) == 0.2
+        assert link.active == 2  # asking adds nothing
+    finally:
+        for task in running:
+            task.cancel()
+        # Both cancelled at once: the first one's exit wakes the second, which must still end
+        # (asyncio.wait_for in Python 3.11 swallowed that cancellation and the job ran on).
+        await asyncio.wait_for(asyncio.gather(*running, return_exceptions=True), 5)
+    assert link.active == 0

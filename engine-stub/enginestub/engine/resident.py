@@ -121,9 +121,12 @@ class Resident:
         return self._task
 
     async def stop(self) -> None:
+        """Stop the protocol (whether it runs or has failed) and close the ZooKeeper session, so
+        its ephemeral report and health go at once, not after the session timeout (a restarted
+        container would otherwise find them and lose them again when the old session expires)."""
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(BaseException):  # cancelled, or the failure already logged
                 await self._task
         with contextlib.suppress(Exception):
             await self._zk(self.zk.stop)
@@ -182,7 +185,10 @@ class Resident:
         self.engine.metrics.phase_seconds.labels(phase="load").set(self.engine.load_seconds or 0.0)
         self.phase = "Serving"
         self.ready = True
-        await self._write_health()
+        try:
+            await self._write_health()
+        except (KazooException, KazooTimeoutError) as exc:  # _keep_health writes it again
+            log.warning("first health report not written (%s)", type(exc).__name__)
         await asyncio.gather(self._keep_health(), self._keep_links(), self._keep_registered())
 
     async def _wait(self, condition: Any) -> None:
@@ -336,7 +342,7 @@ class Resident:
                 return
             if clock.now() > deadline and time.monotonic() > wall_deadline:
                 raise LinkError("links not verified before the timeout: " + "; ".join(missing))
-            await clock.sleep(0.5)
+            await asyncio.sleep(max(clock.to_wall(0.5), 0.1))  # no busy loop at large scales
 
     async def _keep_links(self) -> None:
         """Dynamic RoCE construction (Fig. 7): a newcomer initiates its links; a serving instance
@@ -388,7 +394,8 @@ class Resident:
         while True:
             self._health_dirty.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._health_dirty.wait(), interval)
+                async with asyncio.timeout(interval):
+                    await self._health_dirty.wait()
             try:
                 await self._write_health()
             except (KazooException, KazooTimeoutError) as exc:  # _keep_registered rewrites it

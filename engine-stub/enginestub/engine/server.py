@@ -188,7 +188,7 @@ def build_app(
         # the share it gets from the model (not from the wall clock, whose jitter on a loaded
         # machine is multiplied by the time scale) tells a saturated peer from a free one.
         cap = link / (flows + 1)
-        share = min(cap, engine.kv_ingress.capacity / (engine.kv_ingress.active + 1))
+        share = engine.kv_ingress.share_for(cap)  # max-min fair beside the running transfers
         alone = nbytes / link
         took = await engine.kv_ingress.consume(nbytes, cap=cap)
         state = "saturated" if share < link / 2 else "ok"

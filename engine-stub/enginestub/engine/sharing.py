@@ -49,6 +49,15 @@ class SharedResource:
             break
         return rates
 
+    def share_for(self, cap: float = float("inf")) -> float:
+        """The rate a new job capped at ``cap`` would get now, beside the running ones."""
+        probe = _Job(1.0, cap)
+        self._jobs.append(probe)
+        try:
+            return self._rates()[probe]
+        finally:
+            self._jobs.remove(probe)
+
     def _notify(self) -> None:
         old, self._changed = self._changed, asyncio.Event()
         old.set()
@@ -67,7 +76,8 @@ class SharedResource:
                 changed = self._changed
                 begin = self.clock.now()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), self.clock.to_wall(job.remaining / rate))
+                    async with asyncio.timeout(self.clock.to_wall(job.remaining / rate)):
+                        await changed.wait()
                 job.remaining -= (self.clock.now() - begin) * rate
         finally:
             self._jobs.remove(job)

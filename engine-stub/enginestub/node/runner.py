@@ -261,7 +261,8 @@ class PodRunner:
     async def _wait_wake(self, timeout: float | None) -> None:
         self._wake.clear()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._wake.wait()
 
     # ------------------------------------------------------------------ probes
     async def _probe_loop(

@@ -53,6 +53,7 @@ log = logging.getLogger("matrixserve.gateway")
 # When every entrance is busy, wait for a slot to be released (a stream's second token or its
 # end), at most this long (wall s: other gateways' requests release slots this one cannot see).
 RETRY_PAUSE_SECONDS = 0.02
+MAX_EVENT_BYTES = 1 << 20  # one SSE line from an engine; longer is a broken upstream
 _REFUSAL = {"rejected": "rejected", "timeout": "not answered in time", "unreachable": "unreachable"}
 
 
@@ -170,7 +171,11 @@ class Gateway:
         thresholds for a prompt of this length."""
         tokens = estimate_tokens(completion.prompt)
         slo = min(
-            (ttft_threshold_ms(g.ttft_ms, g.ttft_per_1k_ms, tokens) for g in routes if g.ttft_ms),
+            (
+                ttft_threshold_ms(g.ttft_ms or 0, g.ttft_per_1k_ms, tokens)
+                for g in routes
+                if g.ttft_ms or g.ttft_per_1k_ms
+            ),
             default=float(self.config.default_ttft_ms),
         )
         return slo / 1000.0
@@ -188,10 +193,10 @@ class Gateway:
                 response = await self.session.post(
                     f"http://{entrance.address}/v1/generate", json=body
                 )
+        except aiohttp.ClientError:  # before TimeoutError: a connect timeout is "unreachable"
+            answer = "unreachable"
         except TimeoutError:
             answer = "timeout"
-        except aiohttp.ClientError:
-            answer = "unreachable"
         else:
             if response.status == 200:
                 self.metrics.attempts.labels(answer="accepted").inc()
@@ -266,7 +271,8 @@ class Gateway:
                 return spent()
             released = self.released
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(released.wait(), min(remaining, RETRY_PAUSE_SECONDS))
+                async with asyncio.timeout(min(remaining, RETRY_PAUSE_SECONDS)):
+                    await released.wait()
 
     def release_slot(self, instance: str) -> None:
         self.holding[instance] -= 1
@@ -361,6 +367,8 @@ class Gateway:
             while data := await upstream.content.readany():
                 lines = (partial + data).split(b"\n")
                 partial = lines.pop()
+                if len(partial) > MAX_EVENT_BYTES:
+                    raise ValueError(f"an upstream event over {MAX_EVENT_BYTES} bytes")
                 batch = [
                     json.loads(line[6:].decode()) for line in lines if line.startswith(b"data: ")
                 ]

@@ -151,7 +151,8 @@ async def reconciler(
             continue  # actions were applied: look again at once
         while not stopped and not wake.is_set() and time.monotonic() - last < rt.resync_seconds:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), timeout=1.0)
+                async with asyncio.timeout(1.0):
+                    await wake.wait()
     rt.zk.unwatch_group(namespace, name)
     rt.wakes.pop(key, None)
 
