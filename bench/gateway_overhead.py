@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 
 import yaml
 from common import (
+    REPO,
     cpu_seconds,
     engine_command,
     gateway_command,
@@ -52,7 +53,6 @@ from kubernetes import client, config
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import DevCluster, free_ports
 
-REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "gateway-overhead.json"
 ENGINES = [("127.93.0.1", "bench-p-0"), ("127.93.0.2", "bench-p-1")]
 OPEN_LOOP_SECONDS = 20
@@ -76,16 +76,24 @@ class LeanClient:
         self._idle: dict[tuple[str, int], list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
         self._idle = {}
         self._writers: list[asyncio.StreamWriter] = []
+        self._heads: dict[str, tuple[tuple[str, int], bytes]] = {}  # per URL: address, head
+
+    def _head(self, url: str) -> tuple[tuple[str, int], bytes]:
+        if url not in self._heads:
+            split = urlsplit(url)
+            key = (split.hostname or "127.0.0.1", split.port or 80)
+            head = (
+                f"POST {split.path} HTTP/1.1\r\nHost: {key[0]}:{key[1]}\r\n"
+                "Content-Type: application/json\r\nContent-Length: "
+            ).encode()
+            self._heads[url] = (key, head)
+        return self._heads[url]
 
     async def ttft(self, url: str, body: dict[str, Any]) -> float:
         """TTFT seen by the client (wall seconds); the stream is read to the end."""
-        split = urlsplit(url)
-        key = (split.hostname or "127.0.0.1", split.port or 80)
+        key, head = self._head(url)
         payload = json.dumps(body).encode()
-        request = (
-            f"POST {split.path} HTTP/1.1\r\nHost: {key[0]}:{key[1]}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
-        ).encode() + payload
+        request = head + str(len(payload)).encode() + b"\r\n\r\n" + payload
         pool = self._idle.setdefault(key, [])
         started = time.monotonic()
         if pool:
@@ -159,7 +167,6 @@ async def open_loop(
     gc.collect()
     gc.disable()
     via: list[asyncio.Task[float]] = []
-    straight: list[asyncio.Task[float]] = []
     pairs: list[tuple[asyncio.Task[float], asyncio.Task[float]]] = []
     every_task: list[asyncio.Task[float]] = []
     start = time.monotonic()
@@ -179,7 +186,6 @@ async def open_loop(
                 side = asyncio.create_task(lean.ttft(engine, {**direct_body, "requestId": f"d{i}"}))
                 every_task.append(side)
                 if i >= skip:
-                    straight.append(side)
                     pairs.append((task, side))
         await asyncio.gather(*every_task)
     finally:
@@ -187,7 +193,7 @@ async def open_loop(
         await lean.close()
     return (
         [t.result() for t in via],
-        [t.result() for t in straight],
+        [d.result() for _, d in pairs],
         [g.result() - d.result() for g, d in pairs],
     )
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from common import cpu_seconds, install_crds, make_namespace
+from common import REPO, cpu_seconds, install_crds, make_namespace
 from kazoo.client import KazooClient
 from kubernetes import client, config
 
@@ -41,7 +41,6 @@ from matrixserve.devcluster.cluster import DevCluster, free_ports
 from matrixserve.devcluster.procs import Supervisor
 from matrixserve.domain.conditions import is_true
 
-REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "operator-setup.json"
 SCALE = 50.0
 POLLING = ["--no-zk-watches", "--resync-seconds", "5"]

@@ -145,6 +145,22 @@ def _ready(custom: client.CustomObjectsApi, namespace: str, name: str) -> bool:
     return is_true(obj.get("status"), "Ready")
 
 
+def _create_ready_group(
+    cluster: ClusterInfo, api_client: client.ApiClient, namespace: str, body: dict[str, Any]
+) -> None:
+    """Create ``body`` as group ``g`` and wait until it is Ready (explaining a timeout)."""
+    custom = client.CustomObjectsApi(api_client)
+    body["metadata"] = {"name": "g"}
+    custom.create_namespaced_custom_object(
+        "matrixserve.io", "v1alpha1", namespace, "pdgroups", body
+    )
+    wait_for(
+        lambda: _ready(custom, namespace, "g"),
+        what="the group Ready",
+        explain=lambda: explain_namespace(cluster.state_dir, api_client, namespace),
+    )
+
+
 def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
     cluster: ClusterInfo,
     api_client: client.ApiClient,
@@ -171,16 +187,7 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
             cluster, core, namespace, account, tmp_path / "operator.kubeconfig"
         )
         operator = start_operator(namespace, webhook=False, extra=("--kubeconfig", str(kubeconfig)))
-        body = yaml.safe_load(SAMPLE.read_text())
-        body["metadata"] = {"name": "g"}
-        custom.create_namespaced_custom_object(
-            "matrixserve.io", "v1alpha1", namespace, "pdgroups", body
-        )
-        wait_for(
-            lambda: _ready(custom, namespace, "g"),
-            what="the group Ready",
-            explain=lambda: explain_namespace(cluster.state_dir, api_client, namespace),
-        )
+        _create_ready_group(cluster, api_client, namespace, yaml.safe_load(SAMPLE.read_text()))
         # The gateway under its own ServiceAccount discovers the group and serves a request.
         gateway_kubeconfig = _service_account_kubeconfig(
             cluster, core, namespace, f"{release}-matrixserve-gateway", tmp_path / "gw.kubeconfig"
@@ -384,15 +391,7 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         assert refused.status == 422, refused.body
         assert "same devices per instance (2 vs 4)" in refused.body
 
-        body["metadata"] = {"name": "g"}
-        custom.create_namespaced_custom_object(
-            "matrixserve.io", "v1alpha1", namespace, "pdgroups", body
-        )
-        wait_for(
-            lambda: _ready(custom, namespace, "g"),
-            what="the group Ready",
-            explain=lambda: explain_namespace(cluster.state_dir, api_client, namespace),
-        )
+        _create_ready_group(cluster, api_client, namespace, body)
         paths = zl.GroupPaths(namespace, "g")
         assert zk.exists(paths.root) is not None, "the group lives in the bundled ZooKeeper"
         gateway_service = core.read_namespaced_service(f"{full}-gateway", namespace)

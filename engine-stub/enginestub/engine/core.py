@@ -26,7 +26,6 @@ import contextlib
 import itertools
 import json
 import logging
-import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +38,7 @@ from enginestub.engine.config import EngineConfig
 from enginestub.engine.metrics import EngineMetrics
 from enginestub.engine.sharing import SharedResource
 from enginestub.fabric import Plane, link_bandwidth, link_latency
+from enginestub.models import count_tokens
 
 log = logging.getLogger("enginestub.engine")
 
@@ -57,11 +57,6 @@ class EngineError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"code": self.code, "message": self.message}}
-
-
-def count_tokens(text: str) -> int:
-    """A deterministic stand-in tokenizer: about four characters a token."""
-    return max(1, math.ceil(len(text) / 4))
 
 
 def synthetic_token(request_id: str, index: int) -> str:

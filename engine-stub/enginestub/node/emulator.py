@@ -199,6 +199,7 @@ class Emulator:
                 record.namespace != namespace
                 or record.terminating
                 or not record.ip
+                or record.runner is None
                 or not services.matches(selector, labels)
                 or not any(
                     c.get("type") == "Ready" and c.get("status") == "True"
@@ -206,12 +207,8 @@ class Emulator:
                 )
             ):
                 continue
-            ports = {
-                p["name"]: int(p["containerPort"])
-                for c in record.pod["spec"].get("containers") or []
-                for p in c.get("ports") or []
-                if p.get("name")
-            }
+            # the named ports the pod's container plans already hold
+            ports = {n: p for plan in record.runner.plans for n, p in plan.ports.items()}
             found.append(services.Backend(record.ip, ports))
         return found
 

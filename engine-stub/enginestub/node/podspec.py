@@ -245,7 +245,15 @@ def service_account_secret(pod: Mapping[str, Any]) -> str | None:
     return None
 
 
-def token_kubeconfig(server: str, ca_file: str | None, token: str) -> str:
+def token_kubeconfig(
+    server: str,
+    ca_file: str | None,
+    token: str,
+    *,
+    cluster_name: str = "cluster",
+    user: str = "pod",
+    context: str = "pod",
+) -> str:
     """A kubeconfig that authenticates with a bearer token (JSON is valid YAML)."""
     cluster: dict[str, Any] = {"server": server}
     if ca_file:
@@ -254,11 +262,12 @@ def token_kubeconfig(server: str, ca_file: str | None, token: str) -> str:
         {
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [{"name": "cluster", "cluster": cluster}],
-            "users": [{"name": "pod", "user": {"token": token}}],
-            "contexts": [{"name": "pod", "context": {"cluster": "cluster", "user": "pod"}}],
-            "current-context": "pod",
-        }
+            "clusters": [{"name": cluster_name, "cluster": cluster}],
+            "users": [{"name": user, "user": {"token": token}}],
+            "contexts": [{"name": context, "context": {"cluster": cluster_name, "user": user}}],
+            "current-context": context,
+        },
+        indent=2,
     )
 
 

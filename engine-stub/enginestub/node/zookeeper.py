@@ -15,6 +15,34 @@ import sys
 from pathlib import Path
 
 
+def write_config(
+    path: Path, data: Path, port: int | str, address: str, whitelist: str, extra: str = ""
+) -> None:
+    """A standalone server's ``zoo.cfg`` (the dev cluster's ZooKeeper uses it too)."""
+    path.write_text(
+        "tickTime=2000\ninitLimit=10\nsyncLimit=5\n"
+        f"dataDir={data}\n"
+        f"clientPort={port}\n"
+        f"clientPortAddress={address}\n"
+        "admin.enableServer=false\nmaxClientCnxns=0\n"
+        f"4lw.commands.whitelist={whitelist}\n" + extra
+    )
+
+
+def server_argv(java: str, config: Path, log_dir: Path) -> list[str]:
+    """The JVM command line of Debian's ZooKeeper server."""
+    return [
+        java,
+        "-Xmx256m",
+        f"-Dzookeeper.log.dir={log_dir}",
+        "-Dzookeeper.root.logger=WARN,CONSOLE",
+        "-cp",
+        "/usr/share/java/*",
+        "org.apache.zookeeper.server.ZooKeeperServerMain",
+        str(config),
+    ]
+
+
 def main() -> int:
     env = os.environ
     ip = env.get("MATRIXSERVE_POD_IP") or env.get("POD_IP") or "127.0.0.1"
@@ -29,26 +57,15 @@ def main() -> int:
     data = here / "zookeeper-data"
     data.mkdir(exist_ok=True)
     config = here / "zoo.cfg"
-    config.write_text(
-        "tickTime=2000\ninitLimit=10\nsyncLimit=5\n"
-        f"dataDir={data}\n"
-        f"clientPort={env.get('ZOO_PORT', '2181')}\n"
-        f"clientPortAddress={ip}\n"
-        "admin.enableServer=false\nmaxClientCnxns=0\n"
-        f"4lw.commands.whitelist={env.get('ZOO_4LW_COMMANDS_WHITELIST', 'ruok,srvr')}\n"
-        f"autopurge.purgeInterval={env.get('ZOO_AUTOPURGE_PURGEINTERVAL', '0')}\n"
+    write_config(
+        config,
+        data,
+        env.get("ZOO_PORT", "2181"),
+        ip,
+        env.get("ZOO_4LW_COMMANDS_WHITELIST", "ruok,srvr"),
+        f"autopurge.purgeInterval={env.get('ZOO_AUTOPURGE_PURGEINTERVAL', '0')}\n",
     )
-    argv = [
-        java,
-        "-Xmx256m",
-        f"-Dzookeeper.log.dir={here}",
-        "-Dzookeeper.root.logger=WARN,CONSOLE",
-        "-cp",
-        "/usr/share/java/*",
-        "org.apache.zookeeper.server.ZooKeeperServerMain",
-        str(config),
-    ]
-    os.execv(java, argv)
+    os.execv(java, server_argv(java, config, here))
     return 0  # not reached
 
 

@@ -35,8 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from matrixserve.devcluster import pki, tools
 from matrixserve.devcluster.errors import DevClusterError, tail
 from matrixserve.devcluster.procs import Supervisor
@@ -408,34 +406,23 @@ class DevCluster:
         )
 
     def _start_zookeeper(self, info: ClusterInfo, deadline: float) -> None:
+        from enginestub.node import zookeeper  # the same server the chart's ZooKeeper pod runs
+
         data = self.state_dir / "data" / "zookeeper"
         data.mkdir(parents=True, exist_ok=True)
         cfg = self.state_dir / "data" / "zoo.cfg"
-        cfg.write_text(
-            "tickTime=2000\n"
-            "initLimit=10\n"
-            "syncLimit=5\n"
-            f"dataDir={data}\n"
-            f"clientPort={info.ports.zookeeper}\n"
-            f"clientPortAddress={LOOPBACK}\n"
-            "admin.enableServer=false\n"
-            "maxClientCnxns=0\n"
-            "4lw.commands.whitelist=ruok,srvr,stat,mntr\n"
+        zookeeper.write_config(
+            cfg,
+            data,
+            info.ports.zookeeper,
+            LOOPBACK,
+            "ruok,srvr,stat,mntr",
             # Sessions may be as short as 2 s: tests expire them on purpose.
-            "minSessionTimeout=2000\n"
+            "minSessionTimeout=2000\n",
         )
         self.supervisor.start(
             "zookeeper",
-            [
-                str(tools.java_path()),
-                "-Xmx256m",
-                f"-Dzookeeper.log.dir={self.state_dir / 'logs'}",
-                "-Dzookeeper.root.logger=WARN,CONSOLE",
-                "-cp",
-                "/usr/share/java/*",
-                "org.apache.zookeeper.server.ZooKeeperServerMain",
-                str(cfg),
-            ],
+            zookeeper.server_argv(str(tools.java_path()), cfg, self.state_dir / "logs"),
         )
         self._wait(
             "zookeeper",
@@ -494,25 +481,18 @@ def _nodes_ready(info: ClusterInfo, names: list[str]) -> bool:
 
 
 def _write_kubeconfig(path: Path, server: str, ca: Path, token: str) -> None:
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {
-                "name": "matrixserve-dev",
-                "cluster": {"server": server, "certificate-authority": str(ca)},
-            }
-        ],
-        "users": [{"name": "matrixserve-admin", "user": {"token": token}}],
-        "contexts": [
-            {
-                "name": "matrixserve-dev",
-                "context": {"cluster": "matrixserve-dev", "user": "matrixserve-admin"},
-            }
-        ],
-        "current-context": "matrixserve-dev",
-    }
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    from enginestub.node.podspec import token_kubeconfig
+
+    path.write_text(
+        token_kubeconfig(
+            server,
+            str(ca),
+            token,
+            cluster_name="matrixserve-dev",
+            user="matrixserve-admin",
+            context="matrixserve-dev",
+        )
+    )
     path.chmod(0o600)
 
 

@@ -17,12 +17,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from matrixserve import __version__
 from matrixserve.devcluster import tools
 from matrixserve.devcluster.errors import DevClusterError
 from matrixserve.devcluster.paths import cache_dir
 
 REPO = Path(__file__).resolve().parents[3]
-VERSION = "0.1.0"
+VERSION = __version__  # image tags follow the package version
 IMAGES = (
     ("matrixserve/matrixserve", "matrixserve", ["matrixserve", "--help"]),
     ("matrixserve/engine-stub", "engine-stub", ["enginestub", "--help"]),
@@ -88,54 +89,44 @@ def _check(image: str, argv: list[str], log: Path) -> None:
 
 def build(log: Path) -> list[str]:
     """Build both images; the tags built."""
-    built = []
-    if _docker_engine():
-        for name, target, _ in IMAGES:
-            tag = f"{name}:{VERSION}"
-            tools.say(f"docker build {tag}")
-            tools.run_logged(
-                ["docker", "build", "--target", target, "-t", tag, "."],
-                step=f"docker build {tag}",
-                log=log,
-                cwd=REPO,
+    docker = _docker_engine()
+    if docker:
+        command = ["docker", "build"]
+    else:
+        if os.geteuid() != 0:
+            raise DevClusterError(
+                "build images",
+                "no Docker engine, and podman with debootstrap needs root here",
+                hint="run `make images` as root (CI does), or with a running Docker engine",
             )
-            built.append(tag)
-        return built
-    if os.geteuid() != 0:
-        raise DevClusterError(
-            "build images",
-            "no Docker engine, and podman with debootstrap needs root here",
-            hint="run `make images` as root (CI does), or with a running Docker engine",
-        )
-    tools.ensure_apt_packages(log, ("podman", "debootstrap"))
-    _base_image(log)
+        tools.ensure_apt_packages(log, ("podman", "debootstrap"))
+        _base_image(log)
+        command = [
+            *PODMAN,
+            "build",
+            "--isolation",
+            "chroot",
+            "--layers=false",  # vfs copies every layer whole: commit the final image only
+            "-v",
+            "/etc/ssl/certs:/host-certs:ro",
+            "--build-arg",
+            "PIP_CERT=/host-certs/ca-certificates.crt",
+            "--build-arg",
+            f"BASE={BASE}",
+        ]
+    built = []
     for name, target, smoke in IMAGES:
         tag = f"{name}:{VERSION}"
-        tools.say(f"podman build {tag} (vfs, chroot isolation)")
+        tool = "docker" if docker else "podman"
+        tools.say(f"{tool} build {tag}" + ("" if docker else " (vfs, chroot isolation)"))
         tools.run_logged(
-            [
-                *PODMAN,
-                "build",
-                "--isolation",
-                "chroot",
-                "--layers=false",  # vfs copies every layer whole: commit the final image only
-                "-v",
-                "/etc/ssl/certs:/host-certs:ro",
-                "--build-arg",
-                "PIP_CERT=/host-certs/ca-certificates.crt",
-                "--build-arg",
-                f"BASE={BASE}",
-                "--target",
-                target,
-                "-t",
-                tag,
-                ".",
-            ],
-            step=f"podman build {tag}",
+            [*command, "--target", target, "-t", tag, "."],
+            step=f"{tool} build {tag}",
             log=log,
             cwd=REPO,
-            timeout=1200,
+            timeout=1800 if docker else 1200,
         )
-        _check(tag, smoke, log)
+        if not docker:
+            _check(tag, smoke, log)
         built.append(tag)
     return built

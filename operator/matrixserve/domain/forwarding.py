@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from enginestub.models import count_tokens
+
 
 class Policy(StrEnum):
     ON_DEMAND = "on-demand"
@@ -111,10 +113,7 @@ class BadRequest(Exception):
         }
 
 
-def estimate_tokens(text: str) -> int:
-    """The prompt's tokens as the engines count them (the engine stub's stand-in tokenizer:
-    about four characters a token)."""
-    return max(1, -(-len(text) // 4))
+estimate_tokens = count_tokens  # the prompt's tokens as the engines count them
 
 
 def ttft_threshold_ms(base_ms: float, per_1k_tokens_ms: float, prompt_tokens: int) -> float:

@@ -347,13 +347,11 @@ class Gateway:
             self.metrics.requests.labels(scenario=scenario, outcome="rejected").inc()
             return _failure(503, chosen, "server_busy", "no_capacity", retry_after="1")
         entrance, upstream = chosen
-        flight = _Flight(self, entrance.instance)
+        flight = _Flight(self, entrance.instance, scenario, started)
         try:
             if completion.stream:
-                return await self._relay_stream(
-                    request, completion, scenario, upstream, started, flight
-                )
-            return await self._collect(completion, scenario, upstream, started, flight)
+                return await self._relay_stream(request, completion, scenario, upstream, flight)
+            return await self._collect(completion, scenario, upstream, flight)
         finally:
             upstream.release()
             flight.end()
@@ -389,7 +387,6 @@ class Gateway:
         c: Completion,
         scenario: str,
         upstream: aiohttp.ClientResponse,
-        started: float,
         flight: _Flight,
     ) -> web.StreamResponse:
         response = web.StreamResponse(
@@ -407,10 +404,6 @@ class Gateway:
                 for event in batch:
                     if event["type"] == "token":
                         flight.token()
-                        if flight.tokens == 1:
-                            self.metrics.ttft.labels(scenario=scenario).observe(
-                                time.monotonic() - started
-                            )
                         frames.append(token_frame(event["text"]))
                     elif event["type"] == "done":
                         final = _chunk(ident, created, c, "" if not c.chat else {}, "length")
@@ -447,7 +440,6 @@ class Gateway:
         c: Completion,
         scenario: str,
         upstream: aiohttp.ClientResponse,
-        started: float,
         flight: _Flight,
     ) -> web.Response:
         text: list[str] = []
@@ -457,18 +449,14 @@ class Gateway:
             for event in batch:
                 if event["type"] == "token":
                     flight.token()
-                    if not text:
-                        self.metrics.ttft.labels(scenario=scenario).observe(
-                            time.monotonic() - started
-                        )
                     text.append(event["text"])
-                elif event["type"] in ("done", "error"):
+                elif event["type"] == "done":
+                    done = event
                     break
-            if event["type"] == "done":
-                done = event
-                break
-            if event["type"] == "error":
-                error = event
+                elif event["type"] == "error":
+                    error = event
+                    break
+            if done or error:
                 break
         if done is None:
             self.metrics.requests.labels(scenario=scenario, outcome="error").inc()
@@ -575,8 +563,9 @@ class _Flight:
     its first token, and a prefill slot until its second token (a decode has pulled the KV) or
     its end."""
 
-    def __init__(self, gateway: Gateway, instance: str) -> None:
-        self.gateway, self.instance, self.tokens, self.ended = gateway, instance, 0, False
+    def __init__(self, gateway: Gateway, instance: str, scenario: str, started: float) -> None:
+        self.gateway, self.instance, self.tokens = gateway, instance, 0
+        self.scenario, self.started = scenario, started
         for counts in (gateway.open, gateway.prefilling, gateway.holding):
             counts[instance] = counts.get(instance, 0) + 1
         gateway.metrics.open_streams.inc()
@@ -585,6 +574,9 @@ class _Flight:
         self.tokens += 1
         if self.tokens == 1:
             self.gateway.prefilling[self.instance] -= 1
+            self.gateway.metrics.ttft.labels(scenario=self.scenario).observe(
+                time.monotonic() - self.started
+            )
         elif self.tokens == 2:
             self.gateway.release_slot(self.instance)
 

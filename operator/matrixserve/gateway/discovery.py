@@ -28,6 +28,7 @@ from matrixserve.api import zk_layout as zl
 from matrixserve.domain.forwarding import Entrance, entrances_from_status
 
 log = logging.getLogger("matrixserve.gateway")
+UNLIMITED_BATCH = 1 << 30  # a group without spec.prefill.batchSize
 
 
 @dataclass
@@ -37,7 +38,7 @@ class GroupRoute:
     scenario: str
     ttft_ms: int | None
     ttft_per_1k_ms: int = 0  # spec.slo.ttftMillisecondsPer1kTokens
-    prefill_batch: int = 1 << 30  # spec.prefill.batchSize: slots per prefill
+    prefill_batch: int = UNLIMITED_BATCH  # spec.prefill.batchSize: slots per prefill
     entrances: list[Entrance] = field(default_factory=list)  # what requests use
     zk_entrances: list[Entrance] | None = None  # from the children watch; None: not (re)read yet
     status_entrances: list[Entrance] = field(default_factory=list)  # from the PDGroup status
@@ -142,7 +143,9 @@ class Discovery:
                 self.groups[key] = route
             route.scenario, route.ttft_ms = spec.get("scenario", ""), ttft
             route.ttft_per_1k_ms = int(slo.get("ttftMillisecondsPer1kTokens") or 0)
-            route.prefill_batch = int((spec.get("prefill") or {}).get("batchSize") or 1 << 30)
+            route.prefill_batch = int(
+                (spec.get("prefill") or {}).get("batchSize") or UNLIMITED_BATCH
+            )
             route.status_entrances = entrances_from_status(obj.get("status"))
             self._refresh(route)
             if not route.watched:
