@@ -4,7 +4,8 @@ round-robin and least-loaded-by-queue-reports, on the same group and trace (P/D-
 
 Setup: a private dev cluster, the operator, one PDGroup of llama3-8b — 4 prefills and 2 decodes
 of 2 NPUs each, prefill batch 4, decode batch 64, engines at time scale 1 — and three
-gateways in front of it, one per policy. Ours: prefills reject when their slots are full and the
+gateways in front of it, one per policy. Ours: prefills reject when their slots are full, or when
+the prompt's first token (or that of a prompt in prefill) would miss its threshold, and the
 gateway tries the next, until the TTFT budget is spent. Baselines (P/D-Serve's "original
 version"): the gateway commits to one prefill (the next in turn, or the one whose last 100 ms
 queue report was smallest) and the prefill keeps a local queue.
@@ -32,12 +33,18 @@ an error before the first token is a miss. ``BENCH_SLO_MS`` / ``BENCH_SLO_PER_1K
 the two (``BENCH_SLO_PER_1K_MS=0``: one flat threshold for every prompt). Each run
 lasts RUN_SECONDS of wall time; requests started in its first WARMUP_SECONDS are not counted.
 
+Each run's misses are counted by cause (``<policy>_<k>a_misses_<cause>``): ``late`` (a first
+token past its threshold), ``http_503`` (no prefill accepted in time), ``ttft_timeout`` (the
+prefill's check failed).
+
 Writes ``bench/results/ttft-slo.json`` and prints the table.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import gc
 import json
 import os
 import random
@@ -122,7 +129,7 @@ async def user(
     index: int,
     stop: float,
     count_from: float,
-    out: list[tuple[float | None, float, int]],
+    out: list[tuple[float | None, float, int, str]],
 ) -> None:
     """One closed-loop user: its own seeded request sequence, a new request when one ends."""
     rng = random.Random(1000 + index)
@@ -136,6 +143,7 @@ async def user(
         }
         started = time.monotonic()
         ttft = None
+        outcome = "ok"
         try:
             async with session.post(url, json=body) as response:
                 if response.status == 200:
@@ -143,22 +151,28 @@ async def user(
                         # the first chunk carrying text (an error chunk has no "id")
                         if ttft is None and line.startswith(b'data: {"id"') and b'"text"' in line:
                             ttft = (time.monotonic() - started) * SCALE
+                        elif ttft is None and line.startswith(b'data: {"error"'):
+                            outcome = json.loads(line[6:])["error"].get("code") or "error"
                 else:
+                    outcome = f"http_{response.status}"
                     await response.read()
         except aiohttp.ClientError:
-            ttft = None
+            outcome = "client_error"
         if started >= count_from:
-            out.append((ttft, (time.monotonic() - started) * SCALE, tokens))
+            out.append((ttft, (time.monotonic() - started) * SCALE, tokens, outcome))
         if ttft is None:
             # A miss answers fast (503 after the budget, or an error): keep the closed loop
             # from spinning on a saturated group.
             await asyncio.sleep(0.05)
 
 
-async def run(url: str, users: int) -> list[tuple[float | None, float, int]]:
-    """(TTFT or None for a miss, response time, prompt tokens) of each counted request, emulated
-    seconds."""
-    out: list[tuple[float | None, float, int]] = []
+async def run(url: str, users: int) -> list[tuple[float | None, float, int, str]]:
+    """(TTFT or None for a miss, response time, prompt tokens, how a request without a first
+    token ended) of each counted request, emulated seconds."""
+    out: list[tuple[float | None, float, int, str]] = []
+    # no collector pauses in the load generator while it times first tokens
+    gc.collect()
+    gc.disable()
     begin = time.monotonic()
     async with aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120)
@@ -169,6 +183,7 @@ async def run(url: str, users: int) -> list[tuple[float | None, float, int]]:
                 for i in range(users)
             )
         )
+    gc.enable()
     return out
 
 
@@ -198,6 +213,7 @@ def main() -> int:
     started: list[str] = []
     table: dict[str, dict[int, tuple[float, int, float]]] = {p: {} for p in POLICIES}
     shares: dict[str, dict[int, dict[str, float]]] = {p: {} for p in POLICIES}
+    misses: dict[str, dict[int, dict[str, int]]] = {p: {} for p in POLICIES}
     try:
         with config.new_client_from_config(config_file=info.kubeconfig) as api:
             install_crds(api)
@@ -239,7 +255,7 @@ def main() -> int:
             asyncio.run(run_short(url))
         # The unloaded response time, measured: one user, through our gateway.
         alone = asyncio.run(run(urls[POLICIES[0]], 1))
-        model["r1_s"] = statistics.fmean(r for _, r, _ in alone)
+        model["r1_s"] = statistics.fmean(r for _, r, _, _ in alone)
         model["capacity_users"] = model["capacity_rps"] * model["r1_s"]
         a = max(1, round(model["capacity_users"] / 4))
         for k in LEVELS:
@@ -247,8 +263,16 @@ def main() -> int:
                 results = asyncio.run(run(urls[policy], k * a))
                 met = [
                     (n, t is not None and t <= ttft_threshold_ms(SLO_MS, per_1k, n) / 1000)
-                    for t, _, n in results
+                    for t, _, n, _ in results
                 ]
+                # why the misses missed: late (a first token past the threshold), or no first
+                # token (the gateway's 503, the prefill's ttft_timeout, ...)
+                why = collections.Counter(
+                    "late" if t is not None else outcome
+                    for (t, _, _, outcome), (_, hit) in zip(results, met, strict=True)
+                    if not hit
+                )
+                misses[policy][k] = dict(why)
                 ok = sum(1 for _, hit in met if hit)
                 by_length = {
                     kind: 100.0
@@ -257,7 +281,7 @@ def main() -> int:
                     for kind, is_long in (("short", False), ("long", True))
                 }
                 shares[policy][k] = by_length
-                done = [t for t, _, _ in results if t is not None]
+                done = [t for t, _, _, _ in results if t is not None]
                 p99 = sorted(done)[int(0.99 * (len(done) - 1))] if done else float("nan")
                 table[policy][k] = (100.0 * ok / max(1, len(results)), len(results), p99)
                 tries = attempts(urls[policy])
@@ -265,7 +289,7 @@ def main() -> int:
                     f"  {k}A ({k * a} users) {policy:13} {table[policy][k][0]:6.1f} % of "
                     f"{len(results)} requests within their thresholds (short prompts "
                     f"{by_length['short']:.1f} %, long {by_length['long']:.1f} %; TTFT p99 "
-                    f"{p99 * 1000:.0f} ms); "
+                    f"{p99 * 1000:.0f} ms); misses {dict(why)}; "
                     f"prefill tries so far {tries}",
                     flush=True,
                 )
@@ -298,6 +322,8 @@ def main() -> int:
             results_json[f"{key}_{k}a_ttft_p99_ms"] = round(p99 * 1000, 1)
             for kind, pct_kind in shares[policy][k].items():
                 results_json[f"{key}_{k}a_{kind}_prompts_attainment_pct"] = round(pct_kind, 2)
+            for reason, count in sorted(misses[policy][k].items()):
+                results_json[f"{key}_{k}a_misses_{reason}"] = count
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results_json, indent=2) + "\n")
     print(

@@ -9,6 +9,7 @@ configuration.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -50,6 +51,10 @@ async def serve(argv: list[str] | None = None) -> int:
         config.port,
         config.time_scale,
     )
+    # The start-up heap out of the collector's reach: full collections over it are pauses of
+    # tens of ms in which no stream moves, and at time scale 1 they are emulated time too.
+    gc.collect()
+    gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -139,6 +139,50 @@ def test_prefill_rejects_instead_of_queueing(start_engine: Any, stream: Any) -> 
     assert "admission" in bad[0]["error"]["message"]
 
 
+def test_prefill_refuses_a_prompt_that_would_miss_a_ttft_budget(
+    start_engine: Any, stream: Any
+) -> None:
+    """Admission checks budgets beside the prompts already in prefill (processor sharing): a
+    prompt is refused (429, a free slot notwithstanding) if its own first token, or that of a
+    prompt in prefill, would then be late; one that fits is accepted."""
+    engine = start_engine(
+        "pd", "--role", "colocated", *LLAMA, "--max-batch", "4", "--time-scale", "1",
+        "--load-source", "NPUForkUB",
+    )  # fmt: skip
+    shape = timing.InstanceShape(dies=2, tp=2)
+    alone = timing.prefill_seconds(LLAMA3_8B, shape, 32000)
+    url = f"{engine.url}/v1/generate"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        # 0.4 s of slack alone; a 16k-token prompt beside it (~0.6 s of work) would eat it all
+        first = {"requestId": "long", "promptTokens": 32000, "maxTokens": 1}
+        busy = pool.submit(stream, url, {**first, "ttftBudget": alone + 0.4})
+        _wait_slots_used(engine.url, 1)
+        pushes, pushed = stream(
+            url, {"requestId": "big", "promptTokens": 16000, "maxTokens": 1, "ttftBudget": 10}
+        )
+        own, own_body = stream(  # 0.25 s alone, twice that beside the long one
+            url, {"requestId": "own", "promptTokens": 8000, "maxTokens": 1, "ttftBudget": 0.4}
+        )
+        fits, fitted = stream(  # 0.11 s of work: the long one keeps most of its slack
+            url, {"requestId": "fits", "promptTokens": 4000, "maxTokens": 1, "ttftBudget": 10}
+        )
+        long_status, long_events = busy.result()
+    assert pushes == 429, pushed
+    assert own == 429, own_body
+    for body in (pushed, own_body):
+        assert body[0]["error"]["code"] == "rejected"
+        assert "would miss" in body[0]["error"]["message"]
+    assert fits == 200, fitted
+    assert fitted[-1]["type"] == "done", fitted
+    assert long_status == 200, long_events
+    assert long_events[-1]["type"] == "done", long_events
+    assert long_events[-1]["timings"]["ttft"] <= alone + 0.4, (
+        "the prompt in prefill kept its budget"
+    )
+    refused = 'matrixserve_engine_requests_total{outcome="rejected_deadline",stage="prefill"}'
+    assert metric(engine.url, refused) == 2
+
+
 def _behind_a_long_prompt(url: str, stream: Any, body: dict[str, Any]) -> tuple[int, Any, float]:
     """``body``'s answer from a one-slot engine whose slot a 32k-token prompt holds, and how long
     it took (wall s)."""

@@ -252,3 +252,46 @@ async def test_a_new_jobs_share_is_max_min_fair_beside_the_running_ones() -> Non
         # (asyncio.wait_for in Python 3.11 swallowed that cancellation and the job ran on).
         await asyncio.wait_for(asyncio.gather(*running, return_exceptions=True), 5)
     assert link.active == 0
+
+
+def test_finish_times_under_equal_shares() -> None:
+    from enginestub.engine.sharing import _finish_times
+
+    # 1, 2 and 3 units on capacity 1: the 1 ends after 3 (a third each), the 2 after 5, the 3 at 6
+    assert _finish_times(10.0, 1.0, [3.0, 1.0, 2.0]) == [16.0, 13.0, 15.0]
+    assert _finish_times(0.0, 2.0, [4.0]) == [2.0]
+    assert _finish_times(0.0, 1.0, []) == []
+
+
+async def test_admission_protects_the_new_jobs_deadline_and_the_running_ones() -> None:
+    import asyncio
+
+    from enginestub.engine.clock import Clock
+    from enginestub.engine.sharing import SharedResource
+
+    compute = SharedResource(Clock(1e-9), 1.0)  # emulated time all but stands still at ~0
+    assert compute.admits(1.0, deadline=1.01)
+    assert not compute.admits(1.0, deadline=0.99)
+    # 1.0 due by 1.0 but ending at 2.0 beside 3.0 due by 10: late anyway, so not protected
+    running = [
+        asyncio.create_task(compute.consume(1.0, deadline=1.0)),
+        asyncio.create_task(compute.consume(3.0, deadline=10.0)),
+    ]
+    await asyncio.sleep(0)
+    try:
+        assert compute.active == 2
+        assert not compute.admits(0.1, deadline=0.29), "its own end: 0.3 beside two others"
+        assert compute.admits(0.1, deadline=0.31)
+    finally:
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+    # 1.0 due by 1.5: 0.2 more pushes its end to 1.2 (kept), 0.6 to 1.6 (refused)
+    first = asyncio.create_task(compute.consume(1.0, deadline=1.5))
+    await asyncio.sleep(0)
+    try:
+        assert compute.admits(0.2, deadline=10.0)
+        assert not compute.admits(0.6, deadline=10.0)
+    finally:
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)

@@ -71,6 +71,7 @@ class GenerateRequest:
     ttft_budget: float | None = None  # emulated seconds the caller still allows for the first token
     queued: bool = False  # admitted into the local queue (admission "queue"): no slot yet
     admission: str | None = None  # "reject" or "queue" for this request; None: the engine's own
+    deadline: float | None = None  # emulated time the first token is due by (set on admission)
 
     @classmethod
     def parse(cls, body: Any, max_prompt: int, max_output: int) -> GenerateRequest:
@@ -389,6 +390,8 @@ class Engine:
             raise EngineError(
                 413, "prompt_too_long", "the prompt's KV cache does not fit this instance's HBM"
             )
+        if req.ttft_budget is not None:
+            req.deadline = self.clock.now() + req.ttft_budget
         if (req.admission or self.config.admission) == "queue":  # the baseline: a local queue
             req.queued = True
             self.prefill_queue += 1
@@ -400,6 +403,22 @@ class Engine:
                 429,
                 "rejected",
                 f"prefill busy: {self.prefill_slots}/{self.config.max_batch} slots in use",
+            )
+        if req.deadline is not None and not self.compute.admits(
+            self._prefill_work(req), req.deadline
+        ):
+            # Early intervention (P/D-Serve §2.2.2) at admission: a prompt that cannot get its
+            # first token within its budget beside the prompts in prefill (processor sharing,
+            # nothing else arriving), or that would make one of them miss its own, is refused
+            # now, while the gateway can still try another prefill, instead of failing the
+            # check after prefill.
+            self.metrics.requests.labels(stage="prefill", outcome="rejected_deadline").inc()
+            raise EngineError(
+                429,
+                "rejected",
+                f"prefill busy: beside the {self.compute.active} prompt(s) in prefill the first "
+                f"token would miss its {req.ttft_budget:.3f}s budget, or make one of them miss "
+                "its own",
             )
         if not self._reserve_kv(req.prompt_tokens):
             self.metrics.requests.labels(stage="prefill", outcome="rejected").inc()
@@ -430,12 +449,15 @@ class Engine:
         req.queued = False
         self.metrics.prefill_slots.set(self.prefill_slots)
 
-    async def _run_prefill(self, req: GenerateRequest) -> float:
-        work = (
+    def _prefill_work(self, req: GenerateRequest) -> float:
+        """The prompt's prefill alone on this instance (emulated seconds of its compute)."""
+        return (
             timing.prefill_seconds(self.config.model, self.shape, req.prompt_tokens)
             * self.slow_factor
         )
-        return await self.compute.consume(work)
+
+    async def _run_prefill(self, req: GenerateRequest) -> float:
+        return await self.compute.consume(self._prefill_work(req), deadline=req.deadline)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
         """A request accepted by :meth:`admit_prefill`: prefill, then decode (here or remote)."""

@@ -15,7 +15,8 @@ class EngineMetrics:
         r = self.registry
         self.requests = Counter(
             "matrixserve_engine_requests",
-            "Requests by stage (prefill, decode) and outcome (accepted, rejected, timeout, failed)",
+            "Requests by stage (prefill, decode) and outcome (accepted, queued, rejected,"
+            " rejected_deadline, timeout, failed)",
             ["stage", "outcome"],
             registry=r,
         )

@@ -14,8 +14,28 @@ from enginestub.engine.clock import Clock
 
 @dataclass(eq=False)
 class _Job:
-    remaining: float
+    remaining: float  # as of ``since``; it goes down at ``rate`` from then
     cap: float
+    deadline: float | None = None  # emulated time it should end by, if it has one
+    rate: float = 0.0
+    since: float = 0.0
+
+    def left(self, now: float) -> float:
+        return max(0.0, self.remaining - (now - self.since) * self.rate)
+
+
+def _finish_times(now: float, capacity: float, lefts: list[float]) -> list[float]:
+    """When each of the jobs with these remaining amounts ends under equal shares of
+    ``capacity``, if no other job arrives (uncapped jobs): in order of what is left, each ending
+    job hands its share to the rest."""
+    order = sorted(range(len(lefts)), key=lambda i: lefts[i])
+    ends = [0.0] * len(lefts)
+    t, done = now, 0.0
+    for rank, i in enumerate(order):
+        t += (lefts[i] - done) * (len(lefts) - rank) / capacity
+        done = lefts[i]
+        ends[i] = t
+    return ends
 
 
 class SharedResource:
@@ -58,27 +78,46 @@ class SharedResource:
         finally:
             self._jobs.remove(probe)
 
+    def admits(self, amount: float, deadline: float) -> bool:
+        """Whether a new job of ``amount`` would end by ``deadline`` and every running job with a
+        deadline that it would meet alone still meets it beside the new one, if nothing else
+        arrives. For uncapped jobs (prefill compute); a job that misses anyway does not count."""
+        now = self.clock.now()
+        lefts = [job.left(now) for job in self._jobs]
+        before = _finish_times(now, self.capacity, lefts)
+        after = _finish_times(now, self.capacity, [*lefts, amount])
+        if after[-1] > deadline:
+            return False
+        return not any(
+            job.deadline is not None and before[i] <= job.deadline < after[i]
+            for i, job in enumerate(self._jobs)
+        )
+
     def _notify(self) -> None:
         old, self._changed = self._changed, asyncio.Event()
         old.set()
 
-    async def consume(self, amount: float, cap: float = float("inf")) -> float:
-        """Use ``amount`` units; returns the emulated seconds it took."""
+    async def consume(
+        self, amount: float, cap: float = float("inf"), deadline: float | None = None
+    ) -> float:
+        """Use ``amount`` units; returns the emulated seconds it took. ``deadline`` (emulated
+        time) is what :meth:`admits` protects for this job."""
         started = self.clock.now()
         if amount <= 0:
             return 0.0
-        job = _Job(amount, cap)
+        job = _Job(amount, cap, deadline)
         self._jobs.append(job)
         self._notify()
         try:
             while job.remaining > 1e-12 * amount:
                 rate = self._rates()[job]
                 changed = self._changed
-                begin = self.clock.now()
+                job.rate, job.since = rate, self.clock.now()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self.clock.to_wall(job.remaining / rate)):
                         await changed.wait()
-                job.remaining -= (self.clock.now() - begin) * rate
+                job.remaining -= (self.clock.now() - job.since) * rate
+                job.rate = 0.0
         finally:
             self._jobs.remove(job)
             self._notify()

@@ -1,0 +1,123 @@
+"""A null engine for the gateway-overhead benchmark: the engine's wire protocol at almost no cost.
+
+It speaks what the gateway uses of an engine stub's ``POST /v1/generate`` (SSE ``data:`` events
+of type ``token`` then ``done``, with the engine's field names, chunked HTTP/1.1, keep-alive) and
+answers ``GET /readyz``, nothing else. The stream's events are the engine's: the gateway parses
+and relays the same bytes. Each token is written on its own, ``gap`` wall seconds after the one
+before, so the gateway reads every token separately as it does in production, where tokens are a
+TPOT (tens of ms) apart; nothing is coalesced for it.
+
+Why not the engine stub: this 2-core VM gives the gateway one core and everything else the other.
+The engine stub (aiohttp, continuous batching, timing model) spends more of that core per stream
+than the gateway spends of its own, so upstream queueing, not the gateway, made the tails of a
+TTFT comparison, and the gateway could not be driven to its own limit. Here the first token is
+written as soon as the request is read: the direct TTFT is the network path alone, and the
+gateway's is that plus the gateway.
+
+Run: ``python bench/null_engine.py HOST[,HOST...] PORT [GAP_MS]`` (prints ``ready`` when
+listening).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from typing import Any
+
+_WORDS = ["the ", "model ", "serves ", "tokens ", "on ", "emulated ", "dies ", "of ", "a "]
+_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n"
+)
+
+
+def _chunk(event: dict[str, Any]) -> bytes:
+    data = b"data: " + json.dumps(event).encode() + b"\n\n"
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _plain(status: bytes, body: bytes) -> bytes:
+    return b"HTTP/1.1 %s\r\nContent-Length: %d\r\n\r\n%s" % (status, len(body), body)
+
+
+class NullEngine(asyncio.Protocol):
+    def __init__(self, gap: float) -> None:
+        self.gap = gap
+        self.buffer = b""
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
+            head = self.buffer[:end].decode("latin-1")
+            length = 0
+            for line in head.split("\r\n")[1:]:
+                name, _, value = line.partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value)
+            if len(self.buffer) < end + 4 + length:
+                return
+            body = self.buffer[end + 4 : end + 4 + length]
+            self.buffer = self.buffer[end + 4 + length :]
+            self.answer(head.split(" ", 2)[:2], body)
+
+    def answer(self, method_path: list[str], body: bytes) -> None:
+        assert self.transport is not None
+        if method_path == ["GET", "/readyz"]:
+            self.transport.write(_plain(b"200 OK", b"{}"))
+            return
+        if method_path != ["POST", "/v1/generate"]:
+            self.transport.write(_plain(b"404 Not Found", b'{"error": {"code": "not_found"}}'))
+            return
+        request = json.loads(body)
+        tokens = int(request["maxTokens"])
+        prompt_tokens = max(1, len(request["prompt"]) // 4)
+        self.transport.write(_HEAD)
+        self.token(0, tokens, prompt_tokens)
+
+    def token(self, index: int, tokens: int, prompt_tokens: int) -> None:
+        if self.transport is None:  # the client went away
+            return
+        if index < tokens:
+            text = _WORDS[index % len(_WORDS)]
+            self.transport.write(
+                _chunk({"type": "token", "index": index, "text": text, "t": index * 0.03})
+            )
+            asyncio.get_running_loop().call_later(
+                self.gap, self.token, index + 1, tokens, prompt_tokens
+            )
+            return
+        done = {
+            "type": "done",
+            "usage": {"promptTokens": prompt_tokens, "completionTokens": tokens},
+            "timings": {
+                "ttft": 0.0,
+                "prefill": 0.0,
+                "kvTransfer": 0.0,
+                "tpotMean": 0.03,
+                "e2e": 0.5,
+            },
+            "instances": {"prefill": "null", "decode": "null"},
+        }
+        self.transport.write(_chunk(done) + b"0\r\n\r\n")
+
+
+async def serve(hosts: list[str], port: int, gap: float) -> None:
+    loop = asyncio.get_running_loop()
+    servers = [await loop.create_server(lambda: NullEngine(gap), h, port) for h in hosts]
+    print("ready", flush=True)
+    await asyncio.gather(*(s.serve_forever() for s in servers))
+
+
+if __name__ == "__main__":
+    hosts, port = sys.argv[1].split(","), int(sys.argv[2])
+    gap_ms = float(sys.argv[3]) if len(sys.argv) > 3 else 0.2
+    asyncio.run(serve(hosts, port, gap_ms / 1000))
