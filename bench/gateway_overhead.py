@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import gc
 import json
 import os
 import subprocess
@@ -45,6 +44,7 @@ from urllib.parse import urlsplit
 import yaml
 from common import (
     REPO,
+    collector_paused,
     cpu_seconds,
     gateway_command,
     install_crds,
@@ -185,10 +185,6 @@ async def open_loop(
     ``warmup`` seconds at the same rate is not counted (connection pools fill then). Last, the
     gateway's writes per stream."""
     lean = LeanClient()
-    # The load generator keeps every task until the end: no cyclic GC passes over that growing
-    # heap in the middle of the measured run (its pauses delayed both sides' reads).
-    gc.collect()
-    gc.disable()
     via: list[asyncio.Task[float]] = []
     pairs: list[tuple[asyncio.Task[float], asyncio.Task[float]]] = []
     every_task: list[asyncio.Task[float]] = []
@@ -210,7 +206,6 @@ async def open_loop(
                     pairs.append((task, side))
         await asyncio.gather(*every_task)
     finally:
-        gc.enable()
         await lean.close()
     return (
         [t.result() for t in via],
@@ -242,9 +237,11 @@ def at_rate(
 ) -> dict[str, float]:
     """The open loop at ``rate``: TTFT through the gateway, direct, and added (paired)."""
     cpu, t = cpu_seconds(gateway_pid), time.monotonic()
-    via, straight, paired, writes = asyncio.run(
-        open_loop(url, BODY, rate, OPEN_LOOP_SECONDS, direct, direct_body)
-    )
+    # the load generator keeps every task until the end: no collections over that growing heap
+    with collector_paused():
+        via, straight, paired, writes = asyncio.run(
+            open_loop(url, BODY, rate, OPEN_LOOP_SECONDS, direct, direct_body)
+        )
     busy = (cpu_seconds(gateway_pid) - cpu) / (time.monotonic() - t)
     figures = {"rps": round(rate, 1), "gateway_core_busy": round(busy, 3)}
     figures["gateway_writes_per_stream"] = round(writes, 2)

@@ -25,7 +25,9 @@ import json
 import sys
 from typing import Any
 
-_WORDS = ["the ", "model ", "serves ", "tokens ", "on ", "emulated ", "dies ", "of ", "a "]
+from enginestub.engine.core import synthetic_token
+from enginestub.models import count_tokens
+
 _HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
     b"Transfer-Encoding: chunked\r\n\r\n"
@@ -78,21 +80,21 @@ class NullEngine(asyncio.Protocol):
             self.transport.write(_plain(b"404 Not Found", b'{"error": {"code": "not_found"}}'))
             return
         request = json.loads(body)
-        tokens = int(request["maxTokens"])
-        prompt_tokens = max(1, len(request["prompt"]) // 4)
         self.transport.write(_HEAD)
-        self.token(0, tokens, prompt_tokens)
+        self.token(
+            request["requestId"], 0, int(request["maxTokens"]), count_tokens(request["prompt"])
+        )
 
-    def token(self, index: int, tokens: int, prompt_tokens: int) -> None:
+    def token(self, request_id: str, index: int, tokens: int, prompt_tokens: int) -> None:
         if self.transport is None:  # the client went away
             return
         if index < tokens:
-            text = _WORDS[index % len(_WORDS)]
+            text = synthetic_token(request_id, index)
             self.transport.write(
                 _chunk({"type": "token", "index": index, "text": text, "t": index * 0.03})
             )
             asyncio.get_running_loop().call_later(
-                self.gap, self.token, index + 1, tokens, prompt_tokens
+                self.gap, self.token, request_id, index + 1, tokens, prompt_tokens
             )
             return
         done = {

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import gc
 import json
 import os
 import random
@@ -58,7 +57,7 @@ from typing import Any
 import aiohttp
 import httpx
 import yaml
-from common import REPO, gateway_command, install_crds, make_namespace, wait_http
+from common import REPO, collector_paused, gateway_command, install_crds, make_namespace, wait_http
 from kubernetes import client, config
 
 from enginestub import calibration as cal
@@ -170,20 +169,17 @@ async def run(url: str, users: int) -> list[tuple[float | None, float, int, str]
     """(TTFT or None for a miss, response time, prompt tokens, how a request without a first
     token ended) of each counted request, emulated seconds."""
     out: list[tuple[float | None, float, int, str]] = []
-    # no collector pauses in the load generator while it times first tokens
-    gc.collect()
-    gc.disable()
     begin = time.monotonic()
-    async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120)
-    ) as session:
-        await asyncio.gather(
-            *(
-                user(session, url, i, begin + RUN_SECONDS, begin + WARMUP_SECONDS, out)
-                for i in range(users)
+    with collector_paused():
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120)
+        ) as session:
+            await asyncio.gather(
+                *(
+                    user(session, url, i, begin + RUN_SECONDS, begin + WARMUP_SECONDS, out)
+                    for i in range(users)
+                )
             )
-        )
-    gc.enable()
     return out
 
 

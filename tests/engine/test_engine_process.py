@@ -200,6 +200,16 @@ def _behind_a_long_prompt(url: str, stream: Any, body: dict[str, Any]) -> tuple[
     return status, events, took
 
 
+def _streams(
+    pool: concurrent.futures.Executor, stream: Any, url: str, prefix: str, n: int, **body: Any
+) -> list[concurrent.futures.Future[Any]]:
+    """``n`` generate streams under way in ``pool``, request ids ``<prefix><i>``."""
+    return [
+        pool.submit(stream, f"{url}/v1/generate", {"requestId": f"{prefix}{i}", **body}, 120)
+        for i in range(n)
+    ]
+
+
 def _health(url: str) -> dict[str, Any]:
     return dict(httpx.get(f"{url}/v1/info", trust_env=False).json()["health"])
 
@@ -490,15 +500,7 @@ def test_link_probe_tells_a_working_link_from_a_saturated_and_a_broken_one(
     assert healthy["seconds"] >= healthy["aloneSeconds"]
     # Two KV pulls from this prefill into this decode under way: the probe's share is a third.
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        pulls = [
-            pool.submit(
-                stream,
-                f"{prefill.url}/v1/generate",
-                {"requestId": f"busy{i}", "promptTokens": 2048, "maxTokens": 2},
-                120,
-            )
-            for i in range(2)
-        ]
+        pulls = _streams(pool, stream, prefill.url, "busy", 2, promptTokens=2048, maxTokens=2)
         deadline = time.monotonic() + 60
         while _health(prefill.url)["kvEgressFlows"] < 2:
             assert time.monotonic() < deadline, "the two KV pulls never ran together"
@@ -531,15 +533,10 @@ def test_a_prefill_slot_frees_once_the_decode_has_pulled_the_kv(
     while the decode generates: long generations must not starve the prefill."""
     prefill, decode = _pd_pair(start_engine, "UB", "slot", scale="5")
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        long_streams = [
-            pool.submit(
-                stream,
-                f"{prefill.url}/v1/generate",
-                {"requestId": f"long{i}", "promptTokens": 64, "maxTokens": 200},
-                120,
-            )
-            for i in range(4)  # the prefill's batch is 4
-        ]
+        # the prefill's batch is 4
+        long_streams = _streams(
+            pool, stream, prefill.url, "long", 4, promptTokens=64, maxTokens=200
+        )
 
         # all four decoding (so admitted and pulled), then their slots must be free
         deadline = time.monotonic() + 10
