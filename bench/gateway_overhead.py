@@ -4,9 +4,11 @@ The gateway runs alone on core 0 (pinned), and forwards 16-token streamed comple
 two entrances of a PDGroup's scenario, discovered as in production (the group from Kubernetes,
 its entrances from ZooKeeper). Everything else shares core 1: the dev cluster, this load
 generator and the upstream, a **null engine** (``bench/null_engine.py``) that speaks the engine
-stub's stream protocol byte for byte at a fraction of its CPU cost, each token a separate write
-0.2 ms after the one before, so the gateway relays every token on its own as in production
-(tokens a TPOT apart). With the engine stub upstream, core 1 saturated first and neither
+stub's stream protocol byte for byte at a fraction of its CPU cost: the first token as soon as
+the request is read, the rest from a decode loop stepping every 0.2 ms that, like the stub's
+(continuous batching), writes the next token of every running stream, each a separate write on
+its stream's connection, so the gateway relays every token on its own as in production (tokens
+a TPOT apart). With the engine stub upstream, core 1 saturated first and neither
 measurement was the gateway's: the rate was the upstream's and the tails were its queueing.
 
 1. **Most requests/s**: 64 closed-loop clients for 10 s; the gateway's core is ~100 % busy, so
@@ -64,8 +66,8 @@ CLOSED_LOOP_SECONDS = 10
 # The group's TTFT threshold: far above any delay here, so no request is refused for time.
 SLO_MS = 1000
 PREFILL_SLOTS = 512
-# The null engine writes each token this long (wall) after the one before: every token reaches
-# the gateway as a read of its own, as in production where tokens are a TPOT apart.
+# The null engine's decode step (wall): every token reaches the gateway as a read of its own, as
+# in production where tokens are a TPOT apart.
 TOKEN_GAP_MS = 0.2
 CLIENTS = 64
 STREAM_TOKENS = 16

@@ -3,9 +3,11 @@
 It speaks what the gateway uses of an engine stub's ``POST /v1/generate`` (SSE ``data:`` events
 of type ``token`` then ``done``, with the engine's field names, chunked HTTP/1.1, keep-alive) and
 answers ``GET /readyz``, nothing else. The stream's events are the engine's: the gateway parses
-and relays the same bytes. Each token is written on its own, ``gap`` wall seconds after the one
-before, so the gateway reads every token separately as it does in production, where tokens are a
-TPOT (tens of ms) apart; nothing is coalesced for it.
+and relays the same bytes. The first token is written as soon as the request is read (prefill
+costs nothing here); the rest come from a decode loop as in the engine stub (continuous
+batching: each step, ``gap`` wall seconds apart, emits one token for every running stream), each
+token its own write on its stream's connection, so the gateway reads every token separately as
+it does in production, where tokens are a TPOT (tens of ms) apart; nothing is coalesced for it.
 
 Why not the engine stub: this 2-core VM gives the gateway one core and everything else the other.
 The engine stub (aiohttp, continuous batching, timing model) spends more of that core per stream
@@ -43,9 +45,41 @@ def _plain(status: bytes, body: bytes) -> bytes:
     return b"HTTP/1.1 %s\r\nContent-Length: %d\r\n\r\n%s" % (status, len(body), body)
 
 
-class NullEngine(asyncio.Protocol):
+class _Stream:
+    __slots__ = ("index", "prompt_tokens", "protocol", "request_id", "tokens")
+
+    def __init__(self, protocol: NullEngine, request: dict[str, Any]) -> None:
+        self.protocol, self.request_id, self.index = protocol, request["requestId"], 0
+        self.tokens, self.prompt_tokens = int(request["maxTokens"]), count_tokens(request["prompt"])
+
+
+class Decode:
+    """The decode loop: every ``gap`` s, the next token of every running stream."""
+
     def __init__(self, gap: float) -> None:
         self.gap = gap
+        self.running: list[_Stream] = []
+        self.ticking = False
+
+    def join(self, stream: _Stream) -> None:
+        if not stream.protocol.token(stream):  # the first token: the prefill's
+            return
+        self.running.append(stream)
+        if not self.ticking:
+            self.ticking = True
+            asyncio.get_running_loop().call_later(self.gap, self.step)
+
+    def step(self) -> None:
+        self.running = [s for s in self.running if s.protocol.token(s)]
+        if self.running:
+            asyncio.get_running_loop().call_later(self.gap, self.step)
+        else:
+            self.ticking = False
+
+
+class NullEngine(asyncio.Protocol):
+    def __init__(self, decode: Decode) -> None:
+        self.decode = decode
         self.buffer = b""
         self.transport: asyncio.Transport | None = None
 
@@ -79,27 +113,23 @@ class NullEngine(asyncio.Protocol):
         if method_path != ["POST", "/v1/generate"]:
             self.transport.write(_plain(b"404 Not Found", b'{"error": {"code": "not_found"}}'))
             return
-        request = json.loads(body)
         self.transport.write(_HEAD)
-        self.token(
-            request["requestId"], 0, int(request["maxTokens"]), count_tokens(request["prompt"])
-        )
+        self.decode.join(_Stream(self, json.loads(body)))
 
-    def token(self, request_id: str, index: int, tokens: int, prompt_tokens: int) -> None:
+    def token(self, s: _Stream) -> bool:
+        """Write the stream's next token (and its end after the last): False once it ended."""
         if self.transport is None:  # the client went away
-            return
-        if index < tokens:
-            text = synthetic_token(request_id, index)
-            self.transport.write(
-                _chunk({"type": "token", "index": index, "text": text, "t": index * 0.03})
-            )
-            asyncio.get_running_loop().call_later(
-                self.gap, self.token, request_id, index + 1, tokens, prompt_tokens
-            )
-            return
+            return False
+        index = s.index
+        s.index += 1
+        text = synthetic_token(s.request_id, index)
+        event = {"type": "token", "index": index, "text": text, "t": index * 0.03}
+        if s.index < s.tokens:
+            self.transport.write(_chunk(event))
+            return True
         done = {
             "type": "done",
-            "usage": {"promptTokens": prompt_tokens, "completionTokens": tokens},
+            "usage": {"promptTokens": s.prompt_tokens, "completionTokens": s.tokens},
             "timings": {
                 "ttft": 0.0,
                 "prefill": 0.0,
@@ -109,12 +139,15 @@ class NullEngine(asyncio.Protocol):
             },
             "instances": {"prefill": "null", "decode": "null"},
         }
+        self.transport.write(_chunk(event))
         self.transport.write(_chunk(done) + b"0\r\n\r\n")
+        return False
 
 
 async def serve(hosts: list[str], port: int, gap: float) -> None:
     loop = asyncio.get_running_loop()
-    servers = [await loop.create_server(lambda: NullEngine(gap), h, port) for h in hosts]
+    decode = Decode(gap)  # one decode loop for the engine's hosts, as one engine's batch
+    servers = [await loop.create_server(lambda: NullEngine(decode), h, port) for h in hosts]
     print("ready", flush=True)
     await asyncio.gather(*(s.serve_forever() for s in servers))
 

@@ -48,12 +48,12 @@ from matrixserve.domain.forwarding import (
     ttft_threshold_ms,
 )
 from matrixserve.gateway.discovery import Discovery, GroupRoute
+from matrixserve.gateway.upstream import EnginePool, EngineStream, UpstreamError
 
 log = logging.getLogger("matrixserve.gateway")
 # When every entrance is busy, wait for a slot to be released (a stream's second token or its
 # end), at most this long (wall s: other gateways' requests release slots this one cannot see).
 RETRY_PAUSE_SECONDS = 0.02
-MAX_EVENT_BYTES = 1 << 20  # one SSE line from an engine; longer is a broken upstream
 _REFUSAL = {"rejected": "rejected", "timeout": "not answered in time", "unreachable": "unreachable"}
 
 
@@ -121,19 +121,18 @@ class Gateway:
         self.last_accepted: dict[str, str] = {}
         self.reported: dict[str, int] = {}
         self.turns = itertools.count()
-        self.session: aiohttp.ClientSession | None = None
+        self.engines: EnginePool | None = None  # the relay's connections (the hot path)
+        self.session: aiohttp.ClientSession | None = None  # the baseline's queue reports
         self._poller: asyncio.Task[None] | None = None
         self.keys: dict[str, str] = {}  # API key -> its name in the Secret (set by the key loader)
         self.buckets: dict[str, TokenBucket] = {}
 
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            # sock_read: an engine silent for a minute mid-stream is hung; end the stream (the
-            # client gets an error chunk) rather than hold its counters and slot for ever.
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=2, sock_read=60),
-        )
+        # read_timeout: an engine silent for a minute mid-stream is hung; end the stream (the
+        # client gets an error chunk) rather than hold its counters and slot for ever.
+        self.engines = EnginePool(connect_timeout=2, read_timeout=60)
         if self.config.policy is Policy.LEAST_LOADED:
+            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1))
             self._poller = asyncio.create_task(self._poll_reports())
 
     async def close(self) -> None:
@@ -141,6 +140,8 @@ class Gateway:
             self._poller.cancel()
         if self.session is not None:
             await self.session.close()
+        if self.engines is not None:
+            self.engines.close()
 
     async def _poll_reports(self) -> None:
         """The baseline's periodic queue reports: stale between polls by design."""
@@ -151,9 +152,7 @@ class Gateway:
             }
             for name, e in entrances.items():
                 try:
-                    async with self.session.get(
-                        f"http://{e.address}/v1/info", timeout=aiohttp.ClientTimeout(total=1)
-                    ) as r:
+                    async with self.session.get(f"http://{e.address}/v1/info") as r:
                         health = (await r.json())["health"]
                         self.reported[name] = health["prefillSlots"]["used"] + health.get(
                             "prefillQueue", 0
@@ -182,18 +181,18 @@ class Gateway:
 
     async def _try(
         self, entrance: Entrance, body: dict[str, Any], remaining: float
-    ) -> aiohttp.ClientResponse | str:
+    ) -> EngineStream | str:
         """One prefill's answer: its stream if it accepted, else why not (the metric's label).
         The answer is waited for at most the ``remaining`` budget (wall s): a prefill that
         neither accepts nor rejects in time (hung, overloaded) is passed over, never waited on
         past the budget."""
-        assert self.session is not None
+        assert self.engines is not None
         try:
             async with asyncio.timeout(remaining):
-                response = await self.session.post(
-                    f"http://{entrance.address}/v1/generate", json=body
+                response = await self.engines.post(
+                    entrance.address, "/v1/generate", json.dumps(body).encode()
                 )
-        except aiohttp.ClientError:  # before TimeoutError: a connect timeout is "unreachable"
+        except UpstreamError:  # a connect timeout too: "unreachable", not "timeout"
             answer = "unreachable"
         except TimeoutError:
             answer = "timeout"
@@ -208,7 +207,7 @@ class Gateway:
 
     async def forward(
         self, scenario: str, routes: list[GroupRoute], completion: Completion
-    ) -> tuple[Entrance, aiohttp.ClientResponse] | str:
+    ) -> tuple[Entrance, EngineStream] | str:
         """An accepting prefill and its stream, or why there is none."""
         slo = self._budget(routes, completion)  # emulated seconds, as the engines count time
         budget = slo / self.config.time_scale  # wall seconds, as this gateway waits
@@ -356,37 +355,12 @@ class Gateway:
             upstream.release()
             flight.end()
 
-    async def _events(self, upstream: aiohttp.ClientResponse) -> Any:
-        """The engine's SSE events, in batches of what had arrived together (one write to the
-        client per batch, not per token); a broken or silent upstream becomes a final error
-        event."""
-        partial = b""
-        try:
-            while data := await upstream.content.readany():
-                lines = (partial + data).split(b"\n")
-                partial = lines.pop()
-                if len(partial) > MAX_EVENT_BYTES:
-                    raise ValueError(f"an upstream event over {MAX_EVENT_BYTES} bytes")
-                batch = [
-                    json.loads(line[6:].decode()) for line in lines if line.startswith(b"data: ")
-                ]
-                if batch:
-                    yield batch
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: bad JSON
-            yield [
-                {
-                    "type": "error",
-                    "code": "upstream_failed",
-                    "message": f"the serving instance failed mid-stream ({type(exc).__name__})",
-                }
-            ]
-
     async def _relay_stream(
         self,
         request: web.Request,
         c: Completion,
         scenario: str,
-        upstream: aiohttp.ClientResponse,
+        upstream: EngineStream,
         flight: _Flight,
     ) -> web.StreamResponse:
         response = web.StreamResponse(
@@ -399,7 +373,8 @@ class Gateway:
         try:
             if c.chat:
                 await _send(response, _chunk(ident, created, c, {"role": "assistant"}, None))
-            async for batch in self._events(upstream):
+            # each batch is what arrived in one read: one write to the client per batch
+            while batch := await upstream.batch():
                 frames: list[bytes] = []
                 for event in batch:
                     if event["type"] == "token":
@@ -430,8 +405,8 @@ class Gateway:
                     ),
                 )
             await response.write(b"data: [DONE]\n\n")
-        except (ConnectionResetError, aiohttp.ClientError) as exc:
-            outcome = "client_gone" if isinstance(exc, ConnectionResetError) else "upstream_failed"
+        except ConnectionResetError:
+            outcome = "client_gone"
         self.metrics.requests.labels(scenario=scenario, outcome=outcome).inc()
         return response
 
@@ -439,13 +414,13 @@ class Gateway:
         self,
         c: Completion,
         scenario: str,
-        upstream: aiohttp.ClientResponse,
+        upstream: EngineStream,
         flight: _Flight,
     ) -> web.Response:
         text: list[str] = []
         done: dict[str, Any] | None = None
         error: dict[str, Any] | None = None
-        async for batch in self._events(upstream):
+        while batch := await upstream.batch():
             for event in batch:
                 if event["type"] == "token":
                     flight.token()

@@ -1,0 +1,303 @@
+"""The gateway's engine client (``matrixserve.gateway.upstream``) against real sockets on
+127.0.0.1: framing across arbitrary splits, keep-alive reuse, and every way an engine can fail
+(before answering, mid-stream, silent, malformed), each ending in an error, never a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from matrixserve.gateway.upstream import (
+    MAX_EVENT_BYTES,
+    MAX_PENDING_EVENTS,
+    EnginePool,
+    UpstreamError,
+)
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+_BIG = MAX_EVENT_BYTES + 10  # an event longer than an engine may send
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    data = b"data: " + json.dumps(event).encode() + b"\n\n"
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def stream_bytes(texts: list[str]) -> bytes:
+    events = [{"type": "token", "index": i, "text": t} for i, t in enumerate(texts)]
+    events.append({"type": "done", "usage": {"promptTokens": 1, "completionTokens": len(texts)}})
+    return STREAM_HEAD + b"".join(sse(e) for e in events) + b"0\r\n\r\n"
+
+
+async def read_request(reader: asyncio.StreamReader) -> dict[str, Any] | None:
+    """One request's JSON body, or None when the client closed the connection."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return None
+    length = next(
+        int(line.split(b":")[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length")
+    )
+    body: dict[str, Any] = json.loads(await reader.readexactly(length))
+    return body
+
+
+class Engine:
+    """A scripted engine: ``handler(reader, writer, connection_number)`` per connection."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler, self.connections, self.closed = handler, 0, 0
+        self.gone = asyncio.Event()  # a connection was closed by the client
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer, self.connections)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.closed += 1
+            writer.close()
+
+
+@asynccontextmanager
+async def engine(handler: Handler) -> AsyncIterator[tuple[Engine, str]]:
+    e = Engine(handler)
+    server = await asyncio.start_server(e._serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield e, f"127.0.0.1:{port}"
+    finally:
+        server.close()
+
+
+async def drain(stream: Any) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    while batch := await asyncio.wait_for(stream.batch(), 5):
+        events.extend(batch)
+    return events
+
+
+async def test_a_stream_split_at_every_byte_gives_the_same_events_and_the_connection_is_reused() -> (
+    None
+):
+    texts = ["a", 'q"uote', "\n", "ünï"]
+    answer = stream_bytes(texts)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        while await read_request(reader) is not None:
+            for i in range(len(answer)):  # one byte per write, each read on its own
+                writer.write(answer[i : i + 1])
+                await writer.drain()
+                await asyncio.sleep(0)
+
+    pool = EnginePool()
+    async with engine(handler) as (e, address):
+        for _ in range(2):
+            stream = await pool.post(address, "/v1/generate", b"{}")
+            assert stream.status == 200
+            events = await drain(stream)
+            assert [ev.get("text") for ev in events[:-1]] == texts
+            assert events[-1]["type"] == "done"
+            stream.release()
+            assert pool.idle_count(address) == 1
+        assert e.connections == 1, "the second request must reuse the kept-alive connection"
+    pool.close()
+
+
+async def test_a_handler_that_falls_behind_pauses_reading_and_loses_nothing() -> None:
+    texts = [f"t{i}" for i in range(4 * MAX_PENDING_EVENTS)]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(stream_bytes(texts))
+        await writer.drain()
+        await reader.read()
+
+    pool = EnginePool(read_timeout=0.3)
+    async with engine(handler) as (_, address):
+        stream = await pool.post(address, "/v1/generate", b"{}")
+        await asyncio.sleep(0.5)  # a slow client: nothing taken, longer than the read timeout
+        assert stream.transport is not None
+        assert not stream.transport.is_reading(), "reading must pause while events pile up"
+        events = await drain(stream)
+        assert [ev.get("text") for ev in events[:-1]] == texts
+        assert events[-1]["type"] == "done", "a paused read is not the engine's silence"
+        stream.release()
+    pool.close()
+
+
+async def test_a_refusal_is_read_whole_and_its_connection_pooled() -> None:
+    body = b'{"error": {"code": "rejected"}}'
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        while await read_request(reader) is not None:
+            writer.write(
+                b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: %d\r\n\r\n" % len(body)
+            )
+            await writer.drain()
+            await asyncio.sleep(0.01)  # the body in a later read than the head
+            writer.write(body)
+
+    pool = EnginePool()
+    async with engine(handler) as (e, address):
+        stream = await pool.post(address, "/v1/generate", b"{}")
+        assert stream.status == 429
+        assert await drain(stream) == [], "a refusal's body is not the stream's events"
+        stream.release()
+        again = await pool.post(address, "/v1/generate", b"{}")
+        assert again.status == 429
+        assert e.connections == 1
+        again.release()
+    pool.close()
+
+
+@pytest.mark.parametrize(
+    ("tail", "reason"),
+    [
+        (b"", "closed the connection"),  # cut mid-stream: the decode died
+        (b"12\r\ndata: {not json}\n\n\r\n", "Expecting property name"),
+        (b"zz\r\n", "bad chunk size"),
+        (b"%x\r\ndata: %s" % (_BIG + 6, b"x" * _BIG), "event over"),
+    ],
+    ids=["cut", "bad-json", "bad-chunk-size", "oversize-event"],
+)
+async def test_a_stream_broken_mid_way_ends_with_one_error_event(tail: bytes, reason: str) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(STREAM_HEAD + sse({"type": "token", "index": 0, "text": "a"}) + tail)
+        await writer.drain()
+        if tail:
+            await asyncio.sleep(5)  # keeps the connection: the client must not wait on it
+
+    pool = EnginePool()
+    async with engine(handler) as (_, address):
+        stream = await pool.post(address, "/v1/generate", b"{}")
+        events = await drain(stream)
+        assert [ev["type"] for ev in events] == ["token", "error"]
+        assert events[1]["code"] == "upstream_failed"
+        assert reason in events[1]["message"], events[1]["message"]
+        stream.release()
+        assert pool.idle_count(address) == 0, "a broken connection must never be pooled"
+    pool.close()
+
+
+async def test_a_silent_engine_ends_the_stream_after_the_read_timeout() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(STREAM_HEAD + sse({"type": "token", "index": 0, "text": "a"}))
+        await writer.drain()
+        await asyncio.sleep(0.25)
+        writer.write(sse({"type": "token", "index": 1, "text": "b"}))  # in time: resets the clock
+        await writer.drain()
+        await reader.read()  # silent until the gateway closes it
+
+    pool = EnginePool(read_timeout=0.4)
+    async with engine(handler) as (e, address):
+        stream = await pool.post(address, "/v1/generate", b"{}")
+        started = asyncio.get_running_loop().time()
+        events = await drain(stream)
+        took = asyncio.get_running_loop().time() - started
+        assert [ev["type"] for ev in events] == ["token", "token", "error"]
+        assert "no data for 0.4 s" in events[2]["message"]
+        assert 0.6 <= took < 2, f"ended after {took:.2f} s: 0.25 s + 0.4 s of silence expected"
+        stream.release()
+        await asyncio.wait_for(_closed(e, 1), 5)
+    pool.close()
+
+
+async def test_a_pooled_connection_closed_by_the_engine_is_retried_on_a_new_one() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        if n == 1:
+            writer.write(stream_bytes(["a"]))
+            await writer.drain()
+            await read_request(reader)  # the second request on this connection: dropped unread
+            return
+        writer.write(stream_bytes(["b"]))
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    pool = EnginePool()
+    async with engine(handler) as (e, address):
+        first = await pool.post(address, "/v1/generate", b"{}")
+        await drain(first)
+        first.release()
+        second = await pool.post(address, "/v1/generate", b"{}")
+        assert second.status == 200
+        assert not second.reused
+        assert [ev.get("text") for ev in await drain(second)][:1] == ["b"]
+        assert e.connections == 2
+        second.release()
+    pool.close()
+
+
+async def test_an_engine_that_closes_before_answering_or_is_not_there_is_an_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+
+    pool = EnginePool()
+    async with engine(handler) as (_, address):
+        with pytest.raises(UpstreamError, match="closed the connection"):
+            await pool.post(address, "/v1/generate", b"{}")
+    with pytest.raises(UpstreamError, match="cannot connect"):
+        await pool.post(address, "/v1/generate", b"{}")  # the server is gone: refused
+
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        await asyncio.sleep(5)
+
+    async with engine(garbage) as (_, address):
+        with pytest.raises(UpstreamError, match=r"not an HTTP/1\.x status line"):
+            await asyncio.wait_for(pool.post(address, "/v1/generate", b"{}"), 5)
+    pool.close()
+
+
+async def test_a_caller_giving_up_before_the_answer_drops_the_connection() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        await reader.read()  # until the gateway closes it
+
+    pool = EnginePool()
+    async with engine(handler) as (e, address):
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.1):
+                await pool.post(address, "/v1/generate", b"{}")
+        await asyncio.wait_for(_closed(e, 1), 5)
+        assert pool.idle_count(address) == 0
+
+
+async def test_releasing_a_stream_cut_short_closes_it_and_close_drops_streams_in_use() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(STREAM_HEAD + sse({"type": "token", "index": 0, "text": "a"}))
+        await writer.drain()
+        await reader.read()  # until the gateway closes it
+
+    pool = EnginePool()
+    async with engine(handler) as (e, address):
+        cut = await pool.post(address, "/v1/generate", b"{}")
+        assert (await cut.batch())[0]["text"] == "a"
+        cut.release()  # the client went away mid-stream: the engine must see it at once
+        await asyncio.wait_for(_closed(e, 1), 5)
+        assert pool.idle_count(address) == 0
+        in_use = await pool.post(address, "/v1/generate", b"{}")
+        await in_use.batch()
+        pool.close()  # the gateway shutting down leaves no connection behind
+        await asyncio.wait_for(_closed(e, 2), 5)
+
+
+async def _closed(e: Engine, n: int) -> None:
+    while e.closed < n:
+        await asyncio.sleep(0.01)
