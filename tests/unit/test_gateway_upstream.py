@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from matrixserve.gateway import upstream
 from matrixserve.gateway.upstream import (
     MAX_EVENT_BYTES,
     MAX_PENDING_EVENTS,
@@ -168,9 +169,20 @@ async def test_a_refusal_is_read_whole_and_its_connection_pooled() -> None:
         (b"", "closed the connection"),  # cut mid-stream: the decode died
         (b"12\r\ndata: {not json}\n\n\r\n", "Expecting property name"),
         (b"zz\r\n", "bad chunk size"),
+        (b"-5\r\n", "bad chunk size"),  # int(-5, 16) would loop the event loop for ever
+        (b"3\r\nabcx\r\n", "not ended by CRLF"),
+        (b"c\r\ndata: [1,2]\n\n\r\n", "not a JSON object with a type"),
         (b"%x\r\ndata: %s" % (_BIG + 6, b"x" * _BIG), "event over"),
     ],
-    ids=["cut", "bad-json", "bad-chunk-size", "oversize-event"],
+    ids=[
+        "cut",
+        "bad-json",
+        "bad-chunk-size",
+        "negative-chunk-size",
+        "chunk-overrun",
+        "not-an-object",
+        "oversize-event",
+    ],
 )
 async def test_a_stream_broken_mid_way_ends_with_one_error_event(tail: bytes, reason: str) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
@@ -301,3 +313,74 @@ async def test_releasing_a_stream_cut_short_closes_it_and_close_drops_streams_in
 async def _closed(e: Engine, n: int) -> None:
     while e.closed < n:
         await asyncio.sleep(0.01)
+
+
+async def test_a_stream_released_at_its_last_event_is_pooled_when_the_body_end_arrives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine writes its stream's end (the zero chunk) after the ``done`` event, often in a
+    read of its own; the gateway releases at ``done``. The connection waits for the end and is
+    pooled, or is dropped if the end never comes."""
+    monkeypatch.setattr(upstream, "LINGER_SECONDS", 0.3)
+    done = {"type": "done", "usage": {"promptTokens": 1, "completionTokens": 1}}
+
+    served = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        nonlocal served
+        while await read_request(reader) is not None:
+            served += 1
+            writer.write(STREAM_HEAD + sse({"type": "token", "index": 0, "text": "a"}) + sse(done))
+            await writer.drain()
+            if served == 3:  # the end never comes
+                await reader.read()
+                return
+            await asyncio.sleep(0.05)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    pool = EnginePool()
+    async with engine(handler) as (e, address):
+        for _ in range(2):
+            stream = await pool.post(address, "/v1/generate", b"{}")
+            events: list[dict[str, Any]] = []
+            while not events or events[-1]["type"] != "done":
+                events.extend(await asyncio.wait_for(stream.batch(), 5))
+            stream.release()  # as the gateway does: at the last event, the end not yet read
+            assert pool.idle_count(address) == 0, "pooled before the body's end was read"
+            await asyncio.sleep(0.15)
+            assert pool.idle_count(address) == 1, "the body's end came: the connection is reusable"
+        assert e.connections == 1
+        assert e.closed == 0, "the engine must not see a stream it finished as cut short"
+        last = await pool.post(address, "/v1/generate", b"{}")
+        assert [ev["type"] for ev in await asyncio.wait_for(last.batch(), 5)] == ["token", "done"]
+        last.release()
+        # the end never comes: dropped after the linger, not pooled
+        await asyncio.wait_for(_closed(e, 1), 5)
+        assert pool.idle_count(address) == 0
+    pool.close()
+
+
+async def test_closing_the_pool_ends_what_waits_on_it() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        if n == 1:
+            writer.write(STREAM_HEAD + sse({"type": "token", "index": 0, "text": "a"}))
+            await writer.drain()
+        await reader.read()  # no more, until the gateway closes it
+
+    pool = EnginePool()
+    async with engine(handler) as (_, address):
+        streaming = await pool.post(address, "/v1/generate", b"{}")
+        assert (await streaming.batch())[0]["text"] == "a"
+        waiting = asyncio.create_task(streaming.batch())
+        heading = asyncio.create_task(pool.post(address, "/v1/generate", b"{}"))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        assert not heading.done()
+        pool.close()
+        events = await asyncio.wait_for(waiting, 2)
+        assert events[0]["code"] == "upstream_failed"
+        with pytest.raises(UpstreamError, match="dropped the connection"):
+            await asyncio.wait_for(heading, 2)
+        assert await streaming.batch() == []

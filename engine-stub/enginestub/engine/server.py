@@ -21,6 +21,7 @@ Errors before a stream starts are JSON ``{"error": {"code", "message"}}`` with a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -63,7 +64,8 @@ async def _stream(
     except (ConnectionResetError, asyncio.CancelledError):
         await events.aclose()  # type: ignore[attr-defined]
         raise
-    await response.write_eof()
+    with contextlib.suppress(ConnectionResetError):  # the client left after the last event
+        await response.write_eof()
     return response
 
 

@@ -13,15 +13,17 @@ measures the difference: docs/gateway.md).
 It speaks what engines answer, nothing more: a status line and headers, then a body framed by
 ``Transfer-Encoding: chunked`` (streams) or ``Content-Length`` (refusals), or ended by the
 connection's close. Anything else (an oversize head or event, bad chunk framing, an event that
-is not JSON, a connection lost mid-body, a minute of silence) is a broken upstream: the stream's
-events end with one ``error`` event (``upstream_failed``), never a hang, and the connection is
-dropped, not pooled.
+is not a JSON object with a type, a connection lost mid-body, a minute of silence) is a broken
+upstream: the stream's events end with one ``error`` event (``upstream_failed``), never a hang,
+and the connection is dropped, not pooled. A stream released at its last event waits briefly
+for its body's end (the engine writes it separately) and is then pooled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 MAX_HEAD_BYTES = 64 * 1024  # an engine's status line and headers
@@ -30,6 +32,12 @@ MAX_CHUNK_LINE_BYTES = 1024  # a chunk-size line (hex size and extensions)
 # Events read but not yet taken by a handler (its client is slow): past this many the
 # connection stops reading, so a slow client holds the engine back instead of the gateway's memory.
 MAX_PENDING_EVENTS = 256
+# A stream released after its last event (``done`` or ``error``) whose body's end has not
+# arrived yet (the engine writes it separately) is kept this long (s) for that end, then pooled;
+# past it the connection is dropped.
+LINGER_SECONDS = 1.0
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")  # no sign, prefix or separator: int() takes those
+_LAST_EVENTS = ("done", "error")  # an engine's stream ends after one of these
 
 _IDLE, _HEAD, _SIZE, _DATA, _DATA_END, _TRAILER, _LENGTH, _UNTIL_CLOSE, _DONE = range(9)
 
@@ -63,6 +71,8 @@ class EngineStream(asyncio.Protocol):
         self._keep_alive = True
         self._paused = False  # reading paused: too many events wait for the handler
         self._received = False  # any byte of this request's answer
+        self._ended = False  # the stream's last event (or a refusal's head) has been read
+        self._lingering = False  # released before the body's end: pooled when it arrives
         self._events: list[dict[str, Any]] = []
         self._head: asyncio.Future[None] | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -88,7 +98,6 @@ class EngineStream(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._state in (_IDLE, _DONE):
             # bytes nobody asked for: this connection's framing is lost, never pool it
-            self._keep_alive = False
             self.abort()
             return
         self._received = True
@@ -102,6 +111,8 @@ class EngineStream(asyncio.Protocol):
         except (UpstreamError, ValueError) as exc:  # ValueError: an event that is not JSON
             self._fail(exc)
             return
+        if self._lingering:
+            return  # the handler is gone: only the body's end matters (pooled in _finish)
         if len(self._events) > MAX_PENDING_EVENTS and self.transport is not None:
             self.transport.pause_reading()
             self._paused = True
@@ -115,7 +126,11 @@ class EngineStream(asyncio.Protocol):
         assert self.transport is not None
         self._state, self._received, self.status = _HEAD, False, 0
         self._sse, self._keep_alive, self._events = False, True, []
-        self._buffer, self._partial, self._left, self._paused = b"", b"", 0, False
+        self._buffer, self._partial, self._left = b"", b"", 0
+        self._ended = self._lingering = False
+        if self._paused:
+            self._paused = False
+            self.transport.resume_reading()
         self._last = self.loop.time()
         self._head = self.loop.create_future()
         self._timer = self.loop.call_at(self._last + self.read_timeout, self._check_silence)
@@ -143,19 +158,37 @@ class EngineStream(asyncio.Protocol):
         return events
 
     def release(self) -> None:
-        """Back to the pool if the answer was read whole on a connection that stays open;
-        dropped otherwise (the engine sees a stream cut short as its client gone)."""
-        self._cancel_timer()
-        if self._state == _DONE and self._keep_alive and self.transport is not None:
-            self._state = _IDLE
-            self.pool.idle(self)
+        """Back to the pool if the answer was read whole on a connection that stays open, or
+        once its body's end arrives if only that is missing after the stream's last event (a
+        refusal's body, the end of a chunked stream); dropped otherwise (the engine sees a
+        stream cut short as its client gone)."""
+        if self._state == _DONE:
+            self._cancel_timer()
+            if self._keep_alive and self.transport is not None:
+                self._state = _IDLE
+                self.pool.idle(self)
+            else:
+                self.abort()
+        elif self._ended and self._keep_alive and self._state != _UNTIL_CLOSE:
+            self._lingering = True
+            self._events = []
+            if self._paused and self.transport is not None:
+                self._paused = False
+                self.transport.resume_reading()
+            self._cancel_timer()
+            self._timer = self.loop.call_later(LINGER_SECONDS, self.abort)
         else:
             self.abort()
 
     def abort(self) -> None:
+        """Drop the connection now; a caller waiting on it gets its failure (an error event,
+        or ``post()`` raises)."""
+        self._keep_alive = False
+        self.pool.forget(self)
+        if self._state not in (_IDLE, _DONE):
+            self._fail(UpstreamError("the gateway dropped the connection"))
         self._cancel_timer()
-        if self._state != _DONE:
-            self._state = _DONE
+        self._state = _DONE
         if self.transport is not None:
             self.transport.abort()
 
@@ -180,6 +213,7 @@ class EngineStream(asyncio.Protocol):
             headers[name.strip().lower()] = value.strip().lower()
         self._keep_alive = version == "HTTP/1.1" and headers.get("connection") != "close"
         self._sse = self.status == 200
+        self._ended = not self._sse  # a refusal's head is all its caller reads
         if "chunked" in headers.get("transfer-encoding", ""):
             self._state = _SIZE
         elif "content-length" in headers:
@@ -196,54 +230,63 @@ class EngineStream(asyncio.Protocol):
             head.set_result(None)
 
     def _read_body(self) -> None:
-        while self._buffer:
-            state = self._state
-            if state in (_DATA, _LENGTH, _UNTIL_CLOSE):
-                if state == _UNTIL_CLOSE:
-                    data, self._buffer = self._buffer, b""
-                else:
-                    data = self._buffer[: self._left]
-                    self._buffer = self._buffer[self._left :]
-                    self._left -= len(data)
-                if self._sse:
-                    self._parse_events(data)
-                if self._left == 0 and state == _DATA:
-                    self._state = _DATA_END
-                elif self._left == 0 and state == _LENGTH:
-                    self._finish()
-            elif state in (_SIZE, _DATA_END, _TRAILER):
-                end = self._buffer.find(b"\r\n")
-                if end < 0:
-                    if len(self._buffer) > MAX_CHUNK_LINE_BYTES:
-                        raise UpstreamError("a chunk line too long")
-                    return
-                line, self._buffer = self._buffer[:end], self._buffer[end + 2 :]
-                if state == _DATA_END:
-                    if line:
-                        raise UpstreamError("a chunk not ended by CRLF")
-                    self._state = _SIZE
-                elif state == _TRAILER:
-                    if not line:
+        buffer, at, size = self._buffer, 0, len(self._buffer)  # read on from ``at``: no copies
+        try:
+            while at < size:
+                state = self._state
+                if state in (_DATA, _LENGTH, _UNTIL_CLOSE):
+                    end = size if state == _UNTIL_CLOSE else min(size, at + self._left)
+                    if state != _UNTIL_CLOSE:
+                        self._left -= end - at
+                    if self._sse:
+                        self._parse_events(buffer[at:end])
+                    at = end
+                    if self._left == 0 and state == _DATA:
+                        self._state = _DATA_END
+                    elif self._left == 0 and state == _LENGTH:
                         self._finish()
-                else:
-                    size = line.split(b";", 1)[0].strip()
-                    try:
-                        self._left = int(size, 16)
-                    except ValueError:
-                        raise UpstreamError(f"a bad chunk size: {size[:20]!r}") from None
-                    self._state = _DATA if self._left else _TRAILER
-            else:  # _DONE: bytes past the answer's end
-                self._keep_alive = False
-                self._buffer = b""
+                elif state in (_SIZE, _DATA_END, _TRAILER):
+                    end = buffer.find(b"\r\n", at)
+                    if end < 0:
+                        if size - at > MAX_CHUNK_LINE_BYTES:
+                            raise UpstreamError("a chunk line too long")
+                        return
+                    line, at = buffer[at:end], end + 2
+                    if state == _DATA_END:
+                        if line:
+                            raise UpstreamError("a chunk not ended by CRLF")
+                        self._state = _SIZE
+                    elif state == _TRAILER:
+                        if not line:
+                            self._finish()
+                    else:
+                        hex_size = line.split(b";", 1)[0].strip()
+                        if not _CHUNK_SIZE.fullmatch(hex_size):
+                            raise UpstreamError(f"a bad chunk size: {hex_size[:20]!r}")
+                        self._left = int(hex_size, 16)
+                        self._state = _DATA if self._left else _TRAILER
+                else:  # bytes past the answer's end: this connection's framing is lost
+                    at = size
+                    if state == _IDLE:  # pooled by a lingering release just now
+                        self.abort()
+                    self._keep_alive = False
+        finally:
+            self._buffer = buffer[at:] if at < size else b""
 
     def _parse_events(self, data: bytes) -> None:
-        lines = (self._partial + data).split(b"\n")
+        lines = (self._partial + data).split(b"\n") if self._partial else data.split(b"\n")
         self._partial = lines.pop()
         if len(self._partial) > MAX_EVENT_BYTES:
             raise UpstreamError(f"an upstream event over {MAX_EVENT_BYTES} bytes")
         for line in lines:
             if line.startswith(b"data: "):
-                self._events.append(json.loads(line[6:]))
+                event = json.loads(line[6:])
+                kind = event.get("type") if isinstance(event, dict) else None
+                if not isinstance(kind, str):
+                    raise UpstreamError("an event that is not a JSON object with a type")
+                self._events.append(event)
+                if kind in _LAST_EVENTS:
+                    self._ended = True
 
     # ------------------------------------------------------------------ endings
     def _finish(self) -> None:
@@ -252,6 +295,9 @@ class EngineStream(asyncio.Protocol):
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        if self._lingering:  # released by its handler: the body's end came, so pool it
+            self._lingering = False
+            self.release()
 
     def _fail(self, exc: Exception) -> None:
         head = self._head
@@ -265,7 +311,7 @@ class EngineStream(asyncio.Protocol):
                     "message": f"the serving instance failed mid-stream ({exc})",
                 }
             )
-        self._keep_alive = False
+        self._keep_alive = self._lingering = False
         self._finish()
         if self.transport is not None:
             self.transport.abort()
@@ -317,24 +363,30 @@ class EnginePool:
             try:
                 await stream._send(request)
             except _Stale:
-                continue  # closed by the engine as we took it: try the next, or a new one
+                # closed by the engine (its keep-alive timeout) before it answered a byte:
+                # the next idle connection, or a new one
+                continue
             return stream
+        self._idle.pop(address, None)
         stream = await self._connect(address)
         await stream._send(request)
         return stream
 
     async def _connect(self, address: str) -> EngineStream:
         host, _, port = address.rpartition(":")
+        host = host.strip("[]")  # [::1]:8000
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout) as deadline:
                 _, protocol = await loop.create_connection(
                     lambda: EngineStream(self, address), host, int(port)
                 )
-        except TimeoutError:
-            if deadline.expired():
-                raise UpstreamError(f"no connection within {self.connect_timeout:g} s") from None
-            raise
+        except TimeoutError as exc:  # this deadline's, or the kernel's (ETIMEDOUT)
+            raise UpstreamError(
+                f"no connection to {address} within {self.connect_timeout:g} s"
+                if deadline.expired()
+                else f"cannot connect to {address}: {exc}"
+            ) from None
         except (OSError, ValueError) as exc:
             raise UpstreamError(f"cannot connect to {address}: {exc}") from exc
         self._open.add(protocol)
