@@ -1,7 +1,11 @@
 """Processor sharing in emulated time: concurrent jobs split a capacity equally (max-min fair,
 with an optional per-job rate cap). Prefill compute uses it (concurrent prompts slow each other,
 continuous batching), and so does a KV link (two pulls into one decode each take twice as long,
-P/D-Serve §3.6 "several concurrent transmissions share the D2D bandwidth")."""
+P/D-Serve §3.6 "several concurrent transmissions share the D2D bandwidth").
+
+``SharedResource.admits`` forecasts end times under equal shares (no further arrivals) so that
+a prefill can refuse, at admission, a prompt whose first token would be late or that would make
+a running prompt late (P/D-Serve §2.2.2's early intervention, moved to admission)."""
 
 from __future__ import annotations
 
