@@ -6,9 +6,9 @@ policy's order; a 429 from a prefill means "busy, try the next"; when every entr
 re-order and try again after a short pause, until the TTFT budget is spent, then answer 503 with
 the reason. The budget is the request's own threshold, by its prompt's length (P/D-Serve §2.2.2):
 the group's ``slo.ttftMilliseconds`` plus ``slo.ttftMillisecondsPer1kTokens`` per thousand
-prompt tokens. The stream of the accepting prefill (decode -> prefill -> gateway) is relayed as
-OpenAI chunks; a decode failing mid-stream ends the client's stream with an error chunk and
-``[DONE]``.
+prompt tokens. The stream of the accepting prefill (decode -> prefill -> gateway), read through
+the gateway's pooled engine client (``upstream``), is relayed as OpenAI chunks; a decode failing
+mid-stream ends the client's stream with an error chunk and ``[DONE]``.
 """
 
 from __future__ import annotations
