@@ -62,8 +62,9 @@ test-unit: venv
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
 lint: venv
-	$(VENV)/bin/ruff check operator engine-stub tests
+	$(VENV)/bin/ruff check operator engine-stub tests bench
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --explicit-package-bases tests bench
 	$(VENV)/bin/lint-imports
 
 demo: setup

@@ -26,6 +26,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,7 +153,7 @@ def run_variant(
                     marks.setdefault("pods_created", now)
                 if ready:
                     marks["pods_ready"] = now
-            checks = (
+            checks: tuple[tuple[str, Callable[[], bool]], ...] = (
                 ("reported", lambda: probe.count(probe.paths.reports) == 8),
                 ("mapped", lambda: bool(zk.exists(probe.paths.roce_map))),
                 ("linked", lambda: probe.sub_links() == 64),

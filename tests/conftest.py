@@ -291,7 +291,8 @@ class OperatorHandle:
         self.env = env
 
     def log(self) -> str:
-        return self.supervisor.log_path(self.name).read_text()  # type: ignore[attr-defined]
+        text: str = self.supervisor.log_path(self.name).read_text()  # type: ignore[attr-defined]
+        return text
 
     def stop(self, grace: float = 10) -> None:
         self.supervisor.stop(self.name, grace=grace)  # type: ignore[attr-defined]

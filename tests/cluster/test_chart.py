@@ -266,7 +266,7 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
                     "matrixserve.io", "v1alpha1", namespace, "pdgroups", "g"
                 )
             except client.ApiException as exc:
-                return exc.status == 404
+                return bool(exc.status == 404)
             return False
 
         wait_for(gone, what="the group deleted (finalizer run)")
@@ -287,7 +287,7 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
 
         # What the chart does not grant is refused.
         with config.new_client_from_config(config_file=str(kubeconfig)) as as_operator:
-            denied = [
+            denied: list[Callable[[], object]] = [
                 lambda: client.CoreV1Api(as_operator).list_namespaced_secret(namespace),
                 lambda: client.CoreV1Api(as_operator).delete_node("nonexistent"),
                 lambda: client.CoreV1Api(as_operator).list_namespaced_pod("default"),
@@ -297,9 +297,9 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
                 lambda: client.AppsV1Api(as_operator).list_namespaced_deployment(namespace),
             ]
             for call in denied:
-                with pytest.raises(client.ApiException) as refused:
+                with pytest.raises(client.ApiException) as denial:
                     call()
-                assert refused.value.status == 403
+                assert denial.value.status == 403
             # ... and the one Secret it may read is its webhook certificate, by name.
             with pytest.raises(client.ApiException) as missing:
                 client.CoreV1Api(as_operator).read_namespaced_secret(

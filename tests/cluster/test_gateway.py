@@ -237,7 +237,7 @@ def test_a_decode_killed_mid_stream_ends_the_stream_with_an_error_and_new_reques
         for name, p in decodes.items():
             info = httpx.get(f"http://{p['podIP']}:8000/v1/info", trust_env=False).json()
             if info["health"]["decodeBatch"]["running"]:
-                return name
+                return str(name)
         return None
 
     busy = wait_for(busy_decode, timeout=5, what="the long stream to reach a decode")

@@ -142,7 +142,7 @@ def test_deleting_a_pod_stops_its_process_and_frees_its_npus(
         try:
             core.read_namespaced_pod("victim", namespace)
         except client.ApiException as exc:
-            return exc.status == 404
+            return bool(exc.status == 404)
         return False
 
     wait_for(gone, timeout=40, what="the pod object to be finalised")
@@ -283,7 +283,7 @@ def test_node_down_makes_the_node_notready_and_its_processes_gone(
     def node_not_ready() -> bool:
         node = core.read_node(down_node)
         conditions = {c.type: c.status for c in node.status.conditions}
-        return conditions["Ready"] != "True"
+        return bool(conditions["Ready"] != "True")
 
     wait_for(node_not_ready, timeout=5, what="node NotReady")
     wait_for(lambda: process_start_time(pid) != start, timeout=5, what="the pod's process to die")

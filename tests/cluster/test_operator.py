@@ -26,7 +26,7 @@ G = ("matrixserve.io", "v1alpha1")
 
 
 def group_body(name: str, prefill: int, decode: int) -> dict[str, Any]:
-    body = yaml.safe_load(SAMPLE.read_text())
+    body: dict[str, Any] = yaml.safe_load(SAMPLE.read_text())
     body["metadata"] = {"name": name}
     body["spec"]["prefill"]["replicas"] = prefill
     body["spec"]["decode"]["replicas"] = decode
@@ -40,20 +40,27 @@ class Groups:
         self.namespace = namespace
 
     def create(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self.custom.create_namespaced_custom_object(*G, self.namespace, "pdgroups", body)
+        created: dict[str, Any] = self.custom.create_namespaced_custom_object(
+            *G, self.namespace, "pdgroups", body
+        )
+        return created
 
     def get(self, name: str) -> dict[str, Any]:
-        return self.custom.get_namespaced_custom_object(*G, self.namespace, "pdgroups", name)
+        group: dict[str, Any] = self.custom.get_namespaced_custom_object(
+            *G, self.namespace, "pdgroups", name
+        )
+        return group
 
     def patch(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-        return self.custom.patch_namespaced_custom_object(
+        patched: dict[str, Any] = self.custom.patch_namespaced_custom_object(
             *G, self.namespace, "pdgroups", name, {"spec": spec}
         )
+        return patched
 
     def condition(self, name: str, kind: str) -> dict[str, Any]:
         for cond in (self.get(name).get("status") or {}).get("conditions", []):
             if cond["type"] == kind:
-                return cond
+                return dict(cond)
         return {}
 
     def ready(self, name: str) -> bool:
@@ -333,7 +340,7 @@ def test_deleting_a_group_leaves_no_pods_and_no_znodes(
         try:
             groups.get("g")
         except client.ApiException as exc:
-            return exc.status == 404
+            return bool(exc.status == 404)
         return False
 
     wait_for(gone, what="the PDGroup to be deleted (finalizer done)")

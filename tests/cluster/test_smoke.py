@@ -231,7 +231,7 @@ def test_deployment_gets_replicaset_and_pods_bound_by_extended_resource(
             else None
         )
 
-    bound, unschedulable = wait_for(settled, what="2 pods bound and 1 unschedulable (scheduler)")  # type: ignore[misc]
+    bound, unschedulable = wait_for(settled, what="2 pods bound and 1 unschedulable (scheduler)")
     assert {p.spec.node_name for p in bound} == {npu_node}
     message = next(
         c.message for c in unschedulable[0].status.conditions if c.type == "PodScheduled"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -374,7 +375,7 @@ def test_the_service_account_token_secret_is_the_volume_mounted_at_the_service_a
 ):
     from enginestub.node import podspec
 
-    pod = {
+    pod: dict[str, Any] = {
         "spec": {
             "containers": [
                 {
