@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import shutil
 import sys
+import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import yaml
@@ -19,6 +21,25 @@ from matrixserve.devcluster.namespaces import wait_for_service_account
 REPO = Path(__file__).resolve().parents[1]
 
 TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def run_bench(main: Callable[[Path], int], prefix: str) -> int:
+    """Run a benchmark's ``main`` in a scratch directory of its own (its dev cluster's state and
+    logs): removed after a run that succeeded, kept and named after one that failed."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        code = main(work)
+    except SystemExit as exc:  # --help, or a usage error before anything ran
+        shutil.rmtree(work, ignore_errors=True)
+        raise exc from None
+    except BaseException:
+        print(f"the benchmark failed: its cluster's state and logs are in {work}", file=sys.stderr)
+        raise
+    if code == 0:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"the benchmark failed: its cluster's state and logs are in {work}", file=sys.stderr)
+    return code
 
 
 @contextlib.contextmanager

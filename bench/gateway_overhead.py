@@ -36,7 +36,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -51,6 +50,7 @@ from common import (
     gateway_command,
     install_crds,
     make_namespace,
+    run_bench,
     wait_http,
 )
 from kazoo.client import KazooClient
@@ -256,11 +256,10 @@ def at_rate(
     return figures
 
 
-def main() -> int:
+def main(work: Path) -> int:
     # Core 0 is the gateway's alone: the dev cluster (API server, etcd, ZooKeeper), the null
     # engine and this load generator run on core 1.
     os.sched_setaffinity(0, {1})
-    work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     dev = DevCluster(work / "cluster")
     info = dev.up(timeout=240, superpods=1, servers=1)
     procs: list[subprocess.Popen[bytes]] = []
@@ -370,4 +369,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_bench(main, "bench-gateway-"))

@@ -21,12 +21,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import cpu_seconds, make_namespace
+from common import cpu_seconds, make_namespace, run_bench
 from kubernetes import client, config
 
 from matrixserve.devcluster.cluster import DevCluster
@@ -52,7 +51,7 @@ def baseline_direct_spawn(count: int) -> float:
     return time.monotonic() - started
 
 
-def main() -> int:
+def main(work: Path) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, default=20)
     parser.add_argument("--pods", type=int, default=200)
@@ -60,7 +59,6 @@ def main() -> int:
     args = parser.parse_args()
     superpods, servers = 2, args.nodes // 2
 
-    work = Path(tempfile.mkdtemp(prefix="bench-node-emulator-"))
     dev = DevCluster(work / "cluster")
     info = dev.up(timeout=240, superpods=1, servers=1)
     sup = Supervisor(work / "emulator")
@@ -182,4 +180,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_bench(main, "bench-node-emulator-"))

@@ -24,14 +24,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
-from common import REPO, cpu_seconds, install_crds, make_namespace
+from common import REPO, cpu_seconds, install_crds, make_namespace, run_bench
 from kazoo.client import KazooClient
 from kubernetes import client, config
 
@@ -201,8 +200,7 @@ def run_variant(
     }
 
 
-def main() -> int:
-    work = Path(tempfile.mkdtemp(prefix="bench-operator-"))
+def main(work: Path) -> int:
     dev = DevCluster(work / "cluster")
     info = dev.up(timeout=240, superpods=1, servers=4)
     try:
@@ -250,4 +248,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_bench(main, "bench-operator-"))

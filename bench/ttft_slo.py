@@ -49,7 +49,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -57,7 +56,15 @@ from typing import Any
 import aiohttp
 import httpx
 import yaml
-from common import REPO, collector_paused, gateway_command, install_crds, make_namespace, wait_http
+from common import (
+    REPO,
+    collector_paused,
+    gateway_command,
+    install_crds,
+    make_namespace,
+    run_bench,
+    wait_http,
+)
 from kubernetes import client, config
 
 from enginestub import calibration as cal
@@ -207,8 +214,7 @@ def group_status(custom: client.CustomObjectsApi) -> dict[str, Any]:
     return dict(body.get("status") or {})
 
 
-def main() -> int:
-    work = Path(tempfile.mkdtemp(prefix="bench-slo-"))
+def main(work: Path) -> int:
     dev = DevCluster(work / "cluster")
     info = dev.up(timeout=240, superpods=1, servers=2)
     sup = Supervisor(work / "procs")
@@ -377,4 +383,4 @@ async def run_short(url: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_bench(main, "bench-slo-"))

@@ -169,8 +169,11 @@ def _webhook_files(
     p: argparse.ArgumentParser, kubeconfig: str | None, ref: str
 ) -> tuple[str, str, str]:
     """Write the webhook's TLS Secret to private files (a read-only root filesystem still has
-    a writable temporary directory) and return their paths: cert, key, CA."""
+    a writable temporary directory) and return their paths: cert, key, CA. The files (a private
+    key among them) are removed when the operator exits."""
+    import atexit
     import base64
+    import shutil
     import tempfile
 
     from kubernetes import client
@@ -187,6 +190,7 @@ def _webhook_files(
     if missing:
         p.error(f"--webhook-secret {ref}: no {', '.join(missing)} in it")
     folder = Path(tempfile.mkdtemp(prefix="matrixserve-webhook-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     paths = []
     for key in ("tls.crt", "tls.key", "ca.crt"):
         path = folder / key

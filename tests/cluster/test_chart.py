@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -321,7 +322,10 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
     images to local commands, gives each pod its ServiceAccount's token and routes Services),
     the chart's webhook refuses an invalid group, a sample group gets Ready, a request through
     the gateway's Service streams; an upgrade rolls the operator and leaves the group's pods
-    alone; deleting the group and uninstalling leaves no pods and no znodes."""
+    alone; deleting the group and uninstalling leaves no pods, no znodes, and none of the
+    operator's webhook key files (each operator run writes its Secret to a private temporary
+    directory: pods here are processes on this machine, so its temporary directory is this one)."""
+    key_folders = set(Path(tempfile.gettempdir()).glob("matrixserve-webhook-*"))
     release = f"r{namespace[-6:]}"
     full = f"{release}-matrixserve"
     core = client.CoreV1Api(api_client)
@@ -364,6 +368,11 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         wait_for(lambda: running("zookeeper"), timeout=60, what="the ZooKeeper pod")
         operator_pod = wait_for(lambda: running("operator"), timeout=60, what="the operator pod")
         wait_for(lambda: running("gateway"), timeout=60, what="the gateway pod")
+        wait_for(
+            lambda: set(Path(tempfile.gettempdir()).glob("matrixserve-webhook-*")) - key_folders,
+            timeout=30,
+            what="the operator's webhook key files (else the check after uninstall checks nothing)",
+        )
         zk.start(timeout=15)  # through the Service's ClusterIP
         # The operator process runs with its ServiceAccount's token, nothing else.
         emulated = httpx.get(f"{cluster.node_emulator}/pods", trust_env=False).json()
@@ -448,6 +457,8 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         webhooks = client.AdmissionregistrationV1Api(api_client)
         names = [w.metadata.name for w in webhooks.list_validating_webhook_configuration().items]
         assert f"{full}-pdgroups" not in names, "the chart's webhook goes with the release"
+        left = set(Path(tempfile.gettempdir()).glob("matrixserve-webhook-*")) - key_folders
+        assert not left, f"the stopped operators left their webhook key files behind: {left}"
     finally:
         zk.stop()
         run_tool("helm", "uninstall", release, "-n", namespace, check=False)
