@@ -27,18 +27,19 @@ def run_bench(main: Callable[[Path], int], prefix: str) -> int:
     """Run a benchmark's ``main`` in a scratch directory of its own (its dev cluster's state and
     logs): removed after a run that succeeded, kept and named after one that failed."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
+    code = 1
     try:
         code = main(work)
-    except SystemExit as exc:  # --help, or a usage error before anything ran
-        shutil.rmtree(work, ignore_errors=True)
-        raise exc from None
-    except BaseException:
-        print(f"the benchmark failed: its cluster's state and logs are in {work}", file=sys.stderr)
+    except SystemExit:  # --help, or a usage error before anything ran: nothing to keep
+        code = 0
         raise
-    if code == 0:
-        shutil.rmtree(work, ignore_errors=True)
-    else:
-        print(f"the benchmark failed: its cluster's state and logs are in {work}", file=sys.stderr)
+    finally:
+        if code == 0:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(
+                f"the benchmark failed: its cluster's state and logs are in {work}", file=sys.stderr
+            )
     return code
 
 

@@ -1,8 +1,8 @@
 """A null engine for the gateway-overhead benchmark: the engine's wire protocol at almost no cost.
 
 It speaks what the gateway uses of an engine stub's ``POST /v1/generate`` (SSE ``data:`` events
-of type ``token`` then ``done``, with the engine's field names, chunked HTTP/1.1, keep-alive) and
-answers ``GET /readyz``, nothing else. The stream's events are the engine's: the gateway parses
+of type ``token`` then ``done``, with the engine's field names, chunked HTTP/1.1, keep-alive),
+nothing else (404). The stream's events are the engine's: the gateway parses
 and relays the same bytes. The first token is written as soon as the request is read (prefill
 costs nothing here); the rest come from a decode loop as in the engine stub (continuous
 batching: each step, ``gap`` wall seconds apart, emits one token for every running stream), each
@@ -58,23 +58,19 @@ class Decode:
 
     def __init__(self, gap: float) -> None:
         self.gap = gap
-        self.running: list[_Stream] = []
-        self.ticking = False
+        self.running: list[_Stream] = []  # while any, a step is scheduled
 
     def join(self, stream: _Stream) -> None:
         if not stream.protocol.token(stream):  # the first token: the prefill's
             return
         self.running.append(stream)
-        if not self.ticking:
-            self.ticking = True
+        if len(self.running) == 1:
             asyncio.get_running_loop().call_later(self.gap, self.step)
 
     def step(self) -> None:
         self.running = [s for s in self.running if s.protocol.token(s)]
         if self.running:
             asyncio.get_running_loop().call_later(self.gap, self.step)
-        else:
-            self.ticking = False
 
 
 class NullEngine(asyncio.Protocol):
@@ -107,9 +103,6 @@ class NullEngine(asyncio.Protocol):
 
     def answer(self, method_path: list[str], body: bytes) -> None:
         assert self.transport is not None
-        if method_path == ["GET", "/readyz"]:
-            self.transport.write(_plain(b"200 OK", b"{}"))
-            return
         if method_path != ["POST", "/v1/generate"]:
             self.transport.write(_plain(b"404 Not Found", b'{"error": {"code": "not_found"}}'))
             return

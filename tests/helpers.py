@@ -10,7 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+
+from matrixserve.devcluster.errors import tail
 
 
 def wait_for(
@@ -61,10 +64,29 @@ def explain_namespace(state_dir: str, api_client: Any, namespace: str) -> str:
         lines.append(f"(reading the namespace failed: {exc})")
     pods = Path(state_dir) / "emulator" / "pods"
     for log in sorted(pods.glob(f"{namespace}_*/*.log")):
-        tail = log.read_text(errors="replace").splitlines()[-12:]
         lines.append(f"--- {log.parent.name.split('_')[1]}/{log.name}")
-        lines.extend(f"    {line}" for line in tail)
+        lines.extend(f"    {line}" for line in tail(log, 12).splitlines())
     return "\n".join(lines)
+
+
+def absent(read: Callable[[], object]) -> bool:
+    """Whether reading an API object answers 404 (it is gone); any other error is raised."""
+    from kubernetes import client
+
+    try:
+        read()
+    except client.ApiException as exc:
+        return bool(exc.status == 404)
+    return False
+
+
+def metric(url: str, name: str) -> float:
+    """A Prometheus sample's value from ``url``'s ``/metrics`` (the first with that name)."""
+    text = httpx.get(f"{url}/metrics", trust_env=False).text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} not found")
 
 
 class TcpProxy:

@@ -16,7 +16,7 @@ import yaml
 from kazoo.client import KazooClient
 from kubernetes import client, config
 
-from helpers import explain_namespace, wait_for
+from helpers import absent, explain_namespace, wait_for
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo, free_ports
 from matrixserve.devcluster.procs import Supervisor
@@ -261,16 +261,14 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
             "matrixserve.io", "v1alpha1", namespace, "pdgroups", "g"
         )
 
-        def gone() -> bool:
-            try:
-                custom.get_namespaced_custom_object(
+        wait_for(
+            lambda: absent(
+                lambda: custom.get_namespaced_custom_object(
                     "matrixserve.io", "v1alpha1", namespace, "pdgroups", "g"
                 )
-            except client.ApiException as exc:
-                return bool(exc.status == 404)
-            return False
-
-        wait_for(gone, what="the group deleted (finalizer run)")
+            ),
+            what="the group deleted (finalizer run)",
+        )
         log = operator.log()
         refused = [
             line
@@ -311,6 +309,11 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
         run_tool("helm", "uninstall", release, "-n", namespace, "--wait")
 
 
+def _webhook_key_folders() -> set[Path]:
+    """The operators' webhook key folders (pods here are processes on this machine)."""
+    return set(Path(tempfile.gettempdir()).glob("matrixserve-webhook-*"))
+
+
 def test_helm_install_upgrade_uninstall_on_the_local_cluster(
     cluster: ClusterInfo,
     api_client: client.ApiClient,
@@ -325,7 +328,7 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
     alone; deleting the group and uninstalling leaves no pods, no znodes, and none of the
     operator's webhook key files (each operator run writes its Secret to a private temporary
     directory: pods here are processes on this machine, so its temporary directory is this one)."""
-    key_folders = set(Path(tempfile.gettempdir()).glob("matrixserve-webhook-*"))
+    key_folders = _webhook_key_folders()
     release = f"r{namespace[-6:]}"
     full = f"{release}-matrixserve"
     core = client.CoreV1Api(api_client)
@@ -369,7 +372,7 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         operator_pod = wait_for(lambda: running("operator"), timeout=60, what="the operator pod")
         wait_for(lambda: running("gateway"), timeout=60, what="the gateway pod")
         wait_for(
-            lambda: set(Path(tempfile.gettempdir()).glob("matrixserve-webhook-*")) - key_folders,
+            lambda: _webhook_key_folders() - key_folders,
             timeout=30,
             what="the operator's webhook key files (else the check after uninstall checks nothing)",
         )
@@ -457,7 +460,7 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         webhooks = client.AdmissionregistrationV1Api(api_client)
         names = [w.metadata.name for w in webhooks.list_validating_webhook_configuration().items]
         assert f"{full}-pdgroups" not in names, "the chart's webhook goes with the release"
-        left = set(Path(tempfile.gettempdir()).glob("matrixserve-webhook-*")) - key_folders
+        left = _webhook_key_folders() - key_folders
         assert not left, f"the stopped operators left their webhook key files behind: {left}"
     finally:
         zk.stop()

@@ -19,7 +19,7 @@ import yaml
 from kazoo.client import KazooClient
 from kubernetes import client
 
-from helpers import TcpProxy, wait_for
+from helpers import TcpProxy, metric, wait_for
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo, free_ports
 from matrixserve.devcluster.procs import Supervisor
@@ -260,7 +260,6 @@ def test_a_decode_killed_mid_stream_ends_the_stream_with_an_error_and_new_reques
 
 
 def test_a_hung_prefill_gets_a_503_once_the_budget_for_the_prompts_length_is_spent(
-    cluster: ClusterInfo,
     api_client: client.ApiClient,
     namespace: str,
     serving_group: Callable[..., Any],
@@ -375,19 +374,12 @@ def test_a_missing_key_secret_fails_closed(
     assert response.status_code == 401
 
 
-def _gauge(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics", trust_env=False).text.splitlines():
-        if line.startswith(f"{name} "):
-            return float(line.split()[1])
-    raise AssertionError(f"no {name} metric")
-
-
 def _zookeeper_connected(url: str) -> float:
-    return _gauge(url, "matrixserve_gateway_zookeeper_connected")
+    return float(metric(url, "matrixserve_gateway_zookeeper_connected"))
 
 
 def _sessions_lost(url: str) -> float:
-    return _gauge(url, "matrixserve_gateway_zookeeper_sessions_lost_total")
+    return float(metric(url, "matrixserve_gateway_zookeeper_sessions_lost_total"))
 
 
 def _routes(url: str) -> tuple[str, list[str]]:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from kubernetes import client
 
-from helpers import wait_for
+from helpers import absent, wait_for
 from matrixserve.devcluster.procs import process_start_time
 
 NPU = "huawei.com/Ascend910"
@@ -138,14 +138,11 @@ def test_deleting_a_pod_stops_its_process_and_frees_its_npus(
 
     core.delete_namespaced_pod("victim", namespace)
 
-    def gone() -> bool:
-        try:
-            core.read_namespaced_pod("victim", namespace)
-        except client.ApiException as exc:
-            return bool(exc.status == 404)
-        return False
-
-    wait_for(gone, timeout=40, what="the pod object to be finalised")
+    wait_for(
+        lambda: absent(lambda: core.read_namespaced_pod("victim", namespace)),
+        timeout=40,
+        what="the pod object to be finalised",
+    )
     assert process_start_time(pid) != start, "the pod's process outlived the pod"
     # Its 8 NPUs are free again: a new 8-NPU pod runs on the same node.
     core.create_namespaced_pod(

@@ -17,7 +17,7 @@ import yaml
 from kazoo.client import KazooClient
 from kubernetes import client, watch
 
-from helpers import wait_for
+from helpers import absent, wait_for
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo
 
@@ -336,14 +336,9 @@ def test_deleting_a_group_leaves_no_pods_and_no_znodes(
     wait_for(lambda: groups.ready("g"), what="Ready")
     groups.custom.delete_namespaced_custom_object(*G, namespace, "pdgroups", "g")
 
-    def gone() -> bool:
-        try:
-            groups.get("g")
-        except client.ApiException as exc:
-            return bool(exc.status == 404)
-        return False
-
-    wait_for(gone, what="the PDGroup to be deleted (finalizer done)")
+    wait_for(
+        lambda: absent(lambda: groups.get("g")), what="the PDGroup to be deleted (finalizer done)"
+    )
     wait_for(lambda: not groups.core.list_namespaced_pod(namespace).items, what="no pods left")
     zk = zk_client(cluster)
     try:

@@ -20,18 +20,10 @@ from enginestub.engine.config import HBM_USABLE_FRACTION
 from enginestub.models import GPT3_175B, LLAMA3_8B
 from enginestub.node import devicestatus
 from enginestub.node.topology import SuperPodSpec, TopologySpec, build
-from helpers import assert_emulated
+from helpers import assert_emulated, metric
 
 LLAMA = ["--model", "llama3-8b", "--dies", "0,1"]
 GPT3 = ["--model", "gpt3-175b", "--dies", "0,1,2,3,4,5,6,7"]
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", trust_env=False).text
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"metric {name} not found")
 
 
 def test_colocated_streams_tokens_with_ttft_and_tpot_from_the_model(
@@ -288,10 +280,7 @@ def test_two_concurrent_kv_pulls_into_one_decode_take_twice_as_long(
     body = {"promptTokens": 2048, "maxTokens": 2}
     _, alone = stream(f"{prefill.url}/v1/generate", {"requestId": "alone", **body}, timeout=120)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = [
-            pool.submit(stream, f"{prefill.url}/v1/generate", {"requestId": f"c{i}", **body}, 120)
-            for i in range(2)
-        ]
+        futures = _streams(pool, stream, prefill.url, "c", 2, **body)
         together = [f.result()[1][-1]["timings"]["kvTransfer"] for f in futures]
     single = alone[-1]["timings"]["kvTransfer"]
     print(f"\nKV pull alone {single:.4f}s, two at once {together[0]:.4f}s / {together[1]:.4f}s")

@@ -58,7 +58,6 @@ class Engine:
 
     def __init__(self, handler: Handler) -> None:
         self.handler, self.connections, self.closed = handler, 0, 0
-        self.gone = asyncio.Event()  # a connection was closed by the client
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -224,7 +223,7 @@ async def test_a_silent_engine_ends_the_stream_after_the_read_timeout() -> None:
         assert "no data for 0.4 s" in events[2]["message"]
         assert 0.6 <= took < 2, f"ended after {took:.2f} s: 0.25 s + 0.4 s of silence expected"
         stream.release()
-        await asyncio.wait_for(_closed(e, 1), 5)
+        await _closed(e, 1)
     pool.close()
 
 
@@ -286,7 +285,7 @@ async def test_a_caller_giving_up_before_the_answer_drops_the_connection() -> No
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.1):
                 await pool.post(address, "/v1/generate", b"{}")
-        await asyncio.wait_for(_closed(e, 1), 5)
+        await _closed(e, 1)
         assert pool.idle_count(address) == 0
 
 
@@ -302,17 +301,19 @@ async def test_releasing_a_stream_cut_short_closes_it_and_close_drops_streams_in
         cut = await pool.post(address, "/v1/generate", b"{}")
         assert (await cut.batch())[0]["text"] == "a"
         cut.release()  # the client went away mid-stream: the engine must see it at once
-        await asyncio.wait_for(_closed(e, 1), 5)
+        await _closed(e, 1)
         assert pool.idle_count(address) == 0
         in_use = await pool.post(address, "/v1/generate", b"{}")
         await in_use.batch()
         pool.close()  # the gateway shutting down leaves no connection behind
-        await asyncio.wait_for(_closed(e, 2), 5)
+        await _closed(e, 2)
 
 
 async def _closed(e: Engine, n: int) -> None:
-    while e.closed < n:
-        await asyncio.sleep(0.01)
+    """Wait (at most 5 s) until the engine has seen ``n`` connections closed."""
+    async with asyncio.timeout(5):
+        while e.closed < n:
+            await asyncio.sleep(0.01)
 
 
 async def test_a_stream_released_at_its_last_event_is_pooled_when_the_body_end_arrives(
@@ -356,7 +357,7 @@ async def test_a_stream_released_at_its_last_event_is_pooled_when_the_body_end_a
         assert [ev["type"] for ev in await asyncio.wait_for(last.batch(), 5)] == ["token", "done"]
         last.release()
         # the end never comes: dropped after the linger, not pooled
-        await asyncio.wait_for(_closed(e, 1), 5)
+        await _closed(e, 1)
         assert pool.idle_count(address) == 0
     pool.close()
 

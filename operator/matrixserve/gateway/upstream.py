@@ -70,14 +70,12 @@ class EngineStream(asyncio.Protocol):
         self._sse = False  # the body is the stream's events (a 200), else it is skipped
         self._keep_alive = True
         self._paused = False  # reading paused: too many events wait for the handler
-        self._received = False  # any byte of this request's answer
         self._ended = False  # the stream's last event (or a refusal's head) has been read
         self._lingering = False  # released before the body's end: pooled when it arrives
         self._events: list[dict[str, Any]] = []
         self._head: asyncio.Future[None] | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._last = 0.0  # loop time of the last read
-        self.read_timeout = pool.read_timeout
         self._timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ protocol callbacks
@@ -90,7 +88,7 @@ class EngineStream(asyncio.Protocol):
         self.pool.forget(self)
         if self._state == _UNTIL_CLOSE:
             self._finish()
-        elif self._state == _HEAD and not self._received and self.reused:
+        elif self._state == _HEAD and not self._buffer and self.reused:  # not a byte answered
             self._fail(_Stale("the engine closed a pooled connection"))
         elif self._state not in (_IDLE, _DONE):
             self._fail(UpstreamError("the engine closed the connection"))
@@ -100,7 +98,6 @@ class EngineStream(asyncio.Protocol):
             # bytes nobody asked for: this connection's framing is lost, never pool it
             self.abort()
             return
-        self._received = True
         self._last = self.loop.time()
         self._buffer += data
         try:
@@ -124,16 +121,14 @@ class EngineStream(asyncio.Protocol):
     async def _send(self, request: bytes) -> None:
         """Write the request and wait for the answer's head (``status`` set)."""
         assert self.transport is not None
-        self._state, self._received, self.status = _HEAD, False, 0
+        self._state, self.status = _HEAD, 0
         self._sse, self._keep_alive, self._events = False, True, []
         self._buffer, self._partial, self._left = b"", b"", 0
         self._ended = self._lingering = False
-        if self._paused:
-            self._paused = False
-            self.transport.resume_reading()
+        self._resume()
         self._last = self.loop.time()
         self._head = self.loop.create_future()
-        self._timer = self.loop.call_at(self._last + self.read_timeout, self._check_silence)
+        self._timer = self.loop.call_at(self._last + self.pool.read_timeout, self._check_silence)
         self.transport.write(request)
         try:
             await self._head
@@ -151,11 +146,15 @@ class EngineStream(asyncio.Protocol):
             finally:
                 self._waiter = None
         events, self._events = self._events, []
+        self._resume()
+        return events
+
+    def _resume(self) -> None:
+        """Read again after a pause (not the engine's silence: the clock restarts)."""
         if self._paused and self.transport is not None:
             self._paused = False
             self._last = self.loop.time()
             self.transport.resume_reading()
-        return events
 
     def release(self) -> None:
         """Back to the pool if the answer was read whole on a connection that stays open, or
@@ -172,9 +171,7 @@ class EngineStream(asyncio.Protocol):
         elif self._ended and self._keep_alive and self._state != _UNTIL_CLOSE:
             self._lingering = True
             self._events = []
-            if self._paused and self.transport is not None:
-                self._paused = False
-                self.transport.resume_reading()
+            self._resume()
             self._cancel_timer()
             self._timer = self.loop.call_later(LINGER_SECONDS, self.abort)
         else:
@@ -322,9 +319,9 @@ class EngineStream(asyncio.Protocol):
             return
         if self._paused:  # not the engine's silence: this side stopped reading
             self._last = self.loop.time()
-        due = self._last + self.read_timeout
+        due = self._last + self.pool.read_timeout
         if self.loop.time() >= due:
-            self._fail(UpstreamError(f"no data for {self.read_timeout:g} s"))
+            self._fail(UpstreamError(f"no data for {self.pool.read_timeout:g} s"))
         else:
             self._timer = self.loop.call_at(due, self._check_silence)
 
