@@ -30,8 +30,8 @@ def run_bench(main: Callable[[Path], int], prefix: str) -> int:
     code = 1
     try:
         code = main(work)
-    except SystemExit:  # --help, or a usage error before anything ran: nothing to keep
-        code = 0
+    except SystemExit as exc:  # a failure the benchmark reported (kept), or --help (nothing to)
+        code = 0 if exc.code in (None, 0) else 1
         raise
     finally:
         if code == 0:
