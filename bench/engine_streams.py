@@ -29,7 +29,7 @@ import aiohttp
 from common import cpu_seconds, engine_command, wait_http
 
 from enginestub import timing
-from enginestub.models import LLAMA3_8B
+from matrixserve.api.catalog import LLAMA3_8B
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine-streams.json"
 SHAPE = timing.InstanceShape(dies=1, tp=1)

@@ -28,7 +28,7 @@ import sys
 from typing import Any
 
 from enginestub.engine.core import synthetic_token
-from enginestub.models import count_tokens
+from matrixserve.api.engine_protocol import count_tokens
 
 _HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"

@@ -35,8 +35,8 @@ from kazoo.client import KazooClient
 from kubernetes import client, config
 
 from enginestub import timing
-from enginestub.models import LLAMA3_8B
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.catalog import LLAMA3_8B
 from matrixserve.devcluster.cluster import DevCluster, free_ports
 from matrixserve.devcluster.procs import Supervisor
 from matrixserve.domain.conditions import is_true

@@ -67,9 +67,9 @@ from common import (
 )
 from kubernetes import client, config
 
-from enginestub import calibration as cal
 from enginestub import timing
-from enginestub.models import LLAMA3_8B
+from matrixserve.api import catalog
+from matrixserve.api.catalog import LLAMA3_8B
 from matrixserve.devcluster.cluster import DevCluster, free_ports
 from matrixserve.devcluster.procs import Supervisor
 from matrixserve.domain.conditions import is_true
@@ -102,7 +102,7 @@ def slo_per_1k_ms(devices_per_instance: int) -> int:
     prefill's shape (the docstring's threshold rule); ``BENCH_SLO_PER_1K_MS`` overrides it."""
     if "BENCH_SLO_PER_1K_MS" in os.environ:
         return int(os.environ["BENCH_SLO_PER_1K_MS"])
-    dies = devices_per_instance * cal.DIES_PER_NPU
+    dies = devices_per_instance * catalog.DIES_PER_NPU
     t_p = timing.prefill_seconds(LLAMA3_8B, timing.InstanceShape(dies=dies, tp=dies), LONG[1])
     return round(2 * t_p * 1000 / (LONG[1] / 1000))
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The facts the operator's validation shares with the emulator are defined once, in the API's
+# catalogue, with their sources: servers per SuperPod, NPUs per server, dies per NPU and HBM per
+# die (001 §3), GPT-3's shape (004 §2.1): import those from there.
+
 GB = 1e9
 GIB = 1024**3
 MIB = 1024**2
@@ -17,12 +21,8 @@ KIB = 1024
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 
 # --------------------------------------------------------------------------- hardware (001 §3)
-SERVERS_PER_SUPERPOD = 48  # 001 §3.3.3 "48 Ascend 910C nodes"
-NPUS_PER_SERVER = 8  # 001 §3.3.2
-DIES_PER_NPU = 2  # 001 §3.3.1 "dual-die package"
 DIE_BF16_FLOPS = 376e12  # 001 §3.3.1 "Each die sustains approximately 376 TFLOPS of dense BF16"
 DIE_INT8_OPS = 752e12  # 001 §5.5.3 / T10 "the die's 752 peak INT8 TFLOPS"
-DIE_HBM_BYTES = 64 * GB  # 001 §3.3.1 "64 GB per die"
 DIE_HBM_BANDWIDTH = 1.6e12  # 001 §3.3.1 "1.6 TB/s available per die"
 
 # Unified Bus, per die (001 §3.3.1 and T1)
@@ -100,6 +100,3 @@ FAILURES_PER_WEEK_PER_4096 = 8.8  # 003
 
 # --------------------------------------------------------------------------- P/D-Serve (004)
 HEALTH_REPORT_INTERVAL_SECONDS = 20.0  # 004 §3.2 "tens of seconds per followup reports"
-GPT3_HIDDEN = 12288  # 004 §2.1 (GPT-3 175B)
-GPT3_LAYERS = 96  # 004 §2.1
-FP16_BYTES = 2  # 004 §2.1 "2 (bytes for fp16)"

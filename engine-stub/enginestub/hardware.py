@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 
 from enginestub import calibration as cal
 from enginestub.fabric import Plane
+from matrixserve.api import catalog
 
 
 @dataclass(frozen=True)
 class DieSpec:
     bf16_flops: float = cal.DIE_BF16_FLOPS
     int8_ops: float = cal.DIE_INT8_OPS
-    hbm_bytes: float = cal.DIE_HBM_BYTES
+    hbm_bytes: float = catalog.DIE_HBM_BYTES
     hbm_bandwidth: float = cal.DIE_HBM_BANDWIDTH
     ub_bandwidth: float = cal.UB_DIE_BANDWIDTH
     roce_bandwidth: float = cal.ROCE_DIE_BANDWIDTH
@@ -34,7 +35,7 @@ class DieSpec:
 @dataclass(frozen=True)
 class NPUSpec:
     die: DieSpec = field(default_factory=DieSpec)
-    dies: int = cal.DIES_PER_NPU
+    dies: int = catalog.DIES_PER_NPU
 
     @property
     def hbm_bytes(self) -> float:
@@ -48,7 +49,7 @@ class NPUSpec:
 @dataclass(frozen=True)
 class ServerSpec:
     npu: NPUSpec = field(default_factory=NPUSpec)
-    npus: int = cal.NPUS_PER_SERVER
+    npus: int = catalog.NPUS_PER_SERVER
     host_dram_bytes: float = cal.HOST_DRAM_BYTES
     vpc_bandwidth: float = cal.VPC_NODE_BANDWIDTH
 
@@ -68,7 +69,7 @@ class ServerSpec:
 @dataclass(frozen=True)
 class SuperPodSpec:
     server: ServerSpec = field(default_factory=ServerSpec)
-    servers: int = cal.SERVERS_PER_SUPERPOD
+    servers: int = catalog.SERVERS_PER_SUPERPOD
 
     @property
     def npus(self) -> int:

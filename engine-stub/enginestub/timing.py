@@ -25,7 +25,8 @@ from enum import StrEnum
 from functools import cache
 
 from enginestub import calibration as cal
-from enginestub.models import DEEPSEEK_V3, ModelShape
+from matrixserve.api import catalog
+from matrixserve.api.catalog import DEEPSEEK_V3, ModelShape
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class InstanceShape:
 
     @property
     def npus(self) -> float:
-        return self.dies / cal.DIES_PER_NPU
+        return self.dies / catalog.DIES_PER_NPU
 
     @property
     def tokens_per_step(self) -> int:
@@ -266,7 +267,7 @@ def load_seconds(
     if source is LoadSource.SHARED_FILE_SERVICE:
         return weights * concurrent_loaders / cal.SHARED_FILE_SERVICE_BANDWIDTH
     if source is LoadSource.SSD:
-        nodes = max(shape.npus / cal.NPUS_PER_SERVER, 1.0)
+        nodes = max(shape.npus / catalog.NPUS_PER_SERVER, 1.0)
         return weights / (cal.SSD_NODE_BANDWIDTH * nodes)
     if source is LoadSource.HOST_DRAM:
         return weights / (cal.DRAM_TO_NPU_BANDWIDTH * shape.npus) + cal.TENSOR_INIT_SECONDS

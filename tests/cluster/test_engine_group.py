@@ -18,9 +18,9 @@ from kazoo.client import KazooClient
 from kubernetes import client
 
 from enginestub import timing
-from enginestub.models import LLAMA3_8B
 from helpers import assert_emulated, wait_for
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.catalog import LLAMA3_8B
 from matrixserve.devcluster.cluster import ClusterInfo
 
 NPU = "huawei.com/Ascend910"

@@ -16,11 +16,11 @@ import pytest
 
 from enginestub import calibration as cal
 from enginestub import timing
-from enginestub.engine.config import HBM_USABLE_FRACTION
-from enginestub.models import GPT3_175B, LLAMA3_8B
 from enginestub.node import devicestatus
 from enginestub.node.topology import SuperPodSpec, TopologySpec, build
 from helpers import assert_emulated, metric
+from matrixserve.api import catalog
+from matrixserve.api.catalog import GPT3_175B, HBM_USABLE_FRACTION, LLAMA3_8B
 
 LLAMA = ["--model", "llama3-8b", "--dies", "0,1"]
 GPT3 = ["--model", "gpt3-175b", "--dies", "0,1,2,3,4,5,6,7"]
@@ -464,7 +464,7 @@ def test_hbm_limits_the_decode_batch(start_engine: Any, stream: Any) -> None:
         "64",
     )
     info = httpx.get(f"{engine.url}/v1/info", trust_env=False).json()
-    capacity = 2 * cal.DIE_HBM_BYTES * HBM_USABLE_FRACTION - info["weightsBytes"]
+    capacity = 2 * catalog.DIE_HBM_BYTES * HBM_USABLE_FRACTION - info["weightsBytes"]
     assert info["kvCapacityBytes"] == pytest.approx(capacity)
     too_big = int(capacity / LLAMA3_8B.kv_bytes_per_token) + 1
     status, body = stream(

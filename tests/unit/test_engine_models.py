@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from enginestub import calibration as cal
 from enginestub import timing
 from enginestub.fabric import Endpoint, Flow, Plane, kv_transfer_seconds, simulate, transfer_seconds
-from enginestub.models import DEEPSEEK_V3, GPT3_175B, LLAMA3_8B
+from matrixserve.api.catalog import DEEPSEEK_V3, GPT3_175B, LLAMA3_8B
 
 # ----------------------------------------------------------------------------- model shapes
 

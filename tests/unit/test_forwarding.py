@@ -155,7 +155,7 @@ def test_entrances_from_status_take_serving_rows_with_an_endpoint_in_entrance_or
 
 
 def test_the_gateway_counts_prompt_tokens_as_the_engines_do() -> None:
-    from enginestub.models import count_tokens
+    from matrixserve.api.engine_protocol import count_tokens
 
     for n in (1, 3, 4, 5, 399, 400, 401, 40_000):
         assert estimate_tokens("x" * n) == count_tokens("x" * n)

@@ -15,10 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from enginestub import calibration as cal
 from enginestub import timing
 from enginestub.fabric import Plane
-from enginestub.models import PRESETS, ModelShape
+from matrixserve.api import catalog
+from matrixserve.api.catalog import HBM_USABLE_FRACTION, PRESETS, ModelShape
 
 Role = Literal["prefill", "decode", "colocated", "expert", "attention", "auto"]
-HBM_USABLE_FRACTION = 0.9  # [design] 10% of HBM kept for activations and comm buffers
 
 
 class ConfigError(Exception):
@@ -81,7 +81,7 @@ class EngineConfig(BaseModel):
             need = self.weights_bytes / len(self.dies) / cal.GB
             raise ValueError(
                 f"model {self.model.name} does not fit: {need:.1f} GB of weights per die against "
-                f"{cal.DIE_HBM_BYTES / cal.GB * HBM_USABLE_FRACTION:.1f} GB usable HBM per die; "
+                f"{catalog.DIE_HBM_BYTES / cal.GB * HBM_USABLE_FRACTION:.1f} GB usable HBM per die; "
                 "give the instance more dies"
             )
         return self
@@ -96,7 +96,7 @@ class EngineConfig(BaseModel):
 
     @property
     def kv_capacity_bytes(self) -> float:
-        return len(self.dies) * cal.DIE_HBM_BYTES * HBM_USABLE_FRACTION - self.weights_bytes
+        return len(self.dies) * catalog.DIE_HBM_BYTES * HBM_USABLE_FRACTION - self.weights_bytes
 
 
 def _env_list(name: str) -> list[str]:

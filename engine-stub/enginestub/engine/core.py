@@ -38,7 +38,7 @@ from enginestub.engine.config import EngineConfig
 from enginestub.engine.metrics import EngineMetrics
 from enginestub.engine.sharing import SharedResource
 from enginestub.fabric import Plane, link_bandwidth, link_latency
-from enginestub.models import count_tokens
+from matrixserve.api.engine_protocol import count_tokens
 
 log = logging.getLogger("enginestub.engine")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from enginestub.models import count_tokens
+from matrixserve.api.engine_protocol import count_tokens
 
 
 class Policy(StrEnum):

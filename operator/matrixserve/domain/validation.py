@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from enginestub import calibration as cal
-from enginestub.models import PRESETS
+from matrixserve.api import catalog
+from matrixserve.api.catalog import PRESETS
 from matrixserve.api.resources import MoEMode, PDGroupSpec, RoleSpec
 
 HBM_USABLE_FRACTION = 0.9  # as the engine keeps 10% for activations and buffers
@@ -38,11 +38,11 @@ def model_facts(spec: PDGroupSpec) -> ModelFacts | None:
 
 def _role_rules(role: str, r: RoleSpec, facts: ModelFacts | None, context: int) -> list[str]:
     errors = []
-    dies = r.devices_per_instance * cal.DIES_PER_NPU
-    if r.devices_per_instance > cal.NPUS_PER_SERVER:
+    dies = r.devices_per_instance * catalog.DIES_PER_NPU
+    if r.devices_per_instance > catalog.NPUS_PER_SERVER:
         errors.append(
             f"spec.{role}.devicesPerInstance: {r.devices_per_instance} NPUs do not fit one server "
-            f"({cal.NPUS_PER_SERVER} NPUs); an instance is one pod on one server"
+            f"({catalog.NPUS_PER_SERVER} NPUs); an instance is one pod on one server"
         )
     tp = r.parallelism.tp
     if tp is not None and dies % tp:
@@ -51,7 +51,7 @@ def _role_rules(role: str, r: RoleSpec, facts: ModelFacts | None, context: int) 
         )
     if facts is None:
         return errors
-    usable = dies * cal.DIE_HBM_BYTES * HBM_USABLE_FRACTION
+    usable = dies * catalog.DIE_HBM_BYTES * HBM_USABLE_FRACTION
     if facts.weight_bytes > usable:
         errors.append(
             f"spec.{role}.devicesPerInstance: {facts.weight_bytes / 1e9:.1f} GB of weights do not fit "
@@ -95,7 +95,7 @@ def validate_pdgroup(spec: PDGroupSpec, name: str) -> list[str]:
             f"and decode need the same devices per instance ({spec.prefill.devices_per_instance} vs "
             f"{spec.decode.devices_per_instance})"
         )
-    superpod_npus = cal.SERVERS_PER_SUPERPOD * cal.NPUS_PER_SERVER
+    superpod_npus = catalog.SERVERS_PER_SUPERPOD * catalog.NPUS_PER_SERVER
     decode_npus = spec.decode.replicas * spec.decode.devices_per_instance
     if decode_npus > superpod_npus:
         errors.append(

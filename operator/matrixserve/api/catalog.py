@@ -1,19 +1,34 @@
-"""Model shapes the timing model needs: parameters by kind, KV bytes per token, attention cost.
+"""The catalogue: the hardware and model facts the API's rules depend on.
 
-Counts are computed from a model's configuration fields, not typed in, so they can be checked:
-DeepSeek-V3/R1 comes out at ~671B parameters (001 §3.5.1 "671B-parameter") and GPT-3 175B at
-4.5 MiB of KV per token (004 §2.1). Shapes of public models are [external]: their published
-configuration files.
+The operator's validation (does the model fit the instance's HBM, do decode NPUs fit a SuperPod)
+and the engine stub's emulation read the same facts, so they live here, in the API, and the stub
+imports them (never the other way round). Every number carries its paper and section; model
+shapes of public models are [external]: their published configuration files.
+
+Parameter and KV counts are computed from a model's configuration fields, not typed in, so they
+can be checked: DeepSeek-V3/R1 comes out at ~671B parameters (001 §3.5.1 "671B-parameter") and
+GPT-3 175B at 4.5 MiB of KV per token (004 §2.1).
 """
 
 from __future__ import annotations
 
-import math
 from functools import cached_property
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from enginestub import calibration as cal
+GB = 1e9
+
+# --------------------------------------------------------------------------- hardware (001 §3)
+SERVERS_PER_SUPERPOD = 48  # 001 §3.3.3 "48 Ascend 910C nodes"
+NPUS_PER_SERVER = 8  # 001 §3.3.2
+DIES_PER_NPU = 2  # 001 §3.3.1 "dual-die package"
+DIE_HBM_BYTES = 64 * GB  # 001 §3.3.1 "64 GB per die"
+HBM_USABLE_FRACTION = 0.9  # [design] 10% of HBM kept for activations and comm buffers
+
+# --------------------------------------------------------------------------- GPT-3 (004 §2.1)
+GPT3_HIDDEN = 12288  # 004 §2.1 (GPT-3 175B)
+GPT3_LAYERS = 96  # 004 §2.1
+FP16_BYTES = 2  # 004 §2.1 "2 (bytes for fp16)"
 
 
 class MoEShape(BaseModel):
@@ -200,14 +215,14 @@ DEEPSEEK_V3 = ModelShape(
 GPT3_175B = ModelShape(
     # 004 §2.1; [external] Brown et al. 2020: 96 layers, hidden 12288, 96 heads, FFN 4x.
     name="gpt3-175b",
-    layers=cal.GPT3_LAYERS,
-    hidden=cal.GPT3_HIDDEN,
+    layers=GPT3_LAYERS,
+    hidden=GPT3_HIDDEN,
     heads=96,
-    intermediate=4 * cal.GPT3_HIDDEN,
+    intermediate=4 * GPT3_HIDDEN,
     vocab=50257,
     gated_ffn=False,
     weight_bytes=2.0,
-    kv_bytes=cal.FP16_BYTES,
+    kv_bytes=FP16_BYTES,
 )
 
 LLAMA3_8B = ModelShape(
@@ -225,8 +240,3 @@ LLAMA3_8B = ModelShape(
 
 PRESETS: dict[str, ModelShape] = {m.name: m for m in (DEEPSEEK_V3, GPT3_175B, LLAMA3_8B)}
 
-
-def count_tokens(text: str) -> int:
-    """A deterministic stand-in tokenizer: about four characters a token (the engines count
-    prompts with it, and the gateway sizes TTFT budgets with it)."""
-    return max(1, math.ceil(len(text) / 4))

@@ -1,0 +1,69 @@
+"""The API's names, defined once: group, version, every kind with its plural, label and annotation
+keys, the NPU extended resource.
+
+Everything that names a MatrixServe object (the operator's handlers and adapters, the gateway,
+the node emulator, the dev-cluster tooling, tests and benchmarks) takes the name from here; the
+CRDs in ``crds/`` carry the same strings (a unit test checks that they agree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GROUP = "matrixserve.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One custom resource kind: what the API server calls it."""
+
+    kind: str
+    plural: str
+
+    @property
+    def group(self) -> str:
+        return GROUP
+
+    @property
+    def version(self) -> str:
+        return VERSION
+
+    @property
+    def api_version(self) -> str:
+        return API_VERSION
+
+    @property
+    def crd_name(self) -> str:
+        return f"{self.plural}.{GROUP}"
+
+
+PDGROUP = Kind("PDGroup", "pdgroups")
+DPDOMAIN = Kind("DPDomain", "dpdomains")
+EXPERTPOOL = Kind("ExpertPool", "expertpools")
+WARMPOOL = Kind("WarmPool", "warmpools")
+KINDS: tuple[Kind, ...] = (PDGROUP, DPDOMAIN, EXPERTPOOL, WARMPOOL)
+
+# --------------------------------------------------------------------------- labels and annotations
+LABEL_PREFIX = GROUP
+LABEL_GROUP = f"{LABEL_PREFIX}/group"  # the PDGroup a pod serves
+LABEL_ROLE = f"{LABEL_PREFIX}/role"  # prefill | decode
+LABEL_INSTANCE = f"{LABEL_PREFIX}/instance"  # the instance a pod belongs to
+LABEL_SUPERPOD = f"{LABEL_PREFIX}/superpod"  # a node's SuperPod (topology)
+LABEL_RACK = f"{LABEL_PREFIX}/rack"
+LABEL_SERVER = f"{LABEL_PREFIX}/server"
+LABEL_NPU_TYPE = f"{LABEL_PREFIX}/npu-type"
+LABEL_EMULATED = f"{LABEL_PREFIX}/emulated-node"  # set by the node emulator on its nodes
+ANNOTATION_SERVICE = f"{LABEL_PREFIX}/service"
+ANNOTATION_SCENARIO = f"{LABEL_PREFIX}/scenario"
+APP_NAME_LABEL = "app.kubernetes.io/name"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+ENGINE_APP = "matrixserve-engine"
+OPERATOR_MANAGER = "matrixserve-operator"
+
+# The kopf finalizer and the annotation prefix the operator stores its own bookkeeping under.
+FINALIZER = f"{GROUP}/cleanup"
+
+# The NPU extended resource the (emulated) Ascend device plugin advertises.
+NPU_RESOURCE = "huawei.com/Ascend910"
