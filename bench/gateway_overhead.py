@@ -57,6 +57,7 @@ from kazoo.client import KazooClient
 from kubernetes import client, config
 
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.kinds import PDGROUP
 from matrixserve.devcluster.cluster import DevCluster, free_ports
 
 RESULTS = REPO / "bench" / "results" / "gateway-overhead.json"
@@ -274,7 +275,7 @@ def main(work: Path) -> int:
             # the null engine batches without limit: the gateway never holds back for a slot
             group["spec"]["prefill"]["batchSize"] = PREFILL_SLOTS
             client.CustomObjectsApi(api).create_namespaced_custom_object(
-                "matrixserve.io", "v1alpha1", "bench", "pdgroups", group
+                PDGROUP.group, PDGROUP.version, "bench", PDGROUP.plural, group
             )
         upstream = subprocess.Popen(
             [

@@ -28,6 +28,7 @@ from pathlib import Path
 from common import cpu_seconds, make_namespace, run_bench
 from kubernetes import client, config
 
+from enginestub.node.command import node_names, run_argv
 from matrixserve.devcluster.cluster import DevCluster
 from matrixserve.devcluster.procs import Supervisor
 
@@ -65,23 +66,13 @@ def main(work: Path) -> int:
     try:
         sup.start(
             "node-emulator",
-            [
-                sys.executable,
-                "-m",
-                "enginestub.node",
-                "run",
-                "--state-dir",
-                str(work / "emulator" / "data"),
-                "--superpods",
-                str(superpods),
-                "--servers",
-                str(servers),
-                "--superpod-prefix",
-                "bench",
-                "--delete-nodes-on-exit",
-                "--log-level",
-                "WARNING",
-            ],
+            run_argv(
+                work / "emulator" / "data",
+                superpods=superpods,
+                servers=servers,
+                prefix="bench",
+                extra=("--log-level", "WARNING"),
+            ),
             env={**os.environ, "KUBECONFIG": info.kubeconfig},
         )
         record = sup.record("node-emulator")
@@ -89,7 +80,7 @@ def main(work: Path) -> int:
         pid = record.pid
         api = config.new_client_from_config(config_file=info.kubeconfig)
         core = client.CoreV1Api(api)
-        names = [f"bench{p}-server-{s:02d}" for p in range(superpods) for s in range(servers)]
+        names = node_names(superpods, servers, prefix="bench")
         deadline = time.monotonic() + 60
         while True:
             ready = sum(

@@ -1,9 +1,9 @@
 """A null engine for the gateway-overhead benchmark: the engine's wire protocol at almost no cost.
 
 It speaks what the gateway uses of an engine stub's ``POST /v1/generate`` (SSE ``data:`` events
-of type ``token`` then ``done``, with the engine's field names, chunked HTTP/1.1, keep-alive),
-nothing else (404). The stream's events are the engine's: the gateway parses
-and relays the same bytes. The first token is written as soon as the request is read (prefill
+of type ``token`` then ``done``, chunked HTTP/1.1, keep-alive), nothing else (404). The body and
+the events are the engine's (``matrixserve.api.engine_protocol``): the gateway parses and relays
+the same bytes. The first token is written as soon as the request is read (prefill
 costs nothing here); the rest come from a decode loop as in the engine stub (continuous
 batching: each step, ``gap`` wall seconds apart, emits one token for every running stream), each
 token its own write on its stream's connection, so the gateway reads every token separately as
@@ -25,19 +25,28 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from typing import Any
 
-from enginestub.engine.core import synthetic_token
-from matrixserve.api.engine_protocol import count_tokens
+from matrixserve.api.engine_protocol import (
+    EngineError,
+    Event,
+    GenerateRequest,
+    Timings,
+    done_event,
+    sse_data,
+    synthetic_token,
+    token_event,
+)
 
+_NO_LIMIT = 1 << 62  # prompt and output tokens: the null engine takes any request
+_TIMINGS = Timings(ttft=0.0, prefill=0.0, kv_transfer=0.0, tpot_mean=0.03, e2e=0.5)
 _HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
     b"Transfer-Encoding: chunked\r\n\r\n"
 )
 
 
-def _chunk(event: dict[str, Any]) -> bytes:
-    data = b"data: " + json.dumps(event).encode() + b"\n\n"
+def _chunk(event: Event) -> bytes:
+    data = sse_data(event)
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
@@ -48,9 +57,9 @@ def _plain(status: bytes, body: bytes) -> bytes:
 class _Stream:
     __slots__ = ("index", "prompt_tokens", "protocol", "request_id", "tokens")
 
-    def __init__(self, protocol: NullEngine, request: dict[str, Any]) -> None:
-        self.protocol, self.request_id, self.index = protocol, request["requestId"], 0
-        self.tokens, self.prompt_tokens = int(request["maxTokens"]), count_tokens(request["prompt"])
+    def __init__(self, protocol: NullEngine, request: GenerateRequest) -> None:
+        self.protocol, self.request_id, self.index = protocol, request.request_id, 0
+        self.tokens, self.prompt_tokens = request.max_tokens, request.prompt_tokens
 
 
 class Decode:
@@ -106,8 +115,13 @@ class NullEngine(asyncio.Protocol):
         if method_path != ["POST", "/v1/generate"]:
             self.transport.write(_plain(b"404 Not Found", b'{"error": {"code": "not_found"}}'))
             return
+        try:
+            request = GenerateRequest.parse(json.loads(body), _NO_LIMIT, _NO_LIMIT)
+        except EngineError as exc:  # a body the gateway does not send
+            self.transport.write(_plain(b"400 Bad Request", json.dumps(exc.body()).encode()))
+            return
         self.transport.write(_HEAD)
-        self.decode.join(_Stream(self, json.loads(body)))
+        self.decode.join(_Stream(self, request))
 
     def token(self, s: _Stream) -> bool:
         """Write the stream's next token (and its end after the last): False once it ended."""
@@ -116,22 +130,11 @@ class NullEngine(asyncio.Protocol):
         index = s.index
         s.index += 1
         text = synthetic_token(s.request_id, index)
-        event = {"type": "token", "index": index, "text": text, "t": index * 0.03}
+        event = token_event(index, text, index * 0.03)
         if s.index < s.tokens:
             self.transport.write(_chunk(event))
             return True
-        done = {
-            "type": "done",
-            "usage": {"promptTokens": s.prompt_tokens, "completionTokens": s.tokens},
-            "timings": {
-                "ttft": 0.0,
-                "prefill": 0.0,
-                "kvTransfer": 0.0,
-                "tpotMean": 0.03,
-                "e2e": 0.5,
-            },
-            "instances": {"prefill": "null", "decode": "null"},
-        }
+        done = done_event(s.prompt_tokens, s.tokens, _TIMINGS, "null", "null")
         self.transport.write(_chunk(event))
         self.transport.write(_chunk(done) + b"0\r\n\r\n")
         return False

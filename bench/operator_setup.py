@@ -37,6 +37,7 @@ from kubernetes import client, config
 from enginestub import timing
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.catalog import LLAMA3_8B
+from matrixserve.api.kinds import PDGROUP
 from matrixserve.devcluster.cluster import DevCluster, free_ports
 from matrixserve.devcluster.procs import Supervisor
 from matrixserve.domain.conditions import is_true
@@ -80,7 +81,7 @@ class Probe:
 
     def group_ready(self) -> bool:
         body = self.custom.get_namespaced_custom_object(
-            "matrixserve.io", "v1alpha1", self.ns, "pdgroups", "bench"
+            PDGROUP.group, PDGROUP.version, self.ns, PDGROUP.plural, "bench"
         )
         return is_true(body.get("status"), "Ready")
 
@@ -131,7 +132,9 @@ def run_variant(
     try:
         cpu0 = cpu_seconds(record.pid)
         t0 = time.monotonic()
-        custom.create_namespaced_custom_object("matrixserve.io", "v1alpha1", ns, "pdgroups", body)
+        custom.create_namespaced_custom_object(
+            PDGROUP.group, PDGROUP.version, ns, PDGROUP.plural, body
+        )
         while "ready" not in marks:
             now = time.monotonic() - t0
             if now > 120:
@@ -171,7 +174,7 @@ def run_variant(
         time.sleep(30)
         steady_cpu_per_min = (cpu_seconds(record.pid) - cpu1) * 2
         custom.delete_namespaced_custom_object(
-            "matrixserve.io", "v1alpha1", ns, "pdgroups", "bench"
+            PDGROUP.group, PDGROUP.version, ns, PDGROUP.plural, "bench"
         )
         deadline = time.monotonic() + 60
         while core.list_namespaced_pod(ns).items and time.monotonic() < deadline:

@@ -70,6 +70,7 @@ from kubernetes import client, config
 from enginestub import timing
 from matrixserve.api import catalog
 from matrixserve.api.catalog import LLAMA3_8B
+from matrixserve.api.kinds import PDGROUP
 from matrixserve.devcluster.cluster import DevCluster, free_ports
 from matrixserve.devcluster.procs import Supervisor
 from matrixserve.domain.conditions import is_true
@@ -210,7 +211,9 @@ def start_gateway(sup: Supervisor, info: Any, policy: str, started: list[str]) -
 
 
 def group_status(custom: client.CustomObjectsApi) -> dict[str, Any]:
-    body = custom.get_namespaced_custom_object("matrixserve.io", "v1alpha1", NS, "pdgroups", "slo")
+    body = custom.get_namespaced_custom_object(
+        PDGROUP.group, PDGROUP.version, NS, PDGROUP.plural, "slo"
+    )
     return dict(body.get("status") or {})
 
 
@@ -247,7 +250,7 @@ def main(work: Path) -> int:
             spec["slo"]["ttftMilliseconds"] = SLO_MS
             spec["slo"]["ttftMillisecondsPer1kTokens"] = per_1k
             custom.create_namespaced_custom_object(
-                "matrixserve.io", "v1alpha1", NS, "pdgroups", group
+                PDGROUP.group, PDGROUP.version, NS, PDGROUP.plural, group
             )
             deadline = time.monotonic() + 120
             while not is_true(group_status(custom), "Ready"):

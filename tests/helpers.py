@@ -6,14 +6,29 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 
+from matrixserve.api.kinds import LABEL_GROUP, PDGROUP
 from matrixserve.devcluster.errors import tail
+
+REPO = Path(__file__).resolve().parent.parent
+CRDS = REPO / "crds"
+
+
+def crd_files() -> list[Path]:
+    return sorted(CRDS.glob("matrixserve.io_*.yaml"))
+
+
+def load(path: Path) -> dict[str, Any]:
+    """A YAML document (a CRD or a sample)."""
+    data: dict[str, Any] = yaml.safe_load(path.read_text())
+    return data
 
 
 def wait_for(
@@ -44,7 +59,7 @@ def explain_namespace(state_dir: str, api_client: Any, namespace: str) -> str:
     lines = []
     try:
         groups = client.CustomObjectsApi(api_client).list_namespaced_custom_object(
-            "matrixserve.io", "v1alpha1", namespace, "pdgroups"
+            PDGROUP.group, PDGROUP.version, namespace, PDGROUP.plural
         )["items"]
         for g in groups:
             status = g.get("status") or {}
@@ -159,3 +174,119 @@ def assert_emulated(
         f"emulated {measured:.6f}s outside [{low:.6f}, {high:.6f}] "
         f"(model {expected:.6f}s, time scale {scale:g})"
     )
+
+
+# --------------------------------------------------------------------------- cluster tests
+# The kubernetes client is imported inside these (as above): the engine tests import this module
+# and use no cluster.
+
+SAMPLE_2P1D = CRDS / "samples" / "pdgroup-2p1d.yaml"
+
+
+def pdgroup_body(name: str, prefill: int = 2, decode: int = 1) -> dict[str, Any]:
+    """The 2P1D sample as PDGroup ``name`` with these replicas (the sample's by default)."""
+    body = load(SAMPLE_2P1D)
+    body["metadata"] = {"name": name}
+    body["spec"]["prefill"]["replicas"] = prefill
+    body["spec"]["decode"]["replicas"] = decode
+    return body
+
+
+class Groups:
+    """The PDGroups of one namespace through the API server, with their pods; ``where`` is the
+    (group, version, namespace, plural) every namespaced custom-object call starts with."""
+
+    def __init__(
+        self, api_client: Any, namespace: str, explain: Callable[[], str] | None = None
+    ) -> None:
+        from kubernetes import client
+
+        self.custom = client.CustomObjectsApi(api_client)
+        self.core = client.CoreV1Api(api_client)
+        self.namespace = namespace
+        self.where = (PDGROUP.group, PDGROUP.version, namespace, PDGROUP.plural)
+        self.explain = explain  # the namespace's state, for a timed-out wait's message
+
+    def create(self, body: dict[str, Any], **options: Any) -> dict[str, Any]:
+        created: dict[str, Any] = self.custom.create_namespaced_custom_object(
+            *self.where, body, **options
+        )
+        return created
+
+    def get(self, name: str) -> dict[str, Any]:
+        group: dict[str, Any] = self.custom.get_namespaced_custom_object(*self.where, name)
+        return group
+
+    def patch(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        patched: dict[str, Any] = self.custom.patch_namespaced_custom_object(
+            *self.where, name, {"spec": spec}
+        )
+        return patched
+
+    def delete(self, name: str) -> None:
+        self.custom.delete_namespaced_custom_object(*self.where, name)
+
+    def condition(self, name: str, kind: str) -> dict[str, Any]:
+        for cond in (self.get(name).get("status") or {}).get("conditions", []):
+            if cond["type"] == kind:
+                return dict(cond)
+        return {}
+
+    def ready(self, name: str) -> bool:
+        return self.condition(name, "Ready").get("status") == "True"
+
+    def wait_ready(self, name: str, what: str = "the group Ready") -> None:
+        wait_for(lambda: self.ready(name), what=what, explain=self.explain)
+
+    def pods(self, name: str) -> dict[str, Any]:
+        """Group ``name``'s pods by name, those being deleted left out."""
+        items = self.core.list_namespaced_pod(
+            self.namespace, label_selector=f"{LABEL_GROUP}={name}"
+        ).items
+        return {p.metadata.name: p for p in items if p.metadata.deletion_timestamp is None}
+
+
+def events_of(core: Any, namespace: str, name: str) -> list[Any]:
+    """The Events about the object called ``name`` in ``namespace``."""
+    return list(
+        core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+    )
+
+
+def install_crds(
+    api_client: Any, bodies: Iterable[dict[str, Any]], timeout: float = 60
+) -> list[str]:
+    """Create these CRDs (one already there is kept) and wait until the API server serves every
+    one (``Established``); their names."""
+    from kubernetes import client
+
+    ext = client.ApiextensionsV1Api(api_client)
+    names = []
+    for body in bodies:
+        names.append(body["metadata"]["name"])
+        try:
+            ext.create_custom_resource_definition(body)
+        except client.ApiException as exc:
+            if exc.status != 409:
+                raise
+
+    def established(name: str) -> bool:
+        conditions = ext.read_custom_resource_definition(name).status.conditions or []
+        return any(c.type == "Established" and c.status == "True" for c in conditions)
+
+    wait_for(lambda: all(established(n) for n in names), timeout, what=f"{names} Established")
+    return names
+
+
+@contextlib.contextmanager
+def zookeeper(hosts: str) -> Iterator[Any]:
+    """A started kazoo client for ``hosts`` (``host:port[/chroot]``), stopped and closed after."""
+    from kazoo.client import KazooClient
+
+    zk = KazooClient(hosts=hosts, timeout=10)
+    zk.start(timeout=15)
+    try:
+        yield zk
+    finally:
+        zk.stop()
+        zk.close()

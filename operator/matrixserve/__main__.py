@@ -13,10 +13,14 @@ from pathlib import Path
 
 import kopf
 
-from matrixserve.domain.pods import EngineSettings
-from matrixserve.handlers import pdgroup as _pdgroup  # registers the handlers
+from matrixserve.domain.enginepod import EngineSettings
+from matrixserve.handlers import pdgroup  # registers the PDGroup handlers
 from matrixserve.handlers import runtime as _runtime
 from matrixserve.handlers.runtime import OperatorConfig
+
+# The kinds this operator runs, each by its set-up (registering a kind's handler module is the
+# import above; its controller is built at start-up by this).
+KINDS = (pdgroup.install,)
 
 
 def _positive_port(text: str) -> int:
@@ -208,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("kazoo").setLevel(logging.WARNING)
     assert _runtime.startup is not None
     if config.webhook:
-        _pdgroup.register_webhook()
+        pdgroup.register_webhook()
     liveness = (
         f"http://{args.liveness_address}:{args.liveness_port}/healthz"
         if args.liveness_port
@@ -219,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=liveness,
-        memo=kopf.Memo(config=config),
+        memo=kopf.Memo(config=config, kinds=KINDS),
     )
     return 0
 

@@ -16,14 +16,13 @@ import yaml
 from kazoo.client import KazooClient
 from kubernetes import client, config
 
-from helpers import absent, explain_namespace, wait_for
+from helpers import Groups, absent, pdgroup_body, wait_for
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.kinds import LABEL_GROUP
 from matrixserve.devcluster.cluster import ClusterInfo, free_ports
 from matrixserve.devcluster.procs import Supervisor
-from matrixserve.domain.conditions import is_true
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "matrixserve"
-SAMPLE = Path(__file__).resolve().parents[2] / "crds" / "samples" / "pdgroup-2p1d.yaml"
 
 
 def test_helm_lint_is_clean(run_tool: Callable[..., Any]) -> None:
@@ -139,35 +138,13 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _ready(custom: client.CustomObjectsApi, namespace: str, name: str) -> bool:
-    obj = custom.get_namespaced_custom_object(
-        "matrixserve.io", "v1alpha1", namespace, "pdgroups", name
-    )
-    return is_true(obj.get("status"), "Ready")
-
-
-def _create_ready_group(
-    cluster: ClusterInfo, api_client: client.ApiClient, namespace: str, body: dict[str, Any]
-) -> None:
-    """Create ``body`` as group ``g`` and wait until it is Ready (explaining a timeout)."""
-    custom = client.CustomObjectsApi(api_client)
-    body["metadata"] = {"name": "g"}
-    custom.create_namespaced_custom_object(
-        "matrixserve.io", "v1alpha1", namespace, "pdgroups", body
-    )
-    wait_for(
-        lambda: _ready(custom, namespace, "g"),
-        what="the group Ready",
-        explain=lambda: explain_namespace(cluster.state_dir, api_client, namespace),
-    )
-
-
 def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
     cluster: ClusterInfo,
     api_client: client.ApiClient,
     namespace: str,
+    groups: Groups,
     run_tool: Callable[..., Any],
-    start_operator: Callable[..., Any],
+    serving_group: Callable[..., Any],
     tmp_path: Path,
 ) -> None:
     # Unique per test (the chart's cluster-scoped objects are named after it), and short enough
@@ -181,14 +158,12 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
         "--set", f"zookeeper.external={cluster.zookeeper}",
     )  # fmt: skip
     core = client.CoreV1Api(api_client)
-    custom = client.CustomObjectsApi(api_client)
     try:
         account = f"{release}-matrixserve-operator"
         kubeconfig = _service_account_kubeconfig(
             cluster, core, namespace, account, tmp_path / "operator.kubeconfig"
         )
-        operator = start_operator(namespace, webhook=False, extra=("--kubeconfig", str(kubeconfig)))
-        _create_ready_group(cluster, api_client, namespace, yaml.safe_load(SAMPLE.read_text()))
+        operator = serving_group(webhook=False, extra=("--kubeconfig", str(kubeconfig)))
         # The gateway under its own ServiceAccount discovers the group and serves a request.
         gateway_kubeconfig = _service_account_kubeconfig(
             cluster, core, namespace, f"{release}-matrixserve-gateway", tmp_path / "gw.kubeconfig"
@@ -226,49 +201,24 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
         gateway_log = supervisor.log_path("gateway").read_text()
         assert "Forbidden" not in gateway_log, gateway_log[-2000:]
         # Scale decode out.
-        custom.patch_namespaced_custom_object(
-            "matrixserve.io",
-            "v1alpha1",
-            namespace,
-            "pdgroups",
-            "g",
-            {"spec": {"decode": {"replicas": 2}}},
-        )
+        groups.patch("g", {"decode": {"replicas": 2}})
 
         def pods() -> list[str]:
-            listed = core.list_namespaced_pod(namespace, label_selector="matrixserve.io/group=g")
-            return sorted(
-                p.metadata.name for p in listed.items if not p.metadata.deletion_timestamp
-            )
+            return sorted(groups.pods("g"))
 
-        wait_for(lambda: len(pods()) == 4 and _ready(custom, namespace, "g"), what="decode 1 -> 2")
+        wait_for(lambda: len(pods()) == 4 and groups.ready("g"), what="decode 1 -> 2")
         # A fault: an engine pod disappears; the operator replaces it.
         core.delete_namespaced_pod("g-d-1", namespace, grace_period_seconds=0)
         wait_for(
-            lambda: "g-d-1" in pods() and _ready(custom, namespace, "g"),
+            lambda: "g-d-1" in pods() and groups.ready("g"),
             what="the lost decode replaced and the group Ready again",
         )
         # Scale prefill in: the operator deletes the pod it takes out of service.
-        custom.patch_namespaced_custom_object(
-            "matrixserve.io", "v1alpha1", namespace, "pdgroups", "g",
-            {"spec": {"prefill": {"replicas": 1}}},
-        )  # fmt: skip
-        wait_for(
-            lambda: "g-p-1" not in pods() and _ready(custom, namespace, "g"),
-            what="prefill 2 -> 1",
-        )
-        custom.delete_namespaced_custom_object(
-            "matrixserve.io", "v1alpha1", namespace, "pdgroups", "g"
-        )
+        groups.patch("g", {"prefill": {"replicas": 1}})
+        wait_for(lambda: "g-p-1" not in pods() and groups.ready("g"), what="prefill 2 -> 1")
+        groups.delete("g")
 
-        wait_for(
-            lambda: absent(
-                lambda: custom.get_namespaced_custom_object(
-                    "matrixserve.io", "v1alpha1", namespace, "pdgroups", "g"
-                )
-            ),
-            what="the group deleted (finalizer run)",
-        )
+        wait_for(lambda: absent(lambda: groups.get("g")), what="the group deleted (finalizer run)")
         log = operator.log()
         refused = [
             line
@@ -291,7 +241,7 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
                 lambda: client.CoreV1Api(as_operator).delete_node("nonexistent"),
                 lambda: client.CoreV1Api(as_operator).list_namespaced_pod("default"),
                 lambda: client.CustomObjectsApi(as_operator).list_namespaced_custom_object(
-                    "matrixserve.io", "v1alpha1", "default", "pdgroups"
+                    *Groups(as_operator, "default").where
                 ),
                 lambda: client.AppsV1Api(as_operator).list_namespaced_deployment(namespace),
             ]
@@ -319,6 +269,7 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
     api_client: client.ApiClient,
     namespace: str,
     crds_installed: list[str],
+    groups: Groups,
     run_tool: Callable[..., Any],
 ) -> None:
     """The chart for real: operator, gateway and ZooKeeper pods run (the node emulator maps the
@@ -332,7 +283,6 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
     release = f"r{namespace[-6:]}"
     full = f"{release}-matrixserve"
     core = client.CoreV1Api(api_client)
-    custom = client.CustomObjectsApi(api_client)
     common = [
         *("-n", namespace, "--set", f"watchNamespaces={{{namespace}}}"),
         *("--set", "zookeeper.persistence=false", "--set", "gateway.service.port=8080"),
@@ -358,9 +308,7 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
 
     def refusal(bad: dict[str, Any]) -> client.ApiException | None:
         try:
-            custom.create_namespaced_custom_object(
-                "matrixserve.io", "v1alpha1", namespace, "pdgroups", bad, dry_run="All"
-            )
+            groups.create(bad, dry_run="All")
         except client.ApiException as exc:
             return exc
         return None
@@ -393,9 +341,7 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         assert used == base64.b64decode(secret.data["token"]).decode()
 
         # The chart's webhook (API server -> Service -> operator pod) refuses an invalid group.
-        body = yaml.safe_load(SAMPLE.read_text())
-        bad = yaml.safe_load(SAMPLE.read_text())
-        bad["metadata"] = {"name": "bad"}
+        bad = pdgroup_body("bad")
         bad["spec"]["decode"]["devicesPerInstance"] = 4
         refused = wait_for(
             lambda: refusal(bad), timeout=30, what="the webhook to refuse an invalid group"
@@ -403,7 +349,8 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         assert refused.status == 422, refused.body
         assert "same devices per instance (2 vs 4)" in refused.body
 
-        _create_ready_group(cluster, api_client, namespace, body)
+        groups.create(pdgroup_body("g"))
+        groups.wait_ready("g")
         paths = zl.GroupPaths(namespace, "g")
         assert zk.exists(paths.root) is not None, "the group lives in the bundled ZooKeeper"
         gateway_service = core.read_namespaced_service(f"{full}-gateway", namespace)
@@ -431,7 +378,7 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         assert sum('"content"' in c for c in chunks) >= 4
 
         def group_pods() -> dict[str, str]:
-            listed = core.list_namespaced_pod(namespace, label_selector="matrixserve.io/group=g")
+            listed = core.list_namespaced_pod(namespace, label_selector=f"{LABEL_GROUP}=g")
             return {p.metadata.name: p.metadata.uid for p in listed.items}
 
         engines = group_pods()
@@ -445,11 +392,9 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
 
         wait_for(rolled, timeout=60, what="the operator rolled by the upgrade")
         assert group_pods() == engines, "the upgrade must not touch the group's pods"
-        assert _ready(custom, namespace, "g")
+        assert groups.ready("g")
 
-        custom.delete_namespaced_custom_object(
-            "matrixserve.io", "v1alpha1", namespace, "pdgroups", "g"
-        )
+        groups.delete("g")
         wait_for(lambda: zk.exists(paths.root) is None, what="the group's znodes removed")
         run_tool("helm", "uninstall", release, "-n", namespace, "--wait")
         wait_for(

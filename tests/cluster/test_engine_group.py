@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -88,23 +89,57 @@ def engine_pod(name: str, node: str, role: str, group: str, zk_hosts: str) -> di
     }
 
 
-def test_prefill_and_decode_register_link_load_and_serve_a_streamed_request(
+@dataclass
+class EngineGroup:
+    """Engine-stub pods of one P/D group on a private node emulator, speaking to ZooKeeper at
+    ``zk_hosts`` (the test's chroot)."""
+
+    core: client.CoreV1Api
+    namespace: str
+    name: str
+    zk_hosts: str
+    emulator: Any
+
+    @property
+    def paths(self) -> zl.GroupPaths:
+        return zl.GroupPaths(self.namespace, self.name)
+
+    def add(self, pod: str, server: int, role: str) -> None:
+        """Create engine pod ``pod`` on the emulator's ``server``-th node."""
+        node = self.emulator.nodes[server]
+        group = f"{self.namespace}/{self.name}"
+        self.core.create_namespaced_pod(
+            self.namespace, engine_pod(pod, node, role, group, self.zk_hosts)
+        )
+
+
+@pytest.fixture
+def engine_group(
     api_client: client.ApiClient,
     cluster: ClusterInfo,
     namespace: str,
     zk: KazooClient,
     start_emulator: Callable[..., Any],
+) -> Callable[[str], EngineGroup]:
+    """``engine_group(name)``: two emulated servers, group ``name``'s prefill ``<name>-p-0`` on
+    the first and its decode ``<name>-d-0`` on the second (created, not waited for)."""
+
+    def start(name: str) -> EngineGroup:
+        zk_hosts = f"{cluster.zookeeper}{zk.chroot}"
+        emulator = start_emulator(servers=2)
+        group = EngineGroup(client.CoreV1Api(api_client), namespace, name, zk_hosts, emulator)
+        group.add(f"{name}-p-0", server=0, role="prefill")
+        group.add(f"{name}-d-0", server=1, role="decode")
+        return group
+
+    return start
+
+
+def test_prefill_and_decode_register_link_load_and_serve_a_streamed_request(
+    namespace: str, zk: KazooClient, engine_group: Callable[[str], EngineGroup]
 ) -> None:
-    emulator = start_emulator(servers=2)
-    core = client.CoreV1Api(api_client)
-    zk_hosts = f"{cluster.zookeeper}{zk.chroot}"
-    group, paths = f"{namespace}/g1", zl.GroupPaths(namespace, "g1")
-    core.create_namespaced_pod(
-        namespace, engine_pod("g1-p-0", emulator.nodes[0], "prefill", group, zk_hosts)
-    )
-    core.create_namespaced_pod(
-        namespace, engine_pod("g1-d-0", emulator.nodes[1], "decode", group, zk_hosts)
-    )
+    group = engine_group("g1")
+    core, emulator, paths = group.core, group.emulator, group.paths
 
     # 1. Gathering: both report their RoCE IPs, ordered by device id.
     gathered = wait_reports(zk, paths, ["g1-p-0", "g1-d-0"])
@@ -201,24 +236,12 @@ def test_prefill_and_decode_register_link_load_and_serve_a_streamed_request(
 
 
 def test_a_role_less_container_joins_a_serving_group_without_disturbing_it(
-    api_client: client.ApiClient,
-    cluster: ClusterInfo,
-    namespace: str,
-    zk: KazooClient,
-    start_emulator: Callable[..., Any],
+    namespace: str, zk: KazooClient, engine_group: Callable[[str], EngineGroup]
 ) -> None:
     """Dynamic RoCE construction (P/D-Serve §3.3, Fig. 7): the newcomer gets the map, links to
     the existing prefill, loads, reports health; only then is it pushed in the decode meta."""
-    emulator = start_emulator(servers=2)
-    core = client.CoreV1Api(api_client)
-    zk_hosts = f"{cluster.zookeeper}{zk.chroot}"
-    group, paths = f"{namespace}/g2", zl.GroupPaths(namespace, "g2")
-    core.create_namespaced_pod(
-        namespace, engine_pod("g2-p-0", emulator.nodes[0], "prefill", group, zk_hosts)
-    )
-    core.create_namespaced_pod(
-        namespace, engine_pod("g2-d-0", emulator.nodes[1], "decode", group, zk_hosts)
-    )
+    group = engine_group("g2")
+    core, emulator, paths = group.core, group.emulator, group.paths
     first = wait_reports(zk, paths, ["g2-p-0", "g2-d-0"])
     v1 = zl.build_roce_map(first.values(), {}, version=1)
     zk.create(paths.roce_map, v1.dump())
@@ -230,9 +253,7 @@ def test_a_role_less_container_joins_a_serving_group_without_disturbing_it(
     first_link = zk.get(paths.link("g2-p-0", "g2-d-0"))[1].mzxid
 
     # A role-less container ("auto") reports without a role and waits for the map.
-    core.create_namespaced_pod(
-        namespace, engine_pod("g2-x-1", emulator.nodes[1], "auto", group, zk_hosts)
-    )
+    group.add("g2-x-1", server=1, role="auto")
     newcomer = wait_reports(zk, paths, ["g2-x-1"])["g2-x-1"]
     assert newcomer.role is None
     time.sleep(1.0)

@@ -15,45 +15,12 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
-from kazoo.client import KazooClient
 from kubernetes import client
 
-from helpers import TcpProxy, metric, wait_for
+from helpers import Groups, TcpProxy, metric, wait_for, zookeeper
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo, free_ports
 from matrixserve.devcluster.procs import Supervisor
-from matrixserve.domain.conditions import is_true
-
-SAMPLE = Path(__file__).resolve().parents[2] / "crds" / "samples" / "pdgroup-2p1d.yaml"
-
-
-@pytest.fixture
-def serving_group(
-    api_client: client.ApiClient, namespace: str, start_operator: Callable[..., Any]
-) -> Callable[..., Any]:
-    def create(prefill: int = 2, decode: int = 1, scenario: str = "general") -> Any:
-        operator = start_operator(namespace)
-        body = yaml.safe_load(SAMPLE.read_text())
-        body["metadata"] = {"name": "g"}
-        body["spec"]["scenario"] = scenario
-        body["spec"]["prefill"]["replicas"] = prefill
-        body["spec"]["decode"]["replicas"] = decode
-        custom = client.CustomObjectsApi(api_client)
-        custom.create_namespaced_custom_object(
-            "matrixserve.io", "v1alpha1", namespace, "pdgroups", body
-        )
-
-        def ready() -> bool:
-            obj = custom.get_namespaced_custom_object(
-                "matrixserve.io", "v1alpha1", namespace, "pdgroups", "g"
-            )
-            return is_true(obj.get("status"), "Ready")
-
-        wait_for(ready, what="the group Ready")
-        return operator
-
-    return create
 
 
 @pytest.fixture
@@ -107,12 +74,6 @@ def start_gateway(
 @pytest.fixture
 def gateway(start_gateway: Callable[..., str]) -> str:
     return start_gateway()
-
-
-def _patch_group(api_client: client.ApiClient, namespace: str, spec: dict[str, Any]) -> None:
-    client.CustomObjectsApi(api_client).patch_namespaced_custom_object(
-        "matrixserve.io", "v1alpha1", namespace, "pdgroups", "g", {"spec": spec}
-    )
 
 
 def sse(
@@ -189,9 +150,7 @@ def test_a_prefill_leaving_the_entrances_stops_getting_requests_within_a_second(
 ) -> None:
     operator = serving_group()
     operator.stop()  # so nothing re-opens the entrance we close by hand
-    zk = KazooClient(hosts=cluster.zookeeper)
-    zk.start()
-    try:
+    with zookeeper(cluster.zookeeper) as zk:
         paths = zl.GroupPaths(namespace, "g")
         served = set()
         for i in range(6):
@@ -211,8 +170,6 @@ def test_a_prefill_leaving_the_entrances_stops_getting_requests_within_a_second(
             )
             after.append(chunks[-2]["matrixserve"]["instances"]["prefill"])
         assert set(after) == {"g-p-1"}, after
-    finally:
-        zk.stop()
 
 
 def test_a_decode_killed_mid_stream_ends_the_stream_with_an_error_and_new_requests_succeed(
@@ -260,20 +217,13 @@ def test_a_decode_killed_mid_stream_ends_the_stream_with_an_error_and_new_reques
 
 
 def test_a_hung_prefill_gets_a_503_once_the_budget_for_the_prompts_length_is_spent(
-    api_client: client.ApiClient,
-    namespace: str,
-    serving_group: Callable[..., Any],
-    start_gateway: Callable[..., str],
+    groups: Groups, serving_group: Callable[..., Any], start_gateway: Callable[..., str]
 ) -> None:
     """P/D-Serve §2.2.2/§3.5: the TTFT threshold depends on the prompt's length; the gateway
     waits for a prefill's answer only within it (a hung prefill is not waited on for ever), then
     answers 503 with the reason. The gateway runs at time scale 20: budgets are emulated."""
     serving_group(prefill=1, decode=1)
-    _patch_group(
-        api_client,
-        namespace,
-        {"slo": {"ttftMilliseconds": 2000, "ttftMillisecondsPer1kTokens": 1000}},
-    )
+    groups.patch("g", {"slo": {"ttftMilliseconds": 2000, "ttftMillisecondsPer1kTokens": 1000}})
     url = start_gateway()
     wait_for(
         lambda: (
@@ -285,7 +235,7 @@ def test_a_hung_prefill_gets_a_503_once_the_budget_for_the_prompts_length_is_spe
         timeout=10,
         what="the per-1k-token threshold in the routes",
     )
-    pod = client.CoreV1Api(api_client).read_namespaced_pod("g-p-0", namespace)
+    pod = groups.core.read_namespaced_pod("g-p-0", groups.namespace)
     prefill = f"http://{pod.status.pod_ip}:8000"
     hang = {"kind": "hang"}
     assert httpx.post(f"{prefill}/v1/faults", json=hang, trust_env=False).status_code == 201
@@ -403,7 +353,7 @@ def _served(url: str, n: int) -> set[str]:
 def test_without_zookeeper_the_gateway_routes_by_pdgroup_status(
     cluster: ClusterInfo,
     namespace: str,
-    api_client: client.ApiClient,
+    groups: Groups,
     serving_group: Callable[..., Any],
     start_gateway: Callable[..., str],
 ) -> None:
@@ -420,7 +370,7 @@ def test_without_zookeeper_the_gateway_routes_by_pdgroup_status(
         assert _routes(url) == ("status", ["g-p-0", "g-p-1"])
         assert _served(url, 3) <= {"g-p-0", "g-p-1"}
         # A third prefill opens while the gateway has no ZooKeeper: the status brings it.
-        _patch_group(api_client, namespace, {"prefill": {"replicas": 3}})
+        groups.patch("g", {"prefill": {"replicas": 3}})
         wait_for(
             lambda: _routes(url) == ("status", ["g-p-0", "g-p-1", "g-p-2"]),
             timeout=30,
@@ -447,12 +397,8 @@ def test_without_zookeeper_the_gateway_routes_by_pdgroup_status(
         # ZooKeeper, not the status, is the source again: with the operator stopped (the status
         # no longer changes), an entrance removed in ZooKeeper leaves the routes (the status still lists it).
         operator.stop()
-        zk = KazooClient(hosts=cluster.zookeeper)
-        zk.start()
-        try:
+        with zookeeper(cluster.zookeeper) as zk:
             zk.delete(zl.GroupPaths(namespace, "g").entrance("g-p-2"))
-        finally:
-            zk.stop()
         wait_for(
             lambda: _routes(url) == ("zookeeper", ["g-p-0", "g-p-1"]),
             timeout=5,

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from kubernetes import client
 
-from helpers import absent, wait_for
+from helpers import absent, events_of, wait_for
 from matrixserve.devcluster.procs import process_start_time
 
 NPU = "huawei.com/Ascend910"
@@ -71,12 +71,44 @@ def emulated_pid(emulator: Any, name: str) -> tuple[int, int]:
     return pid, start
 
 
+def ready_pod(core: client.CoreV1Api, namespace: str, name: str, what: str = "") -> client.V1Pod:
+    """Pod ``name`` once it is Ready."""
+    return wait_for(
+        lambda: (p := core.read_namespaced_pod(name, namespace)) and ready(p) and p,
+        what=what or f"{name} Ready",
+    )
+
+
+def run_pod(
+    core: client.CoreV1Api, namespace: str, name: str, node: str, container: dict[str, Any]
+) -> client.V1Pod:
+    """Create a one-container pod on ``node``; return it once it is Ready."""
+    core.create_namespaced_pod(namespace, pod_body(name, node, [container]))
+    return ready_pod(core, namespace, name)
+
+
+def waiting_state(core: client.CoreV1Api, namespace: str, name: str) -> Any:
+    """The first container's waiting state, once it has one (for ``wait_for``)."""
+    statuses = core.read_namespaced_pod(name, namespace).status.container_statuses
+    return statuses and statuses[0].state.waiting
+
+
+@pytest.fixture
+def core(api_client: client.ApiClient) -> client.CoreV1Api:
+    return client.CoreV1Api(api_client)
+
+
+@pytest.fixture
+def emulator(start_emulator: Callable[..., Any]) -> Any:
+    """A node emulator with one server (8 NPUs)."""
+    return start_emulator(servers=1)
+
+
 def test_three_4npu_pods_on_an_8npu_node_two_run_one_pending(
-    api_client: client.ApiClient, namespace: str, start_emulator: Callable[..., Any]
+    api_client: client.ApiClient, core: client.CoreV1Api, namespace: str, emulator: Any
 ) -> None:
-    emulator = start_emulator(servers=1)
     node = emulator.nodes[0]
-    apps, core = client.AppsV1Api(api_client), client.CoreV1Api(api_client)
+    apps = client.AppsV1Api(api_client)
     template = pod_body("x", node, [stub_container(npus=4)])
     apps.create_namespaced_deployment(
         namespace,
@@ -126,14 +158,9 @@ def test_three_4npu_pods_on_an_8npu_node_two_run_one_pending(
 
 
 def test_deleting_a_pod_stops_its_process_and_frees_its_npus(
-    api_client: client.ApiClient, namespace: str, start_emulator: Callable[..., Any]
+    core: client.CoreV1Api, namespace: str, emulator: Any
 ) -> None:
-    emulator = start_emulator(servers=1)
-    core = client.CoreV1Api(api_client)
-    core.create_namespaced_pod(
-        namespace, pod_body("victim", emulator.nodes[0], [stub_container(npus=8)])
-    )
-    wait_for(lambda: ready(core.read_namespaced_pod("victim", namespace)), what="victim Ready")
+    run_pod(core, namespace, "victim", emulator.nodes[0], stub_container(npus=8))
     pid, start = emulated_pid(emulator, "victim")
 
     core.delete_namespaced_pod("victim", namespace)
@@ -145,21 +172,14 @@ def test_deleting_a_pod_stops_its_process_and_frees_its_npus(
     )
     assert process_start_time(pid) != start, "the pod's process outlived the pod"
     # Its 8 NPUs are free again: a new 8-NPU pod runs on the same node.
-    core.create_namespaced_pod(
-        namespace, pod_body("next", emulator.nodes[0], [stub_container(npus=8)])
-    )
-    wait_for(lambda: ready(core.read_namespaced_pod("next", namespace)), what="next pod Ready")
-    events = core.list_namespaced_event(
-        namespace, field_selector="involvedObject.name=victim"
-    ).items
+    run_pod(core, namespace, "next", emulator.nodes[0], stub_container(npus=8))
+    events = events_of(core, namespace, "victim")
     assert any(e.reason == "Killing" for e in events)
 
 
 def test_crashing_container_restarts_with_backoff_and_reports_exit_code(
-    api_client: client.ApiClient, namespace: str, start_emulator: Callable[..., Any], tmp_path: Path
+    core: client.CoreV1Api, namespace: str, emulator: Any, tmp_path: Path
 ) -> None:
-    emulator = start_emulator(servers=1)
-    core = client.CoreV1Api(api_client)
     starts = tmp_path / "starts"
     crash = {
         "name": "main",
@@ -187,24 +207,14 @@ def test_crashing_container_restarts_with_backoff_and_reports_exit_code(
     assert gaps[0] >= 0.4, gaps
     assert gaps[1] >= 0.9, f"back-off did not grow: {gaps}"
     assert gaps[2] >= 1.8, f"back-off did not grow: {gaps}"
-    events = core.list_namespaced_event(
-        namespace, field_selector="involvedObject.name=crasher"
-    ).items
+    events = events_of(core, namespace, "crasher")
     assert any(e.reason == "BackOff" and e.type == "Warning" for e in events)
 
 
 def test_die_fault_appears_in_the_node_device_file_within_one_second(
-    api_client: client.ApiClient, namespace: str, start_emulator: Callable[..., Any]
+    core: client.CoreV1Api, namespace: str, emulator: Any
 ) -> None:
-    emulator = start_emulator(servers=1)
-    core = client.CoreV1Api(api_client)
-    core.create_namespaced_pod(
-        namespace, pod_body("reader", emulator.nodes[0], [stub_container(npus=2)])
-    )
-    pod = wait_for(
-        lambda: (p := core.read_namespaced_pod("reader", namespace)) and ready(p) and p,
-        what="reader Ready",
-    )
+    pod = run_pod(core, namespace, "reader", emulator.nodes[0], stub_container(npus=2))
     info = httpx.get(f"http://{pod.status.pod_ip}:8000/v1/info", timeout=5, trust_env=False).json()
     device_file = Path(info["deviceStatusFile"])
     die = int(info["dies"][1])
@@ -261,17 +271,16 @@ def test_link_down_is_recorded_on_both_ends(start_emulator: Callable[..., Any]) 
 
 
 def test_node_down_makes_the_node_notready_and_its_processes_gone(
-    api_client: client.ApiClient, namespace: str, start_emulator: Callable[..., Any]
+    core: client.CoreV1Api, namespace: str, start_emulator: Callable[..., Any]
 ) -> None:
     emulator = start_emulator(servers=2)
     down_node, other_node = emulator.nodes
-    core = client.CoreV1Api(api_client)
     core.create_namespaced_pod(namespace, pod_body("on-down", down_node, [stub_container(npus=1)]))
     core.create_namespaced_pod(
         namespace, pod_body("on-other", other_node, [stub_container(npus=1)])
     )
     for name in ("on-down", "on-other"):
-        wait_for(lambda n=name: ready(core.read_namespaced_pod(n, namespace)), what=f"{name} Ready")
+        ready_pod(core, namespace, name)
     pid, start = emulated_pid(emulator, "on-down")
     other_pid, other_start = emulated_pid(emulator, "on-other")
 
@@ -297,23 +306,17 @@ def test_node_down_makes_the_node_notready_and_its_processes_gone(
 
     emulator.fault(heal=True, kind="node-down", node=down_node)
     wait_for(lambda: not node_not_ready(), timeout=5, what="node Ready again")
-    revived = wait_for(
-        lambda: (p := core.read_namespaced_pod("on-down", namespace)) and ready(p) and p,
-        what="pod Ready again",
-    )
+    revived = ready_pod(core, namespace, "on-down", what="pod Ready again")
     assert revived.status.container_statuses[0].restart_count == 1
     assert not core.read_node(down_node).spec.taints
 
 
 def test_hang_stops_the_process_until_healed(
-    api_client: client.ApiClient, namespace: str, start_emulator: Callable[..., Any]
+    core: client.CoreV1Api, namespace: str, emulator: Any
 ) -> None:
-    emulator = start_emulator(servers=1)
-    core = client.CoreV1Api(api_client)
     container = stub_container(npus=1)
     container["readinessProbe"] |= {"failureThreshold": 1, "timeoutSeconds": 1}
-    core.create_namespaced_pod(namespace, pod_body("sleepy", emulator.nodes[0], [container]))
-    wait_for(lambda: ready(core.read_namespaced_pod("sleepy", namespace)), what="Ready")
+    run_pod(core, namespace, "sleepy", emulator.nodes[0], container)
     pid, _ = emulated_pid(emulator, "sleepy")
 
     result = emulator.fault(kind="hang", namespace=namespace, pod="sleepy")
@@ -334,33 +337,22 @@ def test_hang_stops_the_process_until_healed(
 
 
 def test_unknown_image_fails_with_a_clear_reason(
-    api_client: client.ApiClient, namespace: str, start_emulator: Callable[..., Any]
+    core: client.CoreV1Api, namespace: str, emulator: Any
 ) -> None:
-    emulator = start_emulator(servers=1)
-    core = client.CoreV1Api(api_client)
     core.create_namespaced_pod(
         namespace,
         pod_body("mystery", emulator.nodes[0], [{"name": "main", "image": "example.com/nope:1"}]),
     )
-
-    def waiting() -> Any:
-        statuses = core.read_namespaced_pod("mystery", namespace).status.container_statuses
-        return statuses and statuses[0].state.waiting
-
-    state = wait_for(waiting, what="a waiting reason")
+    state = wait_for(lambda: waiting_state(core, namespace, "mystery"), what="a waiting reason")
     assert state.reason == "ErrImagePull"
     assert 'image "example.com/nope:1" is not known to the node emulator' in state.message
-    events = core.list_namespaced_event(
-        namespace, field_selector="involvedObject.name=mystery"
-    ).items
+    events = events_of(core, namespace, "mystery")
     assert any(e.reason == "Failed" and e.type == "Warning" for e in events)
 
 
 def test_missing_secret_reference_is_a_config_error(
-    api_client: client.ApiClient, namespace: str, start_emulator: Callable[..., Any]
+    core: client.CoreV1Api, namespace: str, emulator: Any
 ) -> None:
-    emulator = start_emulator(servers=1)
-    core = client.CoreV1Api(api_client)
     container = {
         "name": "main",
         "image": "busybox",
@@ -368,12 +360,9 @@ def test_missing_secret_reference_is_a_config_error(
         "env": [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "absent", "key": "t"}}}],
     }
     core.create_namespaced_pod(namespace, pod_body("needs-secret", emulator.nodes[0], [container]))
-
-    def waiting() -> Any:
-        statuses = core.read_namespaced_pod("needs-secret", namespace).status.container_statuses
-        return statuses and statuses[0].state.waiting
-
-    state = wait_for(waiting, what="a waiting reason")
+    state = wait_for(
+        lambda: waiting_state(core, namespace, "needs-secret"), what="a waiting reason"
+    )
     assert state.reason == "CreateContainerConfigError"
     assert 'Secret "absent" not found' in state.message
 
@@ -390,9 +379,8 @@ def test_missing_secret_reference_is_a_config_error(
     ],
 )
 def test_bad_fault_requests_get_clear_errors_and_change_nothing(
-    start_emulator: Callable[..., Any], body: dict[str, Any], status: int, message: str
+    emulator: Any, body: dict[str, Any], status: int, message: str
 ) -> None:
-    emulator = start_emulator(servers=1)
     body = {k: (emulator.nodes[0] if v == "NODE" else v) for k, v in body.items()}
     with emulator.http() as http:
         response = http.post("/faults", json=body)
@@ -402,7 +390,7 @@ def test_bad_fault_requests_get_clear_errors_and_change_nothing(
 
 
 def test_advertise_mode_adds_npus_and_device_file_to_an_existing_node_and_runs_no_pods(
-    api_client: client.ApiClient, cluster: Any, namespace: str, tmp_path: Path
+    core: client.CoreV1Api, cluster: Any, namespace: str, tmp_path: Path
 ) -> None:
     """Kind mode: real kubelets run containers; the emulator is only device plugin + fault file."""
     import os
@@ -411,7 +399,6 @@ def test_advertise_mode_adds_npus_and_device_file_to_an_existing_node_and_runs_n
 
     from matrixserve.devcluster.procs import Supervisor
 
-    core = client.CoreV1Api(api_client)
     name = f"kind-worker-{secrets.token_hex(3)}"
     labels = {
         "matrixserve.io/superpod": "sp-1",

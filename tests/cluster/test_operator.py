@@ -8,75 +8,16 @@ import copy
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 from kazoo.client import KazooClient
 from kubernetes import client, watch
 
-from helpers import absent, wait_for
+from helpers import Groups, absent, events_of, pdgroup_body, wait_for, zookeeper
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo
-
-SAMPLE = Path(__file__).resolve().parents[2] / "crds" / "samples" / "pdgroup-2p1d.yaml"
-G = ("matrixserve.io", "v1alpha1")
-
-
-def group_body(name: str, prefill: int, decode: int) -> dict[str, Any]:
-    body: dict[str, Any] = yaml.safe_load(SAMPLE.read_text())
-    body["metadata"] = {"name": name}
-    body["spec"]["prefill"]["replicas"] = prefill
-    body["spec"]["decode"]["replicas"] = decode
-    return body
-
-
-class Groups:
-    def __init__(self, api: client.ApiClient, namespace: str) -> None:
-        self.custom = client.CustomObjectsApi(api)
-        self.core = client.CoreV1Api(api)
-        self.namespace = namespace
-
-    def create(self, body: dict[str, Any]) -> dict[str, Any]:
-        created: dict[str, Any] = self.custom.create_namespaced_custom_object(
-            *G, self.namespace, "pdgroups", body
-        )
-        return created
-
-    def get(self, name: str) -> dict[str, Any]:
-        group: dict[str, Any] = self.custom.get_namespaced_custom_object(
-            *G, self.namespace, "pdgroups", name
-        )
-        return group
-
-    def patch(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-        patched: dict[str, Any] = self.custom.patch_namespaced_custom_object(
-            *G, self.namespace, "pdgroups", name, {"spec": spec}
-        )
-        return patched
-
-    def condition(self, name: str, kind: str) -> dict[str, Any]:
-        for cond in (self.get(name).get("status") or {}).get("conditions", []):
-            if cond["type"] == kind:
-                return dict(cond)
-        return {}
-
-    def ready(self, name: str) -> bool:
-        return self.condition(name, "Ready").get("status") == "True"
-
-    def pods(self, name: str) -> dict[str, client.V1Pod]:
-        items = self.core.list_namespaced_pod(
-            self.namespace, label_selector=f"matrixserve.io/group={name}"
-        ).items
-        return {p.metadata.name: p for p in items if p.metadata.deletion_timestamp is None}
-
-
-def zk_client(cluster: ClusterInfo) -> KazooClient:
-    zk = KazooClient(hosts=cluster.zookeeper, timeout=10)
-    zk.start(timeout=15)
-    return zk
 
 
 def started_at(pod: client.V1Pod) -> str:
@@ -96,12 +37,10 @@ def test_a_2p2d_group_reaches_ready_with_exactly_np_nd_k_links(
     api_client: client.ApiClient,
     cluster: ClusterInfo,
     namespace: str,
-    start_operator: Callable[..., Any],
+    groups: Groups,
+    serving_group: Callable[..., Any],
 ) -> None:
-    operator = start_operator(namespace)
-    groups = Groups(api_client, namespace)
-    groups.create(group_body("g", 2, 2))
-    wait_for(lambda: groups.ready("g"), what="Ready")
+    operator = serving_group(prefill=2, decode=2)
     status = groups.get("g")["status"]
     k = 2 * 2  # 2 NPUs per instance, 2 dies each, one RoCE IP per die
     assert status["links"] == {"expected": 2 * 2 * k, "verified": 2 * 2 * k, "summary": "16/16"}
@@ -110,8 +49,7 @@ def test_a_2p2d_group_reaches_ready_with_exactly_np_nd_k_links(
     assert status["observedGeneration"] == 1
     assert sorted(status["entrances"]) == ["g-p-0", "g-p-1"]
     assert {i["state"] for i in status["instances"]} == {"Serving"}
-    zk = zk_client(cluster)
-    try:
+    with zookeeper(cluster.zookeeper) as zk:
         paths = zl.GroupPaths(namespace, "g")
         links = [
             zl.Link.parse(zk.get(f"{paths.links}/{c}")[0]) for c in zk.get_children(paths.links)
@@ -128,8 +66,6 @@ def test_a_2p2d_group_reaches_ready_with_exactly_np_nd_k_links(
             )
             assert entry.roce_ips == instance["roceIps"]
         assert sorted(zk.get_children(paths.entrances)) == ["g-p-0", "g-p-1"]
-    finally:
-        zk.stop()
     # The pods carry the contract: owner, NPUs, role-less start.
     for pod in groups.pods("g").values():
         assert pod.metadata.owner_references[0].kind == "PDGroup"
@@ -152,11 +88,7 @@ def test_a_2p2d_group_reaches_ready_with_exactly_np_nd_k_links(
     )
     assert 'matrixserve_operator_zookeeper_session_state{state="CONNECTED"} 1.0' in metrics
     assert 'matrixserve_operator_setup_phase_seconds_count{phase="serve"} 1.0' in metrics
-    events = (
-        client.CoreV1Api(api_client)
-        .list_namespaced_event(namespace, field_selector="involvedObject.name=g")
-        .items
-    )
+    events = events_of(groups.core, namespace, "g")
     reasons = [e.reason for e in events]
     assert reasons.count("CreatedPod") == 4
     assert "InitOrder" in reasons
@@ -164,21 +96,15 @@ def test_a_2p2d_group_reaches_ready_with_exactly_np_nd_k_links(
 
 
 def test_scaling_decode_adds_one_pod_and_restarts_nobody(
-    api_client: client.ApiClient,
-    cluster: ClusterInfo,
-    namespace: str,
-    start_operator: Callable[..., Any],
+    groups: Groups, serving_group: Callable[..., Any]
 ) -> None:
-    start_operator(namespace)
-    groups = Groups(api_client, namespace)
-    groups.create(group_body("g", 2, 2))
-    wait_for(lambda: groups.ready("g"), what="Ready")
+    serving_group(prefill=2, decode=2)
     before = identities(groups.pods("g"))
     # kubectl scale goes through the scale subresource: it scales decode.
-    scale = groups.custom.get_namespaced_custom_object_scale(*G, namespace, "pdgroups", "g")
+    scale = groups.custom.get_namespaced_custom_object_scale(*groups.where, "g")
     assert scale["spec"]["replicas"] == 2
     groups.custom.patch_namespaced_custom_object_scale(
-        *G, namespace, "pdgroups", "g", {"spec": {"replicas": 3}}
+        *groups.where, "g", {"spec": {"replicas": 3}}
     )
     wait_for(
         lambda: groups.get("g")["status"].get("decode", {}).get("ready") == 3 and groups.ready("g"),
@@ -194,18 +120,13 @@ def test_scaling_decode_adds_one_pod_and_restarts_nobody(
 
 
 def test_scaling_prefill_in_removes_the_map_entry_before_the_pod(
-    api_client: client.ApiClient,
-    cluster: ClusterInfo,
-    namespace: str,
-    start_operator: Callable[..., Any],
+    cluster: ClusterInfo, namespace: str, groups: Groups, serving_group: Callable[..., Any]
 ) -> None:
-    start_operator(namespace)
-    groups = Groups(api_client, namespace)
-    groups.create(group_body("g", 2, 2))
-    wait_for(lambda: groups.ready("g"), what="Ready")
+    serving_group(prefill=2, decode=2)
     paths = zl.GroupPaths(namespace, "g")
     seen: dict[str, float] = {}
-    zk = zk_client(cluster)
+    zk = KazooClient(hosts=cluster.zookeeper, timeout=10)
+    zk.start(timeout=15)
 
     def on_map(data: bytes | None, _stat: Any) -> None:
         if data and "g-p-1" not in [e.instance for e in zl.RoceMap.parse(data).prefill]:
@@ -261,17 +182,16 @@ def test_scaling_prefill_in_removes_the_map_entry_before_the_pod(
 
 
 def test_the_webhook_rejects_an_invalid_spec_with_a_clear_message(
-    api_client: client.ApiClient, namespace: str, start_operator: Callable[..., Any]
+    namespace: str, groups: Groups, start_operator: Callable[..., Any]
 ) -> None:
     start_operator(namespace)
-    groups = Groups(api_client, namespace)
-    bad = group_body("bad", 1, 1)
+    bad = pdgroup_body("bad", 1, 1)
     bad["spec"]["decode"]["devicesPerInstance"] = 4
     with pytest.raises(client.ApiException) as rejected:
         groups.create(bad)
     assert rejected.value.status == 422
     assert "same devices per instance (2 vs 4)" in rejected.value.body
-    too_big = group_body("big", 1, 1)
+    too_big = pdgroup_body("big", 1, 1)
     too_big["spec"]["model"]["name"] = "gpt3-175b"
     with pytest.raises(client.ApiException) as rejected_model:
         groups.create(too_big)
@@ -279,20 +199,13 @@ def test_the_webhook_rejects_an_invalid_spec_with_a_clear_message(
 
 
 def test_an_invalid_update_leaves_the_running_group_untouched_with_invalid_spec(
-    api_client: client.ApiClient,
-    cluster: ClusterInfo,
-    namespace: str,
-    start_operator: Callable[..., Any],
+    cluster: ClusterInfo, namespace: str, groups: Groups, serving_group: Callable[..., Any]
 ) -> None:
     """Without the webhook (or with it bypassed), the reconciler's own check stops the change."""
-    start_operator(namespace, webhook=False)
-    groups = Groups(api_client, namespace)
-    groups.create(group_body("g", 1, 1))
-    wait_for(lambda: groups.ready("g"), what="Ready")
+    serving_group(prefill=1, decode=1, webhook=False)
     before = {n: p.metadata.uid for n, p in groups.pods("g").items()}
-    zk = zk_client(cluster)
     paths = zl.GroupPaths(namespace, "g")
-    try:
+    with zookeeper(cluster.zookeeper) as zk:
         map_before = zk.get(paths.roce_map)
         groups.patch(
             "g", {"decode": {"replicas": 3, "devicesPerInstance": 4}, "prefill": {"replicas": 0}}
@@ -309,57 +222,38 @@ def test_an_invalid_update_leaves_the_running_group_untouched_with_invalid_spec(
         assert {n: p.metadata.uid for n, p in groups.pods("g").items()} == before
         assert zk.get(paths.roce_map) == map_before
         assert sorted(zk.get_children(paths.entrances)) == ["g-p-0"]
-    finally:
-        zk.stop()
-    events = (
-        client.CoreV1Api(api_client)
-        .list_namespaced_event(namespace, field_selector="involvedObject.name=g")
-        .items
-    )
+    events = events_of(groups.core, namespace, "g")
     assert [e.type for e in events if e.reason == "InvalidSpec"] == ["Warning"]
     # Fixing the spec resumes reconciliation.
     groups.patch(
         "g", {"decode": {"replicas": 1, "devicesPerInstance": 2}, "prefill": {"replicas": 1}}
     )
-    wait_for(lambda: groups.ready("g"), what="Ready again")
+    groups.wait_ready("g", what="Ready again")
 
 
 def test_deleting_a_group_leaves_no_pods_and_no_znodes(
-    api_client: client.ApiClient,
-    cluster: ClusterInfo,
-    namespace: str,
-    start_operator: Callable[..., Any],
+    cluster: ClusterInfo, namespace: str, groups: Groups, serving_group: Callable[..., Any]
 ) -> None:
-    start_operator(namespace)
-    groups = Groups(api_client, namespace)
-    groups.create(group_body("g", 1, 1))
-    wait_for(lambda: groups.ready("g"), what="Ready")
-    groups.custom.delete_namespaced_custom_object(*G, namespace, "pdgroups", "g")
+    serving_group(prefill=1, decode=1)
+    groups.delete("g")
 
     wait_for(
         lambda: absent(lambda: groups.get("g")), what="the PDGroup to be deleted (finalizer done)"
     )
     wait_for(lambda: not groups.core.list_namespaced_pod(namespace).items, what="no pods left")
-    zk = zk_client(cluster)
-    try:
+    with zookeeper(cluster.zookeeper) as zk:
         assert not zk.exists(zl.group_path(namespace, "g"))
         assert not zk.exists(f"{zl.ROOT}/groups/{namespace}"), (
             "the empty namespace folder was left behind"
         )
-    finally:
-        zk.stop()
 
 
 def test_restarting_the_operator_mid_setup_finishes_without_duplicates(
-    api_client: client.ApiClient,
-    cluster: ClusterInfo,
-    namespace: str,
-    start_operator: Callable[..., Any],
+    namespace: str, groups: Groups, start_operator: Callable[..., Any]
 ) -> None:
     # Time scale 1: model loads take ~6 s, a window to kill the operator in.
     operator = start_operator(namespace, time_scale="1")
-    groups = Groups(api_client, namespace)
-    groups.create(group_body("g", 2, 2))
+    groups.create(pdgroup_body("g", 2, 2))
     wait_for(
         lambda: (groups.get("g").get("status") or {}).get("roceMapVersion") == 1,
         what="the RoCE map",
@@ -369,16 +263,12 @@ def test_restarting_the_operator_mid_setup_finishes_without_duplicates(
     uids = {n: p.metadata.uid for n, p in groups.pods("g").items()}
     assert len(uids) == 4
     operator.start()
-    wait_for(lambda: groups.ready("g"), what="Ready after the restart")
+    groups.wait_ready("g", what="Ready after the restart")
     assert {n: p.metadata.uid for n, p in groups.pods("g").items()} == uids, "pods were recreated"
     status = groups.get("g")["status"]
     assert status["roceMapVersion"] == 1, "the map was rewritten"
     assert status["links"]["verified"] == status["links"]["expected"] == 16
-    events = (
-        client.CoreV1Api(api_client)
-        .list_namespaced_event(namespace, field_selector="involvedObject.name=g")
-        .items
-    )
+    events = events_of(groups.core, namespace, "g")
     reasons = [e.reason for e in events]
     assert reasons.count("CreatedPod") == 4
     assert reasons.count("RoceMap") == 1
@@ -386,12 +276,11 @@ def test_restarting_the_operator_mid_setup_finishes_without_duplicates(
 
 
 def test_without_zookeeper_the_operator_plans_nothing_destructive(
-    api_client: client.ApiClient, namespace: str, start_operator: Callable[..., Any]
+    namespace: str, groups: Groups, start_operator: Callable[..., Any]
 ) -> None:
     """No coordination, no destructive plan: pods are created, but no map, no deletions."""
     start_operator(namespace, extra=("--zookeeper", "127.0.0.1:9"))  # nothing listens there
-    groups = Groups(api_client, namespace)
-    groups.create(group_body("g", 1, 1))
+    groups.create(pdgroup_body("g", 1, 1))
     wait_for(lambda: len(groups.pods("g")) == 2, what="the pods")
     wait_for(
         lambda: groups.condition("g", "Ready").get("reason") == "Blocked",

@@ -15,7 +15,7 @@ import pytest
 from kazoo.client import KazooClient
 from kubernetes import client, watch
 
-from helpers import wait_for
+from helpers import install_crds, wait_for
 from matrixserve.devcluster.cluster import ClusterInfo
 
 SMOKE_GROUP = "smoke.matrixserve.io"
@@ -25,8 +25,6 @@ CHART = Path(__file__).resolve().parent.parent / "fixtures" / "charts" / "smoke"
 
 @pytest.fixture(scope="module")
 def widget_crd(api_client: client.ApiClient) -> Iterator[str]:
-    ext = client.ApiextensionsV1Api(api_client)
-    name = f"widgets.{SMOKE_GROUP}"
     schema = {
         "type": "object",
         "properties": {
@@ -43,7 +41,7 @@ def widget_crd(api_client: client.ApiClient) -> Iterator[str]:
     body = {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": name},
+        "metadata": {"name": f"widgets.{SMOKE_GROUP}"},
         "spec": {
             "group": SMOKE_GROUP,
             "scope": "Namespaced",
@@ -58,17 +56,9 @@ def widget_crd(api_client: client.ApiClient) -> Iterator[str]:
             ],
         },
     }
-    ext.create_custom_resource_definition(body)
-
-    def established() -> bool:
-        crd = ext.read_custom_resource_definition(name)
-        return any(
-            c.type == "Established" and c.status == "True" for c in crd.status.conditions or []
-        )
-
-    wait_for(established, what="CRD Established")
+    (name,) = install_crds(api_client, [body])
     yield name
-    ext.delete_custom_resource_definition(name)
+    client.ApiextensionsV1Api(api_client).delete_custom_resource_definition(name)
 
 
 def test_crd_schema_rejects_invalid_object_with_api_server_message(

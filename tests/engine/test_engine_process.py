@@ -26,12 +26,25 @@ LLAMA = ["--model", "llama3-8b", "--dies", "0,1"]
 GPT3 = ["--model", "gpt3-175b", "--dies", "0,1,2,3,4,5,6,7"]
 
 
+def launch(
+    start_engine: Any,
+    name: str,
+    *,
+    role: str = "colocated",
+    model: list[str] = LLAMA,
+    scale: str,
+    extra: tuple[str, ...] | list[str] = (),
+) -> Any:
+    """An engine of ``role`` loading its model at once (NPU-fork over UB), at time ``scale``."""
+    return start_engine(
+        name, "--role", role, *model, "--time-scale", scale, "--load-source", "NPUForkUB", *extra
+    )
+
+
 def test_colocated_streams_tokens_with_ttft_and_tpot_from_the_model(
     start_engine: Any, stream: Any
 ) -> None:
-    engine = start_engine(
-        "colo", "--role", "colocated", *LLAMA, "--time-scale", "1", "--load-source", "NPUForkUB"
-    )
+    engine = launch(start_engine, "colo", scale="1")
     status, events = stream(
         f"{engine.url}/v1/generate", {"requestId": "r1", "promptTokens": 8192, "maxTokens": 60}
     )
@@ -57,12 +70,8 @@ def test_colocated_streams_tokens_with_ttft_and_tpot_from_the_model(
 
 
 def test_time_scale_compresses_wall_time_not_reported_time(start_engine: Any, stream: Any) -> None:
-    slow = start_engine(
-        "x1", "--role", "colocated", *LLAMA, "--time-scale", "1", "--load-source", "NPUForkUB"
-    )
-    fast = start_engine(
-        "x20", "--role", "colocated", *LLAMA, "--time-scale", "20", "--load-source", "NPUForkUB"
-    )
+    slow = launch(start_engine, "x1", scale="1")
+    fast = launch(start_engine, "x20", scale="20")
     results = {}
     for name, engine in (("x1", slow), ("x20", fast)):
         began = time.monotonic()
@@ -79,18 +88,7 @@ def test_time_scale_compresses_wall_time_not_reported_time(start_engine: Any, st
 
 
 def test_prefill_rejects_instead_of_queueing(start_engine: Any, stream: Any) -> None:
-    engine = start_engine(
-        "p1",
-        "--role",
-        "colocated",
-        *LLAMA,
-        "--max-batch",
-        "1",
-        "--time-scale",
-        "1",
-        "--load-source",
-        "NPUForkUB",
-    )
+    engine = launch(start_engine, "p1", scale="1", extra=["--max-batch", "1"])
     status, body, answered_in = _behind_a_long_prompt(
         engine.url, stream, {"requestId": "second", "promptTokens": 10, "maxTokens": 1}
     )
@@ -137,10 +135,7 @@ def test_prefill_refuses_a_prompt_that_would_miss_a_ttft_budget(
     """Admission checks budgets beside the prompts already in prefill (processor sharing): a
     prompt is refused (429, a free slot notwithstanding) if its own first token, or that of a
     prompt in prefill, would then be late; one that fits is accepted."""
-    engine = start_engine(
-        "pd", "--role", "colocated", *LLAMA, "--max-batch", "4", "--time-scale", "1",
-        "--load-source", "NPUForkUB",
-    )  # fmt: skip
+    engine = launch(start_engine, "pd", scale="1", extra=["--max-batch", "4"])
     shape = timing.InstanceShape(dies=2, tp=2)
     alone = timing.prefill_seconds(LLAMA3_8B, shape, 32000)
     url = f"{engine.url}/v1/generate"
@@ -214,33 +209,21 @@ def _wait_slots_used(url: str, used: int) -> None:
 
 
 def _pd_pair(start_engine: Any, plane: str, name: str, scale: str = "0.1") -> tuple[Any, Any]:
-    decode = start_engine(
+    decode = launch(
+        start_engine,
         f"{name}-d",
-        "--role",
-        "decode",
-        *GPT3,
-        "--time-scale",
-        scale,
-        "--kv-plane",
-        plane,
-        "--load-source",
-        "NPUForkUB",
+        role="decode",
+        model=GPT3,
+        scale=scale,
+        extra=["--kv-plane", plane],
     )
-    prefill = start_engine(
+    prefill = launch(
+        start_engine,
         f"{name}-p",
-        "--role",
-        "prefill",
-        *GPT3,
-        "--time-scale",
-        scale,
-        "--kv-plane",
-        plane,
-        "--load-source",
-        "NPUForkUB",
-        "--decode-peer",
-        decode.address,
-        "--max-batch",
-        "4",
+        role="prefill",
+        model=GPT3,
+        scale=scale,
+        extra=["--kv-plane", plane, "--decode-peer", decode.address, "--max-batch", "4"],
     )
     return prefill, decode
 
@@ -349,9 +332,7 @@ def test_die_fault_in_the_device_file_is_seen_within_one_second_and_fails_reques
 
 
 def test_injected_faults_slow_hang_and_bad_fault_requests(start_engine: Any, stream: Any) -> None:
-    engine = start_engine(
-        "inj", "--role", "colocated", *LLAMA, "--time-scale", "1", "--load-source", "NPUForkUB"
-    )
+    engine = launch(start_engine, "inj", scale="1")
     _, normal = stream(
         f"{engine.url}/v1/generate", {"requestId": "n", "promptTokens": 4096, "maxTokens": 2}
     )
@@ -407,9 +388,7 @@ def test_injected_faults_slow_hang_and_bad_fault_requests(start_engine: Any, str
 def test_bad_requests_get_clear_4xx(
     start_engine: Any, stream: Any, body: Any, status: int, code: str
 ) -> None:
-    engine = start_engine(
-        "bad", "--role", "colocated", *LLAMA, "--time-scale", "50", "--load-source", "NPUForkUB"
-    )
+    engine = launch(start_engine, "bad", scale="50")
     content = body if isinstance(body, str) else json.dumps(body)
     response = httpx.post(f"{engine.url}/v1/generate", content=content, trust_env=False)
     assert response.status_code == status
@@ -418,9 +397,7 @@ def test_bad_requests_get_clear_4xx(
 
 
 def test_decode_role_refuses_entrance_requests(start_engine: Any, stream: Any) -> None:
-    engine = start_engine(
-        "d-only", "--role", "decode", *LLAMA, "--time-scale", "50", "--load-source", "NPUForkUB"
-    )
+    engine = launch(start_engine, "d-only", role="decode", scale="50")
     status, body = stream(f"{engine.url}/v1/generate", {"requestId": "x", "promptTokens": 10})
     assert status == 409
     assert body[0]["error"]["code"] == "wrong_role"
@@ -451,18 +428,7 @@ def test_invalid_configurations_exit_2_with_one_message(args: list[str], message
 
 
 def test_hbm_limits_the_decode_batch(start_engine: Any, stream: Any) -> None:
-    engine = start_engine(
-        "hbm",
-        "--role",
-        "colocated",
-        *LLAMA,
-        "--time-scale",
-        "50",
-        "--load-source",
-        "NPUForkUB",
-        "--max-batch",
-        "64",
-    )
+    engine = launch(start_engine, "hbm", scale="50", extra=["--max-batch", "64"])
     info = httpx.get(f"{engine.url}/v1/info", trust_env=False).json()
     capacity = 2 * catalog.DIE_HBM_BYTES * HBM_USABLE_FRACTION - info["weightsBytes"]
     assert info["kvCapacityBytes"] == pytest.approx(capacity)

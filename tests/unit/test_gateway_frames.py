@@ -7,7 +7,10 @@ import json
 import pytest
 
 from matrixserve.domain.forwarding import Completion
-from matrixserve.gateway.app import _PIECE, _chunk, _frame, _TokenFrame
+from matrixserve.gateway.openai import PIECE as _PIECE
+from matrixserve.gateway.openai import TokenFrame as _TokenFrame
+from matrixserve.gateway.openai import chunk as _chunk
+from matrixserve.gateway.openai import frame as _frame
 
 
 @pytest.mark.parametrize("chat", [False, True])

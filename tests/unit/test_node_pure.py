@@ -13,15 +13,16 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from enginestub.node import allocator, devicestatus, podspec, podstatus
+from enginestub.node.command import node_names, run_argv
 from enginestub.node.network import AddressExhausted, NodeAddresses, choose_cidrs
 from enginestub.node.runner import ContainerState, Terminated
 from enginestub.node.topology import (
-    NPU_RESOURCE,
     SuperPodSpec,
     TopologySpec,
     build,
     server_for_existing_node,
 )
+from matrixserve.api.kinds import NPU_RESOURCE
 
 # ----------------------------------------------------------------------------- topology
 
@@ -75,6 +76,25 @@ def test_advertise_mode_server_comes_from_node_labels() -> None:
     )
     assert (server.superpod_index, server.server_index) == (1, 1)
     assert server.dies[0].roce_ip == "198.18.65.1"
+
+
+@pytest.mark.parametrize(
+    ("prefix", "first", "last"),
+    [(None, "sp0-server-00", "sp1-server-02"), ("x", "x0-server-00", "x1-server-02")],
+)
+def test_run_argv_parses_and_names_the_nodes_the_emulator_registers(
+    tmp_path: Path, prefix: str | None, first: str, last: str
+) -> None:
+    from enginestub.node.__main__ import _parser, _topology
+
+    argv = run_argv(tmp_path, superpods=2, servers=3, prefix=prefix, extra=("--no-zygote",))
+    assert argv[1:4] == ["-m", "enginestub.node", "run"]
+    args = _parser().parse_args(argv[3:])
+    assert (args.state_dir, args.delete_nodes_on_exit, args.no_zygote) == (tmp_path, True, True)
+    registered = [s.node_name for s in build(_topology(args))]
+    named = node_names(2, 3) if prefix is None else node_names(2, 3, prefix)
+    assert registered == named
+    assert (len(named), named[0], named[-1]) == (6, first, last)
 
 
 # ----------------------------------------------------------------------------- allocation

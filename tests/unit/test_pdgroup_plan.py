@@ -7,24 +7,26 @@ from typing import Any
 
 import pytest
 
+from fakes import engine_report
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain import conditions, pdgroup
-from matrixserve.domain.pdgroup import (
+from matrixserve.domain.enginepod import EngineSettings
+from matrixserve.domain.observed import PodView
+from matrixserve.domain.pdgroup import GroupView, ZkView
+from matrixserve.domain.pdgroup.actions import (
     ClearRemoved,
     CreatePod,
     DeleteEntrance,
     DeletePod,
     EraseInstance,
-    GroupView,
-    PodView,
     SetEntrance,
     WriteDecodeMeta,
     WriteInitOrder,
     WriteRoceMap,
-    ZkView,
 )
-from matrixserve.domain.validation import validate_pdgroup
+from matrixserve.domain.pdgroup.pods import pod_labels
+from matrixserve.domain.pdgroup.validation import validate_pdgroup
 
 P, D = zl.Role.PREFILL, zl.Role.DECODE
 
@@ -42,21 +44,18 @@ def spec(p: int = 2, d: int = 1, **extra: Any) -> PDGroupSpec:
 
 
 def pod(name: str, role: zl.Role, created: float = 0.0, deleting: bool = False) -> PodView:
-    return PodView(name, f"uid-{name}", role, "Running", True, deleting, "n1", "sp0", created)
+    labels = pod_labels("g", role, name)
+    return PodView(name, f"uid-{name}", labels, "Running", True, deleting, "n1", "sp0", created)
 
 
-def report(name: str, i: int) -> zl.Report:
-    ips = [f"198.18.0.{4 * i + k + 1}" for k in range(4)]
-    return zl.Report(
-        instance=name,
-        podIP=f"127.64.0.{i + 2}",
-        port=8000,
-        node="n1",
-        superpod="sp0",
-        dies=[0, 1, 2, 3],
-        roceIps=ips,
-        ts=0.0,
-    )
+ENGINE = EngineSettings(zookeeper="127.0.0.1:2181")
+
+
+def group_view(s: PDGroupSpec, pods: dict[str, PodView], zk: ZkView, now: float) -> GroupView:
+    return GroupView("ns", "g", 1, s, pods, zk, now=now, uid="uid-g", engine=ENGINE)
+
+
+report = engine_report
 
 
 def health(name: str, role: zl.Role, i: int) -> zl.Health:
@@ -75,7 +74,7 @@ NAMES = {"g-p-0": (P, 0), "g-p-1": (P, 1), "g-d-0": (D, 2), "g-d-1": (D, 3)}
 
 
 def view(s: PDGroupSpec, pods: list[str], zk: ZkView, now: float = 10.0) -> GroupView:
-    return GroupView("ns", "g", 1, s, {n: pod(n, NAMES[n][0]) for n in pods}, zk, now)
+    return group_view(s, {n: pod(n, NAMES[n][0]) for n in pods}, zk, now)
 
 
 def kinds(plan: pdgroup.Plan) -> list[str]:
@@ -239,9 +238,9 @@ def test_without_zookeeper_only_missing_pods_are_created() -> None:
 def test_a_pod_that_never_reports_is_replaced_after_the_gather_timeout() -> None:
     s = spec()
     pods = {n: pod(n, NAMES[n][0], created=0.0) for n in ["g-p-0", "g-p-1", "g-d-0"]}
-    early = pdgroup.plan(GroupView("ns", "g", 1, s, pods, ZkView(connected=True), now=10.0))
+    early = pdgroup.plan(group_view(s, pods, ZkView(connected=True), now=10.0))
     assert not any(isinstance(a, DeletePod) for a in early.actions)
-    late = pdgroup.plan(GroupView("ns", "g", 1, s, pods, ZkView(connected=True), now=10_000.0))
+    late = pdgroup.plan(group_view(s, pods, ZkView(connected=True), now=10_000.0))
     assert [a.name for a in late.actions if isinstance(a, DeletePod)] == ["g-p-0", "g-p-1", "g-d-0"]
 
 

@@ -4,7 +4,11 @@
 - :mod:`.clock` — emulated time: every duration reported is emulated seconds; a time scale
   (emulated seconds per wall second) compresses long phases without changing any ratio;
 - :mod:`.sharing` — processor sharing in emulated time (prefill compute, KV links);
-- :mod:`.core` — prefill (accept or reject, no queue), KV pull, decode continuous batching;
+- :mod:`.core` — the engine (facade): lifecycle, health, each request's path through its parts:
+  :mod:`.prefill` (accept or reject, no queue), :mod:`.to_decode` (forwarding to a decode),
+  :mod:`.kvpull` (the KV pull, both sides), :mod:`.decode` (continuous batching),
+  :mod:`.kvcache` (HBM for KV), :mod:`.faults` (device status file, injected faults);
+  the wire format is :mod:`matrixserve.api.engine_protocol`;
 - :mod:`.resident` — the P/D-Serve resident process over ZooKeeper (§3.2-3.4);
 - :mod:`.server` — HTTP: engine API, health, metrics, fault injection.
 """

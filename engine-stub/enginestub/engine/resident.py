@@ -20,8 +20,9 @@
 Health rule on faults: a die, NPU or HBM fault on this instance deletes its health znode (the
 instance is unusable); a link fault keeps it with ``state: Degraded`` and the message.
 
-Sessions: SUSPENDED pauses writes; LOST means our ephemerals are gone, so on reconnection the
-report and health znodes are written again. Every write is idempotent.
+Sessions (:mod:`matrixserve.coordination`, the one session owner): SUSPENDED pauses writes; LOST
+means our ephemerals are gone, so on reconnection the report and health znodes are written
+again. Every write is idempotent.
 """
 
 from __future__ import annotations
@@ -34,12 +35,11 @@ import time
 from typing import Any
 
 import httpx
-from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
-from kazoo.handlers.threading import KazooTimeoutError
 
 from enginestub.engine.core import Engine
+from matrixserve import coordination
 from matrixserve.api import zk_layout as zl
+from matrixserve.coordination import Session, SessionState
 
 log = logging.getLogger("enginestub.resident")
 LINK_WALL_FLOOR_SECONDS = 30.0
@@ -58,7 +58,7 @@ class Resident:
         self.namespace, self.group = cfg.group.split("/", 1)
         self.paths = zl.GroupPaths(self.namespace, self.group)
         self.instance = cfg.instance
-        self.zk = KazooClient(hosts=cfg.zookeeper, timeout=10.0)
+        self.zk = Session(cfg.zookeeper, timeout=10.0)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.roce_map: zl.RoceMap | None = None
         self.init_order: zl.InitOrder | None = None
@@ -80,18 +80,15 @@ class Resident:
         if self.loop is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(fn, *args)
 
-    def _on_state(self, state: str) -> None:
-        if state == KazooState.SUSPENDED:
+    def _on_state(self, state: SessionState) -> None:
+        if state is SessionState.SUSPENDED:
             self.suspended.set()
-        elif state == KazooState.LOST:
+        elif state is SessionState.LOST:
             self.suspended.set()
             self._call(self._reregister.set)
         else:
             self.suspended.clear()
             self._call(self._reregister.set)
-
-    async def _zk(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.to_thread(fn, *args, **kwargs)
 
     # ------------------------------------------------------------------ main
     async def start(self) -> None:
@@ -101,18 +98,18 @@ class Resident:
 
     async def _connect_and_run(self) -> None:
         """Connect (retrying: ZooKeeper may come later than the pod), then run the protocol."""
-        while True:
-            try:
-                await self._zk(self.zk.start, 15)  # returns at once if already connected
-                for folder in self.paths.all_folders():  # a session that drops right away too
-                    await self._zk(self.zk.ensure_path, folder)
-                break
-            except Exception as exc:  # kazoo raises its own timeout types
-                self.phase = "WaitingForZooKeeper"
-                log.warning(
-                    "ZooKeeper %s unreachable (%s); retrying", self.engine.config.zookeeper, exc
-                )
-                await asyncio.sleep(2)
+
+        def waiting(exc: Exception) -> None:
+            self.phase = "WaitingForZooKeeper"
+            log.warning("ZooKeeper %s unreachable (%s); retrying", self.zk.hosts, exc)
+
+        # Creating the group's folders is part of each try: a session may drop right away.
+        await self.zk.connect(
+            attempt_timeout=15,
+            pause=2,
+            then=lambda: self.zk.ensure(*self.paths.all_folders()),
+            on_retry=waiting,
+        )
         await self._run()
 
     @property
@@ -128,9 +125,7 @@ class Resident:
             self._task.cancel()
             with contextlib.suppress(BaseException):  # cancelled, or the failure already logged
                 await self._task
-        with contextlib.suppress(Exception):
-            await self._zk(self.zk.stop)
-            await self._zk(self.zk.close)
+        await self.zk.stop()
 
     def _report(self) -> zl.Report:
         cfg = self.engine.config
@@ -154,10 +149,7 @@ class Resident:
     async def _write_report(self) -> None:
         data = self._report().dump()
         path = self.paths.report(self.instance)
-        try:
-            await self._zk(self.zk.create, path, data, ephemeral=True)
-        except NodeExistsError:
-            await self._zk(self.zk.set, path, data)
+        await self.zk.run(self.zk.put, path, data, ephemeral=True)
 
     async def _run(self) -> None:
         clock = self.engine.clock
@@ -187,7 +179,7 @@ class Resident:
         self.ready = True
         try:
             await self._write_health()
-        except (KazooException, KazooTimeoutError) as exc:  # _keep_health writes it again
+        except coordination.ERRORS as exc:  # _keep_health writes it again
             log.warning("first health report not written (%s)", type(exc).__name__)
         await asyncio.gather(self._keep_health(), self._keep_links(), self._keep_registered())
 
@@ -212,10 +204,10 @@ class Resident:
         def on_removed(children: list[str]) -> None:
             self._call(self._set_removed, children)
 
-        self.zk.DataWatch(self.paths.init_order, on_init)
-        self.zk.DataWatch(self.paths.roce_map, on_map)
-        self.zk.DataWatch(self.paths.decode_meta, on_meta)
-        self.zk.ChildrenWatch(self.paths.removed, on_removed)
+        self.zk.watch_data(self.paths.init_order, on_init)
+        self.zk.watch_data(self.paths.roce_map, on_map)
+        self.zk.watch_data(self.paths.decode_meta, on_meta)
+        self.zk.watch_children(self.paths.removed, on_removed)
 
     def _set_init(self, data: bytes | None) -> None:
         self.init_order = zl.InitOrder.parse(data) if data else None
@@ -290,7 +282,7 @@ class Resident:
         )
         p, d = (me, peer) if self.role is zl.Role.PREFILL else (peer, me)
         path = self.paths.link(p.instance, d.instance)
-        if await self._zk(self.zk.exists, path):
+        if await self.zk.run(self.zk.exists, path):
             return
         body = {
             "instance": self.instance,
@@ -319,8 +311,7 @@ class Resident:
             verifiedAt=time.time(),
             initiator=self.instance,
         )
-        with contextlib.suppress(NodeExistsError):
-            await self._zk(self.zk.create, path, link.dump())
+        await self.zk.run(self.zk.create, path, link.dump())
 
     async def _link_all(self) -> None:
         """Link to every opposite-role peer; wait until every such link exists (ours or theirs)."""
@@ -380,14 +371,9 @@ class Resident:
         path = self.paths.health_of(self.instance)
         health = self._health()
         if health is None:
-            with contextlib.suppress(NoNodeError):
-                await self._zk(self.zk.delete, path)
+            await self.zk.run(self.zk.delete, path)
             return
-        try:
-            await self._zk(self.zk.set, path, health.dump())
-        except NoNodeError:
-            with contextlib.suppress(NodeExistsError):
-                await self._zk(self.zk.create, path, health.dump(), ephemeral=True)
+        await self.zk.run(self.zk.put, path, health.dump(), ephemeral=True)
 
     async def _keep_health(self) -> None:
         interval = self.engine.clock.to_wall(self.engine.config.health_interval)
@@ -398,7 +384,7 @@ class Resident:
                     await self._health_dirty.wait()
             try:
                 await self._write_health()
-            except (KazooException, KazooTimeoutError) as exc:  # _keep_registered rewrites it
+            except coordination.ERRORS as exc:  # _keep_registered rewrites it
                 log.warning("health report not written (%s); retrying", type(exc).__name__)
 
     async def _keep_registered(self) -> None:

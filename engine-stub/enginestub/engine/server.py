@@ -16,13 +16,13 @@
 
 Stream events are ``data: <json>`` lines with a ``type`` of ``token``, ``done`` or ``error``.
 Errors before a stream starts are JSON ``{"error": {"code", "message"}}`` with a 4xx/5xx status.
+The bodies and events are :mod:`matrixserve.api.engine_protocol`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -32,8 +32,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from enginestub import calibration as cal
-from enginestub.engine.core import Engine, EngineError, GenerateRequest
+from enginestub.engine.core import Engine
 from enginestub.fabric import link_bandwidth
+from matrixserve.api.engine_protocol import (
+    EngineError,
+    Event,
+    GenerateRequest,
+    parse_decode,
+    sse_data,
+)
 
 log = logging.getLogger("enginestub.engine")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -51,16 +58,22 @@ async def _json(request: web.Request) -> Any:
         raise EngineError(400, "invalid_json", "the body is not valid JSON") from None
 
 
-async def _stream(
-    request: web.Request, events: AsyncIterator[dict[str, Any]]
-) -> web.StreamResponse:
+def _bounded(body: Any, key: str, limit: int) -> int:
+    """A body's positive integer field, at most ``limit``."""
+    value = body.get(key) if isinstance(body, dict) else None
+    if not isinstance(value, int) or value < 1 or value > limit:
+        raise EngineError(400, "invalid_request", f"{key} must be an integer in 1..{limit}")
+    return value
+
+
+async def _stream(request: web.Request, events: AsyncIterator[Event]) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
     try:
         async for event in events:
-            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            await response.write(sse_data(event))
     except (ConnectionResetError, asyncio.CancelledError):
         await events.aclose()  # type: ignore[attr-defined]
         raise
@@ -126,17 +139,13 @@ def build_app(
         req = GenerateRequest.parse(
             await _json(request), cfg.max_prompt_tokens, cfg.max_output_tokens
         )
-        engine.admit_prefill(req)
-        return await _stream(request, engine.generate(req))
+        ticket = engine.admit_prefill(req)
+        return await _stream(request, engine.generate(ticket))
 
     async def decode(request: web.Request) -> web.StreamResponse:
-        body = await _json(request)
-        req = GenerateRequest.parse(body, cfg.max_prompt_tokens, cfg.max_output_tokens)
-        prefill = body.get("prefill")
-        if not isinstance(prefill, dict) or not isinstance(prefill.get("address"), str):
-            raise EngineError(
-                400, "invalid_request", "prefill.address (host:port of the KV holder) is required"
-            )
+        req, prefill = parse_decode(
+            await _json(request), cfg.max_prompt_tokens, cfg.max_output_tokens
+        )
         engine.admit_decode(req)
         return await _stream(request, engine.decode(req, prefill))
 
@@ -205,13 +214,9 @@ def build_app(
         )
 
     async def expert_forward(request: web.Request) -> web.Response:
-        body = await _json(request)
-        tokens = body.get("tokens") if isinstance(body, dict) else None
-        if not isinstance(tokens, int) or tokens < 1 or tokens > 1_000_000:
-            raise EngineError(400, "invalid_request", "tokens must be an integer in 1..1000000")
-        if engine.role != "expert":
-            raise EngineError(409, "wrong_role", f"this instance is a {engine.role} instance")
-        engine._check_serving()
+        tokens = _bounded(await _json(request), "tokens", 1_000_000)
+        engine.require_role("expert")
+        engine.check_serving()
         model = cfg.model
         layers = model.moe.moe_layers if model.moe else model.layers
         flops = 2.0 * tokens * model.expert_params_per_layer * layers
@@ -222,13 +227,9 @@ def build_app(
         return web.json_response({"tokens": tokens, "seconds": seconds})
 
     async def attention_step(request: web.Request) -> web.Response:
-        body = await _json(request)
-        batch = body.get("batch") if isinstance(body, dict) else None
-        if not isinstance(batch, int) or batch < 1 or batch > 100_000:
-            raise EngineError(400, "invalid_request", "batch must be an integer in 1..100000")
-        if engine.role != "attention":
-            raise EngineError(409, "wrong_role", f"this instance is a {engine.role} instance")
-        engine._check_serving()
+        batch = _bounded(await _json(request), "batch", 100_000)
+        engine.require_role("attention")
+        engine.check_serving()
         layers = cfg.model.moe.moe_layers if cfg.model.moe else 0
         hops = layers * (
             cal.MOE_ATTENTION_A2E_SECONDS + cal.MOE_ATTENTION_E2A_SECONDS

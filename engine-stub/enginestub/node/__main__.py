@@ -26,6 +26,7 @@ import httpx
 import yaml
 from pydantic import ValidationError
 
+from enginestub.node.command import DEFAULT_SUPERPOD_PREFIX
 from enginestub.node.topology import SuperPodSpec, TopologySpec, build, server_for_existing_node
 
 BAD_CONFIG = 2
@@ -51,7 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--servers", type=int, default=2, help="servers per SuperPod (default 2)")
     run.add_argument("--npus-per-server", type=int, default=8)
     run.add_argument(
-        "--superpod-prefix", default="sp", help="SuperPod names: <prefix>0, <prefix>1, ..."
+        "--superpod-prefix",
+        default=DEFAULT_SUPERPOD_PREFIX,
+        help="SuperPod names: <prefix>0, <prefix>1, ...",
     )
     run.add_argument(
         "--mode",

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ANNOTATION = "huawei.com/Ascend910"
+from matrixserve.api.kinds import NPU_RESOURCE
+
+ANNOTATION = NPU_RESOURCE  # the real plugin records a grant under the resource's own name
 
 
 class AllocationError(Exception):

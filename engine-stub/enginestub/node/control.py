@@ -28,7 +28,8 @@ from enginestub.node.devicestatus import Fault, FaultKind
 from enginestub.node.runner import rfc3339
 
 if TYPE_CHECKING:
-    from enginestub.node.emulator import Emulator
+    from enginestub.node.faults import Faults
+    from enginestub.node.state import EmulatorState
 
 
 class FaultRequest(BaseModel):
@@ -52,8 +53,9 @@ class BadRequest(Exception):
 
 
 class ControlServer:
-    def __init__(self, emulator: Emulator) -> None:
-        self.emulator = emulator
+    def __init__(self, state: EmulatorState, faults: Faults) -> None:
+        self.state = state
+        self.faults = faults
         self.app = web.Application()
         self.app.add_routes(
             [
@@ -86,7 +88,7 @@ class ControlServer:
 
     async def list_nodes(self, _: web.Request) -> web.Response:
         out = []
-        for name, state in sorted(self.emulator.nodes.items()):
+        for name, state in sorted(self.state.nodes.items()):
             out.append(
                 {
                     "name": name,
@@ -104,13 +106,13 @@ class ControlServer:
 
     async def device_status(self, request: web.Request) -> web.Response:
         node = request.match_info["node"]
-        if node not in self.emulator.nodes:
+        if node not in self.state.nodes:
             return _error(404, f"node {node!r} is not emulated here")
-        return web.json_response(self.emulator.device_status(node))
+        return web.json_response(self.faults.device_status(node))
 
     async def list_pods(self, _: web.Request) -> web.Response:
         out = []
-        for record in self.emulator.pods.values():
+        for record in self.state.pods.values():
             runner = record.runner
             out.append(
                 {
@@ -156,20 +158,20 @@ class ControlServer:
         return web.json_response(result, status=200 if heal else 201)
 
     async def _dispatch(self, req: FaultRequest, heal: bool) -> dict[str, Any]:
-        em = self.emulator
+        faults = self.faults
         if req.kind == "hang":
             if not req.namespace or not req.pod:
                 raise BadRequest(400, "hang needs namespace and pod")
-            record = em.find_pod(req.namespace, req.pod)
+            record = faults.find_pod(req.namespace, req.pod)
             if record is None or record.runner is None:
                 raise BadRequest(404, f"pod {req.namespace}/{req.pod} is not running here")
             pids = record.runner.hang(stopped=not heal)
             return {"kind": req.kind, "healed": heal, "pids": pids}
         node = self._node(req.node)
         if req.kind == "node-down":
-            changed = await em.set_node_down(node, down=not heal)
+            changed = await faults.set_node_down(node, down=not heal)
             return {"kind": req.kind, "node": node, "healed": heal, "changed": changed}
-        server = em.nodes[node].server
+        server = self.state.nodes[node].server
         dies: list[int]
         if req.kind == "npu-down":
             if req.npu is None or req.npu >= server.npus:
@@ -184,33 +186,35 @@ class ControlServer:
         changed = False
         if kind == FaultKind.LINK_DOWN:
             peer_ip, peer = self._peer(req)
-            changed |= em.apply_device_fault(node, Fault(kind, dies[0], since, peer_ip), heal)
+            changed |= faults.apply_device_fault(node, Fault(kind, dies[0], since, peer_ip), heal)
             if peer is not None:
                 own_ip = server.dies[dies[0]].roce_ip
-                changed |= em.apply_device_fault(peer[0], Fault(kind, peer[1], since, own_ip), heal)
+                changed |= faults.apply_device_fault(
+                    peer[0], Fault(kind, peer[1], since, own_ip), heal
+                )
         else:
             for die in dies:
-                changed |= em.apply_device_fault(node, Fault(kind, die, since), heal)
+                changed |= faults.apply_device_fault(node, Fault(kind, die, since), heal)
         return {
             "kind": req.kind,
             "node": node,
             "dies": dies,
             "healed": heal,
             "changed": changed,
-            "generation": em.nodes[node].devices.generation,
+            "generation": self.state.nodes[node].devices.generation,
         }
 
     def _node(self, name: str | None) -> str:
         if not name:
             raise BadRequest(400, "node is required")
-        if name not in self.emulator.nodes:
+        if name not in self.state.nodes:
             raise BadRequest(404, f"node {name!r} is not emulated here")
         return name
 
     def _peer(self, req: FaultRequest) -> tuple[str, tuple[str, int] | None]:
         if req.peer_node is not None:
             peer_node = self._node(req.peer_node)
-            server = self.emulator.nodes[peer_node].server
+            server = self.state.nodes[peer_node].server
             if req.peer_die is None or req.peer_die >= len(server.dies):
                 raise BadRequest(400, f"link-down needs peerDie in 0..{len(server.dies) - 1}")
             return server.dies[req.peer_die].roce_ip, (peer_node, req.peer_die)

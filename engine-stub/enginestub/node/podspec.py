@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from enginestub.node.topology import NPU_RESOURCE
+from matrixserve.api.kinds import NPU_RESOURCE
 
 SecretLookup = Callable[[str, str], Mapping[str, str] | None]  # (kind, name) -> data or None
 

@@ -1,4 +1,5 @@
-"""Pod status as the kubelet reports it, derived from the containers' states (pure)."""
+"""Pod status as the kubelet reports it: derived from the containers' states, or fixed for a pod
+the node refuses or cannot start (pure)."""
 
 from __future__ import annotations
 
@@ -119,4 +120,53 @@ def render(
         "podIPs": [{"ip": pod_ip}],
         "startTime": rfc3339(started_at),
         "containerStatuses": [container_status(s, "emulated") for s in states],
+    }
+
+
+def failed(reason: str, message: str) -> dict[str, Any]:
+    """The status of a pod the node refuses (admission failed): Failed, with no containers."""
+    return {"phase": "Failed", "reason": reason, "message": message}
+
+
+def waiting(
+    pod: dict[str, Any], reason: str, message: str, *, pod_ip: str | None, host_ip: str, now: float
+) -> dict[str, Any]:
+    """The status of a pod whose containers cannot start (``ErrImagePull``,
+    ``CreateContainerConfigError``): Pending, every container waiting with that reason."""
+    stamp = rfc3339(now)
+    return {
+        "phase": "Pending",
+        "hostIP": host_ip,
+        "podIP": pod_ip,
+        "podIPs": [{"ip": pod_ip}] if pod_ip else [],
+        "startTime": stamp,
+        "conditions": [
+            {"type": "Initialized", "status": "True", "lastTransitionTime": stamp},
+            {
+                "type": "Ready",
+                "status": "False",
+                "reason": "ContainersNotReady",
+                "lastTransitionTime": stamp,
+            },
+            {
+                "type": "ContainersReady",
+                "status": "False",
+                "reason": "ContainersNotReady",
+                "lastTransitionTime": stamp,
+            },
+            {"type": "PodScheduled", "status": "True", "lastTransitionTime": stamp},
+        ],
+        "containerStatuses": [
+            {
+                "name": c["name"],
+                "image": c.get("image", ""),
+                "imageID": "",
+                "ready": False,
+                "started": False,
+                "restartCount": 0,
+                "state": {"waiting": {"reason": reason, "message": message}},
+                "lastState": {},
+            }
+            for c in pod["spec"].get("containers") or []
+        ],
     }

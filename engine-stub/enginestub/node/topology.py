@@ -16,15 +16,17 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-NPU_RESOURCE = "huawei.com/Ascend910"
-LABEL_PREFIX = "matrixserve.io"
-LABEL_SUPERPOD = f"{LABEL_PREFIX}/superpod"
-LABEL_RACK = f"{LABEL_PREFIX}/rack"
-LABEL_SERVER = f"{LABEL_PREFIX}/server"
-LABEL_NPU_TYPE = f"{LABEL_PREFIX}/npu-type"
-LABEL_EMULATED = f"{LABEL_PREFIX}/emulated-node"
+from matrixserve.api.catalog import DIES_PER_NPU
+from matrixserve.api.kinds import (
+    LABEL_EMULATED,
+    LABEL_NPU_TYPE,
+    LABEL_RACK,
+    LABEL_SERVER,
+    LABEL_SUPERPOD,
+    NPU_RESOURCE,
+)
+
 ROCE_NETWORK = ipaddress.IPv4Network("198.18.0.0/15")
-DIES_PER_NPU = 2
 SERVERS_PER_RACK = 3  # 48 servers in 16 racks (001 §3.1)
 
 
@@ -113,6 +115,11 @@ class Server:
         return sorted((d for d in self.dies if d.npu in wanted), key=lambda d: d.index)
 
 
+def node_name(superpod: str, server_index: int) -> str:
+    """The Node name of a SuperPod's server: ``<superpod>-server-NN``."""
+    return f"{superpod}-server-{server_index:02d}"
+
+
 def roce_ip(superpod_index: int, server_index: int, die_index: int) -> str:
     """Deterministic RoCE identity: 198.18.<pod*64+server>.<die+1> (pod < 8, server < 64)."""
     if not (0 <= superpod_index < 8 and 0 <= server_index < 64 and 0 <= die_index < 254):
@@ -136,7 +143,7 @@ def build(spec: TopologySpec) -> list[Server]:
             )
             servers.append(
                 Server(
-                    node_name=f"{pod.name}-server-{server_index:02d}",
+                    node_name=node_name(pod.name, server_index),
                     superpod=pod.name,
                     superpod_index=pod_index,
                     server_index=server_index,

@@ -1,4 +1,5 @@
-"""The Kubernetes adapter: the operator's only reads and writes of pods and PDGroups.
+"""The Kubernetes adapter: the operator's only reads and writes of pods and of its custom
+objects, for every kind (the kind is an argument, never a method name).
 
 The synchronous ``kubernetes`` client runs in worker threads (``asyncio.to_thread``). Creates
 are idempotent (409 is success), deletes carry a UID precondition so a recreated pod of the same
@@ -8,16 +9,14 @@ name is never deleted by mistake, status is written with a merge patch of the st
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
 from kubernetes import client, config
 
-from matrixserve.api import zk_layout as zl
-from matrixserve.domain.pdgroup import PodView
-from matrixserve.domain.pods import LABEL_GROUP, LABEL_ROLE, LABEL_SUPERPOD
-
-GROUP, VERSION, PLURAL = "matrixserve.io", "v1alpha1", "pdgroups"
+from matrixserve.api.kinds import LABEL_SUPERPOD, Kind
+from matrixserve.domain.observed import PodView
 
 
 def _configuration(kubeconfig: str | None) -> client.Configuration:
@@ -65,10 +64,16 @@ class KubeAdapter:
         # A node's SuperPod is fixed by its hardware: read each node once, not every pass.
         self._superpods: dict[str, str] = {}
 
-    async def get_pdgroup(self, namespace: str, name: str) -> dict[str, Any] | None:
+    async def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object as stored, or None once it is gone."""
         try:
             body: dict[str, Any] = await asyncio.to_thread(
-                self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name
+                self.custom.get_namespaced_custom_object,
+                kind.group,
+                kind.version,
+                namespace,
+                kind.plural,
+                name,
             )
         except client.ApiException as exc:
             if exc.status == 404:
@@ -76,9 +81,11 @@ class KubeAdapter:
             raise
         return body
 
-    async def list_group_pods(self, namespace: str, group: str) -> dict[str, PodView]:
+    async def list_pods(self, namespace: str, labels: Mapping[str, str]) -> dict[str, PodView]:
+        """The namespace's pods carrying all of ``labels``, by name."""
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
         pods = await asyncio.to_thread(
-            self.core.list_namespaced_pod, namespace, label_selector=f"{LABEL_GROUP}={group}"
+            self.core.list_namespaced_pod, namespace, label_selector=selector
         )
         nodes: dict[str, str | None] = {}
         out = {}
@@ -91,9 +98,7 @@ class KubeAdapter:
             out[pod.metadata.name] = PodView(
                 name=pod.metadata.name,
                 uid=pod.metadata.uid,
-                role=zl.Role.PREFILL
-                if (pod.metadata.labels or {}).get(LABEL_ROLE) == "prefill"
-                else zl.Role.DECODE,
+                labels=dict(pod.metadata.labels or {}),
                 phase=pod.status.phase or "Pending",
                 ready=conditions.get("Ready") == "True",
                 deleting=pod.metadata.deletion_timestamp is not None,
@@ -116,7 +121,7 @@ class KubeAdapter:
             self._superpods[node] = superpod
         return superpod
 
-    async def create_pod(self, namespace: str, body: dict[str, Any]) -> bool:
+    async def create_pod(self, namespace: str, body: Mapping[str, Any]) -> bool:
         """True if created, False if it already existed."""
         try:
             await asyncio.to_thread(self.core.create_namespaced_pod, namespace, body)
@@ -140,17 +145,19 @@ class KubeAdapter:
             raise
         return True
 
-    async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+    async def patch_status(
+        self, kind: Kind, namespace: str, name: str, status: dict[str, Any]
+    ) -> None:
         """Merge-patch the status subresource. Empty strings are omitted (omitempty): the API
         server would otherwise see them as null and reject them against the schema."""
-        status = _omit_empty(status)
+        status = omit_empty(status)
         try:
             await asyncio.to_thread(
                 self.custom.patch_namespaced_custom_object_status,
-                GROUP,
-                VERSION,
+                kind.group,
+                kind.version,
                 namespace,
-                PLURAL,
+                kind.plural,
                 name,
                 {"status": status},
             )
@@ -159,9 +166,10 @@ class KubeAdapter:
                 raise
 
 
-def _omit_empty(value: Any) -> Any:
+def omit_empty(value: Any) -> Any:
+    """The value as the API server stores it from our patches: empty strings left out."""
     if isinstance(value, dict):
-        return {k: _omit_empty(v) for k, v in value.items() if v != ""}
+        return {k: omit_empty(v) for k, v in value.items() if v != ""}
     if isinstance(value, list):
-        return [_omit_empty(v) for v in value]
+        return [omit_empty(v) for v in value]
     return value

@@ -1,12 +1,262 @@
-"""The engine's HTTP protocol, as the gateway, the engine stub and the benchmarks' null engine
-all speak it (one definition)."""
+"""The engine's HTTP protocol (P/D-Serve §3.5-3.6), as the gateway, the engine stub and the
+benchmarks' null engine all speak it: one definition of the request bodies, the stream events and
+the units of the TTFT budget.
+
+- ``POST /v1/generate`` (gateway -> prefill entrance): :func:`generate_body` writes it,
+  :meth:`GenerateRequest.parse` reads it (``prompt`` text or ``promptTokens``).
+- ``POST /v1/decode`` (prefill -> decode): :func:`decode_body` writes it, :func:`parse_decode`
+  reads it; the same fields plus :class:`PrefillRef`, where the decode pulls the KV from.
+- The answer: ``200`` and an SSE stream of ``data: <json>`` events, ``token`` ... then one of
+  :data:`LAST_EVENTS` (``done`` with usage, timings and instances, or ``error`` with a code and a
+  message); or, before any stream, a status with ``{"error": {"code", "message"}}``
+  (:class:`EngineError`; 429 means busy, try another).
+
+The events are plain dicts on purpose: the engine's decode loop writes one and the gateway's relay
+reads one per token, so the constructors are typed and nothing is validated per token.
+"""
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+# "reject": busy prefills answer 429 (P/D-Serve's on-demand forwarding); "queue": they keep a
+# local queue (the paper's original version, the gateway's baselines).
+Admission = Literal["reject", "queue"]
+ADMISSIONS: tuple[Admission, ...] = ("reject", "queue")
+
+Event = dict[str, Any]  # one stream event as JSON gives it (readers check it with event_type)
+LAST_EVENTS = ("done", "error")  # a stream ends after one of these
+
+_WORDS = ("the", "model", "serves", "tokens", "on", "emulated", "dies", "of", "a", "superpod")
 
 
 def count_tokens(text: str) -> int:
     """A deterministic stand-in tokenizer: about four characters a token (the engines count
     prompts with it, and the gateway sizes TTFT budgets with it)."""
     return max(1, math.ceil(len(text) / 4))
+
+
+def synthetic_token(request_id: str, index: int) -> str:
+    """The text of a request's ``index``-th token: the emulated engines generate no language."""
+    return _WORDS[(hash(request_id) + index) % len(_WORDS)] + " "
+
+
+# --------------------------------------------------------------------------- the TTFT budget
+@dataclass(frozen=True)
+class TtftBudget:
+    """A TTFT budget, kept in the engines' emulated seconds (what ``ttftBudget`` carries).
+
+    It changes unit on its way: a group's SLO is in milliseconds, the engines count emulated
+    seconds, and the gateway waits in wall seconds (emulated / the engines' time scale). Each
+    conversion is written here once."""
+
+    emulated_seconds: float
+
+    @classmethod
+    def from_milliseconds(cls, milliseconds: float) -> TtftBudget:
+        return cls(milliseconds / 1000.0)
+
+    @classmethod
+    def from_wall_seconds(cls, wall_seconds: float, time_scale: float) -> TtftBudget:
+        """What is left of a budget the gateway has been waiting on, as an engine counts it."""
+        return cls(wall_seconds * time_scale)
+
+    @property
+    def milliseconds(self) -> float:
+        return self.emulated_seconds * 1000
+
+    def wall_seconds(self, time_scale: float) -> float:
+        """How long the gateway waits for it (``time_scale``: emulated seconds per wall second)."""
+        return self.emulated_seconds / time_scale
+
+
+# --------------------------------------------------------------------------- errors
+class EngineError(Exception):
+    """What an engine answers instead of a stream: an HTTP status and a machine-readable code
+    (``{"error": {"code", "message"}}``)."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"code": self.code, "message": self.message}}
+
+
+def _invalid(message: str) -> EngineError:
+    return EngineError(400, "invalid_request", message)
+
+
+# --------------------------------------------------------------------------- requests
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A ``/v1/generate`` body as the engine reads it (the prompt counted in tokens)."""
+
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    ttft_budget: TtftBudget | None = None  # what the caller still allows for the first token
+    admission: Admission | None = None  # None: the engine's own ``--admission``
+
+    @classmethod
+    def parse(cls, body: Any, max_prompt: int, max_output: int) -> GenerateRequest:
+        """Read a body, within this engine's prompt and output limits; raises
+        :class:`EngineError` (400, or 413 for a prompt over ``max_prompt`` tokens)."""
+        if not isinstance(body, dict):
+            raise _invalid("body must be a JSON object")
+        rid = body.get("requestId")
+        if not isinstance(rid, str) or not 0 < len(rid) <= 200:
+            raise _invalid("requestId must be a non-empty string (<= 200 chars)")
+        if "promptTokens" in body:
+            tokens = body["promptTokens"]
+            if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+                raise _invalid("promptTokens must be a positive integer")
+        elif isinstance(body.get("prompt"), str) and body["prompt"]:
+            tokens = count_tokens(body["prompt"])
+        else:
+            raise _invalid("give prompt (non-empty string) or promptTokens")
+        if tokens > max_prompt:
+            raise EngineError(
+                413,
+                "prompt_too_long",
+                f"prompt has {tokens} tokens; this engine takes at most {max_prompt}",
+            )
+        max_tokens = body.get("maxTokens", 16)
+        if (
+            not isinstance(max_tokens, int)
+            or isinstance(max_tokens, bool)
+            or not 1 <= max_tokens <= max_output
+        ):
+            raise _invalid(f"maxTokens must be an integer in 1..{max_output}")
+        budget = body.get("ttftBudget")
+        if budget is not None and (not isinstance(budget, int | float) or budget <= 0):
+            raise _invalid("ttftBudget must be a positive number of seconds")
+        admission = body.get("admission")
+        if admission is not None and admission not in ADMISSIONS:
+            raise _invalid('admission must be "reject" or "queue"')
+        return cls(
+            rid,
+            tokens,
+            max_tokens,
+            TtftBudget(float(budget)) if budget is not None else None,
+            admission=admission,
+        )
+
+
+def generate_body(
+    request_id: str, prompt: str, max_tokens: int, ttft_budget: TtftBudget, admission: Admission
+) -> dict[str, Any]:
+    """The gateway's ``/v1/generate`` body."""
+    return {
+        "requestId": request_id,
+        "prompt": prompt,
+        "maxTokens": max_tokens,
+        "ttftBudget": ttft_budget.emulated_seconds,
+        "admission": admission,
+    }
+
+
+@dataclass(frozen=True)
+class PrefillRef:
+    """The prefill that holds a request's KV, as it names itself to the decode it forwards to."""
+
+    address: str  # host:port of its engine (the pull and the release go there)
+    instance: str
+    roce_ips: tuple[str, ...]  # its dies' RoCE addresses (a decode with a link down refuses)
+
+
+def decode_body(
+    request_id: str, prompt_tokens: int, max_tokens: int, prefill: PrefillRef
+) -> dict[str, Any]:
+    """The prefill's ``/v1/decode`` body: the rest of the request, and where its KV is."""
+    return {
+        "requestId": request_id,
+        "promptTokens": prompt_tokens,
+        "maxTokens": max_tokens,
+        "prefill": {
+            "address": prefill.address,
+            "instance": prefill.instance,
+            "roceIps": list(prefill.roce_ips),
+        },
+    }
+
+
+def parse_decode(body: Any, max_prompt: int, max_output: int) -> tuple[GenerateRequest, PrefillRef]:
+    """Read a ``/v1/decode`` body; raises :class:`EngineError`."""
+    request = GenerateRequest.parse(body, max_prompt, max_output)
+    prefill = body.get("prefill")
+    if not isinstance(prefill, dict) or not isinstance(prefill.get("address"), str):
+        raise _invalid("prefill.address (host:port of the KV holder) is required")
+    ips = prefill.get("roceIps")
+    return request, PrefillRef(
+        prefill["address"],
+        str(prefill.get("instance") or ""),
+        tuple(str(ip) for ip in ips) if isinstance(ips, list) else (),
+    )
+
+
+# --------------------------------------------------------------------------- stream events
+@dataclass(frozen=True)
+class Timings:
+    """A finished request's timings (emulated seconds), as ``done`` reports them."""
+
+    ttft: float
+    prefill: float
+    kv_transfer: float
+    tpot_mean: float
+    e2e: float
+
+    def to_json(self) -> dict[str, float]:
+        return {key: getattr(self, name) for name, key in _TIMING_KEYS}
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+# (attribute, JSON key), in the order the events have always listed them
+_TIMING_KEYS = tuple((f.name, _camel(f.name)) for f in fields(Timings))
+
+
+def token_event(index: int, text: str, t: float) -> Event:
+    """A token: its index in the output, its text, emulated seconds since the request came."""
+    return {"type": "token", "index": index, "text": text, "t": t}
+
+
+def done_event(
+    prompt_tokens: int,
+    completion_tokens: int,
+    timings: Timings,
+    prefill_instance: str,
+    decode_instance: str,
+) -> Event:
+    """A stream's end after its last token."""
+    return {
+        "type": "done",
+        "usage": {"promptTokens": prompt_tokens, "completionTokens": completion_tokens},
+        "timings": timings.to_json(),
+        "instances": {"prefill": prefill_instance, "decode": decode_instance},
+    }
+
+
+def error_event(code: str, message: str) -> Event:
+    """A stream's end by failure, after it started."""
+    return {"type": "error", "code": code, "message": message}
+
+
+def event_type(event: object) -> str | None:
+    """The event's type if it is a JSON object with a string ``type`` (else not an event)."""
+    kind = event.get("type") if isinstance(event, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
+def sse_data(event: Mapping[str, Any]) -> bytes:
+    """An event as its SSE frame (``data: <json>`` and a blank line)."""
+    return b"data: " + json.dumps(event).encode() + b"\n\n"

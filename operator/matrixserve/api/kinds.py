@@ -67,3 +67,8 @@ FINALIZER = f"{GROUP}/cleanup"
 
 # The NPU extended resource the (emulated) Ascend device plugin advertises.
 NPU_RESOURCE = "huawei.com/Ascend910"
+
+# --------------------------------------------------------------------------- node emulator
+# Added with the node emulator's split (issue 14): the annotation on each Node the emulator
+# registers, naming the emulator process that serves it (for whoever reads a Node's history).
+ANNOTATION_NODE_EMULATOR = f"{LABEL_PREFIX}/node-emulator"

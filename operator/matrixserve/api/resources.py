@@ -8,8 +8,13 @@ boundary: handlers turn a CR's ``spec`` into these models and the domain works o
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
+
+DnsLabel = Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)]
+BatchSize = Annotated[int, Field(ge=1, le=4096)]
+DEFAULT_BATCH = 8
 
 
 class _Spec(BaseModel):
@@ -44,7 +49,7 @@ class RoleSpec(_Spec):
     pods_per_instance: int = Field(default=1, alias="podsPerInstance", ge=1, le=1)
     npu_type: str = Field(default="Ascend910C", alias="npuType", max_length=63)
     parallelism: Parallelism = Parallelism()
-    batch_size: int = Field(default=8, alias="batchSize", ge=1, le=4096)
+    batch_size: BatchSize = Field(default=DEFAULT_BATCH, alias="batchSize")
     image: str = Field(default="matrixserve/engine-stub:0.1.0", max_length=512)
 
 
@@ -99,8 +104,8 @@ class MoESpec(_Spec):
 
 
 class PDGroupSpec(_Spec):
-    service: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
-    scenario: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    service: DnsLabel
+    scenario: DnsLabel
     model: ModelSpec
     prefill: RoleSpec
     decode: RoleSpec

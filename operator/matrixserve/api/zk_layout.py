@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Self
 
@@ -84,6 +85,26 @@ class GroupPaths:
 
     def all_folders(self) -> list[str]:
         return [self.reports, self.links, self.health, self.entrances, self.joining, self.removed]
+
+
+# --------------------------------------------------------------------------- operations
+@dataclass(frozen=True)
+class Put:
+    """Set the znode's data, creating it (and its parents) if absent."""
+
+    path: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Delete:
+    """Delete the znode (with its children if ``recursive``); an absent one is fine."""
+
+    path: str
+    recursive: bool = False
+
+
+ZnodeOp = Put | Delete
 
 
 def expert_pool_path(namespace: str, pool: str) -> str:

@@ -27,7 +27,6 @@ import shlex
 import shutil
 import socket
 import ssl
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -349,58 +348,62 @@ class DevCluster:
     def _start_controller_manager(
         self, info: ClusterInfo, ca: pki.KeyPair, sa: pki.KeyPair, kubeconfig: Path, deadline: float
     ) -> None:
-        bins = Path(info.bin_dir)
-        port = info.ports.controller_manager
-        self.supervisor.start(
+        self._start_component(
             "kube-controller-manager",
+            info,
+            kubeconfig,
+            info.ports.controller_manager,
             [
-                str(bins / "kube-controller-manager"),
-                f"--kubeconfig={kubeconfig}",
-                f"--authentication-kubeconfig={kubeconfig}",
-                f"--authorization-kubeconfig={kubeconfig}",
-                f"--bind-address={LOOPBACK}",
-                f"--secure-port={port}",
-                "--port=0",
-                f"--cert-dir={self.state_dir / 'pki' / 'controller-manager'}",
-                "--leader-elect=false",
                 "--controllers=*,-nodelifecycle",
                 f"--service-account-private-key-file={sa.key}",
                 f"--root-ca-file={ca.cert}",
                 f"--cluster-signing-cert-file={ca.cert}",
                 f"--cluster-signing-key-file={ca.key}",
-                "--profiling=false",
-                "--v=1",
             ],
-        )
-        self._wait(
-            "kube-controller-manager",
-            "kube-controller-manager",
             deadline,
-            lambda: _http_get(f"https://{LOOPBACK}:{port}/healthz", insecure=True) == b"ok",
         )
 
     def _start_scheduler(self, info: ClusterInfo, kubeconfig: Path, deadline: float) -> None:
-        bins = Path(info.bin_dir)
-        port = info.ports.scheduler
+        self._start_component(
+            "kube-scheduler", info, kubeconfig, info.ports.scheduler, [], deadline
+        )
+
+    def _start_component(
+        self,
+        name: str,
+        info: ClusterInfo,
+        kubeconfig: Path,
+        port: int,
+        own_flags: list[str],
+        deadline: float,
+    ) -> None:
+        """Start kube-controller-manager or kube-scheduler with the flags both take, then its own
+        flags, and wait for its ``/healthz``.
+
+        Both use the admin kubeconfig for the API server and for delegated authentication and
+        authorization, serve HTTPS on loopback only (insecure port off, self-signed certificate
+        in their own directory), run alone (no leader election) and without profiling.
+        """
         self.supervisor.start(
-            "kube-scheduler",
+            name,
             [
-                str(bins / "kube-scheduler"),
+                str(Path(info.bin_dir) / name),
                 f"--kubeconfig={kubeconfig}",
                 f"--authentication-kubeconfig={kubeconfig}",
                 f"--authorization-kubeconfig={kubeconfig}",
                 f"--bind-address={LOOPBACK}",
                 f"--secure-port={port}",
                 "--port=0",
-                f"--cert-dir={self.state_dir / 'pki' / 'scheduler'}",
+                f"--cert-dir={self.state_dir / 'pki' / name.removeprefix('kube-')}",
                 "--leader-elect=false",
+                *own_flags,
                 "--profiling=false",
                 "--v=1",
             ],
         )
         self._wait(
-            "kube-scheduler",
-            "kube-scheduler",
+            name,
+            name,
             deadline,
             lambda: _http_get(f"https://{LOOPBACK}:{port}/healthz", insecure=True) == b"ok",
         )
@@ -434,28 +437,20 @@ class DevCluster:
     def _start_node_emulator(
         self, info: ClusterInfo, kubeconfig: Path, superpods: int, servers: int, deadline: float
     ) -> ClusterInfo:
+        from enginestub.node.command import node_names, run_argv
+
         state = self.state_dir / "emulator"
         self.supervisor.start(
             "node-emulator",
-            [
-                sys.executable,
-                "-m",
-                "enginestub.node",
-                "run",
-                "--state-dir",
-                str(state),
-                "--superpods",
-                str(superpods),
-                "--servers",
-                str(servers),
-                "--delete-nodes-on-exit",
-                "--service-proxy",
-                "--service-cidr",
-                info.service_cidr,
-            ],
+            run_argv(
+                state,
+                superpods=superpods,
+                servers=servers,
+                extra=("--service-proxy", "--service-cidr", info.service_cidr),
+            ),
             env={**os.environ, "KUBECONFIG": str(kubeconfig)},
         )
-        names = [f"sp{p}-server-{s:02d}" for p in range(superpods) for s in range(servers)]
+        names = node_names(superpods, servers)
         self._wait(
             "node-emulator",
             "node-emulator",

@@ -29,6 +29,7 @@ from kazoo.client import KazooClient
 from kubernetes import client, config
 
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.kinds import PDGROUP
 from matrixserve.devcluster import tools
 from matrixserve.devcluster.cluster import ClusterInfo
 from matrixserve.devcluster.namespaces import wait_for_service_account
@@ -90,7 +91,7 @@ def apply_group(api: client.ApiClient) -> None:
     body = yaml.safe_load((REPO / "crds" / "samples" / "pdgroup-2p1d.yaml").read_text())
     try:
         custom.delete_namespaced_custom_object(
-            "matrixserve.io", "v1alpha1", NAMESPACE, "pdgroups", GROUP
+            PDGROUP.group, PDGROUP.version, NAMESPACE, PDGROUP.plural, GROUP
         )
         _until("the previous group to go", 60, lambda: not _exists(custom))
         _until("its pods to go", 60, lambda: not core.list_namespaced_pod(NAMESPACE).items)
@@ -98,14 +99,14 @@ def apply_group(api: client.ApiClient) -> None:
         if exc.status != 404:
             raise
     custom.create_namespaced_custom_object(
-        "matrixserve.io", "v1alpha1", NAMESPACE, "pdgroups", body
+        PDGROUP.group, PDGROUP.version, NAMESPACE, PDGROUP.plural, body
     )
 
 
 def _exists(custom: client.CustomObjectsApi) -> bool:
     try:
         custom.get_namespaced_custom_object(
-            "matrixserve.io", "v1alpha1", NAMESPACE, "pdgroups", GROUP
+            PDGROUP.group, PDGROUP.version, NAMESPACE, PDGROUP.plural, GROUP
         )
     except client.ApiException as exc:
         if exc.status == 404:
@@ -123,7 +124,7 @@ def wait_ready(api: client.ApiClient) -> float:
         nonlocal last
         status = (
             custom.get_namespaced_custom_object(
-                "matrixserve.io", "v1alpha1", NAMESPACE, "pdgroups", GROUP
+                PDGROUP.group, PDGROUP.version, NAMESPACE, PDGROUP.plural, GROUP
             ).get("status")
             or {}
         )

@@ -9,14 +9,14 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
 
 from aiohttp import web
-from kazoo.client import KazooClient
 
 from matrixserve.adapters.kube import api_client
+from matrixserve.coordination import Session
 from matrixserve.domain.forwarding import Policy
 from matrixserve.gateway.app import Gateway, GatewayConfig
+from matrixserve.gateway.auth import keep_keys
 from matrixserve.gateway.discovery import Discovery
 
 
@@ -79,10 +79,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> int:
     # Not waiting for ZooKeeper: until it is reached (and whenever it is lost) the gateway routes
     # by PDGroup status; kazoo keeps reconnecting.
-    zk = KazooClient(
-        hosts=args.zookeeper, connection_retry={"max_tries": -1, "delay": 0.2, "max_delay": 5}
-    )
-    zk.start_async()
+    zk = Session(args.zookeeper, connection_retry={"max_tries": -1, "delay": 0.2, "max_delay": 5})
+    zk.start_background()
     api = api_client(args.kubeconfig)
     discovery = Discovery(api, zk, args.namespace)
     discovery.start()
@@ -103,7 +101,7 @@ async def serve(args: argparse.Namespace) -> int:
     await gateway.start()
     if args.api_keys_secret:
         namespace, name = args.api_keys_secret.split("/", 1)
-        asyncio.get_running_loop().create_task(keep_keys(gateway, api, namespace, name))
+        asyncio.get_running_loop().create_task(keep_keys(gateway.keys, api, namespace, name))
     runner = web.AppRunner(gateway.app(), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
@@ -122,35 +120,8 @@ async def serve(args: argparse.Namespace) -> int:
     await runner.cleanup()
     await gateway.close()
     discovery.stop()
-    await asyncio.to_thread(zk.stop)
+    await zk.stop()
     return 0
-
-
-async def keep_keys(gateway: Gateway, api: Any, namespace: str, name: str) -> None:
-    """Load the API keys from the Secret and re-read it every 10 s; until it can be read, no key
-    is valid (fail closed)."""
-    import base64
-
-    from kubernetes import client
-
-    from matrixserve.domain.forwarding import parse_keys
-
-    log = logging.getLogger("matrixserve.gateway")
-    core = client.CoreV1Api(api)
-    while True:
-        try:
-            secret = await asyncio.to_thread(core.read_namespaced_secret, name, namespace)
-            data = {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
-            gateway.keys = parse_keys(data)
-        except (client.ApiException, ValueError) as exc:
-            gateway.keys = {}
-            log.warning(
-                "API keys from Secret %s/%s unavailable (%s): every request is refused",
-                namespace,
-                name,
-                exc,
-            )
-        await asyncio.sleep(10)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,30 +1,19 @@
 """The gateway's HTTP server: OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (streaming
 and not), ``/v1/models``, ``/v1/routes`` (what it routes by), ``/healthz``, ``/metrics``.
 
-On-demand forwarding with rejection (P/D-Serve §3.5): try the scenario's prefill entrances in the
-policy's order; a 429 from a prefill means "busy, try the next"; when every entrance rejected,
-re-order and try again after a short pause, until the TTFT budget is spent, then answer 503 with
-the reason. The budget is the request's own threshold, by its prompt's length (P/D-Serve §2.2.2):
-the group's ``slo.ttftMilliseconds`` plus ``slo.ttftMillisecondsPer1kTokens`` per thousand
-prompt tokens. The stream of the accepting prefill (decode -> prefill -> gateway), read through
-the gateway's pooled engine client (``upstream``), is relayed as OpenAI chunks; a decode failing
-mid-stream ends the client's stream with an error chunk and ``[DONE]``.
+P/D-Serve §3.5: a request is routed by its scenario to the groups serving it, forwarded on demand
+to a prefill entrance that accepts within its TTFT budget (:mod:`.forwarder`), and the accepting
+prefill's stream (decode -> prefill -> gateway), read through the gateway's pooled engine client
+(:mod:`.upstream`), is relayed as OpenAI chunks (:mod:`.openai`); a decode failing mid-stream
+ends the client's stream with an error chunk and ``[DONE]``. API keys: :mod:`.auth`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import contextlib
-import itertools
-import json
-import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -35,26 +24,13 @@ from prometheus_client import (
     generate_latest,
 )
 
-from matrixserve.domain.forwarding import (
-    BadRequest,
-    Completion,
-    Entrance,
-    Policy,
-    TokenBucket,
-    bearer,
-    estimate_tokens,
-    order,
-    parse_completion,
-    ttft_threshold_ms,
-)
-from matrixserve.gateway.discovery import Discovery, GroupRoute
-from matrixserve.gateway.upstream import EnginePool, EngineStream, UpstreamError
-
-log = logging.getLogger("matrixserve.gateway")
-# When every entrance is busy, wait for a slot to be released (a stream's second token or its
-# end), at most this long (wall s: other gateways' requests release slots this one cannot see).
-RETRY_PAUSE_SECONDS = 0.02
-_REFUSAL = {"rejected": "rejected", "timeout": "not answered in time", "unreachable": "unreachable"}
+from matrixserve.api.engine_protocol import Event
+from matrixserve.domain.forwarding import BadRequest, Completion, Policy, parse_completion
+from matrixserve.gateway import openai
+from matrixserve.gateway.auth import ApiKeys
+from matrixserve.gateway.discovery import Discovery
+from matrixserve.gateway.forwarder import Flight, Forwarder
+from matrixserve.gateway.upstream import EngineStream
 
 
 @dataclass(frozen=True)
@@ -114,225 +90,39 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.metrics.zookeeper_connected.set_function(lambda: float(discovery.zk_connected))
         discovery.on_session_lost = self.metrics.zookeeper_sessions_lost.inc
-        self.open: dict[str, int] = {}  # open SSE streams per prefill
-        self.prefilling: dict[str, int] = {}  # accepted, no first token yet, per prefill
-        self.holding: dict[str, int] = {}  # accepted, KV not yet pulled by a decode, per prefill
-        self.released = asyncio.Event()  # set (and replaced) whenever a prefill slot frees
-        self.last_accepted: dict[str, str] = {}
-        self.reported: dict[str, int] = {}
-        self.turns = itertools.count()
-        self.engines: EnginePool | None = None  # the relay's connections (the hot path)
-        self.session: aiohttp.ClientSession | None = None  # the baseline's queue reports
-        self._poller: asyncio.Task[None] | None = None
-        self.keys: dict[str, str] = {}  # API key -> its name in the Secret (set by the key loader)
-        self.buckets: dict[str, TokenBucket] = {}
+        self.forwarder = Forwarder(discovery, config, self.metrics)
+        self.keys = ApiKeys(config, self.metrics)
 
     async def start(self) -> None:
-        # read_timeout: an engine silent for a minute mid-stream is hung; end the stream (the
-        # client gets an error chunk) rather than hold its counters and slot for ever.
-        self.engines = EnginePool(connect_timeout=2, read_timeout=60)
-        if self.config.policy is Policy.LEAST_LOADED:
-            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1))
-            self._poller = asyncio.create_task(self._poll_reports())
+        await self.forwarder.start()
 
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-        if self.session is not None:
-            await self.session.close()
-        if self.engines is not None:
-            self.engines.close()
+        await self.forwarder.close()
 
-    async def _poll_reports(self) -> None:
-        """The baseline's periodic queue reports: stale between polls by design."""
-        assert self.session is not None
-        while True:
-            entrances = {
-                e.instance: e for g in list(self.discovery.groups.values()) for e in g.entrances
-            }
-            for name, e in entrances.items():
-                try:
-                    async with self.session.get(f"http://{e.address}/v1/info") as r:
-                        health = (await r.json())["health"]
-                        self.reported[name] = health["prefillSlots"]["used"] + health.get(
-                            "prefillQueue", 0
-                        )
-                except (aiohttp.ClientError, TimeoutError, KeyError, ValueError):
-                    continue
-            await asyncio.sleep(self.config.report_interval / self.config.time_scale)
-
-    # ------------------------------------------------------------------ routing
     def _scenario(self, request: web.Request, completion: Completion) -> str:
         return request.headers.get("X-MatrixServe-Scenario") or completion.model
 
-    def _budget(self, routes: list[GroupRoute], completion: Completion) -> float:
-        """The request's TTFT threshold in emulated seconds: the tightest of its groups'
-        thresholds for a prompt of this length."""
-        tokens = estimate_tokens(completion.prompt)
-        slo = min(
-            (
-                ttft_threshold_ms(g.ttft_ms or 0, g.ttft_per_1k_ms, tokens)
-                for g in routes
-                if g.ttft_ms or g.ttft_per_1k_ms
-            ),
-            default=float(self.config.default_ttft_ms),
-        )
-        return slo / 1000.0
-
-    async def _try(
-        self, entrance: Entrance, body: dict[str, Any], remaining: float
-    ) -> EngineStream | str:
-        """One prefill's answer: its stream if it accepted, else why not (the metric's label).
-        The answer is waited for at most the ``remaining`` budget (wall s): a prefill that
-        neither accepts nor rejects in time (hung, overloaded) is passed over, never waited on
-        past the budget."""
-        assert self.engines is not None
-        try:
-            async with asyncio.timeout(remaining):
-                response = await self.engines.post(
-                    entrance.address, "/v1/generate", json.dumps(body).encode()
-                )
-        except UpstreamError:  # a connect timeout too: "unreachable", not "timeout"
-            answer = "unreachable"
-        except TimeoutError:
-            answer = "timeout"
-        else:
-            if response.status == 200:
-                self.metrics.attempts.labels(answer="accepted").inc()
-                return response
-            answer = "rejected" if response.status == 429 else f"http_{response.status}"
-            response.release()
-        self.metrics.attempts.labels(answer=answer).inc()
-        return answer
-
-    async def forward(
-        self, scenario: str, routes: list[GroupRoute], completion: Completion
-    ) -> tuple[Entrance, EngineStream] | str:
-        """An accepting prefill and its stream, or why there is none."""
-        slo = self._budget(routes, completion)  # emulated seconds, as the engines count time
-        budget = slo / self.config.time_scale  # wall seconds, as this gateway waits
-        started = time.monotonic()
-        tried = 0
-        refusals: collections.Counter[str] = collections.Counter()
-        request_id = f"{scenario}-{uuid.uuid4().hex[:12]}"
-
-        def spent() -> str:
-            return (
-                f"no prefill accepted within the TTFT budget of {slo * 1000:.0f} ms "
-                f"({tried} tries: "
-                + (", ".join(f"{n} {_REFUSAL.get(a, a)}" for a, n in refusals.items()) or "none")
-                + ")"
-            )
-
-        while True:
-            entrances = [e for g in routes for e in g.entrances]
-            slots = {e.instance: g.prefill_batch for g in routes for e in g.entrances}
-            if not entrances:
-                return f"scenario {scenario!r} has no prefill entrance open"
-            ranked = order(
-                self.config.policy,
-                entrances,
-                self.open,
-                last_accepted=self.last_accepted.get(scenario),
-                turn=next(self.turns),
-                reported_load=self.reported,
-                in_prefill=self.prefilling,
-            )
-            if self.config.policy is not Policy.ON_DEMAND:
-                ranked = ranked[:1]  # baselines commit to one choice; their prefills queue
-            for entrance in ranked:
-                if (
-                    self.config.policy is Policy.ON_DEMAND
-                    and self.holding.get(entrance.instance, 0) >= slots[entrance.instance]
-                ):
-                    continue  # every slot it has is held by this gateway's requests: skip the try
-                remaining = budget - (time.monotonic() - started)
-                if remaining <= 0:
-                    return spent()
-                body = {
-                    "requestId": request_id,
-                    "prompt": completion.prompt,
-                    "maxTokens": completion.max_tokens,
-                    "ttftBudget": remaining * self.config.time_scale,
-                    # the baselines' prefills keep a local queue (P/D-Serve's original version)
-                    "admission": "reject" if self.config.policy is Policy.ON_DEMAND else "queue",
-                }
-                tried += 1
-                response = await self._try(entrance, body, remaining)
-                if not isinstance(response, str):
-                    self.last_accepted[scenario] = entrance.instance
-                    return entrance, response
-                refusals[response] += 1
-                if self.last_accepted.get(scenario) == entrance.instance:
-                    del self.last_accepted[scenario]  # it is busy: batch forwarding moves on
-            remaining = budget - (time.monotonic() - started)
-            if remaining <= 0:
-                return spent()
-            released = self.released
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(remaining, RETRY_PAUSE_SECONDS)):
-                    await released.wait()
-
-    def release_slot(self, instance: str) -> None:
-        self.holding[instance] -= 1
-        old, self.released = self.released, asyncio.Event()
-        old.set()
-
-    # ------------------------------------------------------------------ API keys
-    def authorize(self, request: web.Request) -> web.Response | None:
-        """None if the request may proceed, else the 401/429 answer."""
-        if not self.config.require_keys:
-            return None
-        key = bearer(request.headers.get("Authorization"))
-        name = self.keys.get(key) if key else None
-        if name is None:
-            self.metrics.requests.labels(scenario="", outcome="unauthorized").inc()
-            return _failure(
-                401,
-                "missing or invalid API key: send Authorization: Bearer <key>",
-                "invalid_request_error",
-                "invalid_api_key",
-            )
-        if self.config.rate_limit > 0:
-            now = time.monotonic()
-            bucket = self.buckets.setdefault(
-                name,
-                TokenBucket(
-                    self.config.rate_limit, self.config.rate_burst, self.config.rate_burst, now
-                ),
-            )
-            if not bucket.take(now):
-                self.metrics.requests.labels(scenario="", outcome="rate_limited").inc()
-                return _failure(
-                    429,
-                    f"rate limit of {self.config.rate_limit:g} requests/s for key {name!r} exceeded",
-                    "rate_limit_exceeded",
-                    "rate_limited",
-                    retry_after=f"{max(bucket.retry_after(), 0.001):.3f}",
-                )
-        return None
-
     # ------------------------------------------------------------------ handlers
     async def completions(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        denied = self.authorize(request)
+        denied = self.keys.authorize(request)
         if denied is not None:
             return denied
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
-            return _error(BadRequest("the request body is not valid JSON"))
+            return openai.error_response(BadRequest("the request body is not valid JSON"))
         try:
             completion = parse_completion(
                 body, chat, self.config.max_prompt_chars, self.config.max_tokens_limit
             )
         except BadRequest as exc:
-            return _error(exc)
+            return openai.error_response(exc)
         scenario = self._scenario(request, completion)
         routes = self.discovery.routes(scenario)
         if not routes:
             known = ", ".join(self.discovery.scenarios()) or "none"
             self.metrics.requests.labels(scenario=scenario, outcome="unknown_scenario").inc()
-            return _error(
+            return openai.error_response(
                 BadRequest(
                     f"no PDGroup serves scenario {scenario!r} (known: {known})",
                     "model",
@@ -341,12 +131,12 @@ class Gateway:
                 )
             )
         started = time.monotonic()
-        chosen = await self.forward(scenario, routes, completion)
+        chosen = await self.forwarder.forward(scenario, routes, completion)
         if isinstance(chosen, str):
             self.metrics.requests.labels(scenario=scenario, outcome="rejected").inc()
-            return _failure(503, chosen, "server_busy", "no_capacity", retry_after="1")
+            return openai.failure(503, chosen, "server_busy", "no_capacity", retry_after="1")
         entrance, upstream = chosen
-        flight = _Flight(self, entrance.instance, scenario, started)
+        flight = Flight(self.forwarder, entrance.instance, scenario, started)
         try:
             if completion.stream:
                 return await self._relay_stream(request, completion, scenario, upstream, flight)
@@ -361,18 +151,19 @@ class Gateway:
         c: Completion,
         scenario: str,
         upstream: EngineStream,
-        flight: _Flight,
+        flight: Flight,
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
         ident, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        token_frame = _TokenFrame(_chunk(ident, created, c, _PIECE, None))
+        token_frame = openai.TokenFrame(openai.chunk(ident, created, c, openai.PIECE, None))
         outcome = "incomplete"
         try:
             if c.chat:
-                await _send(response, _chunk(ident, created, c, {"role": "assistant"}, None))
+                role = openai.chunk(ident, created, c, {"role": "assistant"}, None)
+                await response.write(openai.frame(role))
             # each batch is what arrived in one read: one write to the client per batch
             while batch := await upstream.batch():
                 frames: list[bytes] = []
@@ -381,29 +172,23 @@ class Gateway:
                         flight.token()
                         frames.append(token_frame(event["text"]))
                     elif event["type"] == "done":
-                        final = _chunk(ident, created, c, "" if not c.chat else {}, "length")
-                        final["usage"] = _usage(event)
-                        final["matrixserve"] = {
-                            "timings": event["timings"],
-                            "instances": event["instances"],
-                        }
-                        frames.append(_frame(final))
+                        frames.append(openai.frame(openai.final_chunk(ident, created, c, event)))
                         outcome = "ok"
                         break
                     elif event["type"] == "error":
-                        frames.append(_frame(_error_chunk(event["message"], event.get("code"))))
+                        frames.append(
+                            openai.frame(openai.error_chunk(event["message"], event.get("code")))
+                        )
                         outcome = event.get("code", "error")
                         break
                 await response.write(b"".join(frames))
                 if outcome != "incomplete":
                     break
             if outcome == "incomplete":
-                await _send(
-                    response,
-                    _error_chunk(
-                        "the serving instance closed the stream early", "stream_interrupted"
-                    ),
+                cut = openai.error_chunk(
+                    "the serving instance closed the stream early", "stream_interrupted"
                 )
+                await response.write(openai.frame(cut))
             await response.write(b"data: [DONE]\n\n")
         except ConnectionResetError:
             outcome = "client_gone"
@@ -415,11 +200,11 @@ class Gateway:
         c: Completion,
         scenario: str,
         upstream: EngineStream,
-        flight: _Flight,
+        flight: Flight,
     ) -> web.Response:
         text: list[str] = []
-        done: dict[str, Any] | None = None
-        error: dict[str, Any] | None = None
+        done: Event | None = None
+        error: Event | None = None
         while batch := await upstream.batch():
             for event in batch:
                 if event["type"] == "token":
@@ -436,34 +221,14 @@ class Gateway:
         if done is None:
             self.metrics.requests.labels(scenario=scenario, outcome="error").inc()
             message = error["message"] if error else "the serving instance closed the stream early"
-            return _failure(
+            return openai.failure(
                 502, message, "server_error", (error or {}).get("code", "stream_interrupted")
             )
         self.metrics.requests.labels(scenario=scenario, outcome="ok").inc()
-        full = "".join(text)
-        choice: dict[str, Any] = (
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": full},
-                "finish_reason": "length",
-            }
-            if c.chat
-            else {"index": 0, "text": full, "logprobs": None, "finish_reason": "length"}
-        )
-        return web.json_response(
-            {
-                "id": f"cmpl-{uuid.uuid4().hex[:24]}",
-                "object": "chat.completion" if c.chat else "text_completion",
-                "created": int(time.time()),
-                "model": c.model,
-                "choices": [choice],
-                "usage": _usage(done),
-                "matrixserve": {"timings": done["timings"], "instances": done["instances"]},
-            }
-        )
+        return web.json_response(openai.completion(c, "".join(text), done))
 
     async def models(self, request: web.Request) -> web.Response:
-        denied = self.authorize(request)
+        denied = self.keys.authorize(request)
         if denied is not None:
             return denied
         return web.json_response(
@@ -479,7 +244,7 @@ class Gateway:
     async def routes(self, request: web.Request) -> web.Response:
         """What the gateway routes by: each group's scenario, TTFT budget and open entrances, and
         where the entrances come from (``zookeeper``, or ``status`` while ZooKeeper is out)."""
-        denied = self.authorize(request)
+        denied = self.keys.authorize(request)
         if denied is not None:
             return denied
         with self.discovery.lock:
@@ -530,99 +295,3 @@ class Gateway:
             ]
         )
         return app
-
-
-class _Flight:
-    """One forwarded request's share of its prefill's load, as the gateway counts it (the
-    prefill's feedback, P/D-Serve §3.5): an open stream until it ends, a prompt in prefill until
-    its first token, and a prefill slot until its second token (a decode has pulled the KV) or
-    its end."""
-
-    def __init__(self, gateway: Gateway, instance: str, scenario: str, started: float) -> None:
-        self.gateway, self.instance, self.tokens = gateway, instance, 0
-        self.scenario, self.started = scenario, started
-        for counts in (gateway.open, gateway.prefilling, gateway.holding):
-            counts[instance] = counts.get(instance, 0) + 1
-        gateway.metrics.open_streams.inc()
-
-    def token(self) -> None:
-        self.tokens += 1
-        if self.tokens == 1:
-            self.gateway.prefilling[self.instance] -= 1
-            self.gateway.metrics.ttft.labels(scenario=self.scenario).observe(
-                time.monotonic() - self.started
-            )
-        elif self.tokens == 2:
-            self.gateway.release_slot(self.instance)
-
-    def end(self) -> None:
-        if self.tokens < 1:
-            self.gateway.prefilling[self.instance] -= 1
-        if self.tokens < 2:
-            self.gateway.release_slot(self.instance)
-        self.gateway.open[self.instance] -= 1
-        self.gateway.metrics.open_streams.dec()
-
-
-def _chunk(
-    ident: str, created: int, c: Completion, piece: Any, finish: str | None
-) -> dict[str, Any]:
-    if c.chat:
-        delta = piece if isinstance(piece, dict) else {"content": piece}
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
-        kind = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
-        kind = "text_completion"
-    return {"id": ident, "object": kind, "created": created, "model": c.model, "choices": [choice]}
-
-
-def _usage(done: dict[str, Any]) -> dict[str, int]:
-    prompt, completion = done["usage"]["promptTokens"], done["usage"]["completionTokens"]
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-_PIECE = "\x00piece\x00"  # stands in for a token's text in a serialised chunk
-
-
-class _TokenFrame:
-    """A stream's token events as SSE frames: the chunk around the text is serialised once per
-    stream, and each token only has its text encoded (the same bytes ``_frame`` would make)."""
-
-    def __init__(self, chunk: dict[str, Any]) -> None:
-        # the text is the chunk's last string: whatever the client named its model, the last
-        # occurrence of the stand-in is the text's place
-        self.head, _, self.tail = _frame(chunk).rpartition(json.dumps(_PIECE).encode())
-
-    def __call__(self, text: str) -> bytes:
-        return self.head + json.dumps(text).encode() + self.tail
-
-
-def _frame(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"
-
-
-async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(_frame(payload))
-
-
-def _error(exc: BadRequest) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status)
-
-
-def _failure(
-    status: int, message: str, kind: str, code: str | None, retry_after: str | None = None
-) -> web.Response:
-    """An OpenAI-style error response."""
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    headers = {"Retry-After": retry_after} if retry_after is not None else None
-    return web.json_response(body, status=status, headers=headers)
-
-
-def _error_chunk(message: str, code: str | None) -> dict[str, Any]:
-    """The last SSE chunk of a stream that failed after it started."""
-    return {"error": {"message": message, "type": "server_error", "code": code}}

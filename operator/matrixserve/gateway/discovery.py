@@ -1,12 +1,20 @@
-"""Where to send a scenario's requests: PDGroups from Kubernetes (scenario, TTFT SLO), entrances
-from ZooKeeper (watched, not polled). A prefill leaving ``entrances/`` stops getting new requests
-as soon as the watch fires.
+"""Where to send a scenario's requests: PDGroups from Kubernetes (scenario, TTFT SLO, prefill
+slots), entrances from ZooKeeper (watched, not polled). A prefill leaving ``entrances/`` stops
+getting new requests as soon as the watch fires.
+
+Each PDGroup's spec is parsed once per event into :class:`PDGroupSpec`. A spec that does not
+validate (the admission webhook can be off, and the operator keeps serving a group whose new spec
+is invalid) does not drop a working route: the group keeps being routed by its last valid spec,
+with its current entrances, and the gateway says so once per generation. A group this gateway
+never saw valid (it started while the group's spec was invalid) is routed by what routing needs
+of the spec (scenario, SLO, prefill slots) when those parse on their own: the operator keeps
+that group serving, so the gateway keeps it reachable.
 
 While the gateway has no ZooKeeper connection (suspended or lost session, or ZooKeeper not reached
 yet), each group's entrances come from its PDGroup status instead (``status.entrances`` and the
 instances' ``endpoint``): the last state the operator published, kept current by the same
 Kubernetes watch. Once the session is back, kazoo re-arms the children watches and ZooKeeper
-is the source again.
+is the source again. The session is the shared one (:mod:`matrixserve.coordination`).
 """
 
 from __future__ import annotations
@@ -18,17 +26,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import KazooException, NoNodeError
-from kazoo.recipe.watchers import ChildrenWatch
 from kubernetes import client, watch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from matrixserve.adapters.kube import GROUP, PLURAL, VERSION
+from matrixserve import coordination
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.kinds import PDGROUP
+from matrixserve.api.resources import DEFAULT_BATCH, SLO, BatchSize, DnsLabel, PDGroupSpec
 from matrixserve.domain.forwarding import Entrance, entrances_from_status
 
 log = logging.getLogger("matrixserve.gateway")
-UNLIMITED_BATCH = 1 << 30  # a group without spec.prefill.batchSize
+
+
+class _Slots(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+    batch_size: BatchSize = Field(default=DEFAULT_BATCH, alias="batchSize")
+
+
+class RoutingFields(BaseModel):
+    """What routing needs of a PDGroup spec, with the API's own field rules, read on its own
+    when the whole spec does not validate."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+    scenario: DnsLabel
+    slo: SLO = SLO()
+    prefill: _Slots = Field(default_factory=_Slots)
 
 
 @dataclass
@@ -37,18 +59,32 @@ class GroupRoute:
     name: str
     scenario: str
     ttft_ms: int | None
-    ttft_per_1k_ms: int = 0  # spec.slo.ttftMillisecondsPer1kTokens
-    prefill_batch: int = UNLIMITED_BATCH  # spec.prefill.batchSize: slots per prefill
+    ttft_per_1k_ms: int  # spec.slo.ttftMillisecondsPer1kTokens
+    prefill_batch: int  # spec.prefill.batchSize: slots per prefill
     entrances: list[Entrance] = field(default_factory=list)  # what requests use
     zk_entrances: list[Entrance] | None = None  # from the children watch; None: not (re)read yet
     status_entrances: list[Entrance] = field(default_factory=list)  # from the PDGroup status
     watched: bool = False
     generation: int = 0  # bumped when the session is lost: older watches then stop
 
+    def settle(self, spec: PDGroupSpec | RoutingFields) -> None:
+        """Take the routing settings of a (valid) spec."""
+        self.scenario = spec.scenario
+        self.ttft_ms = spec.slo.ttft_milliseconds
+        self.ttft_per_1k_ms = spec.slo.ttft_per_1k_tokens
+        self.prefill_batch = spec.prefill.batch_size
+
+
+def _routing_fields(raw: Any) -> RoutingFields | None:
+    try:
+        return RoutingFields.model_validate(raw or {})
+    except ValidationError:
+        return None
+
 
 class Discovery:
     def __init__(
-        self, api: client.ApiClient, zk: KazooClient, namespace: str | None = None
+        self, api: client.ApiClient, zk: coordination.Session, namespace: str | None = None
     ) -> None:
         self.custom = client.CustomObjectsApi(api)
         self.zk = zk
@@ -59,6 +95,7 @@ class Discovery:
         self._arm = threading.Event()
         self.synced = threading.Event()
         self.zk_connected = False
+        self._invalid: dict[tuple[str, str], object] = {}  # the generation last said invalid
         self.on_session_lost: Callable[[], None] = lambda: None  # from kazoo's thread
         zk.add_listener(self._zk_state)  # first, then the state: no transition goes unseen
         with self.lock:
@@ -87,14 +124,15 @@ class Discovery:
     # ------------------------------------------------------------------ Kubernetes
     def _list_call(self) -> tuple[Any, tuple[str, ...]]:
         """The list function and its arguments (for the listing and for the watch)."""
+        kind = PDGROUP
         if self.namespace:
             return self.custom.list_namespaced_custom_object, (
-                GROUP,
-                VERSION,
+                kind.group,
+                kind.version,
                 self.namespace,
-                PLURAL,
+                kind.plural,
             )
-        return self.custom.list_cluster_custom_object, (GROUP, VERSION, PLURAL)
+        return self.custom.list_cluster_custom_object, (kind.group, kind.version, kind.plural)
 
     def _watch_groups(self) -> None:
         func, args = self._list_call()
@@ -117,10 +155,10 @@ class Discovery:
                 ):
                     obj = event["object"]
                     if event["type"] == "DELETED":
+                        key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
+                        self._invalid.pop(key, None)
                         with self.lock:
-                            self.groups.pop(
-                                (obj["metadata"]["namespace"], obj["metadata"]["name"]), None
-                            )
+                            self.groups.pop(key, None)
                     elif event["type"] in ("ADDED", "MODIFIED"):
                         self._upsert(obj)
                     if self._stop.is_set():
@@ -132,25 +170,49 @@ class Discovery:
                 time.sleep(1)
 
     def _upsert(self, obj: dict[str, Any]) -> tuple[str, str]:
-        meta, spec = obj["metadata"], obj.get("spec") or {}
+        meta = obj["metadata"]
         key = (meta["namespace"], meta["name"])
-        slo = spec.get("slo") or {}
-        ttft = slo.get("ttftMilliseconds")
+        spec = self._parse(key, meta.get("generation"), obj.get("spec"))
         with self.lock:
             route = self.groups.get(key)
+            settings: PDGroupSpec | RoutingFields | None = spec
+            if route is None and spec is None:  # never valid here: what routing needs of it
+                settings = _routing_fields(obj.get("spec"))
+                if settings is None:
+                    return key  # not even a scenario to route it by
             if route is None:
-                route = GroupRoute(key[0], key[1], spec.get("scenario", ""), ttft)
+                route = GroupRoute(key[0], key[1], "", None, 0, 0)
                 self.groups[key] = route
-            route.scenario, route.ttft_ms = spec.get("scenario", ""), ttft
-            route.ttft_per_1k_ms = int(slo.get("ttftMillisecondsPer1kTokens") or 0)
-            route.prefill_batch = int(
-                (spec.get("prefill") or {}).get("batchSize") or UNLIMITED_BATCH
-            )
+            if settings is not None:
+                route.settle(settings)
             route.status_entrances = entrances_from_status(obj.get("status"))
             self._refresh(route)
             if not route.watched:
                 self._arm.set()
         return key
+
+    def _parse(self, key: tuple[str, str], generation: object, raw: Any) -> PDGroupSpec | None:
+        """The group's spec, or None if it does not validate (said once per generation)."""
+        try:
+            return PDGroupSpec.model_validate(raw or {})
+        except ValidationError as exc:
+            if self._invalid.get(key) != generation:
+                self._invalid[key] = generation
+                errors = "; ".join(
+                    f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
+                )
+                with self.lock:
+                    routed = key in self.groups
+                log.warning(
+                    "PDGroup %s/%s generation %s: invalid spec (%s); %s",
+                    *key,
+                    generation,
+                    errors,
+                    "still routed by its last valid spec"
+                    if routed
+                    else "routed by its scenario and SLO alone, if they are valid",
+                )
+            return None
 
     def _refresh(self, route: GroupRoute) -> None:
         """Pick the route's entrances from its current source (caller holds the lock)."""
@@ -160,12 +222,12 @@ class Discovery:
             route.entrances = route.status_entrances
 
     # ------------------------------------------------------------------ ZooKeeper
-    def _zk_state(self, state: str) -> None:
+    def _zk_state(self, state: coordination.SessionState) -> None:
         """kazoo's connection listener (its own thread; must not block or call ZooKeeper)."""
         with self.lock:
-            self.zk_connected = state == KazooState.CONNECTED
+            self.zk_connected = state is coordination.SessionState.CONNECTED
             for route in self.groups.values():
-                if state == KazooState.LOST:
+                if state is coordination.SessionState.LOST:
                     # The session's watches are gone, and kazoo's re-armed ChildrenWatch would
                     # not report unchanged children: arm a fresh watch (new generation) and
                     # route by status until it has read the entrances.
@@ -173,7 +235,7 @@ class Discovery:
                     route.watched = False
                     route.generation += 1
                 self._refresh(route)
-        if state == KazooState.LOST:
+        if state is coordination.SessionState.LOST:
             self.on_session_lost()
         if self.zk_connected:
             self._arm.set()
@@ -196,14 +258,14 @@ class Discovery:
                 try:
                     self._watch_entrances(route)
                     route.watched = True
-                except KazooException as exc:  # lost again mid-way: retried on reconnect
+                except coordination.ERRORS as exc:  # lost again mid-way: retried on reconnect
                     log.warning(
                         "entrance watch for %s/%s not armed: %s", route.namespace, route.name, exc
                     )
 
     def _watch_entrances(self, route: GroupRoute) -> None:
         paths = zl.GroupPaths(route.namespace, route.name)
-        self.zk.ensure_path(paths.entrances)
+        self.zk.ensure(paths.entrances)
         generation = route.generation
 
         def changed(children: list[str]) -> bool:
@@ -211,12 +273,12 @@ class Discovery:
                 return False  # a newer watch (after a lost session) owns this route
             entrances = []
             for child in sorted(children):
+                raw = self.zk.get(paths.entrance(child))
                 try:
-                    raw, _ = self.zk.get(paths.entrance(child))
-                    e = zl.Entrance.parse(raw)
-                    entrances.append(Entrance(e.instance, f"{e.pod_ip}:{e.port}"))
-                except (NoNodeError, ValueError):
+                    e = zl.Entrance.parse(raw or b"")
+                except ValueError:  # gone meanwhile, or unreadable
                     continue
+                entrances.append(Entrance(e.instance, f"{e.pod_ip}:{e.port}"))
             with self.lock:
                 if route.generation != generation:
                     return False
@@ -225,4 +287,4 @@ class Discovery:
                 alive = self.groups.get((route.namespace, route.name)) is route
             return alive  # False stops the watch once the group is gone
 
-        ChildrenWatch(self.zk, paths.entrances, changed)
+        self.zk.watch_children(paths.entrances, changed)

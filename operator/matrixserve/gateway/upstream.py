@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Any
+
+from matrixserve.api.engine_protocol import LAST_EVENTS, Event, error_event, event_type
 
 MAX_HEAD_BYTES = 64 * 1024  # an engine's status line and headers
 MAX_EVENT_BYTES = 1 << 20  # one SSE line from an engine; longer is a broken upstream
@@ -37,7 +38,6 @@ MAX_PENDING_EVENTS = 256
 # past it the connection is dropped.
 LINGER_SECONDS = 1.0
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")  # no sign, prefix or separator: int() takes those
-_LAST_EVENTS = ("done", "error")  # an engine's stream ends after one of these
 
 _IDLE, _HEAD, _SIZE, _DATA, _DATA_END, _TRAILER, _LENGTH, _UNTIL_CLOSE, _DONE = range(9)
 
@@ -72,7 +72,7 @@ class EngineStream(asyncio.Protocol):
         self._paused = False  # reading paused: too many events wait for the handler
         self._ended = False  # the stream's last event (or a refusal's head) has been read
         self._lingering = False  # released before the body's end: pooled when it arrives
-        self._events: list[dict[str, Any]] = []
+        self._events: list[Event] = []
         self._head: asyncio.Future[None] | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._last = 0.0  # loop time of the last read
@@ -136,7 +136,7 @@ class EngineStream(asyncio.Protocol):
             self.abort()
             raise
 
-    async def batch(self) -> list[dict[str, Any]]:
+    async def batch(self) -> list[Event]:
         """The events that arrived since the last call, waiting for at least one; ``[]`` once
         the body has ended (a failure is an ``error`` event before that)."""
         while not self._events and self._state != _DONE:
@@ -278,11 +278,11 @@ class EngineStream(asyncio.Protocol):
         for line in lines:
             if line.startswith(b"data: "):
                 event = json.loads(line[6:])
-                kind = event.get("type") if isinstance(event, dict) else None
-                if not isinstance(kind, str):
+                kind = event_type(event)
+                if kind is None:
                     raise UpstreamError("an event that is not a JSON object with a type")
                 self._events.append(event)
-                if kind in _LAST_EVENTS:
+                if kind in LAST_EVENTS:
                     self._ended = True
 
     # ------------------------------------------------------------------ endings
@@ -302,11 +302,7 @@ class EngineStream(asyncio.Protocol):
             head.set_exception(exc)  # before the head: the caller's post() raises it
         else:
             self._events.append(
-                {
-                    "type": "error",
-                    "code": "upstream_failed",
-                    "message": f"the serving instance failed mid-stream ({exc})",
-                }
+                error_event("upstream_failed", f"the serving instance failed mid-stream ({exc})")
             )
         self._keep_alive = self._lingering = False
         self._finish()

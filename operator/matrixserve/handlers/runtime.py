@@ -1,26 +1,30 @@
 """Operator start-up and shut-down: explicit kopf settings, clients in the memo, metrics server.
 
 Configuration comes from ``python -m matrixserve`` flags (:class:`OperatorConfig`), passed in
-kopf's memo; nothing lives in module globals.
+kopf's memo with the kinds to run (``memo.kinds``: each kind's ``install(runtime)``, which builds
+its controller); nothing lives in module globals. The :class:`Runtime` holds what every kind
+shares: the Kubernetes adapter, the one ZooKeeper session, the engine settings, the metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 from prometheus_client import start_http_server
 
 from matrixserve.adapters.kube import KubeAdapter, api_client, credentials
-from matrixserve.adapters.zookeeper import ZkAdapter
-from matrixserve.domain.pods import EngineSettings
+from matrixserve.api import kinds
+from matrixserve.coordination import Session, SessionState
+from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.handlers.metrics import OperatorMetrics
-from matrixserve.handlers.pdgroup import Runtime
+from matrixserve.handlers.reconciler import Reconciler
 
-WEBHOOK_CONFIGURATION = "matrixserve.io"
+WEBHOOK_CONFIGURATION = kinds.GROUP
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,42 @@ class OperatorConfig:
     zk_watches: bool = True
 
 
+@dataclass
+class Runtime:
+    config: OperatorConfig
+    kube: KubeAdapter
+    session: Session
+    metrics: OperatorMetrics
+    loop: asyncio.AbstractEventLoop
+    controllers: dict[str, Any] = field(default_factory=dict)  # by kind, built by each install
+    reconcilers: list[Reconciler] = field(default_factory=list)
+    background: asyncio.Task[None] | None = None
+
+    @property
+    def engine(self) -> EngineSettings:
+        return self.config.engine
+
+    def reconciler(self, kind: kinds.Kind) -> Reconciler:
+        """A new per-object loop for ``kind``, woken with the others when ZooKeeper is back."""
+        loop = Reconciler(
+            kind,
+            self.kube,
+            self.metrics,
+            self.loop,
+            resync_seconds=self.config.resync_seconds,
+            event_driven=self.config.zk_watches,
+        )
+        self.reconcilers.append(loop)
+        return loop
+
+    def wake_all(self) -> None:
+        for loop in self.reconcilers:
+            loop.wake_all()
+
+
+Install = Callable[[Runtime], Any]  # a kind's set-up: builds and returns its controller
+
+
 @kopf.on.login()
 def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     """kopf's own calls (watches, patches, Events) under the operator's identity: --kubeconfig
@@ -56,10 +96,10 @@ async def startup(
     settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any
 ) -> None:
     cfg: OperatorConfig = memo.config
-    settings.persistence.finalizer = "matrixserve.io/cleanup"
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="matrixserve.io")
+    settings.persistence.finalizer = kinds.FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=kinds.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="matrixserve.io", key="last-handled-configuration"
+        prefix=kinds.GROUP, key="last-handled-configuration"
     )
     settings.posting.level = logging.INFO
     settings.batching.worker_limit = cfg.worker_limit
@@ -77,34 +117,36 @@ async def startup(
         if cfg.webhook_managed:
             settings.admission.managed = WEBHOOK_CONFIGURATION
     metrics = OperatorMetrics()
-    zk = ZkAdapter(cfg.zookeeper)
-    kube = KubeAdapter(api_client(cfg.kubeconfig))
+    session = Session(cfg.zookeeper)
     runtime = Runtime(
-        kube=kube, zk=zk, engine=cfg.engine, metrics=metrics, loop=asyncio.get_running_loop()
+        config=cfg,
+        kube=KubeAdapter(api_client(cfg.kubeconfig)),
+        session=session,
+        metrics=metrics,
+        loop=asyncio.get_running_loop(),
     )
     memo.runtime = runtime
+    install: Install
+    for install in memo.kinds:
+        controller = install(runtime)
+        runtime.controllers[controller.kind.kind] = controller
 
-    def on_state(state: str) -> None:  # from a kazoo thread
+    def on_state(state: SessionState) -> None:  # from a kazoo thread
         metrics.set_zk_state(state)
-        if state == "CONNECTED":  # coordination is back: let every group re-plan now
+        if state is SessionState.CONNECTED:  # coordination is back: let every object re-plan
             runtime.loop.call_soon_threadsafe(runtime.wake_all)
 
-    zk.on_state = on_state
-    metrics.set_zk_state("CONNECTING")
+    session.add_listener(on_state)
+    metrics.set_zk_state(SessionState.CONNECTING)
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, addr=cfg.metrics_address, registry=metrics.registry)
     # Never block start-up on ZooKeeper: until it connects, reconcilers plan nothing destructive.
-    runtime.background = asyncio.get_running_loop().create_task(_connect(zk, cfg.zookeeper, logger))
+    runtime.background = asyncio.get_running_loop().create_task(_connect(session, logger))
 
 
-async def _connect(zk: ZkAdapter, hosts: str, logger: logging.Logger) -> None:
-    while not zk.connected:
-        try:
-            await zk.start(timeout=5)
-            logger.info("connected to ZooKeeper %s", hosts)
-        except Exception as exc:  # kazoo raises its own timeout types
-            logger.warning("ZooKeeper %s unreachable (%s); retrying", hosts, exc)
-            await asyncio.sleep(2)
+async def _connect(session: Session, logger: logging.Logger) -> None:
+    await session.connect(attempt_timeout=5, pause=2)
+    logger.info("connected to ZooKeeper %s", session.hosts)
 
 
 @kopf.on.cleanup()
@@ -113,6 +155,6 @@ async def cleanup(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     if runtime is not None:
         if runtime.background is not None:
             runtime.background.cancel()
-        if runtime.zk.connected:
-            await runtime.zk.stop()
+        if runtime.session.connected:
+            await runtime.session.stop()
     logger.info("operator stopped")

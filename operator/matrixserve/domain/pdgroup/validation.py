@@ -1,8 +1,9 @@
 """Cross-field rules for a PDGroup that a schema cannot express on Kubernetes 1.20 (no CEL).
 
 The validating admission webhook rejects a spec that breaks them; the reconciler checks them
-again (Ready=False, reason InvalidSpec) and touches nothing. Pure: the hardware facts come from
-the emulator's calibration (CloudMatrix384, 001 §3) and model shapes from its presets.
+again (Ready=False, reason InvalidSpec) and touches nothing. Pure: the hardware facts
+(CloudMatrix384, 001 §3) and the model shapes come from the API's catalogue
+(:mod:`matrixserve.api.catalog`), which the engine stub emulates.
 """
 
 from __future__ import annotations
@@ -10,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from matrixserve.api import catalog
-from matrixserve.api.catalog import PRESETS
+from matrixserve.api.catalog import HBM_USABLE_FRACTION, PRESETS
 from matrixserve.api.resources import MoEMode, PDGroupSpec, RoleSpec
 
-HBM_USABLE_FRACTION = 0.9  # as the engine keeps 10% for activations and buffers
 MAX_GROUP_NAME = 50  # pod names are <group>-p-<ordinal> and must stay within 63 characters
 
 

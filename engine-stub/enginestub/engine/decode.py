@@ -1,0 +1,155 @@
+"""Decode: admission, and the continuous-batching loop (P/D-Serve §3.6).
+
+A decode accepts a request from a prefill if its batch and HBM allow (429 otherwise), pulls the
+KV (:mod:`.kvpull`), and the request joins the running batch at the next iteration. One step
+emits a token for every running request; the step time is the model's TPOT for the current batch
+and mean context, scheduled on absolute deadlines so event-loop overhead does not accumulate into
+the reported timings. A colocated instance runs the same batch after its own prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from enginestub import timing
+from enginestub.engine.parts import Part, Shared
+from enginestub.engine.progress import Progress
+from matrixserve.api.engine_protocol import (
+    EngineError,
+    Event,
+    GenerateRequest,
+    error_event,
+    synthetic_token,
+    token_event,
+)
+
+# What the loop hands a request's stream: a token (its index, text and TPOT), the error event
+# that ends it early, or None after its last token.
+_Token = tuple[int, str, float]
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request in the decode batch."""
+
+    request_id: str
+    kv_tokens: int
+    remaining: int
+    events: asyncio.Queue[_Token | Event | None] = field(default_factory=asyncio.Queue)
+    emitted: int = 0
+    last_token_at: float = 0.0
+    failed: bool = False
+
+
+class DecodeBatch(Part):
+    def __init__(self, shared: Shared) -> None:
+        super().__init__(shared)
+        self.shape = self.config.shape
+        self.running: list[Sequence] = []
+        self.joining: list[Sequence] = []  # join the batch at its next step
+        self._wake = asyncio.Event()
+
+    def admit(self, req: GenerateRequest) -> None:
+        """Take the request into the batch (a slot and HBM for prompt and output) or raise."""
+        if len(self.running) + len(self.joining) >= self.config.max_batch:
+            self.metrics.requests.labels(stage="decode", outcome="rejected").inc()
+            raise EngineError(429, "rejected", f"decode batch full: {self.config.max_batch}")
+        if not self.kv.reserve(req.prompt_tokens + req.max_tokens):
+            self.metrics.requests.labels(stage="decode", outcome="rejected").inc()
+            raise EngineError(
+                429, "rejected", "decode HBM full: no room for this request's KV cache"
+            )
+        self.metrics.requests.labels(stage="decode", outcome="accepted").inc()
+
+    def join(self, seq: Sequence) -> None:
+        self.joining.append(seq)
+        self._wake.set()
+
+    def fail_all(self, why: str) -> None:
+        """A device fault: every request in the batch ends with an error."""
+        for seq in [*self.running, *self.joining]:
+            seq.failed = True
+            seq.events.put_nowait(error_event("device_fault", why))
+            seq.events.put_nowait(None)
+            self.kv.release(seq.kv_tokens + seq.remaining)
+            self.metrics.requests.labels(stage="decode", outcome="failed").inc()
+        self.running.clear()
+        self.joining.clear()
+
+    async def stream(
+        self,
+        seq: Sequence,
+        req: GenerateRequest,
+        progress: Progress,
+        kv: float,
+        instance: str,
+        offset: int,
+    ) -> AsyncIterator[Event]:
+        """The sequence's tokens as they come, then its ``done``; ``offset``: tokens the
+        request had before it joined (its prefill's first, when this instance prefilled it)."""
+        tpots: list[float] = []
+        try:
+            while (item := await seq.events.get()) is not None:
+                if not isinstance(item, tuple):
+                    yield item  # the error that ends it
+                    return
+                index, text, tpot = item
+                tpots.append(tpot)
+                yield token_event(index + offset, text, progress.elapsed())
+            yield progress.done(req, seq.emitted + offset, tpots, kv, instance)
+        finally:
+            if not seq.failed and seq.remaining > 0:  # the client went away: leave the batch
+                seq.failed = True
+                with contextlib.suppress(ValueError):
+                    self.running.remove(seq)
+                with contextlib.suppress(ValueError):
+                    self.joining.remove(seq)
+                self.kv.release(seq.kv_tokens + seq.remaining)
+
+    async def loop(self) -> None:
+        """Continuous batching: one token per running request per step (absolute deadlines)."""
+        deadline = self.clock.now()
+        while True:
+            if not self.running and not self.joining:
+                self._wake.clear()
+                await self._wake.wait()
+                deadline = self.clock.now()
+            await self.faults.not_hung.wait()
+            if self.joining:
+                self.running.extend(self.joining)
+                self.joining.clear()
+            batch = [s for s in self.running if not s.failed]
+            self.running = batch
+            if not batch:
+                continue
+            kv_mean = sum(s.kv_tokens for s in batch) / len(batch)
+            step = timing.tpot(
+                self.config.model, self.shape, len(batch) / self.shape.npus, int(kv_mean)
+            )
+            step *= self.faults.slow_factor
+            self.metrics.batch_size.set(len(batch))
+            if self.config.step_scheduling == "relative":
+                await self.clock.sleep(step)  # baseline: the loop's own overhead adds to every step
+            else:
+                deadline = max(deadline + step, self.clock.now() - step)  # never burst to catch up
+                await self.clock.sleep_until(deadline)
+            now = self.clock.now()
+            for seq in batch:
+                if seq.failed:
+                    continue
+                seq.kv_tokens += 1
+                seq.remaining -= 1
+                tpot = now - seq.last_token_at if seq.emitted else step
+                seq.last_token_at = now
+                seq.events.put_nowait(
+                    (seq.emitted, synthetic_token(seq.request_id, seq.emitted + 1), tpot)
+                )
+                seq.emitted += 1
+                self.metrics.tpot.observe(tpot)
+                if seq.remaining <= 0:
+                    seq.events.put_nowait(None)
+                    self.kv.release(seq.kv_tokens)
+            self.running = [s for s in self.running if s.remaining > 0 and not s.failed]

@@ -1,0 +1,289 @@
+"""The emulated kubelet's node side (SYSTEM.md §5): register one Node per emulated server, keep
+it Ready (node status, taints, a Lease in ``kube-node-lease``), and remove it on exit.
+
+Registration gives each Node the SuperPod/rack/server/NPU-type labels, capacity with the NPU
+resource, a free loopback /24 as ``spec.podCIDR`` (held with a machine-wide lock so two clusters
+on one machine never share pod addresses), and lifts the ``node.kubernetes.io/not-ready`` taint
+that admission puts on new nodes. In advertise mode (kind, where real kubelets own the Nodes)
+it only labels existing Nodes and patches the NPU resource into their capacity, as the Ascend
+device plugin would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import Any
+
+from kubernetes import client
+
+from enginestub.node import allocator, devicestatus
+from enginestub.node.network import (
+    POD_LOCKS,
+    AddressExhausted,
+    NodeAddresses,
+    candidate_cidrs,
+    lock_cidr,
+)
+from enginestub.node.runner import rfc3339
+from enginestub.node.state import EmulatorState, NodeState
+from matrixserve.api.kinds import (
+    ANNOTATION_NODE_EMULATOR,
+    LABEL_EMULATED,
+    LABEL_PREFIX,
+    NPU_RESOURCE,
+)
+
+log = logging.getLogger("enginestub.node")
+
+NOT_READY_TAINT = "node.kubernetes.io/not-ready"
+UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
+LEASE_NAMESPACE = "kube-node-lease"
+KUBELET_VERSION = "v1.20.2-matrixserve-emulated"
+
+
+class NodeLifecycle:
+    """Registers our Nodes and keeps their status, taints and Leases current."""
+
+    def __init__(self, shared: EmulatorState) -> None:
+        self.shared = shared
+        self._cidr_locks: list[Any] = []
+
+    def _lock_cidr(self, cidr: str) -> bool:
+        """Hold a machine-wide lock on a pod /24 for this process's lifetime; False if held elsewhere."""
+        handle = lock_cidr(POD_LOCKS, cidr)
+        if handle is None:
+            return False
+        self._cidr_locks.append(handle)
+        return True
+
+    async def register(self) -> None:
+        """Create (or take over our own earlier) Nodes, or in advertise mode decorate existing
+        ones; every node's device status file is written before its NPUs are advertised."""
+        shared = self.shared
+        existing = await asyncio.to_thread(shared.core.list_node)
+        ours = {s.node_name for s in shared.config.servers}
+        by_name = {n.metadata.name: n for n in existing.items}
+        taken = [
+            n.spec.pod_cidr
+            for n in existing.items
+            if n.metadata.name not in ours and n.spec.pod_cidr
+        ]
+        if shared.config.mode == "advertise":
+            missing = sorted(ours - set(by_name))
+            if missing:
+                raise RuntimeError(f"advertise mode: nodes {missing} do not exist")
+        else:
+            for name in ours & set(by_name):
+                labels = by_name[name].metadata.labels or {}
+                if labels.get(LABEL_EMULATED) != "true":
+                    raise RuntimeError(
+                        f"node {name} already exists and is not an emulated node; "
+                        "choose another superpod name"
+                    )
+        fresh = candidate_cidrs(taken)
+        for server in shared.config.servers:
+            prior = by_name.get(server.node_name)
+            if prior is not None and prior.spec.pod_cidr and self._lock_cidr(prior.spec.pod_cidr):
+                cidr = prior.spec.pod_cidr
+            else:
+                cidr = next((c for c in fresh if self._lock_cidr(c)), "")
+                if not cidr:
+                    raise AddressExhausted("no free pod /24 left in 127.64.0.0/10 on this machine")
+            folder = shared.config.state_dir / "nodes" / server.node_name
+            state = NodeState(
+                server=server,
+                addresses=NodeAddresses(cidr),
+                allocator=allocator.NodeAllocator(server.npus),
+                devices=devicestatus.DeviceStatus(server),
+                device_file=folder / "device-status.json",
+            )
+            shared.nodes[server.node_name] = state
+            state.write_device_file()
+            if shared.full:
+                await self._upsert(state, prior is not None)
+            else:
+                await self._advertise(state)
+
+    async def _upsert(self, state: NodeState, exists: bool) -> None:
+        server = state.server
+        meta = {
+            "name": server.node_name,
+            "labels": server.labels,
+            "annotations": {ANNOTATION_NODE_EMULATOR: self.shared.identity},
+        }
+        spec = {"podCIDR": state.addresses.cidr, "podCIDRs": [state.addresses.cidr]}
+        core = self.shared.core
+        if not exists:
+            await asyncio.to_thread(core.create_node, {"metadata": meta, "spec": spec})
+        else:
+            await asyncio.to_thread(core.patch_node, server.node_name, {"metadata": meta})
+        await self.post_status(state)
+        await self.set_taints(state)
+
+    async def _advertise(self, state: NodeState) -> None:
+        server = state.server
+        npus = str(server.npus)
+        # Labels first: once the NPUs are allocatable the scheduler may place pods that select
+        # on the SuperPod/server labels, so those must already be there.
+        labels = {k: v for k, v in server.labels.items() if k.startswith(f"{LABEL_PREFIX}/")}
+        labels[LABEL_EMULATED] = "advertised"
+        core = self.shared.core
+        await asyncio.to_thread(core.patch_node, server.node_name, {"metadata": {"labels": labels}})
+        await asyncio.to_thread(
+            core.patch_node_status,
+            server.node_name,
+            {"status": {"capacity": {NPU_RESOURCE: npus}, "allocatable": {NPU_RESOURCE: npus}}},
+        )
+
+    async def post_status(self, state: NodeState) -> None:
+        """Post the node's status, keeping each condition's transition time unless it flipped."""
+        name = state.server.node_name
+        core = self.shared.core
+        current = await asyncio.to_thread(core.read_node_status, name)
+        status = node_status(state, self.shared.identity, time.time())
+        before = {c.type: c for c in (current.status.conditions or [])}
+        for cond in status["conditions"]:
+            old = before.get(cond["type"])
+            if old is not None and old.status == cond["status"] and old.last_transition_time:
+                cond["lastTransitionTime"] = rfc3339(old.last_transition_time.timestamp())
+        await asyncio.to_thread(core.patch_node_status, name, {"status": status})
+
+    async def set_taints(self, state: NodeState) -> None:
+        """Lift the not-ready taint; put the unreachable taints on a node that is down."""
+        name = state.server.node_name
+        core = self.shared.core
+        node = await asyncio.to_thread(core.read_node, name)
+        keep = [
+            t.to_dict()
+            for t in node.spec.taints or []
+            if t.key not in (NOT_READY_TAINT, UNREACHABLE_TAINT)
+        ]
+        wanted = keep
+        if state.down:
+            stamp = rfc3339(time.time())
+            wanted = [
+                *keep,
+                {"key": UNREACHABLE_TAINT, "effect": "NoSchedule"},
+                {"key": UNREACHABLE_TAINT, "effect": "NoExecute", "timeAdded": stamp},
+            ]
+        cleaned = [
+            {
+                k: v
+                for k, v in {
+                    "key": t["key"],
+                    "value": t.get("value"),
+                    "effect": t["effect"],
+                    "timeAdded": t.get("time_added") or t.get("timeAdded"),
+                }.items()
+                if v
+            }
+            for t in wanted
+        ]
+        await asyncio.to_thread(core.patch_node, name, {"spec": {"taints": cleaned or None}})
+
+    async def heartbeats(self) -> None:
+        """Renew every live node's Lease each ``lease_interval``; re-post node status each
+        ``status_interval`` (a down node sends neither: that is what makes it look down)."""
+        shared = self.shared
+        last_status = time.monotonic()
+        while True:
+            for state in list(shared.nodes.values()):
+                if state.down or not shared.full:
+                    continue
+                try:
+                    await self._renew_lease(state.server.node_name)
+                except client.ApiException as exc:
+                    log.warning(
+                        "lease renewal for %s failed: %s", state.server.node_name, exc.reason
+                    )
+            if shared.full and time.monotonic() - last_status >= shared.config.status_interval:
+                last_status = time.monotonic()
+                for state in list(shared.nodes.values()):
+                    if not state.down:
+                        with contextlib.suppress(client.ApiException):
+                            await self.post_status(state)
+            await asyncio.sleep(shared.config.lease_interval)
+
+    async def _renew_lease(self, name: str) -> None:
+        now = time.time()
+        micro = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z"
+        body = {
+            "metadata": {"name": name, "namespace": LEASE_NAMESPACE},
+            "spec": {"holderIdentity": name, "leaseDurationSeconds": 40, "renewTime": micro},
+        }
+        coordination = self.shared.coordination
+        try:
+            await asyncio.to_thread(
+                coordination.patch_namespaced_lease, name, LEASE_NAMESPACE, {"spec": body["spec"]}
+            )
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+            await asyncio.to_thread(coordination.create_namespaced_lease, LEASE_NAMESPACE, body)
+
+    async def delete_nodes(self) -> None:
+        """Remove our Nodes and their Leases (``--delete-nodes-on-exit``; full mode only)."""
+        shared = self.shared
+        if not (shared.config.delete_nodes_on_exit and shared.full):
+            return
+        for name in shared.nodes:
+            with contextlib.suppress(client.ApiException):
+                await asyncio.to_thread(shared.core.delete_node, name)
+            with contextlib.suppress(client.ApiException):
+                await asyncio.to_thread(
+                    shared.coordination.delete_namespaced_lease, name, LEASE_NAMESPACE
+                )
+
+
+def node_status(state: NodeState, boot_id: str, now: float) -> dict[str, Any]:
+    """The node's ``status`` as a kubelet posts it: Ready (or Unknown while a node-down fault is
+    injected), no pressure, capacity = allocatable, the node's InternalIP."""
+    stamp = rfc3339(now)
+    if state.down:
+        ready = {
+            "type": "Ready",
+            "status": "Unknown",
+            "reason": "NodeStatusUnknown",
+            "message": "Kubelet stopped posting node status (node-down fault injected).",
+        }
+    else:
+        ready = {
+            "type": "Ready",
+            "status": "True",
+            "reason": "KubeletReady",
+            "message": "emulated kubelet is posting ready status",
+        }
+    conditions = [
+        {"type": t, "status": "False", "reason": f"KubeletHasNo{t}", "message": "emulated"}
+        for t in ("MemoryPressure", "DiskPressure", "PIDPressure")
+    ] + [ready]
+    for cond in conditions:
+        cond["lastHeartbeatTime"] = stamp
+        cond.setdefault("lastTransitionTime", stamp)
+    capacity = state.server.capacity
+    return {
+        "capacity": capacity,
+        "allocatable": capacity,
+        "conditions": conditions,
+        "addresses": [
+            {"type": "InternalIP", "address": state.addresses.host_ip},
+            {"type": "Hostname", "address": state.server.node_name},
+        ],
+        "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
+        "nodeInfo": {
+            "machineID": state.server.node_name,
+            "systemUUID": state.server.node_name,
+            "bootID": boot_id,
+            "kernelVersion": os.uname().release,
+            "osImage": "MatrixServe emulated NPU server",
+            "containerRuntimeVersion": "emulated://local-processes",
+            "kubeletVersion": KUBELET_VERSION,
+            "kubeProxyVersion": KUBELET_VERSION,
+            "operatingSystem": "linux",
+            "architecture": "amd64",
+        },
+    }

@@ -1,0 +1,131 @@
+"""What a pod's processes get from their node besides their own spec (SYSTEM.md §5): the Ascend
+device plugin's variables (granted NPUs, their dies' RoCE IPs and UB addresses, the node's device
+status file: CloudMatrix-Infer §3, P/D-Serve §3.2 and §3.4), the API server's address, the
+service-account credentials a kubelet would mount, and the Secrets and ConfigMaps the pod's env
+refers to (fetched here so that :mod:`.podspec` stays pure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+
+from enginestub.node import podspec
+from enginestub.node.state import EmulatorConfig, NodeState, PodRecord
+
+# What a process inherits from the emulator's own environment (the rest is the pod's).
+ENV_PASSTHROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "VIRTUAL_ENV")
+
+
+class PodEnvironment:
+    """Builds the node-given part of a pod's environment; reads Secrets and ConfigMaps."""
+
+    def __init__(self, config: EmulatorConfig, core: client.CoreV1Api) -> None:
+        self.config = config
+        self.core = core
+
+    def base(self, state: NodeState, record: PodRecord) -> dict[str, str]:
+        """The device plugin's variables and the API server's address (as in-cluster clients
+        expect them)."""
+        dies = state.server.dies_of(record.npus)
+        env = {k: os.environ[k] for k in ENV_PASSTHROUGH if k in os.environ}
+        env.update(
+            {
+                "ASCEND_VISIBLE_DEVICES": ",".join(map(str, record.npus)),
+                "MATRIXSERVE_NPUS": ",".join(map(str, record.npus)),
+                "MATRIXSERVE_DIES": ",".join(str(d.index) for d in dies),
+                "MATRIXSERVE_ROCE_IPS": ",".join(d.roce_ip for d in dies),
+                "MATRIXSERVE_UB_ADDRESSES": ",".join(d.ub_address for d in dies),
+                "MATRIXSERVE_DEVICE_STATUS_FILE": str(state.device_file),
+                "MATRIXSERVE_NODE_NAME": state.server.node_name,
+                "MATRIXSERVE_SUPERPOD": state.server.superpod,
+                "MATRIXSERVE_POD_IP": record.ip or "",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if self.config.apiserver_host and self.config.apiserver_port:
+            env["KUBERNETES_SERVICE_HOST"] = self.config.apiserver_host
+            env["KUBERNETES_SERVICE_PORT"] = str(self.config.apiserver_port)
+        return env
+
+    async def service_account(
+        self, namespace: str, pod: dict[str, Any], workdir: Path
+    ) -> dict[str, str]:
+        """The pod's service-account credentials, as a kubelet would mount them: the token Secret
+        the ServiceAccount admission plugin put in the pod's volumes. A process here cannot see
+        /var/run/secrets, so the emulator writes a kubeconfig for that token into the pod's
+        directory and points ``KUBECONFIG`` at it (clients then run as the ServiceAccount, under
+        its RBAC, exactly as in a pod)."""
+        secret_name = podspec.service_account_secret(pod)
+        if not (self.config.apiserver_host and self.config.apiserver_port):
+            return {}
+        if secret_name is None:
+            # No token (automountServiceAccountToken: false): no credentials at all, rather than
+            # a client falling back to the developer's ~/.kube/config through $HOME.
+            return {"KUBECONFIG": str(workdir / "no-service-account-token")}
+        try:
+            data = await self._read_secret(namespace, secret_name)
+        except client.ApiException as exc:
+            raise podspec.ContainerConfigError(
+                f'service-account token Secret "{secret_name}": {exc.status} {exc.reason}'
+            ) from exc
+        if not data.get("token"):
+            raise podspec.ContainerConfigError(f'Secret "{secret_name}" holds no token')
+        folder = workdir / "serviceaccount"
+        folder.mkdir(parents=True, exist_ok=True)
+        for key in ("token", "ca.crt", "namespace"):
+            if key in data:
+                path = folder / key
+                path.touch(mode=0o600)
+                path.write_bytes(data[key])
+        ca = str(folder / "ca.crt") if "ca.crt" in data else self.config.apiserver_ca
+        kubeconfig = folder / "kubeconfig"
+        kubeconfig.touch(mode=0o600)
+        kubeconfig.write_text(
+            podspec.token_kubeconfig(
+                f"https://{self.config.apiserver_host}:{self.config.apiserver_port}",
+                ca,
+                data["token"].decode(),
+            )
+        )
+        return {"KUBECONFIG": str(kubeconfig)}
+
+    async def _read_secret(self, namespace: str, name: str) -> dict[str, bytes]:
+        secret = await asyncio.to_thread(self.core.read_namespaced_secret, name, namespace)
+        return {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+
+    async def lookup(self, namespace: str, pod: dict[str, Any]) -> podspec.SecretLookup:
+        """Prefetch the ConfigMaps and Secrets the pod's env refers to (the lookup stays pure)."""
+        wanted: set[tuple[str, str]] = set()
+        for container in pod["spec"].get("containers") or []:
+            for item in container.get("env") or []:
+                source = item.get("valueFrom") or {}
+                if "secretKeyRef" in source:
+                    wanted.add(("Secret", source["secretKeyRef"]["name"]))
+                if "configMapKeyRef" in source:
+                    wanted.add(("ConfigMap", source["configMapKeyRef"]["name"]))
+            for item in container.get("envFrom") or []:
+                if "secretRef" in item:
+                    wanted.add(("Secret", item["secretRef"]["name"]))
+                if "configMapRef" in item:
+                    wanted.add(("ConfigMap", item["configMapRef"]["name"]))
+        found: dict[tuple[str, str], dict[str, str]] = {}
+        for kind, name in wanted:
+            try:
+                if kind == "Secret":
+                    raw = await self._read_secret(namespace, name)
+                    found[(kind, name)] = {k: v.decode("utf-8", "replace") for k, v in raw.items()}
+                else:
+                    cm = await asyncio.to_thread(
+                        self.core.read_namespaced_config_map, name, namespace
+                    )
+                    found[(kind, name)] = dict(cm.data or {})
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    raise
+        return lambda kind, name: found.get((kind, name))

@@ -1,0 +1,340 @@
+"""The emulated kubelet's pod side (SYSTEM.md §5): watch the pods bound to our nodes, admit them
+(the Ascend device plugin's NPU grant, a loopback pod IP, the environment from :mod:`.podenv`),
+run their containers as processes (:mod:`.runner`), write their ``status`` back as the kubelet
+would, and on deletion stop them within the grace period and finalise the delete.
+
+Pods are handled concurrently, as a kubelet admits them in parallel, but each pod's watch events
+strictly in order. Status writes are coalesced: a change marks the pod dirty and one writer
+patches the dirty pods' status every few tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from kubernetes import client, watch
+
+from enginestub.node import allocator, podspec, podstatus, services
+from enginestub.node.events import Events
+from enginestub.node.listwatch import watch_events
+from enginestub.node.podenv import PodEnvironment
+from enginestub.node.runner import PodRunner, Zygote
+from enginestub.node.state import EmulatorState, NodeState, PodRecord
+
+log = logging.getLogger("enginestub.node")
+
+
+class PodLifecycle:
+    """Runs the pods bound to our nodes, from admission to the finalised delete."""
+
+    def __init__(
+        self, shared: EmulatorState, events: Events, proxy: services.ServiceProxy | None
+    ) -> None:
+        self.shared = shared
+        self.events = events
+        self.proxy = proxy
+        self.env = PodEnvironment(shared.config, shared.core)
+        self.zygote: Zygote | None = None  # set by the emulator once the zygote is up
+        self._watch: watch.Watch | None = None
+        self._pod_chains: dict[str, asyncio.Task[None]] = {}
+        self._dirty: set[str] = set()
+        self._dirty_event = asyncio.Event()
+        self._background: set[asyncio.Task[None]] = set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run a fire-and-forget coroutine, keeping a reference until it is done."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ------------------------------------------------------------------ watch and dispatch
+    async def watch(self) -> None:
+        """List+watch the pods bound to any node (our nodes' are ours to run)."""
+
+        def keep(stream: watch.Watch) -> None:
+            self._watch = stream  # so that shutdown can stop it
+
+        async for kind, pod in watch_events(
+            self.shared.core.list_pod_for_all_namespaces,
+            stopped=self.shared.stop.is_set,
+            key=lambda pod: pod["metadata"]["uid"],
+            known=lambda: ((uid, r.pod) for uid, r in list(self.shared.pods.items())),
+            what="pod",
+            on_stream=keep,
+            field_selector="spec.nodeName!=",
+        ):
+            if kind != "SYNCED":
+                self._dispatch(kind, pod)
+
+    def _dispatch(self, kind: str, pod: dict[str, Any]) -> None:
+        """Handle pods concurrently (a kubelet admits pods in parallel), but each pod's events
+        strictly in order: a pod's handler waits for its previous one."""
+        uid = pod["metadata"]["uid"]
+        previous = self._pod_chains.get(uid)
+
+        async def handle() -> None:
+            if previous is not None:
+                with contextlib.suppress(Exception):
+                    await previous
+            try:
+                await self._on_pod(kind, pod)
+            except Exception:
+                log.exception(
+                    "handling %s of pod %s failed", kind, pod.get("metadata", {}).get("name")
+                )
+
+        task = asyncio.create_task(handle())
+        self._pod_chains[uid] = task
+
+        def forget(done: asyncio.Task[None]) -> None:
+            if self._pod_chains.get(uid) is done:
+                del self._pod_chains[uid]
+
+        task.add_done_callback(forget)
+
+    async def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        uid = meta["uid"]
+        node = pod.get("spec", {}).get("nodeName")
+        if node not in self.shared.nodes:
+            return
+        record = self.shared.pods.get(uid)
+        if kind == "DELETED":
+            if record is not None:
+                await self._terminate(record, grace=0.0, finalize=False)
+            return
+        if record is not None:
+            record.pod = pod
+        if meta.get("deletionTimestamp"):
+            if record is None:
+                await self._finalize_delete(meta["namespace"], meta["name"], uid)
+            elif not record.terminating:
+                grace = float(meta.get("deletionGracePeriodSeconds") or 0)
+                self._spawn(self._terminate(record, grace=grace, finalize=True))
+            return
+        if record is None:
+            phase = (pod.get("status") or {}).get("phase")
+            if phase in ("Succeeded", "Failed"):
+                return
+            await self._admit(pod)
+
+    # ------------------------------------------------------------------ admission
+    async def _admit(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        state = self.shared.nodes[pod["spec"]["nodeName"]]
+        record = PodRecord(
+            meta["uid"], meta["namespace"], meta["name"], state.server.node_name, pod
+        )
+        self.shared.pods[record.uid] = record
+        wanted = podspec.npu_request(pod)
+        try:
+            await self._grant_npus(state, record, wanted)
+        except (allocator.AllocationError, ValueError) as exc:
+            failed = podstatus.failed(
+                "UnexpectedAdmissionError", f"Allocate failed due to {exc}, which is unexpected"
+            )
+            await self._cannot_run(record, failed, "UnexpectedAdmissionError", str(exc))
+            return
+        record.ip = state.addresses.claim((pod.get("status") or {}).get("podIP"))
+        # --- containers ----------------------------------------------------------------
+        base_env = self.env.base(state, record)
+        if self.proxy is not None:
+            try:
+                await asyncio.wait_for(self.proxy.synced.wait(), 30)
+            except TimeoutError:
+                log.warning("Services not listed after 30 s: %s starts without them", record.name)
+            base_env.update(self.proxy.namespace_env(record.namespace))
+        config = self.shared.config
+        workdir = config.state_dir / "pods" / f"{record.namespace}_{record.name}_{record.uid}"
+        try:
+            base_env.update(await self.env.service_account(record.namespace, pod, workdir))
+            lookup = await self.env.lookup(record.namespace, pod)
+            plans = podspec.plan_containers(
+                _with_status(pod, record.ip, state.addresses.host_ip),
+                config.image_map,
+                lookup,
+                base_env,
+            )
+        except podspec.UnknownImageError as exc:
+            waiting = _waiting(record, state, "ErrImagePull", str(exc))
+            await self._cannot_run(record, waiting, "Failed", f"Failed to pull image: {exc}")
+            return
+        except podspec.ContainerConfigError as exc:
+            waiting = _waiting(record, state, "CreateContainerConfigError", str(exc))
+            await self._cannot_run(record, waiting, "Failed", f"Error: {exc}")
+            return
+        runner = PodRunner(
+            namespace=record.namespace,
+            name=record.name,
+            uid=record.uid,
+            pod_ip=record.ip,
+            plans=plans,
+            restart_policy=pod["spec"].get("restartPolicy", "Always"),
+            workdir=workdir,
+            on_change=lambda r: self._runner_changed(record, r),
+            backoff_base=config.backoff_base,
+            backoff_max=config.backoff_max,
+            zygote=self.zygote,
+        )
+        record.runner = runner
+        if state.down:
+            runner.kill()
+        runner.start()
+
+    async def _grant_npus(self, state: NodeState, record: PodRecord, wanted: int) -> None:
+        """The device plugin's part: which NPUs. A grant already on the pod (an emulator
+        restart) is adopted; a new one is recorded on the pod before anything runs."""
+        granted_text = (record.pod["metadata"].get("annotations") or {}).get(allocator.ANNOTATION)
+        if granted_text is not None:
+            record.npus = allocator.parse_grant(granted_text)
+            state.allocator.adopt(record.uid, record.npus)
+            return
+        record.npus = state.allocator.allocate(record.uid, wanted)
+        grant = {allocator.ANNOTATION: allocator.format_grant(record.npus)}
+        await asyncio.to_thread(
+            self.shared.core.patch_namespaced_pod,
+            record.name,
+            record.namespace,
+            {"metadata": {"annotations": grant}},
+        )
+
+    async def _cannot_run(
+        self, record: PodRecord, status: dict[str, Any], reason: str, message: str
+    ) -> None:
+        """A pod this node will not run: its status stays fixed; a Warning Event says why."""
+        record.fixed_status = status
+        await self.events.pod(record, reason, message, "Warning")
+        self.mark_dirty(record.uid)
+
+    # ------------------------------------------------------------------ status
+    def _runner_changed(self, record: PodRecord, runner: PodRunner) -> None:
+        self.mark_dirty(record.uid)
+        for state in runner.containers.values():
+            if state.phase == "waiting" and state.waiting_reason == "CrashLoopBackOff":
+                key = f"backoff-{state.name}-{state.restart_count}"
+                if key not in record.events_sent:
+                    record.events_sent.add(key)
+                    self._spawn(
+                        self.events.pod(
+                            record,
+                            "BackOff",
+                            f"Back-off restarting failed container {state.name}",
+                            "Warning",
+                        )
+                    )
+            if state.phase == "running":
+                key = f"started-{state.name}-{state.restart_count}"
+                if key not in record.events_sent:
+                    record.events_sent.add(key)
+                    self._spawn(
+                        self.events.pod(
+                            record, "Started", f"Started container {state.name}", "Normal"
+                        )
+                    )
+
+    def mark_dirty(self, uid: str) -> None:
+        """The pod's status changed: the status writer patches it soon."""
+        self._dirty.add(uid)
+        self._dirty_event.set()
+
+    async def status_writer(self) -> None:
+        while True:
+            await self._dirty_event.wait()
+            await asyncio.sleep(0.02)  # coalesce bursts
+            self._dirty_event.clear()
+            batch, self._dirty = self._dirty, set()
+            for uid in batch:
+                record = self.shared.pods.get(uid)
+                if record is None or (record.terminating and record.runner is None):
+                    continue
+                try:
+                    await self._write_status(record)
+                except client.ApiException as exc:
+                    if exc.status != 404:
+                        log.warning(
+                            "status of %s/%s: %s", record.namespace, record.name, exc.reason
+                        )
+                        self.mark_dirty(uid)
+                        await asyncio.sleep(0.5)
+
+    async def _write_status(self, record: PodRecord) -> None:
+        state = self.shared.nodes[record.node]
+        if record.fixed_status is not None:
+            status = dict(record.fixed_status)
+        elif record.runner is not None:
+            runner = record.runner
+            status = podstatus.render(
+                list(runner.containers.values()),
+                restart_policy=runner.restart_policy,
+                pod_ip=runner.pod_ip,
+                host_ip=state.addresses.host_ip,
+                started_at=runner.started_at,
+                now=time.time(),
+                previous_conditions=record.conditions,
+                node_ready=not state.down,
+            )
+            record.conditions = status["conditions"]
+        else:
+            return
+        await asyncio.to_thread(
+            self.shared.core.patch_namespaced_pod_status,
+            record.name,
+            record.namespace,
+            {"status": status},
+        )
+
+    # ------------------------------------------------------------------ deletion
+    async def _terminate(self, record: PodRecord, *, grace: float, finalize: bool) -> None:
+        record.terminating = True
+        if record.runner is not None:
+            if finalize:
+                await self.events.pod(record, "Killing", "Stopping container(s)", "Normal")
+            await record.runner.stop(grace)
+        state = self.shared.nodes[record.node]
+        state.allocator.release(record.uid)
+        if record.ip:
+            state.addresses.release(record.ip)
+        self.shared.pods.pop(record.uid, None)
+        if finalize:
+            await self._finalize_delete(record.namespace, record.name, record.uid)
+
+    async def _finalize_delete(self, namespace: str, name: str, uid: str) -> None:
+        with contextlib.suppress(client.ApiException):
+            await asyncio.to_thread(
+                self.shared.core.delete_namespaced_pod,
+                name,
+                namespace,
+                body=client.V1DeleteOptions(
+                    grace_period_seconds=0, preconditions=client.V1Preconditions(uid=uid)
+                ),
+            )
+
+    async def stop_all(self, grace: float) -> None:
+        """On exit: stop watching and stop every pod's processes (the pods stay bound; an
+        emulator restart starts them again)."""
+        if self._watch is not None:
+            self._watch.stop()
+        runners = [r.runner for r in self.shared.pods.values() if r.runner is not None]
+        await asyncio.gather(*(r.stop(grace) for r in runners), return_exceptions=True)
+
+
+def _waiting(record: PodRecord, state: NodeState, reason: str, message: str) -> dict[str, Any]:
+    return podstatus.waiting(
+        record.pod,
+        reason,
+        message,
+        pod_ip=record.ip,
+        host_ip=state.addresses.host_ip,
+        now=time.time(),
+    )
+
+
+def _with_status(pod: dict[str, Any], pod_ip: str, host_ip: str) -> dict[str, Any]:
+    status = dict(pod.get("status") or {})
+    status.update({"podIP": pod_ip, "hostIP": host_ip})
+    return {**pod, "status": status}

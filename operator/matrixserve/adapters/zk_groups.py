@@ -1,0 +1,133 @@
+"""The PDGroup's ZooKeeper store: its subtree (``/matrixserve/v1/groups/<ns>/<group>``, P/D-Serve
+§3.2-3.4; layout in :mod:`matrixserve.api.zk_layout`) read as one snapshot, changed by the
+planner's znode actions, watched so the group's reconciler wakes, and removed on deletion.
+
+Built on the shared session (:mod:`matrixserve.coordination`): while it is not connected
+(SUSPENDED or LOST) a snapshot says ``connected=False`` and the planner plans nothing
+destructive. The operator owns no ephemeral znodes, so LOST needs no re-registration here;
+watches are re-armed by kazoo on reconnection. ExpertPool gets a store of its own beside this
+one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from matrixserve.api import zk_layout as zl
+from matrixserve.coordination import Session
+from matrixserve.domain.effects import ZnodeChange
+from matrixserve.domain.pdgroup import ZkView
+
+log = logging.getLogger("matrixserve.zookeeper")
+
+
+class GroupStore:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self._lock = threading.Lock()
+        self._watched: dict[str, list[Callable[[], None]]] = {}
+
+    @property
+    def connected(self) -> bool:
+        return self.session.connected
+
+    # ------------------------------------------------------------------ reads
+    def _read_sync(self, paths: zl.GroupPaths) -> ZkView:
+        zk = self.session
+
+        def parse(model: Any, path: str) -> Any:
+            raw = zk.get(path)
+            if raw is None:
+                return None
+            try:
+                return model.parse(raw)
+            except ValueError:
+                log.warning("unreadable znode %s", path)
+                return None
+
+        reports = {
+            n: r for n in zk.children(paths.reports) if (r := parse(zl.Report, paths.report(n)))
+        }
+        links = {}
+        for child in zk.children(paths.links):
+            if "--" in child and (link := parse(zl.Link, f"{paths.links}/{child}")):
+                links[(link.prefill, link.decode)] = link
+        health = {
+            n: h for n in zk.children(paths.health) if (h := parse(zl.Health, paths.health_of(n)))
+        }
+        return ZkView(
+            connected=True,
+            reports=reports,
+            roce_map=parse(zl.RoceMap, paths.roce_map),
+            init_order=parse(zl.InitOrder, paths.init_order),
+            links=links,
+            health=health,
+            decode_meta=parse(zl.DecodeMeta, paths.decode_meta),
+            entrances=frozenset(zk.children(paths.entrances)),
+            removed=frozenset(zk.children(paths.removed)),
+        )
+
+    async def snapshot(self, namespace: str, group: str) -> ZkView:
+        if not self.connected:
+            return ZkView(connected=False)
+        try:
+            view = await self.session.run(self._read_sync, zl.GroupPaths(namespace, group))
+        except Exception as exc:  # connection loss mid-read: plan as disconnected
+            log.warning("ZooKeeper read of %s/%s failed: %s", namespace, group, exc)
+            return ZkView(connected=False)
+        return view if self.connected else ZkView(connected=False)
+
+    # ------------------------------------------------------------------ writes
+    async def apply(
+        self, namespace: str, group: str, action: ZnodeChange[zl.GroupPaths]
+    ) -> None:
+        if not self.connected:
+            raise ConnectionError("ZooKeeper is not connected")
+        ops = action.znodes(zl.GroupPaths(namespace, group))
+        await self.session.run(self.session.apply, ops)
+
+    async def ensure(self, namespace: str, group: str) -> None:
+        paths = zl.GroupPaths(namespace, group)
+        await self.session.run(self.session.ensure, *paths.all_folders())
+
+    async def delete(self, namespace: str, group: str) -> bool:
+        """Remove the group's whole subtree; True if there was one."""
+        path = zl.group_path(namespace, group)
+
+        def delete() -> bool:
+            existed = self.session.delete(path, recursive=True)
+            self.session.prune(path.rsplit("/", 1)[0])  # the namespace folder, once empty
+            return existed
+
+        return await self.session.run(delete)
+
+    # ------------------------------------------------------------------ watches
+    def watch(self, namespace: str, group: str, wake: Callable[[], None]) -> None:
+        """Call ``wake`` (from a kazoo thread) whenever reports, links, health, entrances,
+        removals or the map change."""
+        paths = zl.GroupPaths(namespace, group)
+        key = paths.root
+        with self._lock:
+            if key in self._watched:
+                self._watched[key].append(wake)
+                return
+            self._watched[key] = [wake]
+
+        def fire(*_: Any) -> bool:
+            with self._lock:
+                callbacks = list(self._watched.get(key, []))
+            for callback in callbacks:
+                callback()
+            return key in self._watched
+
+        for folder in (paths.reports, paths.links, paths.health, paths.entrances, paths.removed):
+            self.session.ensure(folder)
+            self.session.watch_children(folder, fire, send_event=True)
+        self.session.watch_data(paths.roce_map, fire)
+
+    def unwatch(self, namespace: str, group: str) -> None:
+        with self._lock:
+            self._watched.pop(zl.group_path(namespace, group), None)

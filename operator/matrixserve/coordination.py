@@ -1,0 +1,248 @@
+"""The one owner of a ZooKeeper session, shared by every MatrixServe process that talks to
+ZooKeeper: the operator's stores, the engine's resident process (P/D-Serve §3.2-3.4) and the
+gateway's entrance discovery. The session policy is written here once.
+
+Patroni's ZooKeeper DCS is the model:
+
+- **State**: ``CONNECTING`` until the first connection, then ``CONNECTED``, ``SUSPENDED``
+  (the connection dropped; the session may still be alive and our ephemerals with it: pause
+  destructive work) or ``LOST`` (the session expired: our ephemerals and watches are gone;
+  whoever owns ephemerals writes them again once ``CONNECTED`` follows). Listeners are called
+  on kazoo's thread and must not block.
+- **Connecting**: :meth:`Session.connect` retries until it connects (ZooKeeper may come up after
+  us), leaving no half-started client behind a failed try; :meth:`Session.start_background`
+  lets kazoo reconnect for ever without waiting (a process that can serve without ZooKeeper).
+- **Writes are idempotent**: :meth:`Session.put` is set-or-create (optionally versioned: a
+  compare-and-set that raises :class:`kazoo.exceptions.BadVersionError` when someone else wrote
+  in between), deletes of absent znodes succeed, and :meth:`Session.apply` runs a list of
+  :mod:`matrixserve.api.zk_layout` operations in order.
+- **Retries with a deadline**: :meth:`Session.retry` re-runs a call through connection losses
+  until it succeeds or the deadline passes (kazoo's ``KazooRetry``).
+- **Watches**: children and data watches, which kazoo re-arms on reconnection within a session.
+
+kazoo is imported here and in the adapters built on it, never in ``matrixserve.domain``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+from enum import StrEnum
+from typing import Any, TypeVar
+
+from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError, NotEmptyError
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.recipe.watchers import ChildrenWatch, DataWatch
+from kazoo.retry import KazooRetry
+
+from matrixserve.api import zk_layout as zl
+
+log = logging.getLogger("matrixserve.coordination")
+T = TypeVar("T")
+
+# What a ZooKeeper call raises when the session is not there (connection loss, timeout, ...):
+# callers catch these without importing kazoo.
+ERRORS: tuple[type[Exception], ...] = (KazooException, KazooTimeoutError)
+
+
+class SessionState(StrEnum):
+    CONNECTING = "CONNECTING"
+    CONNECTED = "CONNECTED"
+    SUSPENDED = "SUSPENDED"
+    LOST = "LOST"
+
+
+_FROM_KAZOO = {
+    KazooState.CONNECTED: SessionState.CONNECTED,
+    KazooState.SUSPENDED: SessionState.SUSPENDED,
+    KazooState.LOST: SessionState.LOST,
+}
+
+
+class Session:
+    """One kazoo client and what every user of it needs."""
+
+    def __init__(
+        self,
+        hosts: str,
+        timeout: float = 10.0,
+        connection_retry: dict[str, Any] | None = None,
+        retry_deadline: float = 10.0,
+        client: Any = None,  # a kazoo client to own instead (tests script one)
+    ) -> None:
+        self.hosts = hosts
+        self.client = client or KazooClient(
+            hosts=hosts, timeout=timeout, connection_retry=connection_retry
+        )
+        self.state = SessionState.CONNECTING
+        self.retry_deadline = retry_deadline
+        self._listeners: list[Callable[[SessionState], None]] = []
+        self.client.add_listener(self._on_kazoo_state)
+
+    # ------------------------------------------------------------------ state
+    def add_listener(self, listener: Callable[[SessionState], None]) -> None:
+        """Call ``listener(state)`` on every transition, from kazoo's thread (must not block or
+        call ZooKeeper)."""
+        self._listeners.append(listener)
+
+    def _on_kazoo_state(self, state: str) -> None:
+        self._set_state(_FROM_KAZOO.get(state, SessionState.LOST))
+
+    def _set_state(self, state: SessionState) -> None:
+        self.state = state
+        for listener in list(self._listeners):
+            listener(state)
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.client.connected) and self.state is SessionState.CONNECTED
+
+    # ------------------------------------------------------------------ connecting
+    async def start(self, timeout: float) -> None:
+        """One try at connecting; a failed try stops the client (no half-started client keeps
+        retrying behind the caller)."""
+        try:
+            await asyncio.to_thread(self.client.start, timeout)
+        except Exception:
+            await asyncio.to_thread(self.client.stop)
+            raise
+        if self.state is not SessionState.CONNECTED:
+            self._set_state(SessionState.CONNECTED)
+
+    async def connect(
+        self,
+        attempt_timeout: float,
+        pause: float = 2.0,
+        then: Callable[[], None] | None = None,
+        on_retry: Callable[[Exception], None] | None = None,
+    ) -> None:
+        """Connect, retrying every ``pause`` seconds until it works; ``then`` (run in a worker
+        thread) is part of each try, so a session that drops right after connecting retries
+        it too."""
+        while True:
+            try:
+                await self.start(attempt_timeout)
+                if then is not None:
+                    await asyncio.to_thread(then)
+                return
+            except Exception as exc:  # kazoo raises its own timeout types
+                if on_retry is not None:
+                    on_retry(exc)
+                else:
+                    log.warning("ZooKeeper %s unreachable (%s); retrying", self.hosts, exc)
+                await asyncio.sleep(pause)
+
+    def start_background(self) -> None:
+        """Start without waiting; kazoo keeps (re)connecting by ``connection_retry``."""
+        self.client.start_async()
+
+    async def stop(self) -> None:
+        """Close the session (its ephemerals go at once, not after the session timeout)."""
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.client.stop)
+            await asyncio.to_thread(self.client.close)
+
+    # ------------------------------------------------------------------ calls
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a blocking ZooKeeper call (or a function of several) in a worker thread."""
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    def retry(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn`` re-run through connection losses until it succeeds or ``retry_deadline``
+        seconds have passed (then kazoo's ``RetryFailedError``)."""
+        policy = KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0, deadline=self.retry_deadline)
+        result: T = policy(fn, *args, **kwargs)
+        return result
+
+    # ------------------------------------------------------------------ reads (blocking)
+    def get(self, path: str) -> bytes | None:
+        """The znode's data; None when it is absent or empty."""
+        try:
+            raw, _ = self.client.get(path)
+        except NoNodeError:
+            return None
+        return bytes(raw) if raw else None
+
+    def children(self, path: str) -> list[str]:
+        try:
+            return list(self.client.get_children(path))
+        except NoNodeError:
+            return []
+
+    def exists(self, path: str) -> bool:
+        return self.client.exists(path) is not None
+
+    # ------------------------------------------------------------------ writes (blocking)
+    def put(
+        self,
+        path: str,
+        data: bytes,
+        *,
+        ephemeral: bool = False,
+        version: int = -1,
+        makepath: bool = False,
+    ) -> None:
+        """Set-or-create. ``version`` >= 0 makes it a compare-and-set of an existing znode
+        (``BadVersionError`` when the version moved, ``NoNodeError`` when it is gone).
+        ``makepath``: create missing parents too (off: a deleted subtree stays deleted)."""
+        try:
+            self.client.set(path, data, version=version)
+            return
+        except NoNodeError:
+            if version >= 0:
+                raise
+        try:
+            self.client.create(path, data, ephemeral=ephemeral, makepath=makepath)
+        except NodeExistsError:  # created meanwhile (by us on a retried call, or by a peer)
+            self.client.set(path, data)
+
+    def create(self, path: str, data: bytes, *, ephemeral: bool = False) -> bool:
+        """Create if absent; False when it already existed (left as it is)."""
+        try:
+            self.client.create(path, data, ephemeral=ephemeral)
+        except NodeExistsError:
+            return False
+        return True
+
+    def delete(self, path: str, *, recursive: bool = False) -> bool:
+        """Delete if present; False when it was already gone."""
+        try:
+            self.client.delete(path, recursive=recursive)
+        except NoNodeError:
+            return False
+        return True
+
+    def prune(self, path: str) -> bool:
+        """Delete the znode if it is there and has no children; True if it went."""
+        try:
+            self.client.delete(path)
+        except (NoNodeError, NotEmptyError):
+            return False
+        return True
+
+    def ensure(self, *paths: str) -> None:
+        for path in paths:
+            self.client.ensure_path(path)
+
+    def apply(self, ops: Iterable[zl.ZnodeOp]) -> None:
+        """Run layout operations in order (each idempotent; a Put creates missing parents)."""
+        for op in ops:
+            match op:
+                case zl.Put(path=path, data=data):
+                    self.put(path, data, makepath=True)
+                case zl.Delete(path=path, recursive=recursive):
+                    self.delete(path, recursive=recursive)
+
+    # ------------------------------------------------------------------ watches
+    def watch_children(
+        self, path: str, callback: Callable[..., Any], *, send_event: bool = False
+    ) -> None:
+        """kazoo's ``ChildrenWatch``: ``callback(children[, event])``; returning False stops it."""
+        ChildrenWatch(self.client, path, callback, send_event=send_event)
+
+    def watch_data(self, path: str, callback: Callable[..., Any]) -> None:
+        """kazoo's ``DataWatch``: ``callback(data, stat)``; returning False stops it."""
+        DataWatch(self.client, path, callback)

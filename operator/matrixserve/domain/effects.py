@@ -1,0 +1,56 @@
+"""The kinds of effect a plan has on the world, for every kind (pure).
+
+A kind's actions are frozen values that say *what* to do and carry everything the applier needs
+(a pod's manifest, a znode's bytes), so applying them is generic: create a pod, delete a pod
+(with a UID precondition), or change znodes in the kind's ZooKeeper subtree. Each action also
+says how it is reported (:meth:`Effect.describe`: the Event's reason and message).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from matrixserve.api import zk_layout as zl
+
+Paths = TypeVar("Paths")
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Kubernetes Event on the object (``Normal`` unless ``warning``)."""
+
+    reason: str
+    message: str
+    warning: bool = False
+
+
+class Effect:
+    """Base of every action; ``describe`` is None for bookkeeping nobody needs to read."""
+
+    def describe(self) -> Event | None:
+        return None
+
+
+class PodCreation(Effect):
+    """Create a pod from ``manifest`` (idempotent: an existing pod of that name is success, and
+    is not reported)."""
+
+    manifest: Mapping[str, Any]
+
+
+class PodDeletion(Effect):
+    """Delete pod ``name`` only if it is still the one with ``uid`` (a recreated pod of the same
+    name is never deleted by mistake); an absent pod is success, and is not reported."""
+
+    name: str
+    uid: str
+
+
+class ZnodeChange(Effect, Generic[Paths]):
+    """Writes to the kind's ZooKeeper subtree (``Paths`` names its znodes), in order, each
+    idempotent."""
+
+    def znodes(self, paths: Paths) -> list[zl.ZnodeOp]:
+        raise NotImplementedError

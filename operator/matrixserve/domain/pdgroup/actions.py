@@ -1,0 +1,156 @@
+"""What the PDGroup planner asks for: pod creations and deletions, and writes to the group's
+ZooKeeper subtree (P/D-Serve §3.2-3.4). Each action carries what applying it needs and says how
+it is reported (its Event)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from matrixserve.api import zk_layout as zl
+from matrixserve.domain.effects import Event, PodCreation, PodDeletion, ZnodeChange
+from matrixserve.domain.pdgroup.pods import role_label
+
+
+# --------------------------------------------------------------------------- Kubernetes
+@dataclass(frozen=True)
+class CreatePod(PodCreation):
+    name: str
+    role: zl.Role
+    # Derived from the view, name and role; equality is by what is created.
+    manifest: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def describe(self) -> Event:
+        return Event("CreatedPod", f"Created pod {self.name} for a {role_label(self.role)} instance")
+
+
+@dataclass(frozen=True)
+class DeletePod(PodDeletion):
+    name: str
+    uid: str
+    reason: str
+
+    def describe(self) -> Event:
+        return Event("DeletedPod", f"Deleted pod {self.name}: {self.reason}")
+
+
+# --------------------------------------------------------------------------- ZooKeeper
+class _GroupZnodes(ZnodeChange[zl.GroupPaths]):
+    """A write to the group's subtree. ``reason`` and ``message`` (a format string over the
+    action's fields) make its Event; no reason: no Event."""
+
+    reason: ClassVar[str] = ""
+    message: ClassVar[str] = ""
+
+    def describe(self) -> Event | None:
+        if not self.reason:
+            return None
+        return Event(self.reason, self.message.format(**vars(self)))
+
+
+@dataclass(frozen=True)
+class WriteRoceMap(_GroupZnodes):
+    roce_map: zl.RoceMap
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+
+    def znodes(self, paths: zl.GroupPaths) -> list[zl.ZnodeOp]:
+        return [zl.Put(paths.roce_map, self.roce_map.dump())]
+
+    def describe(self) -> Event:
+        m = self.roce_map
+        change = ", ".join([*(f"+{a}" for a in self.added), *(f"-{r}" for r in self.removed)])
+        return Event(
+            "RoceMap",
+            f"Wrote RoCE map v{m.version} ({change}); {m.expected_links()} sub-links expected",
+        )
+
+
+@dataclass(frozen=True)
+class WriteInitOrder(_GroupZnodes):
+    order: zl.InitOrder
+    reason = "InitOrder"
+    message = "All instances reported their RoCE IPs; init order delivered"
+
+    def znodes(self, paths: zl.GroupPaths) -> list[zl.ZnodeOp]:
+        return [zl.Put(paths.init_order, self.order.dump())]
+
+
+@dataclass(frozen=True)
+class WriteDecodeMeta(_GroupZnodes):
+    meta: zl.DecodeMeta
+
+    def znodes(self, paths: zl.GroupPaths) -> list[zl.ZnodeOp]:
+        return [zl.Put(paths.decode_meta, self.meta.dump())]
+
+    def describe(self) -> Event:
+        decodes = ", ".join(d.instance for d in self.meta.decodes) or "no decodes"
+        return Event(
+            "DecodeMeta", f"Pushed decode meta v{self.meta.version} ({decodes}) to the prefills"
+        )
+
+
+@dataclass(frozen=True)
+class SetEntrance(_GroupZnodes):
+    entrance: zl.Entrance
+    reason = "EntranceOpened"
+    message = "Prefill {entrance.instance} is open for requests"
+
+    def znodes(self, paths: zl.GroupPaths) -> list[zl.ZnodeOp]:
+        return [zl.Put(paths.entrance(self.entrance.instance), self.entrance.dump())]
+
+
+@dataclass(frozen=True)
+class DeleteEntrance(_GroupZnodes):
+    name: str
+    reason = "EntranceClosed"
+    message = "Prefill {name} no longer takes requests"
+
+    def znodes(self, paths: zl.GroupPaths) -> list[zl.ZnodeOp]:
+        return [zl.Delete(paths.entrance(self.name))]
+
+
+@dataclass(frozen=True)
+class MarkRemoved(_GroupZnodes):
+    removal: zl.Removal
+    reason = "LogicallyRemoved"
+    message = "Removed {removal.instance} from the group ({removal.reason})"
+
+    def znodes(self, paths: zl.GroupPaths) -> list[zl.ZnodeOp]:
+        return [zl.Put(paths.removed_of(self.removal.instance), self.removal.dump())]
+
+
+@dataclass(frozen=True)
+class EraseInstance(_GroupZnodes):
+    """Delete the instance's links (its data in the group) before its pod is released."""
+
+    name: str
+    links: tuple[tuple[str, str], ...]
+    reason = "Erased"
+    message = "Erased the links of {name}"
+
+    def znodes(self, paths: zl.GroupPaths) -> list[zl.ZnodeOp]:
+        return [zl.Delete(paths.link(p, d)) for p, d in self.links]
+
+
+@dataclass(frozen=True)
+class ClearRemoved(_GroupZnodes):
+    name: str
+
+    def znodes(self, paths: zl.GroupPaths) -> list[zl.ZnodeOp]:
+        return [zl.Delete(paths.removed_of(self.name))]
+
+
+Action = (
+    CreatePod
+    | DeletePod
+    | WriteRoceMap
+    | WriteInitOrder
+    | WriteDecodeMeta
+    | SetEntrance
+    | DeleteEntrance
+    | MarkRemoved
+    | EraseInstance
+    | ClearRemoved
+)

@@ -1,0 +1,200 @@
+"""Who is in the group: gathering, dynamic RoCE construction, release, and opening traffic.
+
+P/D-Serve §3.2-3.3 as stages of a level-based plan (pure; ``now`` comes with the view):
+
+- **Gathering** (no RoCE map yet): once every desired instance has reported its RoCE IPs
+  (reports == expected), write the RoCE map (v1, roles bound) and the init order. Extra
+  instances (replicas lowered before the map existed) and instances that never report go.
+- **Dynamic RoCE construction** (Fig. 7): a new, role-less container that has reported joins
+  the map (version bump); an instance no longer desired leaves it, is marked removed and loses
+  its entrance. Nobody else restarts.
+- **Release** (§3.3, in this order): an instance out of the map has its links erased, then its
+  pods deleted; once they are gone its removal marker is cleared.
+- **Traffic**: once *every* member is healthy the decode meta (the healthy decodes) is pushed to
+  the prefills and the healthy prefills become entrances; later, only healthy members get
+  traffic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from matrixserve.api import zk_layout as zl
+from matrixserve.api.resources import PDGroupSpec
+from matrixserve.domain.observed import InstanceView
+from matrixserve.domain.pdgroup.actions import (
+    Action,
+    ClearRemoved,
+    DeleteEntrance,
+    DeletePod,
+    EraseInstance,
+    MarkRemoved,
+    SetEntrance,
+    WriteDecodeMeta,
+    WriteInitOrder,
+    WriteRoceMap,
+)
+from matrixserve.domain.pdgroup.view import GroupView
+
+GATHER_TIMEOUT_SECONDS = 300.0
+
+
+# --------------------------------------------------------------------------- naming
+@dataclass(frozen=True)
+class RoleCounts:
+    """How many instances of each role the group should have."""
+
+    prefill: int
+    decode: int
+
+
+def instance_name(group: str, role: zl.Role, ordinal: int) -> str:
+    return f"{group}-{'p' if role is zl.Role.PREFILL else 'd'}-{ordinal}"
+
+
+def desired_instances(group: str, counts: RoleCounts) -> dict[str, zl.Role]:
+    out = {instance_name(group, zl.Role.PREFILL, i): zl.Role.PREFILL for i in range(counts.prefill)}
+    out |= {instance_name(group, zl.Role.DECODE, i): zl.Role.DECODE for i in range(counts.decode)}
+    return out
+
+
+def devices_k(spec: PDGroupSpec) -> int:
+    """RoCE IPs per instance: one per die, two dies per NPU."""
+    return spec.prefill.devices_per_instance * 2
+
+
+def release_pods(instance: InstanceView, reason: str) -> list[Action]:
+    return [DeletePod(pod.name, pod.uid, reason) for pod in instance.pods]
+
+
+def live_instances(view: GroupView) -> dict[str, InstanceView]:
+    return {n: i for n, i in view.instances.items() if not i.deleting}
+
+
+# --------------------------------------------------------------------------- gathering
+def gather(
+    view: GroupView, desired: Mapping[str, zl.Role]
+) -> tuple[list[Action], zl.RoceMap | None]:
+    """Before the group has a map: its actions, and the map written now (if every desired
+    instance has reported)."""
+    zk = view.zk
+    actions: list[Action] = []
+    # Extra instances (replicas lowered before the map existed) carry no traffic yet.
+    for name, instance in live_instances(view).items():
+        if name not in desired:
+            actions += release_pods(instance, "not desired before the group formed")
+        elif (
+            name not in zk.reports
+            and view.now - instance.leader.created_at > GATHER_TIMEOUT_SECONDS
+        ):
+            actions += release_pods(instance, "did not report its RoCE IPs in time; retrying")
+    reported = [zk.reports[n] for n in desired if n in zk.reports]
+    if not desired or len(reported) != len(desired):
+        return actions, None
+    new_map = zl.build_roce_map(reported, dict(desired), version=1)
+    actions.append(WriteRoceMap(new_map, tuple(sorted(desired)), ()))
+    actions.append(WriteInitOrder(zl.InitOrder(epoch=1, roceMapVersion=1)))
+    return actions, new_map
+
+
+# --------------------------------------------------------------------------- dynamic RoCE construction
+@dataclass(frozen=True)
+class Change:
+    """The map after this pass's joins and leaves."""
+
+    actions: list[Action]
+    roce_map: zl.RoceMap
+    members: dict[str, zl.Role]  # the new map's members
+    observed: frozenset[str]  # the map's members as ZooKeeper holds it now
+    leaving: tuple[str, ...]
+
+
+def _as_report(entry: zl.MapEntry) -> zl.Report:
+    return zl.Report(
+        instance=entry.instance,
+        podIP=entry.pod_ip,
+        port=entry.port,
+        node="",
+        superpod="",
+        dies=[],
+        roceIps=entry.roce_ips,
+        ts=0.0,
+    )
+
+
+def change_map(view: GroupView, roce_map: zl.RoceMap, desired: Mapping[str, zl.Role]) -> Change:
+    """Joiners (desired, reported, not in the map, not marked removed) enter the map and leavers
+    (in the map, not desired) go, in one new version; leavers are marked removed and closed."""
+    zk = view.zk
+    members = {e.instance: zl.Role.PREFILL for e in roce_map.prefill} | {
+        e.instance: zl.Role.DECODE for e in roce_map.decode
+    }
+    observed = frozenset(members)
+    joining = [n for n in desired if n not in members and n in zk.reports and n not in zk.removed]
+    leaving = [n for n in members if n not in desired]
+    actions: list[Action] = []
+    if joining or leaving:
+        kept = [e for e in (*roce_map.prefill, *roce_map.decode) if e.instance not in leaving]
+        roles = {e.instance: members[e.instance] for e in kept} | {n: desired[n] for n in joining}
+        reports = [_as_report(e) for e in kept] + [zk.reports[n] for n in joining]
+        roce_map = zl.build_roce_map(reports, roles, version=roce_map.version + 1)
+        actions.append(WriteRoceMap(roce_map, tuple(sorted(joining)), tuple(sorted(leaving))))
+        for name in leaving:
+            actions.append(MarkRemoved(zl.Removal(instance=name, reason="scale-in", at=view.now)))
+            if name in zk.entrances:
+                actions.append(DeleteEntrance(name))
+        members = roles
+    return Change(actions, roce_map, members, observed, tuple(leaving))
+
+
+# --------------------------------------------------------------------------- release
+def release(view: GroupView, desired: Mapping[str, zl.Role], change: Change) -> list[Action]:
+    """Instances out of the (observed) map: erase their data, then release their pods, then
+    clear the marker. An instance leaving in this pass keeps its pods until the new map is
+    written. A desired instance still marked removed (scaled in, then back up) is released and
+    recreated."""
+    zk = view.zk
+    actions: list[Action] = []
+    for name, instance in live_instances(view).items():
+        if name in change.observed or (name in desired and name not in zk.removed):
+            continue
+        mine = tuple(k for k in zk.links if name in k)
+        if mine:
+            actions.append(EraseInstance(name, mine))
+        actions += release_pods(instance, "scale-in: removed from the RoCE map")
+    for name in zk.removed:
+        if name not in view.instances and name not in change.members:
+            actions.append(ClearRemoved(name))
+    return actions
+
+
+# --------------------------------------------------------------------------- traffic
+def open_traffic(view: GroupView, change: Change, earlier: list[Action]) -> list[Action]:
+    """The decode meta and the entrances, from who is healthy (P/D-Serve §3.3 step 3): opened
+    once every member is healthy; afterwards kept to the healthy members."""
+    zk = view.zk
+    roce_map, members = change.roce_map, change.members
+    actions: list[Action] = []
+    all_healthy = bool(members) and all(view.healthy(n) for n in members)
+    serving_decodes = [
+        e for e in roce_map.decode if view.healthy(e.instance) and e.instance not in zk.removed
+    ]
+    current = [d.instance for d in zk.decode_meta.decodes] if zk.decode_meta else []
+    opened = bool(zk.entrances - set(change.leaving))
+    if (opened or all_healthy) and [d.instance for d in serving_decodes] != current:
+        version = (zk.decode_meta.version if zk.decode_meta else 0) + 1
+        actions.append(WriteDecodeMeta(zl.DecodeMeta(version=version, decodes=serving_decodes)))
+    if (opened or all_healthy) and serving_decodes:
+        for entry in roce_map.prefill:
+            if view.healthy(entry.instance) and entry.instance not in zk.entrances:
+                actions.append(
+                    SetEntrance(
+                        zl.Entrance(instance=entry.instance, podIP=entry.pod_ip, port=entry.port)
+                    )
+                )
+    closing = {a.name for a in earlier if isinstance(a, DeleteEntrance)}
+    for name in zk.entrances - closing:
+        if name not in members or (not view.healthy(name) and name not in change.leaving):
+            actions.append(DeleteEntrance(name))
+    return actions

@@ -1,0 +1,108 @@
+"""Planning a P/D group: from the view to idempotent actions and status (pure).
+
+The stages, in order (P/D-Serve §3.2-3.4):
+
+1. **Desired counts** — seam ``Seams.counts``: how many prefill and decode instances the group
+   should have. Today the spec's replicas; the ratio policy (Eq. (1), the feedback rule) plugs in
+   here.
+2. **Obtaining instances** — seam ``Seams.obtain``: how a missing instance's pods come to be.
+   Today a cold start (a new role-less pod); a warm-pool claim or an NPU-fork plugs in here.
+3. Without coordination (ZooKeeper session not connected) nothing destructive is planned: only
+   missing pods are obtained, and the group is ``Blocked``.
+4. **Faults** — seam ``Seams.faults``: actions that answer faults observed in the view. Today
+   none; the recovery planner plugs in here.
+5. **Membership** (:mod:`.membership`): gathering, or the map's joins and leaves by dynamic RoCE
+   construction, the release of instances out of the map, then the decode meta and entrances.
+6. **Status** (:mod:`.status`): conditions, instance rows, links, ratio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from matrixserve.api import zk_layout as zl
+from matrixserve.domain.conditions import Condition
+from matrixserve.domain.pdgroup import membership, status
+from matrixserve.domain.pdgroup.actions import Action, CreatePod
+from matrixserve.domain.pdgroup.membership import RoleCounts
+from matrixserve.domain.pdgroup.pods import pod_manifest, pod_names
+from matrixserve.domain.pdgroup.view import GroupView
+
+
+@dataclass(frozen=True)
+class Plan:
+    actions: list[Action]
+    status: dict[str, Any]
+    conditions: list[Condition]
+    ready: bool
+
+
+# --------------------------------------------------------------------------- today's seams
+def counts_from_spec(view: GroupView) -> RoleCounts:
+    """The ``Fixed`` ratio policy: the replicas the spec asks for."""
+    return RoleCounts(view.spec.prefill.replicas, view.spec.decode.replicas)
+
+
+def cold_start(view: GroupView, instance: str, role: zl.Role) -> list[Action]:
+    """A new, role-less pod for each of the instance's missing pods."""
+    pods_per_instance = (
+        view.spec.prefill if role is zl.Role.PREFILL else view.spec.decode
+    ).pods_per_instance
+    return [
+        CreatePod(
+            pod,
+            role,
+            pod_manifest(
+                view.namespace, view.name, view.uid, pod, role, view.spec, view.engine, instance
+            ),
+        )
+        for pod in pod_names(instance, pods_per_instance)
+        if pod not in view.pods
+    ]
+
+
+def no_faults(view: GroupView) -> list[Action]:
+    return []
+
+
+@dataclass(frozen=True)
+class Seams:
+    """Where the ratio policy, the scale-out path and recovery plug into the plan."""
+
+    counts: Callable[[GroupView], RoleCounts] = counts_from_spec
+    obtain: Callable[[GroupView, str, zl.Role], list[Action]] = cold_start
+    faults: Callable[[GroupView], list[Action]] = no_faults
+
+
+TODAY = Seams()
+
+
+# --------------------------------------------------------------------------- the plan
+def plan(view: GroupView, seams: Seams = TODAY) -> Plan:
+    desired = membership.desired_instances(view.name, seams.counts(view))
+    actions, roce_map, blocked = _actions(view, seams, desired)
+    derived = status.derive(view, actions, desired, roce_map, blocked)
+    return Plan(actions, derived.status, derived.conditions, derived.ready)
+
+
+def _actions(
+    view: GroupView, seams: Seams, desired: dict[str, zl.Role]
+) -> tuple[list[Action], zl.RoceMap | None, str | None]:
+    """This pass's actions, the RoCE map after them, and why the plan is blocked (if it is)."""
+    zk = view.zk
+    actions: list[Action] = []
+    for name, role in desired.items():
+        actions += seams.obtain(view, name, role)
+    if not zk.connected:
+        return actions, zk.roce_map, "ZooKeeper is not connected"
+    actions += seams.faults(view)
+    if zk.roce_map is None:
+        gathered, roce_map = membership.gather(view, desired)
+        return actions + gathered, roce_map, None
+    change = membership.change_map(view, zk.roce_map, desired)
+    actions += change.actions
+    actions += membership.release(view, desired, change)
+    actions += membership.open_traffic(view, change, actions)
+    return actions, change.roce_map, None

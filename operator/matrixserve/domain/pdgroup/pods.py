@@ -1,0 +1,125 @@
+"""The pods of one P/D instance (pure): deterministic names, labels, owner, NPUs, placement, env.
+
+Every pod starts role-less (``ENGINE_ROLE=auto``): its role is bound in the RoCE map when it joins
+(P/D-Serve §3.3: "newly added containers (stateless and no P/D role)"). Placement: a group's decode
+instances are tightly coupled and stay inside one SuperPod (required pod affinity on the SuperPod
+label, 001 §6.1.2); prefill prefers the same SuperPod but may go elsewhere over RoCE.
+
+An instance is an ordered list of pods (:func:`pod_names`); today every instance is one pod,
+named as the instance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from matrixserve.api import kinds
+from matrixserve.api import zk_layout as zl
+from matrixserve.api.resources import PDGroupSpec
+from matrixserve.domain.enginepod import (
+    EngineSettings,
+    downward_env,
+    engine_container,
+    platform_env,
+)
+from matrixserve.domain.observed import PodView
+
+
+def role_label(role: zl.Role) -> str:
+    return "prefill" if role is zl.Role.PREFILL else "decode"
+
+
+def role_of(pod: PodView) -> zl.Role:
+    """The role a pod was created for, from its label."""
+    return zl.Role.PREFILL if pod.label(kinds.LABEL_ROLE) == "prefill" else zl.Role.DECODE
+
+
+def pod_names(instance: str, pods_per_instance: int = 1) -> list[str]:
+    """The instance's pods in order; the first runs the engine that reports for the instance."""
+    return [instance] + [f"{instance}-{k}" for k in range(1, pods_per_instance)]
+
+
+def pod_labels(group: str, role: zl.Role, instance: str) -> dict[str, str]:
+    return {
+        kinds.LABEL_GROUP: group,
+        kinds.LABEL_ROLE: role_label(role),
+        kinds.LABEL_INSTANCE: instance,
+        kinds.APP_NAME_LABEL: kinds.ENGINE_APP,
+        kinds.MANAGED_BY_LABEL: kinds.OPERATOR_MANAGER,
+    }
+
+
+def _affinity(group: str, role: zl.Role) -> dict[str, Any]:
+    term = {
+        "labelSelector": {"matchLabels": {kinds.LABEL_GROUP: group, kinds.LABEL_ROLE: "decode"}},
+        "topologyKey": kinds.LABEL_SUPERPOD,
+    }
+    if role is zl.Role.DECODE:
+        return {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
+    return {
+        "podAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 50, "podAffinityTerm": term}
+            ]
+        }
+    }
+
+
+def pod_manifest(
+    namespace: str,
+    group: str,
+    group_uid: str,
+    name: str,
+    role: zl.Role,
+    spec: PDGroupSpec,
+    settings: EngineSettings,
+    instance: str | None = None,
+) -> dict[str, Any]:
+    r = spec.prefill if role is zl.Role.PREFILL else spec.decode
+    env: list[dict[str, Any]] = [
+        *downward_env(),
+        {"name": "ENGINE_ROLE", "value": "auto"},
+        {"name": "ENGINE_MODEL", "value": spec.model.name},
+        {"name": "ENGINE_MAX_BATCH", "value": str(r.batch_size)},
+        {"name": "ENGINE_MAX_PROMPT_TOKENS", "value": str(spec.model.max_context_tokens)},
+        {"name": "ENGINE_MAX_OUTPUT_TOKENS", "value": str(spec.model.max_context_tokens)},
+        *platform_env(settings),
+        {"name": "MATRIXSERVE_GROUP", "value": f"{namespace}/{group}"},
+        {"name": "MATRIXSERVE_ZK", "value": settings.zookeeper},
+    ]
+    if r.parallelism.tp:
+        env.append({"name": "ENGINE_TP", "value": str(r.parallelism.tp)})
+    if r.parallelism.ep:
+        env.append({"name": "ENGINE_EP", "value": str(r.parallelism.ep)})
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": pod_labels(group, role, instance or name),
+            "annotations": {
+                kinds.ANNOTATION_SERVICE: spec.service,
+                kinds.ANNOTATION_SCENARIO: spec.scenario,
+            },
+            "ownerReferences": [
+                {
+                    "apiVersion": kinds.API_VERSION,
+                    "kind": kinds.PDGROUP.kind,
+                    "name": group,
+                    "uid": group_uid,
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": {
+            "restartPolicy": "Always",
+            "terminationGracePeriodSeconds": 10,
+            # Engines talk to ZooKeeper and their peers, never to the Kubernetes API.
+            "automountServiceAccountToken": False,
+            "nodeSelector": {kinds.LABEL_NPU_TYPE: r.npu_type},
+            "affinity": _affinity(group, role),
+            "containers": [engine_container(r.image, env, r.devices_per_instance)],
+        },
+    }

@@ -1,0 +1,203 @@
+"""The PDGroup's status, derived from what was observed and what this pass plans (pure).
+
+Ready means the group serves what its spec asks: every desired instance serving (its engine
+healthy in ZooKeeper and its pods Ready), exactly n_p·n_d·K verified sub-links (P/D-Serve §3.2),
+every prefill an entrance and the decode meta complete; and nothing left to change this pass.
+The conditions follow the Kubernetes conventions (``matrixserve.domain.conditions``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from matrixserve.api import kinds
+from matrixserve.api import zk_layout as zl
+from matrixserve.domain.conditions import Condition
+from matrixserve.domain.pdgroup.actions import Action, CreatePod, DeletePod, WriteRoceMap
+from matrixserve.domain.pdgroup.membership import devices_k
+from matrixserve.domain.pdgroup.pods import role_of
+from matrixserve.domain.pdgroup.view import GroupView
+
+
+@dataclass(frozen=True)
+class InstanceRow:
+    name: str
+    role: str
+    pod: str
+    node: str
+    superpod: str
+    roce_ips: tuple[str, ...]
+    state: str
+    endpoint: str = ""  # podIP:port of its engine, as reported (the gateway's fallback route)
+
+    def to_status(self) -> dict[str, Any]:
+        row = asdict(self)
+        row["roceIps"] = list(row.pop("roce_ips"))
+        return row
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    status: dict[str, Any]
+    conditions: list[Condition]
+    ready: bool
+
+
+def instance_state(view: GroupView, name: str, roce_map: zl.RoceMap | None) -> str:
+    instance = view.instances.get(name)
+    if instance is None:
+        return "Pending"
+    if instance.deleting:
+        return "Terminating"
+    if name in view.zk.removed:
+        return "Removing"
+    if name not in view.zk.reports:
+        return "Starting"
+    if roce_map is None or roce_map.role_of(name) is None:
+        return "Joining"
+    health = view.zk.health.get(name)
+    if health is None:
+        return "Initializing"
+    if health.state is not zl.HealthState.SERVING:
+        return "Degraded"
+    # what kubectl shows agrees with the group
+    return "Serving" if instance.ready else "Initializing"
+
+
+def instance_rows(
+    view: GroupView, desired: Mapping[str, zl.Role], roce_map: zl.RoceMap | None
+) -> list[InstanceRow]:
+    """One row per instance that is desired, has pods, or is in the map."""
+    zk = view.zk
+    in_map = {e.instance for e in (*roce_map.prefill, *roce_map.decode)} if roce_map else set()
+    rows = []
+    for name in sorted(set(desired) | set(view.instances) | in_map):
+        report = zk.reports.get(name)
+        instance = view.instances.get(name)
+        pod = instance.leader if instance else None
+        role = (
+            desired.get(name)
+            or (roce_map.role_of(name) if roce_map else None)
+            or (role_of(pod) if pod else None)
+        )
+        rows.append(
+            InstanceRow(
+                name=name,
+                role="prefill" if role is zl.Role.PREFILL else "decode",
+                pod=pod.name if pod else "",
+                node=(pod.node or "") if pod else "",
+                superpod=(pod.superpod or "") if pod else "",
+                roce_ips=tuple(report.roce_ips) if report else (),
+                state=instance_state(view, name, roce_map),
+                endpoint=f"{report.pod_ip}:{report.port}" if report else "",
+            )
+        )
+    return rows
+
+
+def derive(
+    view: GroupView,
+    actions: Sequence[Action],
+    desired: Mapping[str, zl.Role],
+    roce_map: zl.RoceMap | None,
+    blocked: str | None = None,
+) -> GroupStatus:
+    """Status, conditions and readiness after this pass (``blocked``: why nothing but pod
+    creation could be planned)."""
+    zk = view.zk
+    rows = instance_rows(view, desired, roce_map)
+    serving = {i.name for i in rows if i.state == "Serving"}
+    n_p = sum(1 for r in desired.values() if r is zl.Role.PREFILL)
+    n_d = len(desired) - n_p
+    ready_p = sum(1 for n in serving if desired.get(n) is zl.Role.PREFILL)
+    ready_d = sum(1 for n in serving if desired.get(n) is zl.Role.DECODE)
+    members_p = [e.instance for e in roce_map.prefill] if roce_map else []
+    members_d = [e.instance for e in roce_map.decode] if roce_map else []
+    expected_links = len(members_p) * len(members_d) * devices_k(view.spec)
+    verified = sum(
+        len(link.sub_links)
+        for (p, d), link in zk.links.items()
+        if p in members_p and d in members_d
+    )
+    entrances = sorted(zk.entrances)
+    stable = set(members_p) | set(members_d) == set(desired) and not any(
+        isinstance(a, CreatePod | DeletePod | WriteRoceMap) for a in actions
+    )
+    ready = (
+        blocked is None
+        and roce_map is not None
+        and n_p >= 1
+        and n_d >= 1
+        and stable
+        and serving >= set(desired)
+        and verified == expected_links
+        and set(entrances) == set(members_p)
+        and zk.decode_meta is not None
+        and {d.instance for d in zk.decode_meta.decodes} == set(members_d)
+    )
+    unhealthy = ", ".join(
+        i.name
+        for i in rows
+        if i.state in ("Initializing", "Degraded") and i.name in (members_p + members_d)
+    )
+    progress = f"{len(serving & set(desired))}/{len(desired)} instances serving"
+    reported = sum(1 for n in desired if n in zk.reports)
+    linked = roce_map is not None and expected_links > 0 and verified == expected_links
+    degraded = bool(zk.entrances) and bool(unhealthy)
+    conditions = [
+        Condition(
+            "Gathering",
+            roce_map is None,
+            "Gathering" if roce_map is None else "Gathered",
+            f"{reported}/{len(desired)} instances reported their RoCE IPs"
+            if roce_map is None
+            else f"RoCE map v{roce_map.version}",
+        ),
+        Condition(
+            "Linked",
+            linked,
+            "LinksVerified" if linked else "LinksPending",
+            f"{verified}/{expected_links} sub-links verified",
+        ),
+        Condition(
+            "Progressing",
+            not ready,
+            "Stable"
+            if ready
+            else ("Blocked" if blocked else ("Gathering" if roce_map is None else "Converging")),
+            blocked or ("" if ready else progress),
+        ),
+        Condition(
+            "Degraded", degraded, "InstanceUnhealthy" if degraded else "AsExpected", unhealthy
+        ),
+        Condition(
+            "Ready",
+            ready,
+            "Ready" if ready else ("Blocked" if blocked else "SettingUp"),
+            "every instance serving, links verified, prefills open"
+            if ready
+            else (blocked or progress),
+        ),
+    ]
+    status = {
+        "observedGeneration": view.generation,
+        "selector": f"{kinds.LABEL_GROUP}={view.name},{kinds.LABEL_ROLE}=decode",
+        "prefill": {"replicas": n_p, "ready": ready_p, "summary": f"{ready_p}/{n_p}"},
+        "decode": {"replicas": n_d, "ready": ready_d, "summary": f"{ready_d}/{n_d}"},
+        "instances": [i.to_status() for i in rows],
+        "roceMapVersion": roce_map.version if roce_map else 0,
+        "links": {
+            "expected": expected_links,
+            "verified": verified,
+            "summary": f"{verified}/{expected_links}",
+        },
+        "entrances": entrances,
+        "ratio": {
+            "current": f"{ready_p}:{ready_d}",
+            "target": f"{n_p}:{n_d}",
+            "reason": f"{view.spec.ratio_policy.mode} policy",
+        },
+    }
+    return GroupStatus(status, conditions, ready)

@@ -1,0 +1,281 @@
+"""Fakes for unit tests of one layer: a scripted kazoo client (ZooKeeper's rules for znodes,
+versions, ephemerals and errors, in memory) and a scripted Kubernetes API (the 404/409/UID rules
+the adapters rely on). Cluster tests use the real ones."""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from kazoo.client import KazooState
+from kazoo.exceptions import (
+    BadVersionError,
+    NodeExistsError,
+    NoNodeError,
+    NotEmptyError,
+)
+from kubernetes import client
+
+from matrixserve.api import zk_layout as zl
+
+
+@dataclass
+class Stat:
+    version: int
+    ephemeral_owner: int
+
+
+class FakeKazoo:
+    """In-memory znodes with ZooKeeper's rules. ``fail`` scripts errors: ``fail["set"] =
+    [ConnectionLoss(), ...]`` raises them, in order, on the next ``set`` calls."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, tuple[bytes, int, bool]] = {"/": (b"", 0, False)}
+        self.connected = False
+        self.listeners: list[Callable[[str], None]] = []
+        self.fail: dict[str, list[Exception]] = {}
+        self.calls: list[tuple[str, str]] = []
+        self.starts = 0
+        self.stops = 0
+
+    # ------------------------------------------------------------------ session
+    def add_listener(self, listener: Callable[[str], None]) -> None:
+        self.listeners.append(listener)
+
+    def transition(self, state: str) -> None:
+        self.connected = state == KazooState.CONNECTED
+        for listener in self.listeners:
+            listener(state)
+
+    def start(self, timeout: float = 15) -> None:
+        self.starts += 1
+        self._maybe_fail("start")
+        self.transition(KazooState.CONNECTED)
+
+    def stop(self) -> None:
+        self.stops += 1
+        self.connected = False
+
+    def close(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ znodes
+    def _maybe_fail(self, op: str) -> None:
+        queued = self.fail.get(op)
+        if queued:
+            raise queued.pop(0)
+
+    def _call(self, op: str, path: str) -> None:
+        self.calls.append((op, path))
+        self._maybe_fail(op)
+
+    @staticmethod
+    def _parent(path: str) -> str:
+        return path.rsplit("/", 1)[0] or "/"
+
+    def _children_of(self, path: str) -> list[str]:
+        prefix = path.rstrip("/") + "/"
+        return sorted(
+            p[len(prefix) :]
+            for p in self.nodes
+            if p.startswith(prefix) and "/" not in p[len(prefix) :]
+        )
+
+    def get(self, path: str) -> tuple[bytes, Stat]:
+        self._call("get", path)
+        if path not in self.nodes:
+            raise NoNodeError(path)
+        data, version, ephemeral = self.nodes[path]
+        return data, Stat(version, 1 if ephemeral else 0)
+
+    def get_children(self, path: str) -> list[str]:
+        self._call("get_children", path)
+        if path not in self.nodes:
+            raise NoNodeError(path)
+        return self._children_of(path)
+
+    def exists(self, path: str) -> Stat | None:
+        self._call("exists", path)
+        if path not in self.nodes:
+            return None
+        _, version, ephemeral = self.nodes[path]
+        return Stat(version, 1 if ephemeral else 0)
+
+    def set(self, path: str, data: bytes, version: int = -1) -> None:
+        self._call("set", path)
+        if path not in self.nodes:
+            raise NoNodeError(path)
+        _, current, ephemeral = self.nodes[path]
+        if version not in (-1, current):
+            raise BadVersionError(path)
+        self.nodes[path] = (data, current + 1, ephemeral)
+
+    def create(
+        self, path: str, value: bytes = b"", ephemeral: bool = False, makepath: bool = False
+    ) -> str:
+        self._call("create", path)
+        if path in self.nodes:
+            raise NodeExistsError(path)
+        parent = self._parent(path)
+        if parent not in self.nodes:
+            if not makepath:
+                raise NoNodeError(parent)
+            self.ensure_path(parent)
+        self.nodes[path] = (value, 0, ephemeral)
+        return path
+
+    def ensure_path(self, path: str) -> None:
+        if path in self.nodes:
+            return
+        self.ensure_path(self._parent(path))
+        self.nodes[path] = (b"", 0, False)
+
+    def delete(self, path: str, version: int = -1, recursive: bool = False) -> None:
+        self._call("delete", path)
+        if path not in self.nodes:
+            raise NoNodeError(path)
+        children = self._children_of(path)
+        if children and not recursive:
+            raise NotEmptyError(path)
+        for child in children:
+            self.delete(f"{path}/{child}", recursive=True)
+        del self.nodes[path]
+
+    def expire(self) -> None:
+        """The session expired: its ephemerals are gone."""
+        self.nodes = {p: n for p, n in self.nodes.items() if not n[2]}
+        self.transition(KazooState.LOST)
+
+
+def engine_report(name: str, i: int) -> zl.Report:
+    """What the ``i``-th engine of a group reports (its resident process writes it): a pod IP on
+    loopback, four dies' RoCE IPs from the testing range."""
+    return zl.Report(
+        instance=name,
+        podIP=f"127.64.0.{i + 2}",
+        port=8000,
+        node="n1",
+        superpod="sp0",
+        dies=[0, 1, 2, 3],
+        roceIps=[f"198.18.0.{4 * i + k + 1}" for k in range(4)],
+        ts=0.0,
+    )
+
+
+# --------------------------------------------------------------------------- Kubernetes
+def api_error(status: int) -> client.ApiException:
+    reason = {404: "Not Found", 409: "Conflict"}.get(status, "Error")
+    return client.ApiException(status=status, reason=reason)
+
+
+@dataclass
+class FakeCore:
+    """``CoreV1Api``'s pod and node calls, with the API server's rules: a create of an existing
+    name is 409, a delete with a stale UID precondition is 409, a missing pod is 404."""
+
+    pods: dict[tuple[str, str], Any] = field(default_factory=dict)
+    nodes: dict[str, dict[str, str]] = field(default_factory=dict)
+    node_reads: int = 0
+    selectors: list[str] = field(default_factory=list)
+    deletes: list[tuple[str, str, str | None]] = field(default_factory=list)
+
+    def create_namespaced_pod(self, namespace: str, body: dict[str, Any]) -> None:
+        key = (namespace, body["metadata"]["name"])
+        if key in self.pods:
+            raise api_error(409)
+        stored = copy.deepcopy(body)  # what the API server sets on creation
+        stored["metadata"].setdefault("uid", str(uuid.uuid4()))
+        stored["metadata"].setdefault("creationTimestamp", datetime.now(UTC))
+        stored.setdefault("status", {"phase": "Pending"})
+        self.pods[key] = stored
+
+    def delete_namespaced_pod(self, name: str, namespace: str, body: Any = None) -> None:
+        uid = body.preconditions.uid if body is not None and body.preconditions else None
+        self.deletes.append((namespace, name, uid))
+        pod = self.pods.get((namespace, name))
+        if pod is None:
+            raise api_error(404)
+        if uid is not None and pod["metadata"].get("uid") != uid:
+            raise api_error(409)
+        del self.pods[(namespace, name)]
+
+    def list_namespaced_pod(self, namespace: str, label_selector: str = "") -> Any:
+        self.selectors.append(label_selector)
+        wanted = dict(part.split("=", 1) for part in label_selector.split(",") if part)
+        items = [
+            _v1_pod(body)
+            for (ns, _), body in self.pods.items()
+            if ns == namespace
+            and all((body["metadata"].get("labels") or {}).get(k) == v for k, v in wanted.items())
+        ]
+        return client.V1PodList(items=items)
+
+    def read_node(self, name: str) -> Any:
+        self.node_reads += 1
+        if name not in self.nodes:
+            raise api_error(404)
+        return client.V1Node(metadata=client.V1ObjectMeta(name=name, labels=self.nodes[name]))
+
+
+def _v1_pod(body: dict[str, Any]) -> client.V1Pod:
+    """The parts of a pod the adapter reads, as the client's model."""
+    meta, spec, status = body["metadata"], body.get("spec") or {}, body.get("status") or {}
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(
+            name=meta["name"],
+            uid=meta.get("uid"),
+            labels=meta.get("labels"),
+            creation_timestamp=meta.get("creationTimestamp"),
+            deletion_timestamp=meta.get("deletionTimestamp"),
+        ),
+        spec=client.V1PodSpec(containers=[], node_name=spec.get("nodeName")),
+        status=client.V1PodStatus(
+            phase=status.get("phase"),
+            conditions=[
+                client.V1PodCondition(type=c["type"], status=c["status"])
+                for c in status.get("conditions") or []
+            ],
+        ),
+    )
+
+
+@dataclass
+class FakeCustom:
+    """``CustomObjectsApi``'s get and status patch of namespaced objects."""
+
+    objects: dict[tuple[str, str, str, str, str], dict[str, Any]] = field(default_factory=dict)
+    patches: list[tuple[tuple[str, ...], dict[str, Any]]] = field(default_factory=list)
+
+    def get_namespaced_custom_object(
+        self, group: str, version: str, namespace: str, plural: str, name: str
+    ) -> dict[str, Any]:
+        found = self.objects.get((group, version, namespace, plural, name))
+        if found is None:
+            raise api_error(404)
+        return found
+
+    def patch_namespaced_custom_object_status(
+        self, group: str, version: str, namespace: str, plural: str, name: str, body: Any
+    ) -> None:
+        key = (group, version, namespace, plural, name)
+        self.patches.append((key, body))
+        if key not in self.objects:
+            raise api_error(404)
+        self.objects[key] = merge_patch(self.objects[key], body)
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch, as the API server applies a ``merge-patch+json`` body."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out

@@ -1,0 +1,319 @@
+"""The I/O layer alone, against scripted fakes: the shared ZooKeeper session
+(``matrixserve.coordination``), the PDGroup's ZooKeeper store and the Kubernetes adapter, each
+held to the rules the planner relies on (idempotent writes, 409/404/UID rules, no destructive
+plan without coordination)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from kazoo.client import KazooState
+from kazoo.exceptions import BadVersionError, ConnectionLoss, NoNodeError, NotEmptyError
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.retry import RetryFailedError
+from kubernetes import client
+
+from fakes import FakeCore, FakeCustom, FakeKazoo
+from matrixserve.adapters.kube import KubeAdapter
+from matrixserve.adapters.zk_groups import GroupStore
+from matrixserve.api import kinds
+from matrixserve.api import zk_layout as zl
+from matrixserve.coordination import Session, SessionState
+from matrixserve.domain.pdgroup.actions import DeleteEntrance, SetEntrance, WriteRoceMap
+
+PATHS = zl.GroupPaths("ns", "g")
+
+
+def session(fake: FakeKazoo | None = None, **kwargs: Any) -> Session:
+    return Session("zk:2181", client=fake or FakeKazoo(), **kwargs)
+
+
+# --------------------------------------------------------------------------- the session
+def test_put_is_set_or_create_and_makes_parents_only_when_asked() -> None:
+    fake = FakeKazoo()
+    s = session(fake)
+    with pytest.raises(NoNodeError):  # a deleted subtree is not brought back by a late write
+        s.put("/a/b/c", b"1")
+    s.put("/a/b/c", b"1", makepath=True)
+    s.put("/a/b/c", b"2")
+    assert fake.nodes["/a/b/c"][:2] == (b"2", 1)
+    s.put("/a/b/e", b"x", ephemeral=True)
+    assert fake.nodes["/a/b/e"][2] is True
+
+
+def test_a_versioned_put_is_a_compare_and_set() -> None:
+    fake = FakeKazoo()
+    s = session(fake)
+    s.put("/m", b"v1", makepath=True)
+    s.put("/m", b"v2", version=0)
+    with pytest.raises(BadVersionError):  # someone else wrote in between
+        s.put("/m", b"v3", version=0)
+    with pytest.raises(NoNodeError):  # a compare-and-set never creates
+        s.put("/gone", b"x", version=0)
+    assert fake.nodes["/m"][0] == b"v2"
+
+
+def test_create_and_delete_are_idempotent() -> None:
+    fake = FakeKazoo()
+    s = session(fake)
+    fake.ensure_path("/f")
+    assert s.create("/f/link", b"first") is True
+    assert s.create("/f/link", b"second") is False
+    assert fake.nodes["/f/link"][0] == b"first"  # an existing znode is left as it is
+    assert s.delete("/f/link") is True
+    assert s.delete("/f/link") is False
+    assert s.get("/f/link") is None
+    assert s.children("/nowhere") == []
+
+
+def test_apply_runs_layout_operations_in_order() -> None:
+    fake = FakeKazoo()
+    s = session(fake)
+    s.apply([zl.Put("/x/y", b"1"), zl.Put("/x/y", b"2"), zl.Delete("/x/z"), zl.Delete("/x/y")])
+    assert "/x/y" not in fake.nodes
+    assert "/x" in fake.nodes
+    s.apply([zl.Put("/x/y/z", b"1"), zl.Delete("/x", recursive=True)])
+    assert "/x" not in fake.nodes
+
+
+def test_states_reach_every_listener_and_connected_needs_connected() -> None:
+    fake = FakeKazoo()
+    s = session(fake)
+    seen: list[SessionState] = []
+    s.add_listener(seen.append)
+    assert s.state is SessionState.CONNECTING
+    assert not s.connected
+    fake.transition(KazooState.CONNECTED)
+    assert s.connected
+    fake.transition(KazooState.SUSPENDED)
+    assert not s.connected
+    fake.expire()
+    assert seen == [SessionState.CONNECTED, SessionState.SUSPENDED, SessionState.LOST]
+    assert not s.connected
+
+
+def test_retry_rides_out_connection_losses_until_its_deadline() -> None:
+    fake = FakeKazoo()
+    fake.ensure_path("/r")
+    s = session(fake, retry_deadline=5.0)
+    fake.fail["get"] = [ConnectionLoss(), ConnectionLoss()]
+    assert s.retry(s.exists, "/r") is True  # exists does not fail: a plain call
+    fake.nodes["/r"] = (b"data", 0, False)
+    assert s.retry(s.get, "/r") == b"data"
+    assert fake.calls.count(("get", "/r")) == 3
+    short = session(fake, retry_deadline=0.3)
+    fake.fail["get"] = [ConnectionLoss() for _ in range(100)]
+    with pytest.raises(RetryFailedError):
+        short.retry(short.get, "/r")
+
+
+async def test_connect_retries_until_it_works_and_stops_a_failed_client() -> None:
+    fake = FakeKazoo()
+    fake.fail["start"] = [KazooTimeoutError("no server"), KazooTimeoutError("no server")]
+    s = session(fake)
+    retries: list[str] = []
+    made: list[str] = []
+    await s.connect(
+        attempt_timeout=1,
+        pause=0.01,
+        then=lambda: made.append("folders"),
+        on_retry=lambda exc: retries.append(str(exc)),
+    )
+    assert retries == ["no server", "no server"]
+    assert fake.starts == 3
+    assert fake.stops == 2
+    assert made == ["folders"]
+    assert s.connected
+
+
+async def test_connect_retries_when_the_first_step_after_connecting_fails() -> None:
+    fake = FakeKazoo()
+    s = session(fake)
+    attempts = []
+
+    def then() -> None:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise ConnectionLoss()  # the session dropped right after connecting
+
+    await s.connect(attempt_timeout=1, pause=0.01, then=then, on_retry=lambda exc: None)
+    assert len(attempts) == 2
+
+
+# --------------------------------------------------------------------------- the PDGroup store
+def _report(name: str) -> zl.Report:
+    return zl.Report(
+        instance=name,
+        podIP="127.64.0.2",
+        port=8000,
+        node="n",
+        superpod="sp",
+        dies=[0, 1],
+        roceIps=["198.18.0.1", "198.18.0.2"],
+        ts=0.0,
+    )
+
+
+def _connected_store() -> tuple[FakeKazoo, GroupStore]:
+    fake = FakeKazoo()
+    store = GroupStore(session(fake))
+    fake.transition(KazooState.CONNECTED)
+    return fake, store
+
+
+async def test_a_snapshot_without_coordination_reads_nothing() -> None:
+    fake = FakeKazoo()
+    store = GroupStore(session(fake))
+    view = await store.snapshot("ns", "g")
+    assert view.connected is False
+    assert fake.calls == []
+
+
+async def test_a_snapshot_reads_the_subtree_and_skips_unreadable_znodes() -> None:
+    fake, store = _connected_store()
+    await store.ensure("ns", "g")
+    fake.create(PATHS.report("g-p-0"), _report("g-p-0").dump())
+    fake.create(PATHS.report("g-d-0"), b"{not json")
+    fake.create(PATHS.entrance("g-p-0"), b"")
+    fake.create(PATHS.removed_of("g-d-1"), b"")
+    view = await store.snapshot("ns", "g")
+    assert view.connected is True
+    assert set(view.reports) == {"g-p-0"}
+    assert view.entrances == {"g-p-0"}
+    assert view.removed == {"g-d-1"}
+    assert view.roce_map is None
+    assert view.decode_meta is None
+
+
+async def test_a_connection_lost_mid_read_plans_as_disconnected() -> None:
+    fake, store = _connected_store()
+    await store.ensure("ns", "g")
+    fake.fail["get_children"] = [ConnectionLoss()]
+    assert (await store.snapshot("ns", "g")).connected is False
+
+
+async def test_actions_write_their_znodes_and_refuse_without_coordination() -> None:
+    fake, store = _connected_store()
+    roce_map = zl.build_roce_map([_report("g-p-0")], {"g-p-0": zl.Role.PREFILL}, version=3)
+    await store.apply("ns", "g", WriteRoceMap(roce_map, ("g-p-0",), ()))
+    assert zl.RoceMap.parse(fake.nodes[PATHS.roce_map][0]).version == 3
+    entrance = zl.Entrance(instance="g-p-0", podIP="127.64.0.2", port=8000)
+    await store.apply("ns", "g", SetEntrance(entrance))
+    assert PATHS.entrance("g-p-0") in fake.nodes
+    await store.apply("ns", "g", DeleteEntrance("g-p-0"))
+    await store.apply("ns", "g", DeleteEntrance("g-p-0"))  # already gone: fine
+    assert PATHS.entrance("g-p-0") not in fake.nodes
+    fake.transition(KazooState.SUSPENDED)
+    with pytest.raises(ConnectionError):
+        await store.apply("ns", "g", DeleteEntrance("g-p-0"))
+
+
+async def test_deleting_a_group_prunes_its_namespace_folder_only_when_empty() -> None:
+    fake, store = _connected_store()
+    await store.ensure("ns", "g")
+    await store.ensure("ns", "h")
+    assert await store.delete("ns", "g") is True
+    assert zl.group_path("ns", "h") in fake.nodes
+    assert await store.delete("ns", "h") is True
+    assert zl.group_path("ns", "h").rsplit("/", 1)[0] not in fake.nodes
+    assert await store.delete("ns", "h") is False
+
+
+# --------------------------------------------------------------------------- Kubernetes
+def kube() -> tuple[KubeAdapter, FakeCore, FakeCustom]:
+    adapter = KubeAdapter(client.ApiClient())
+    core, custom = FakeCore(), FakeCustom()
+    adapter.core, adapter.custom = core, custom
+    return adapter, core, custom
+
+
+def _pod(name: str, uid: str, group: str = "g", **extra: Any) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name,
+            "uid": uid,
+            "labels": {kinds.LABEL_GROUP: group, kinds.LABEL_INSTANCE: name},
+            "creationTimestamp": datetime(2026, 1, 1, tzinfo=UTC),
+            **extra.get("meta", {}),
+        },
+        "spec": {"nodeName": extra.get("node")},
+        "status": {"phase": "Running", "conditions": extra.get("conditions", [])},
+    }
+
+
+async def test_creating_an_existing_pod_is_success_without_a_change() -> None:
+    adapter, core, _ = kube()
+    assert await adapter.create_pod("ns", _pod("p", "u1")) is True
+    assert await adapter.create_pod("ns", _pod("p", "u2")) is False
+    assert core.pods[("ns", "p")]["metadata"]["uid"] == "u1"
+
+
+async def test_a_delete_carries_the_uid_so_a_recreated_pod_survives() -> None:
+    adapter, core, _ = kube()
+    core.pods[("ns", "p")] = _pod("p", "new-uid")
+    assert await adapter.delete_pod("ns", "p", "old-uid") is False  # 409: not the one we meant
+    assert ("ns", "p") in core.pods
+    assert await adapter.delete_pod("ns", "p", "new-uid") is True
+    assert await adapter.delete_pod("ns", "p", "new-uid") is False  # 404: already gone
+    assert core.deletes[-1] == ("ns", "p", "new-uid")
+
+
+async def test_get_of_a_missing_object_is_none_and_other_errors_raise() -> None:
+    adapter, _, custom = kube()
+    assert await adapter.get(kinds.PDGROUP, "ns", "g") is None
+    key = (kinds.GROUP, kinds.VERSION, "ns", kinds.PDGROUP.plural, "g")
+    custom.objects[key] = {"metadata": {"name": "g"}}
+    assert await adapter.get(kinds.PDGROUP, "ns", "g") == {"metadata": {"name": "g"}}
+
+    def broken(*_: Any) -> None:
+        raise client.ApiException(status=500, reason="boom")
+
+    custom.get_namespaced_custom_object = broken
+    with pytest.raises(client.ApiException):
+        await adapter.get(kinds.PDGROUP, "ns", "g")
+
+
+async def test_status_patches_omit_empty_strings_and_tolerate_a_deleted_object() -> None:
+    adapter, _, custom = kube()
+    await adapter.patch_status(kinds.PDGROUP, "ns", "gone", {"x": 1})  # 404: deleted meanwhile
+    key = (kinds.GROUP, kinds.VERSION, "ns", kinds.PDGROUP.plural, "g")
+    custom.objects[key] = {}
+    status = {"instances": [{"name": "a", "pod": "", "node": "n"}], "message": "", "n": 0}
+    await adapter.patch_status(kinds.PDGROUP, "ns", "g", status)
+    assert custom.patches[-1] == (key, {"status": {"instances": [{"name": "a", "node": "n"}], "n": 0}})
+
+
+async def test_pods_are_listed_by_labels_and_each_nodes_superpod_read_once() -> None:
+    adapter, core, _ = kube()
+    core.nodes["n1"] = {kinds.LABEL_SUPERPOD: "sp3"}
+    ready = [{"type": "Ready", "status": "True"}]
+    core.pods[("ns", "g-p-0")] = _pod("g-p-0", "u0", node="n1", conditions=ready)
+    core.pods[("ns", "g-d-0")] = _pod(
+        "g-d-0", "u1", node="n1", meta={"deletionTimestamp": datetime(2026, 1, 2, tzinfo=UTC)}
+    )
+    core.pods[("ns", "other")] = _pod("other", "u2", group="h")
+    pods = await adapter.list_pods("ns", {kinds.LABEL_GROUP: "g"})
+    assert sorted(pods) == ["g-d-0", "g-p-0"]
+    assert core.selectors == [f"{kinds.LABEL_GROUP}=g"]
+    p0, d0 = pods["g-p-0"], pods["g-d-0"]
+    assert (p0.ready, p0.deleting, p0.superpod, p0.node) == (True, False, "sp3", "n1")
+    assert (d0.ready, d0.deleting) == (False, True)
+    assert p0.label(kinds.LABEL_INSTANCE) == "g-p-0"
+    assert p0.created_at == datetime(2026, 1, 1, tzinfo=UTC).timestamp()
+    await adapter.list_pods("ns", {kinds.LABEL_GROUP: "g"})
+    assert core.node_reads == 1  # a node's SuperPod is fixed by its hardware
+
+
+def test_the_fake_kazoo_keeps_zookeepers_rules() -> None:
+    """The fake itself must refuse what ZooKeeper refuses, or the tests above prove nothing."""
+    fake = FakeKazoo()
+    with pytest.raises(NoNodeError):
+        fake.create("/a/b", b"")
+    fake.create("/a/b", b"", makepath=True)
+    with pytest.raises(NotEmptyError):
+        fake.delete("/a")
+    fake.set("/a/b", b"x")
+    with pytest.raises(BadVersionError):
+        fake.set("/a/b", b"y", version=0)

@@ -1,0 +1,265 @@
+"""The shared per-object loop and PDGroup's ``reconcile()`` with fakes in place of the API server
+and ZooKeeper (the real adapters over a scripted API and a scripted kazoo client): what a pass
+creates, writes, reports and refuses, and how the loop runs passes. The cluster tests run the
+same code against the real parts."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from collections.abc import Mapping
+from typing import Any, cast
+
+import kopf
+import pytest
+from kazoo.client import KazooState
+from kubernetes import client
+
+from fakes import FakeCore, FakeCustom, FakeKazoo, engine_report
+from matrixserve.adapters.kube import KubeAdapter
+from matrixserve.adapters.zk_groups import GroupStore
+from matrixserve.api import kinds
+from matrixserve.api import zk_layout as zl
+from matrixserve.coordination import Session
+from matrixserve.domain.effects import Event
+from matrixserve.domain.enginepod import EngineSettings
+from matrixserve.handlers import pdgroup
+from matrixserve.handlers.metrics import OperatorMetrics, PDGroupMetrics
+from matrixserve.handlers.reconciler import Reconciler
+from matrixserve.handlers.runtime import OperatorConfig, Runtime
+
+LOG = logging.getLogger("test")
+KEY = (kinds.GROUP, kinds.VERSION, "ns", kinds.PDGROUP.plural, "g")
+SPEC = {
+    "service": "chat",
+    "scenario": "general",
+    "model": {"name": "llama3-8b"},
+    "prefill": {"replicas": 2, "devicesPerInstance": 2},
+    "decode": {"replicas": 1, "devicesPerInstance": 2, "batchSize": 32},
+}
+
+
+class World:
+    """A PDGroup controller wired to fakes, and what it did to them."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.core, self.custom, self.zk = FakeCore(), FakeCustom(), FakeKazoo()
+        kube = KubeAdapter(client.ApiClient())
+        kube.core, kube.custom = self.core, self.custom
+        metrics = OperatorMetrics()
+        session = Session("zk", client=self.zk)
+        self.zk.transition(KazooState.CONNECTED)
+        config = OperatorConfig(kubeconfig=None, zookeeper="zk", engine=EngineSettings("zk:2181"))
+        rt = Runtime(config, kube, session, metrics, loop)
+        self.events: list[Event] = []
+        reconciler = Reconciler(kinds.PDGROUP, kube, metrics, loop, poster=self.record)
+        self.groups = pdgroup.PDGroups(
+            rt, reconciler, GroupStore(session), PDGroupMetrics(metrics.registry)
+        )
+        self.custom.objects[KEY] = {
+            "apiVersion": kinds.API_VERSION,
+            "kind": kinds.PDGROUP.kind,
+            "metadata": {"name": "g", "namespace": "ns", "uid": "uid-g", "generation": 1},
+            "spec": copy.deepcopy(SPEC),
+        }
+
+    def record(self, body: Mapping[str, Any], event: Event | None) -> None:
+        if event is not None:
+            self.events.append(event)
+
+    async def reconcile(self) -> bool:
+        return await pdgroup.reconcile(self.groups, "ns", "g", LOG)
+
+    @property
+    def status(self) -> dict[str, Any]:
+        status: dict[str, Any] = self.custom.objects[KEY].get("status") or {}
+        return status
+
+    def condition(self, kind: str) -> dict[str, Any]:
+        return next(c for c in self.status["conditions"] if c["type"] == kind)
+
+    def reasons(self) -> list[str]:
+        return [e.reason for e in self.events]
+
+    def report_all(self) -> None:
+        """Every pod's engine reports its RoCE IPs (what the resident process writes)."""
+        paths = zl.GroupPaths("ns", "g")
+        for i, (_, name) in enumerate(sorted(self.core.pods)):
+            report = engine_report(name, i)
+            self.zk.create(paths.report(name), report.dump(), ephemeral=True)
+
+
+@pytest.fixture
+async def world() -> World:
+    w = World(asyncio.get_running_loop())
+    await w.groups.store.ensure("ns", "g")
+    return w
+
+
+async def test_a_new_group_gets_its_pods_once_with_owner_labels_and_events(world: World) -> None:
+    assert await world.reconcile() is True
+    assert sorted(name for _, name in world.core.pods) == ["g-d-0", "g-p-0", "g-p-1"]
+    pod = world.core.pods[("ns", "g-d-0")]
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == "uid-g"
+    assert pod["metadata"]["labels"][kinds.LABEL_ROLE] == "decode"
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["MATRIXSERVE_ZK"] == "zk:2181"
+    assert env["MATRIXSERVE_GROUP"] == "ns/g"
+    assert world.reasons() == ["CreatedPod"] * 3
+    assert world.condition("Ready")["status"] == "False"
+    assert world.condition("Gathering")["message"] == "0/3 instances reported their RoCE IPs"
+
+    # The pods exist now: nothing to do, nothing reported; the status (rows with the pods now)
+    # written once more, then not again while nothing changes.
+    assert await world.reconcile() is False
+    assert world.reasons() == ["CreatedPod"] * 3
+    patches = len(world.custom.patches)
+    assert await world.reconcile() is False
+    assert len(world.custom.patches) == patches
+
+
+async def test_the_map_and_init_order_are_written_once_every_instance_reported(
+    world: World,
+) -> None:
+    await world.reconcile()
+    world.report_all()
+    assert await world.reconcile() is True
+    paths = zl.GroupPaths("ns", "g")
+    roce_map = zl.RoceMap.parse(world.zk.nodes[paths.roce_map][0])
+    assert [e.instance for e in roce_map.prefill] == ["g-p-0", "g-p-1"]
+    assert paths.init_order in world.zk.nodes
+    assert world.reasons()[-2:] == ["RoceMap", "InitOrder"]
+    assert world.status["roceMapVersion"] == 1
+    assert world.status["links"]["expected"] == 2 * 1 * 4
+
+
+async def test_an_invalid_spec_is_reported_once_per_generation_and_touches_nothing(
+    world: World,
+) -> None:
+    await world.reconcile()
+    pods = dict(world.core.pods)
+    obj = world.custom.objects[KEY]
+    obj["spec"]["decode"]["devicesPerInstance"] = 4
+    obj["metadata"]["generation"] = 2
+    assert await world.reconcile() is False
+    assert await world.reconcile() is False
+    ready = world.condition("Ready")
+    assert (ready["status"], ready["reason"], ready["observedGeneration"]) == (
+        "False",
+        "InvalidSpec",
+        2,
+    )
+    assert "spec.decode.devicesPerInstance" in ready["message"]
+    warnings = [e for e in world.events if e.warning]
+    assert [e.reason for e in warnings] == ["InvalidSpec"]
+    assert world.core.pods == pods
+    assert world.core.deletes == []
+
+
+async def test_without_zookeeper_only_missing_pods_come_back(world: World) -> None:
+    await world.reconcile()
+    world.report_all()
+    await world.reconcile()
+    world.zk.transition(KazooState.SUSPENDED)
+    del world.core.pods[("ns", "g-p-1")]
+    obj = world.custom.objects[KEY]
+    obj["spec"]["prefill"]["replicas"] = 1  # a scale-in: destructive, so it must wait
+    obj["metadata"]["generation"] = 2
+    await world.reconcile()
+    assert ("ns", "g-p-1") not in world.core.pods  # not desired any more: not recreated
+    assert world.core.deletes == []
+    assert world.condition("Ready")["reason"] == "Blocked"
+    obj["spec"]["prefill"]["replicas"] = 2
+    await world.reconcile()
+    assert ("ns", "g-p-1") in world.core.pods
+    assert world.core.deletes == []
+
+
+async def test_a_deleted_or_deleting_group_is_left_alone(world: World) -> None:
+    world.custom.objects[KEY]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert await world.reconcile() is False
+    del world.custom.objects[KEY]
+    assert await world.reconcile() is False
+    assert world.core.pods == {}
+    assert world.custom.patches == []
+
+
+# --------------------------------------------------------------------------- the loop
+class Stopped:
+    def __init__(self) -> None:
+        self.flag = False
+
+    def __bool__(self) -> bool:
+        return self.flag
+
+
+async def test_a_failed_pass_does_not_end_the_loop_and_busy_passes_follow_at_once() -> None:
+    metrics = OperatorMetrics()
+    loop = Reconciler(
+        kinds.PDGROUP, cast(KubeAdapter, None), metrics, asyncio.get_running_loop(), 30.0
+    )
+    stopped = Stopped()
+    passes: list[float] = []
+    failed = asyncio.Event()
+
+    async def reconcile(namespace: str, name: str, logger: logging.Logger) -> bool:
+        passes.append(asyncio.get_running_loop().time())
+        if len(passes) == 1:
+            failed.set()
+            raise RuntimeError("API server away")
+        if len(passes) == 4:
+            stopped.flag = True
+        return len(passes) < 4  # busy: look again at once
+
+    task = asyncio.create_task(
+        loop.run("ns", "g", cast(kopf.DaemonStopped, stopped), LOG, reconcile)
+    )
+    await asyncio.wait_for(failed.wait(), 2)
+    loop.wake("ns", "g")  # the next wake-up runs the next pass
+    await asyncio.wait_for(task, timeout=10)
+    assert len(passes) == 4
+    assert passes[1] - passes[0] >= 0.9  # a failed pass holds the loop a second
+    assert passes[3] - passes[1] < 0.5  # busy passes follow each other at once
+    errors = metrics.registry.get_sample_value(
+        "matrixserve_operator_reconcile_errors_total", {"kind": "PDGroup"}
+    )
+    assert errors == 1
+    assert loop.wakes == {}
+
+
+@pytest.mark.parametrize("event_driven", [True, False], ids=["events", "polling"])
+async def test_a_wake_ends_the_wait_and_polling_wakes_only_on_a_new_generation(
+    event_driven: bool,
+) -> None:
+    loop = Reconciler(
+        kinds.PDGROUP,
+        cast(KubeAdapter, None),
+        OperatorMetrics(),
+        asyncio.get_running_loop(),
+        resync_seconds=30.0,
+        event_driven=event_driven,
+    )
+    stopped = Stopped()
+    passes = asyncio.Queue[int]()
+
+    async def reconcile(namespace: str, name: str, logger: logging.Logger) -> bool:
+        passes.put_nowait(1)
+        return False
+
+    task = asyncio.create_task(
+        loop.run("ns", "g", cast(kopf.DaemonStopped, stopped), LOG, reconcile)
+    )
+    await asyncio.wait_for(passes.get(), 2)
+    loop.object_changed("ns", "g", generation=1)  # a first sighting: always a wake
+    await asyncio.wait_for(passes.get(), 2)
+    loop.object_changed("ns", "g", generation=1)  # a status change, same spec
+    loop.related_changed("ns", "g")  # a pod event
+    if event_driven:
+        await asyncio.wait_for(passes.get(), 2)
+    else:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(passes.get(), 1.5)
+    stopped.flag = True
+    loop.wake("ns", "g")
+    await asyncio.wait_for(task, 3)
