@@ -137,6 +137,8 @@ class FakeKazoo:
     def delete(self, path: str, version: int = -1, recursive: bool = False) -> None:
         self._call("delete", path)
         if path not in self.nodes:
+            if recursive:
+                return  # kazoo's recursive delete of an absent path is silent
             raise NoNodeError(path)
         children = self._children_of(path)
         if children and not recursive:

@@ -109,7 +109,9 @@ class Session:
         except Exception:
             await asyncio.to_thread(self.client.stop)
             raise
-        if self.state is not SessionState.CONNECTED:
+        # kazoo may return before its listener said CONNECTED; a first connection is not
+        # missed, and a later SUSPENDED or LOST (already said) is never overridden.
+        if self.client.connected and self.state is SessionState.CONNECTING:
             self._set_state(SessionState.CONNECTED)
 
     async def connect(
@@ -208,7 +210,10 @@ class Session:
         return True
 
     def delete(self, path: str, *, recursive: bool = False) -> bool:
-        """Delete if present; False when it was already gone."""
+        """Delete if present (with its children if ``recursive``); False when it was already
+        gone (kazoo's recursive delete does not say, so it is asked first)."""
+        if recursive and not self.exists(path):
+            return False
         try:
             self.client.delete(path, recursive=recursive)
         except NoNodeError:

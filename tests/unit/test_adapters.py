@@ -64,6 +64,8 @@ def test_create_and_delete_are_idempotent() -> None:
     assert fake.nodes["/f/link"][0] == b"first"  # an existing znode is left as it is
     assert s.delete("/f/link") is True
     assert s.delete("/f/link") is False
+    assert s.delete("/f", recursive=True) is True
+    assert s.delete("/f", recursive=True) is False
     assert s.get("/f/link") is None
     assert s.children("/nowhere") == []
 
@@ -221,6 +223,30 @@ async def test_deleting_a_group_prunes_its_namespace_folder_only_when_empty() ->
     assert await store.delete("ns", "h") is False
 
 
+def test_watches_end_at_unwatch_even_when_the_group_is_watched_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kazoo keeps a watcher until it returns False: an unwatched group's old watchers must
+    stop, or every recreation of the group would add a set of them."""
+    _, store = _connected_store()
+    armed: list[Any] = []
+    monkeypatch.setattr(
+        store.session, "watch_children", lambda path, fn, send_event=False: armed.append(fn)
+    )
+    monkeypatch.setattr(store.session, "watch_data", lambda path, fn: armed.append(fn))
+    woken: list[str] = []
+    store.watch("ns", "g", lambda: woken.append("first"))
+    first = list(armed)
+    assert len(first) == 6  # five folders and the map
+    store.unwatch("ns", "g")
+    armed.clear()
+    store.watch("ns", "g", lambda: woken.append("second"))
+    assert all(fire() is False for fire in first)
+    assert woken == []
+    assert armed[0]() is True
+    assert woken == ["second"]
+
+
 # --------------------------------------------------------------------------- Kubernetes
 def kube() -> tuple[KubeAdapter, FakeCore, FakeCustom]:
     adapter = KubeAdapter(client.ApiClient())
@@ -317,3 +343,6 @@ def test_the_fake_kazoo_keeps_zookeepers_rules() -> None:
     fake.set("/a/b", b"x")
     with pytest.raises(BadVersionError):
         fake.set("/a/b", b"y", version=0)
+    with pytest.raises(NoNodeError):
+        fake.delete("/nowhere")
+    fake.delete("/nowhere", recursive=True)  # as kazoo's: silent for an absent path

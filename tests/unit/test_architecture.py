@@ -75,7 +75,23 @@ WRONG = [
     (
         "matrixserve/handlers/reconciler.py",
         "from matrixserve.domain.pdgroup import plan",
-        "The shared parts name no kind's package",
+        "PDGroup's packages are its own",
+    ),
+    (
+        # another kind's handlers, across layers
+        "matrixserve/handlers/warmpool.py",
+        "from matrixserve.domain.pdgroup.pods import pod_manifest",
+        "PDGroup's packages are its own",
+    ),
+    (
+        "matrixserve/gateway/discovery.py",
+        "from matrixserve.adapters.zk_groups import GroupStore",
+        "PDGroup's packages are its own",
+    ),
+    (
+        "matrixserve/adapters/zk_experts.py",
+        "from matrixserve.adapters.zk_groups import GroupStore",
+        "Kinds are independent: adapters",
     ),
     (
         "matrixserve/domain/observed.py",

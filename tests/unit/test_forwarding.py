@@ -7,8 +7,10 @@ from typing import Any
 import pytest
 
 from matrixserve.domain.forwarding import (
+    POLICIES,
     BadRequest,
     Entrance,
+    Loads,
     Policy,
     entrances_from_status,
     estimate_tokens,
@@ -165,3 +167,29 @@ def test_the_ttft_threshold_grows_with_the_prompt() -> None:
     assert ttft_threshold_ms(2000, 0, 10_000) == 2000
     assert ttft_threshold_ms(2000, 1000, 25) == 2025
     assert ttft_threshold_ms(100, 30, 8192) == pytest.approx(345.76)
+
+
+# --------------------------------------------------------------------------- the policy objects
+def test_on_demand_tries_every_entrance_and_asks_busy_prefills_to_reject() -> None:
+    policy = POLICIES[Policy.ON_DEMAND]
+    entrances = [Entrance("a", "127.0.0.2:1"), Entrance("b", "127.0.0.3:1")]
+    loads = Loads(open_streams={"a": 3}, in_prefill={"a": 1})
+    assert [e.instance for e in policy.choices(entrances, loads)] == ["b", "a"]
+    assert (policy.commits, policy.admission, policy.skips_held, policy.polls_reports) == (
+        False,
+        "reject",
+        True,
+        False,
+    )
+
+
+@pytest.mark.parametrize("which", [Policy.ROUND_ROBIN, Policy.LEAST_LOADED])
+def test_the_baselines_commit_to_one_choice_and_let_the_prefill_queue(which: Policy) -> None:
+    policy = POLICIES[which]
+    entrances = [Entrance("a", "127.0.0.2:1"), Entrance("b", "127.0.0.3:1")]
+    loads = Loads(open_streams={}, reported={"a": 5, "b": 0}, turn=1)
+    (choice,) = policy.choices(entrances, loads)
+    assert choice.instance == "b"  # the next in turn, and the least reported queue
+    assert (policy.commits, policy.admission, policy.skips_held) == (True, "queue", False)
+    assert policy.polls_reports is (which is Policy.LEAST_LOADED)
+    assert policy.choices([], loads) == []

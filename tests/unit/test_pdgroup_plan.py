@@ -244,6 +244,21 @@ def test_a_pod_that_never_reports_is_replaced_after_the_gather_timeout() -> None
     assert [a.name for a in late.actions if isinstance(a, DeletePod)] == ["g-p-0", "g-p-1", "g-d-0"]
 
 
+def test_a_stray_pod_claiming_a_members_instance_is_released_not_folded_in() -> None:
+    """Membership is by name: a pod that carries the group's labels and names an instance it is
+    not a pod of neither joins that instance (a not-Ready stray would hold the group back) nor
+    stays."""
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    v = view(spec(), pods, serving_group(pods))
+    stray = PodView(
+        "stray", "uid-stray", pod_labels("g", P, "g-p-0"), "Pending", False, False, None, None, 0.0
+    )
+    plan = pdgroup.plan(group_view(v.spec, {**v.pods, "stray": stray}, v.zk, now=10.0))
+    assert DeletePod("stray", "uid-stray", "scale-in: removed from the RoCE map") in plan.actions
+    rows = {r["name"]: r for r in plan.status["instances"]}
+    assert rows["g-p-0"]["state"] == "Serving"
+
+
 def test_an_unhealthy_member_degrades_a_ready_group_and_closes_its_entrance() -> None:
     pods = ["g-p-0", "g-p-1", "g-d-0"]
     zk = serving_group(pods)

@@ -25,7 +25,7 @@ from matrixserve.coordination import Session
 from matrixserve.domain.effects import Event
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.handlers import pdgroup
-from matrixserve.handlers.metrics import OperatorMetrics, PDGroupMetrics
+from matrixserve.handlers.metrics import OperatorMetrics
 from matrixserve.handlers.reconciler import Reconciler
 from matrixserve.handlers.runtime import OperatorConfig, Runtime
 
@@ -55,7 +55,7 @@ class World:
         self.events: list[Event] = []
         reconciler = Reconciler(kinds.PDGROUP, kube, metrics, loop, poster=self.record)
         self.groups = pdgroup.PDGroups(
-            rt, reconciler, GroupStore(session), PDGroupMetrics(metrics.registry)
+            rt, reconciler, GroupStore(session), pdgroup.PDGroupMetrics(metrics.registry)
         )
         self.custom.objects[KEY] = {
             "apiVersion": kinds.API_VERSION,
@@ -263,3 +263,28 @@ async def test_a_wake_ends_the_wait_and_polling_wakes_only_on_a_new_generation(
     stopped.flag = True
     loop.wake("ns", "g")
     await asyncio.wait_for(task, 3)
+
+
+async def test_the_operators_flags_reach_every_kinds_loop() -> None:
+    """``--resync-seconds`` and ``--no-zk-watches`` (the benchmark's polling baseline) shape the
+    loop each kind gets from the runtime, and a ZooKeeper reconnection wakes every loop."""
+    config = OperatorConfig(
+        kubeconfig=None,
+        zookeeper="zk",
+        engine=EngineSettings("zk:2181"),
+        resync_seconds=3.0,
+        zk_watches=False,
+    )
+    rt = Runtime(
+        config,
+        cast(KubeAdapter, None),
+        Session("zk", client=FakeKazoo()),
+        OperatorMetrics(),
+        asyncio.get_running_loop(),
+    )
+    loop = rt.reconciler(kinds.PDGROUP)
+    assert (loop.resync_seconds, loop.event_driven) == (3.0, False)
+    assert rt.reconcilers == [loop]
+    woken = loop.wakes[("ns", "g")] = asyncio.Event()
+    rt.wake_all()
+    assert woken.is_set()

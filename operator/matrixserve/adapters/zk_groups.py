@@ -29,6 +29,8 @@ class GroupStore:
         self.session = session
         self._lock = threading.Lock()
         self._watched: dict[str, list[Callable[[], None]]] = {}
+        self._epochs: dict[str, int] = {}  # which watch registration is the live one
+        self._epoch = 0
 
     @property
     def connected(self) -> bool:
@@ -107,7 +109,8 @@ class GroupStore:
     # ------------------------------------------------------------------ watches
     def watch(self, namespace: str, group: str, wake: Callable[[], None]) -> None:
         """Call ``wake`` (from a kazoo thread) whenever reports, links, health, entrances,
-        removals or the map change."""
+        removals or the map change. The watches end at :meth:`unwatch`, also when the group is
+        watched again later (a group recreated under the same name)."""
         paths = zl.GroupPaths(namespace, group)
         key = paths.root
         with self._lock:
@@ -115,13 +118,17 @@ class GroupStore:
                 self._watched[key].append(wake)
                 return
             self._watched[key] = [wake]
+            self._epoch += 1
+            epoch = self._epochs[key] = self._epoch
 
         def fire(*_: Any) -> bool:
             with self._lock:
+                if self._epochs.get(key) != epoch:
+                    return False  # unwatched: kazoo drops a watcher that returns False
                 callbacks = list(self._watched.get(key, []))
             for callback in callbacks:
                 callback()
-            return key in self._watched
+            return True
 
         for folder in (paths.reports, paths.links, paths.health, paths.entrances, paths.removed):
             self.session.ensure(folder)
@@ -129,5 +136,7 @@ class GroupStore:
         self.session.watch_data(paths.roce_map, fire)
 
     def unwatch(self, namespace: str, group: str) -> None:
+        key = zl.group_path(namespace, group)
         with self._lock:
-            self._watched.pop(zl.group_path(namespace, group), None)
+            self._watched.pop(key, None)
+            self._epochs.pop(key, None)

@@ -1,5 +1,9 @@
-"""Pydantic models of the MatrixServe custom resources (group ``matrixserve.io``, ``v1alpha1``).
+"""The API, imported by everyone (the engine stub included); pure, no I/O imports.
 
-The CRDs in ``crds/`` are the contract; these models mirror them and a contract test checks that
-they agree. Pure: no I/O imports.
+- :mod:`.kinds` — group, version, the kinds, label keys;
+- :mod:`.resources` — pydantic models of the custom resources' specs, mirroring ``crds/`` (a
+  contract test checks that they agree);
+- :mod:`.zk_layout` — ZooKeeper paths, payloads and znode operations;
+- :mod:`.engine_protocol` — the engine's HTTP protocol;
+- :mod:`.catalog` — hardware facts and model shapes, with their sources.
 """

@@ -69,6 +69,6 @@ FINALIZER = f"{GROUP}/cleanup"
 NPU_RESOURCE = "huawei.com/Ascend910"
 
 # --------------------------------------------------------------------------- node emulator
-# Added with the node emulator's split (issue 14): the annotation on each Node the emulator
-# registers, naming the emulator process that serves it (for whoever reads a Node's history).
+# The annotation on each Node the emulator registers, naming the emulator process that serves it
+# (for whoever reads a Node's history).
 ANNOTATION_NODE_EMULATOR = f"{LABEL_PREFIX}/node-emulator"

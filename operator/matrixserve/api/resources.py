@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 DnsLabel = Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)]
 BatchSize = Annotated[int, Field(ge=1, le=4096)]
@@ -214,3 +214,8 @@ SPECS: dict[str, type[_Spec]] = {
     "ExpertPool": ExpertPoolSpec,
     "WarmPool": WarmPoolSpec,
 }
+
+
+def field_errors(exc: ValidationError) -> list[str]:
+    """A spec's validation errors as users read them: ``spec.<path>: <message>`` each."""
+    return [f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]

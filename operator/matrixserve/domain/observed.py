@@ -8,7 +8,7 @@ which runs its engine's entry point. Engine and device fault views join here (re
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -50,13 +50,13 @@ class InstanceView:
 
 
 def group_instances(
-    pods: Mapping[str, PodView], instance_label: str
+    pods: Mapping[str, PodView], instance_of: Callable[[PodView], str]
 ) -> dict[str, InstanceView]:
-    """Pods gathered into instances by their instance label (a pod without one is an instance
-    of its own name), each instance's pods in name order."""
+    """Pods gathered into instances by ``instance_of`` (the kind's reading of a pod's labels
+    and name), each instance's pods in name order."""
     members: dict[str, list[PodView]] = {}
     for pod in pods.values():
-        members.setdefault(pod.label(instance_label) or pod.name, []).append(pod)
+        members.setdefault(instance_of(pod), []).append(pod)
     return {
         name: InstanceView(name, tuple(sorted(found, key=lambda p: p.name)))
         for name, found in members.items()

@@ -32,7 +32,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from matrixserve import coordination
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.kinds import PDGROUP
-from matrixserve.api.resources import DEFAULT_BATCH, SLO, BatchSize, DnsLabel, PDGroupSpec
+from matrixserve.api.resources import (
+    DEFAULT_BATCH,
+    SLO,
+    BatchSize,
+    DnsLabel,
+    PDGroupSpec,
+    field_errors,
+)
 from matrixserve.domain.forwarding import Entrance, entrances_from_status
 
 log = logging.getLogger("matrixserve.gateway")
@@ -198,9 +205,7 @@ class Discovery:
         except ValidationError as exc:
             if self._invalid.get(key) != generation:
                 self._invalid[key] = generation
-                errors = "; ".join(
-                    f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
-                )
+                errors = "; ".join(field_errors(exc))
                 with self.lock:
                     routed = key in self.groups
                 log.warning(

@@ -1,7 +1,9 @@
-"""Operator metrics, defined once, prefix ``matrixserve_operator_``: the ones every kind shares
-(:class:`OperatorMetrics`, labelled by kind) and each kind's own, on the same registry."""
+"""Operator metrics, defined once, prefix ``matrixserve_operator_``: the ones every kind shares,
+labelled by kind. A kind's own metrics live in its handler module, on the same registry."""
 
 from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -45,23 +47,27 @@ class OperatorMetrics:
             self.zk_state.labels(state=s).set(1 if s == state else 0)
 
 
-class PDGroupMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        r = registry
-        self.setup_phase_seconds = Histogram(
-            "matrixserve_operator_setup_phase_seconds",
-            "PDGroup setup phases (wall seconds): gather (created -> RoCE map), link (map -> all links), "
-            "serve (links -> Ready)",
-            ["phase"],
-            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
-            registry=r,
-        )
-        self.links_verified = Gauge(
-            "matrixserve_operator_links_verified",
-            "Verified P-D sub-links per group",
-            ["namespace", "group"],
-            registry=r,
-        )
-        self.groups_ready = Gauge(
-            "matrixserve_operator_groups_ready", "PDGroups with Ready=True", registry=r
-        )
+class Milestones:
+    """When each object first reached each of its milestones (in order: a milestone counts only
+    after the one before it), and the wall time of the phase leading to each, observed once per
+    object in ``histogram`` under the phase's label."""
+
+    def __init__(self, histogram: Histogram, phases: Sequence[tuple[str, str]]) -> None:
+        self.histogram = histogram
+        self.phases = phases  # (milestone, the label of the phase that ends there), in order
+        self.marks: dict[Hashable, dict[str, float]] = {}
+
+    def start(self, key: Hashable, now: float) -> None:
+        self.marks.setdefault(key, {"created": now})
+
+    def update(self, key: Hashable, reached: Mapping[str, bool], now: float) -> None:
+        marks = self.marks.setdefault(key, {"created": now})
+        previous = "created"
+        for milestone, phase in self.phases:
+            if milestone not in marks and previous in marks and reached[milestone]:
+                marks[milestone] = now
+                self.histogram.labels(phase=phase).observe(now - marks[previous])
+            previous = milestone
+
+    def forget(self, key: Hashable) -> None:
+        self.marks.pop(key, None)

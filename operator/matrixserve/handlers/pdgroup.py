@@ -18,15 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
-from pydantic import ValidationError
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from matrixserve.adapters.zk_groups import GroupStore
 from matrixserve.api import kinds
-from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain import pdgroup as pd
 from matrixserve.domain.effects import ZnodeChange
-from matrixserve.domain.pdgroup.validation import validate_pdgroup
-from matrixserve.handlers.metrics import PDGroupMetrics
+from matrixserve.domain.pdgroup.validation import parse_spec
+from matrixserve.handlers.metrics import Milestones
 from matrixserve.handlers.reconciler import Key, Reconciler
 from matrixserve.handlers.runtime import Runtime
 
@@ -34,20 +33,43 @@ KIND = kinds.PDGROUP
 API = (KIND.group, KIND.version, KIND.plural)
 
 
+class PDGroupMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.setup_phase_seconds = Histogram(
+            "matrixserve_operator_setup_phase_seconds",
+            "PDGroup setup phases (wall seconds): gather (created -> RoCE map), "
+            "link (map -> all links), serve (links -> Ready)",
+            ["phase"],
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
+            registry=registry,
+        )
+        self.links_verified = Gauge(
+            "matrixserve_operator_links_verified",
+            "Verified P-D sub-links per group",
+            ["namespace", "group"],
+            registry=registry,
+        )
+        self.groups_ready = Gauge(
+            "matrixserve_operator_groups_ready", "PDGroups with Ready=True", registry=registry
+        )
+        self.setup = Milestones(
+            self.setup_phase_seconds, [("mapped", "gather"), ("linked", "link"), ("ready", "serve")]
+        )
+
+
 @dataclass
 class PDGroups:
-    """The PDGroup controller: its loop, its ZooKeeper store, its metrics and setup marks."""
+    """The PDGroup controller: its loop, its ZooKeeper store, its metrics."""
 
     rt: Runtime
     loop: Reconciler
     store: GroupStore
     metrics: PDGroupMetrics
-    setup: dict[Key, dict[str, float]] = field(default_factory=dict)
     ready: set[Key] = field(default_factory=set)
     kind: kinds.Kind = KIND
 
     def forget(self, key: Key) -> None:
-        self.setup.pop(key, None)
+        self.metrics.setup.forget(key)
         self.ready.discard(key)
         self.metrics.groups_ready.set(len(self.ready))
 
@@ -63,18 +85,10 @@ def _groups(memo: kopf.Memo) -> PDGroups:
     return groups
 
 
-def spec_errors(spec: Any, name: str) -> tuple[PDGroupSpec | None, list[str]]:
-    try:
-        parsed = PDGroupSpec.model_validate(dict(spec))
-    except ValidationError as exc:
-        return None, [f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
-    return parsed, validate_pdgroup(parsed, name)
-
-
 # --------------------------------------------------------------------------- admission
 def validate(spec: kopf.Spec, name: str, **_: Any) -> None:
     """The validating admission webhook: the reconciler's rules, before the object is stored."""
-    _parsed, errors = spec_errors(spec, name or "")
+    _parsed, errors = parse_spec(spec, name or "")
     if errors:
         raise kopf.AdmissionError("invalid PDGroup: " + "; ".join(errors), code=422)
 
@@ -107,7 +121,7 @@ async def reconciler(
     **_: Any,
 ) -> None:
     groups = _groups(memo)
-    groups.setup.setdefault((namespace, name), {"created": time.monotonic()})
+    groups.metrics.setup.start((namespace, name), time.monotonic())
 
     async def reconcile_group(ns: str, group: str, log: logging.Logger) -> bool:
         return await reconcile(groups, ns, group, log)
@@ -132,7 +146,7 @@ async def reconcile(groups: PDGroups, namespace: str, name: str, logger: logging
     if body is None or body["metadata"].get("deletionTimestamp"):
         return False
     meta = body["metadata"]
-    spec, errors = spec_errors(body.get("spec") or {}, name)
+    spec, errors = parse_spec(body.get("spec") or {}, name)
     if spec is None or errors:
         await groups.loop.report_invalid(body, errors, logger)
         return False
@@ -163,25 +177,14 @@ async def reconcile(groups: PDGroups, namespace: str, name: str, logger: logging
 
 
 def _track_setup(groups: PDGroups, key: Key, plan: pd.Plan) -> None:
-    """The setup phases' wall times (gather, link, serve), each observed once per group."""
-    marks = groups.setup.setdefault(key, {"created": time.monotonic()})
-    now = time.monotonic()
-    phases = groups.metrics.setup_phase_seconds
-    if plan.status["roceMapVersion"] and "mapped" not in marks:
-        marks["mapped"] = now
-        phases.labels(phase="gather").observe(now - marks["created"])
+    """The setup phases' wall times (gather, link, serve), and the count of Ready groups."""
     links = plan.status["links"]
-    if (
-        "mapped" in marks
-        and links["expected"]
-        and links["verified"] == links["expected"]
-        and "linked" not in marks
-    ):
-        marks["linked"] = now
-        phases.labels(phase="link").observe(now - marks["mapped"])
-    if plan.ready and "ready" not in marks and "linked" in marks:
-        marks["ready"] = now
-        phases.labels(phase="serve").observe(now - marks["linked"])
+    reached = {
+        "mapped": bool(plan.status["roceMapVersion"]),
+        "linked": bool(links["expected"]) and links["verified"] == links["expected"],
+        "ready": plan.ready,
+    }
+    groups.metrics.setup.update(key, reached, time.monotonic())
     if plan.ready:
         groups.ready.add(key)
     else:

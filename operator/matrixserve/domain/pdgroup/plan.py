@@ -5,7 +5,8 @@ The stages, in order (P/D-Serve §3.2-3.4):
 1. **Desired counts** — seam ``Seams.counts``: how many prefill and decode instances the group
    should have. Today the spec's replicas; the ratio policy (Eq. (1), the feedback rule) plugs in
    here.
-2. **Obtaining instances** — seam ``Seams.obtain``: how a missing instance's pods come to be.
+2. **Obtaining instances** — seam ``Seams.obtain``: how the missing instances' pods come to be
+   (all of this pass's at once).
    Today a cold start (a new role-less pod); a warm-pool claim or an NPU-fork plugs in here.
 3. Without coordination (ZooKeeper session not connected) nothing destructive is planned: only
    missing pods are obtained, and the group is ``Blocked``.
@@ -18,7 +19,7 @@ The stages, in order (P/D-Serve §3.2-3.4):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,11 +46,15 @@ def counts_from_spec(view: GroupView) -> RoleCounts:
     return RoleCounts(view.spec.prefill.replicas, view.spec.decode.replicas)
 
 
-def cold_start(view: GroupView, instance: str, role: zl.Role) -> list[Action]:
-    """A new, role-less pod for each of the instance's missing pods."""
-    pods_per_instance = (
-        view.spec.prefill if role is zl.Role.PREFILL else view.spec.decode
-    ).pods_per_instance
+def missing_pods(view: GroupView, instance: str, role: zl.Role) -> list[str]:
+    spec = view.spec.prefill if role is zl.Role.PREFILL else view.spec.decode
+    return [p for p in pod_names(instance, spec.pods_per_instance) if p not in view.pods]
+
+
+def cold_start(view: GroupView, missing: Mapping[str, zl.Role]) -> list[Action]:
+    """A new, role-less pod for each missing pod of each instance. (Every pod of an instance
+    gets the same engine settings: instances are one pod until ``podsPerInstance`` > 1 comes
+    with its leader/worker roles.)"""
     return [
         CreatePod(
             pod,
@@ -58,8 +63,8 @@ def cold_start(view: GroupView, instance: str, role: zl.Role) -> list[Action]:
                 view.namespace, view.name, view.uid, pod, role, view.spec, view.engine, instance
             ),
         )
-        for pod in pod_names(instance, pods_per_instance)
-        if pod not in view.pods
+        for instance, role in missing.items()
+        for pod in missing_pods(view, instance, role)
     ]
 
 
@@ -72,7 +77,9 @@ class Seams:
     """Where the ratio policy, the scale-out path and recovery plug into the plan."""
 
     counts: Callable[[GroupView], RoleCounts] = counts_from_spec
-    obtain: Callable[[GroupView, str, zl.Role], list[Action]] = cold_start
+    # All the instances missing a pod this pass at once, so one source (a warm pod, a fork
+    # peer) is never promised to two of them.
+    obtain: Callable[[GroupView, Mapping[str, zl.Role]], list[Action]] = cold_start
     faults: Callable[[GroupView], list[Action]] = no_faults
 
 
@@ -92,9 +99,8 @@ def _actions(
 ) -> tuple[list[Action], zl.RoceMap | None, str | None]:
     """This pass's actions, the RoCE map after them, and why the plan is blocked (if it is)."""
     zk = view.zk
-    actions: list[Action] = []
-    for name, role in desired.items():
-        actions += seams.obtain(view, name, role)
+    missing = {n: r for n, r in desired.items() if missing_pods(view, n, r)}
+    actions: list[Action] = seams.obtain(view, missing) if missing else []
     if not zk.connected:
         return actions, zk.roce_map, "ZooKeeper is not connected"
     actions += seams.faults(view)

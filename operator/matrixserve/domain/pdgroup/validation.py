@@ -9,10 +9,13 @@ again (Ready=False, reason InvalidSpec) and touches nothing. Pure: the hardware 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
 
 from matrixserve.api import catalog
 from matrixserve.api.catalog import HBM_USABLE_FRACTION, PRESETS
-from matrixserve.api.resources import MoEMode, PDGroupSpec, RoleSpec
+from matrixserve.api.resources import MoEMode, PDGroupSpec, RoleSpec, field_errors
 
 MAX_GROUP_NAME = 50  # pod names are <group>-p-<ordinal> and must stay within 63 characters
 
@@ -121,3 +124,13 @@ def validate_pdgroup(spec: PDGroupSpec, name: str) -> list[str]:
     ):
         errors.append("spec.moe: Disaggregated needs dpDomainRef and expertPoolRef")
     return errors
+
+
+def parse_spec(raw: Any, name: str) -> tuple[PDGroupSpec | None, list[str]]:
+    """A PDGroup's spec parsed and checked: the spec (None if it does not parse) and every
+    violation of the schema's and the cross-field rules, each naming its field."""
+    try:
+        parsed = PDGroupSpec.model_validate(dict(raw))
+    except ValidationError as exc:
+        return None, field_errors(exc)
+    return parsed, validate_pdgroup(parsed, name)

@@ -12,6 +12,7 @@ from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.observed import InstanceView, PodView, group_instances
+from matrixserve.domain.pdgroup.pods import pod_names, role_of
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,17 @@ class GroupView:
 
     @cached_property
     def instances(self) -> dict[str, InstanceView]:
-        """The group's pods gathered into instances (by their instance label)."""
-        return group_instances(self.pods, kinds.LABEL_INSTANCE)
+        """The group's pods gathered into instances: a pod belongs to the instance its label
+        names only if its name is one of that instance's pod names; any other pod (a stray
+        carrying the group's label) is an instance of its own, which the plan releases."""
+        return group_instances(self.pods, self._instance_of)
+
+    def _instance_of(self, pod: PodView) -> str:
+        instance = pod.label(kinds.LABEL_INSTANCE)
+        if instance is None:
+            return pod.name
+        role = self.spec.prefill if role_of(pod) is zl.Role.PREFILL else self.spec.decode
+        return instance if pod.name in pod_names(instance, role.pods_per_instance) else pod.name
 
     def healthy(self, instance: str) -> bool:
         """Its engine reports itself serving (ZooKeeper health, P/D-Serve §3.2)."""
