@@ -26,7 +26,7 @@ from matrixserve.api import zk_layout as zl
 @dataclass
 class Stat:
     version: int
-    ephemeral_owner: int
+    ephemeralOwner: int  # kazoo's ZnodeStat field name: the owning session, 0 if persistent
 
 
 class FakeKazoo:
@@ -34,7 +34,9 @@ class FakeKazoo:
     [ConnectionLoss(), ...]`` raises them, in order, on the next ``set`` calls."""
 
     def __init__(self) -> None:
-        self.nodes: dict[str, tuple[bytes, int, bool]] = {"/": (b"", 0, False)}
+        # path -> (data, version, owner session: 0 for a persistent znode)
+        self.nodes: dict[str, tuple[bytes, int, int]] = {"/": (b"", 0, 0)}
+        self.session = 1  # this client's session id (client_id[0])
         self.connected = False
         self.listeners: list[Callable[[str], None]] = []
         self.fail: dict[str, list[Exception]] = {}
@@ -55,6 +57,9 @@ class FakeKazoo:
         self.starts += 1
         self._maybe_fail("start")
         self.transition(KazooState.CONNECTED)
+
+    def start_async(self) -> None:
+        self.starts += 1
 
     def stop(self) -> None:
         self.stops += 1
@@ -89,8 +94,8 @@ class FakeKazoo:
         self._call("get", path)
         if path not in self.nodes:
             raise NoNodeError(path)
-        data, version, ephemeral = self.nodes[path]
-        return data, Stat(version, 1 if ephemeral else 0)
+        data, version, owner = self.nodes[path]
+        return data, Stat(version, owner)
 
     def get_children(self, path: str) -> list[str]:
         self._call("get_children", path)
@@ -102,17 +107,17 @@ class FakeKazoo:
         self._call("exists", path)
         if path not in self.nodes:
             return None
-        _, version, ephemeral = self.nodes[path]
-        return Stat(version, 1 if ephemeral else 0)
+        _, version, owner = self.nodes[path]
+        return Stat(version, owner)
 
     def set(self, path: str, data: bytes, version: int = -1) -> None:
         self._call("set", path)
         if path not in self.nodes:
             raise NoNodeError(path)
-        _, current, ephemeral = self.nodes[path]
+        _, current, owner = self.nodes[path]
         if version not in (-1, current):
             raise BadVersionError(path)
-        self.nodes[path] = (data, current + 1, ephemeral)
+        self.nodes[path] = (data, current + 1, owner)
 
     def create(
         self, path: str, value: bytes = b"", ephemeral: bool = False, makepath: bool = False
@@ -125,14 +130,14 @@ class FakeKazoo:
             if not makepath:
                 raise NoNodeError(parent)
             self.ensure_path(parent)
-        self.nodes[path] = (value, 0, ephemeral)
+        self.nodes[path] = (value, 0, self.session if ephemeral else 0)
         return path
 
     def ensure_path(self, path: str) -> None:
         if path in self.nodes:
             return
         self.ensure_path(self._parent(path))
-        self.nodes[path] = (b"", 0, False)
+        self.nodes[path] = (b"", 0, 0)
 
     def delete(self, path: str, version: int = -1, recursive: bool = False) -> None:
         self._call("delete", path)
@@ -140,6 +145,8 @@ class FakeKazoo:
             if recursive:
                 return  # kazoo's recursive delete of an absent path is silent
             raise NoNodeError(path)
+        if version not in (-1, self.nodes[path][1]):
+            raise BadVersionError(path)
         children = self._children_of(path)
         if children and not recursive:
             raise NotEmptyError(path)
@@ -147,15 +154,26 @@ class FakeKazoo:
             self.delete(f"{path}/{child}", recursive=True)
         del self.nodes[path]
 
-    def expire(self) -> None:
-        """The session expired: its ephemerals are gone."""
-        self.nodes = {p: n for p, n in self.nodes.items() if not n[2]}
-        self.transition(KazooState.LOST)
+    @property
+    def client_id(self) -> tuple[int, bytes] | None:
+        return (self.session, b"password") if self.connected else None
+
+    def expire(self, session: int | None = None) -> None:
+        """A session expired (this client's unless ``session`` names another): its ephemerals
+        are gone; for this client's own, it is LOST and gets a new session when it reconnects."""
+        gone = self.session if session is None else session
+        self.nodes = {p: n for p, n in self.nodes.items() if n[2] != gone}
+        if gone == self.session:
+            self.session += 1
+            self.transition(KazooState.LOST)
 
 
-def engine_report(name: str, i: int) -> zl.Report:
+def engine_report(
+    name: str, i: int, pod_uid: str | None = None, incarnation: str = ""
+) -> zl.Report:
     """What the ``i``-th engine of a group reports (its resident process writes it): a pod IP on
-    loopback, four dies' RoCE IPs from the testing range."""
+    loopback, four dies' RoCE IPs from the testing range, the pod's UID (``uid-<name>`` unless
+    given) and the engine's incarnation."""
     return zl.Report(
         instance=name,
         podIP=f"127.64.0.{i + 2}",
@@ -165,6 +183,8 @@ def engine_report(name: str, i: int) -> zl.Report:
         dies=[0, 1, 2, 3],
         roceIps=[f"198.18.0.{4 * i + k + 1}" for k in range(4)],
         ts=0.0,
+        podUid=f"uid-{name}" if pod_uid is None else pod_uid,
+        incarnation=incarnation,
     )
 
 
@@ -205,6 +225,17 @@ class FakeCore:
             raise api_error(409)
         del self.pods[(namespace, name)]
 
+    def read_namespaced_pod(self, name: str, namespace: str) -> client.V1Pod:
+        body = self.pods.get((namespace, name))
+        if body is None:
+            raise api_error(404)
+        pod = _v1_pod(body)
+        pod.metadata.owner_references = [
+            client.V1OwnerReference(api_version="v1", kind=o["kind"], name=o["name"], uid=o["uid"])
+            for o in body["metadata"].get("ownerReferences") or []
+        ]
+        return pod
+
     def list_namespaced_pod(self, namespace: str, label_selector: str = "") -> Any:
         self.selectors.append(label_selector)
         wanted = dict(part.split("=", 1) for part in label_selector.split(",") if part)
@@ -231,6 +262,7 @@ def _v1_pod(body: dict[str, Any]) -> client.V1Pod:
             name=meta["name"],
             uid=meta.get("uid"),
             labels=meta.get("labels"),
+            annotations=meta.get("annotations"),
             creation_timestamp=meta.get("creationTimestamp"),
             deletion_timestamp=meta.get("deletionTimestamp"),
         ),
@@ -259,6 +291,26 @@ class FakeCustom:
         if found is None:
             raise api_error(404)
         return found
+
+    def list_namespaced_custom_object(
+        self, group: str, version: str, namespace: str, plural: str
+    ) -> dict[str, Any]:
+        return {
+            "items": [
+                o
+                for (g, v, ns, p, _), o in self.objects.items()
+                if (g, v, ns, p) == (group, version, namespace, plural)
+            ]
+        }
+
+    def list_cluster_custom_object(self, group: str, version: str, plural: str) -> dict[str, Any]:
+        return {
+            "items": [
+                o
+                for (g, v, _, p, _), o in self.objects.items()
+                if (g, v, p) == (group, version, plural)
+            ]
+        }
 
     def patch_namespaced_custom_object_status(
         self, group: str, version: str, namespace: str, plural: str, name: str, body: Any

@@ -165,6 +165,7 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
         webhook_managed=args.webhook_managed,
         resync_seconds=args.resync_seconds,
         zk_watches=args.zk_watches,
+        namespaces=tuple(args.namespace),
     )
     return config, args
 

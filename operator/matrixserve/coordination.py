@@ -18,7 +18,15 @@ Patroni's ZooKeeper DCS is the model:
   :mod:`matrixserve.api.zk_layout` operations in order.
 - **Retries with a deadline**: :meth:`Session.retry` re-runs a call through connection losses
   until it succeeds or the deadline passes (kazoo's ``KazooRetry``).
-- **Watches**: children and data watches, which kazoo re-arms on reconnection within a session.
+- **Watches**: children and data watches, which kazoo re-arms on reconnection within a session;
+  a children watch on a znode that does not exist yet waits for it (kazoo's would stop
+  silently).
+- **A server that lost its data** (reinstalled, or rescheduled on an empty volume) refuses a
+  client that has seen a later zxid, so that client stays SUSPENDED for ever: a session
+  SUSPENDED for longer than the session timeout (not sooner: a lagging ensemble member must not
+  cost live sessions) is given up: listeners hear LOST, a fresh client connects, and every watch
+  still wanted is armed again on it. Whoever owns ephemerals writes them again on CONNECTED, as
+  after any lost session.
 
 kazoo is imported here and in the adapters built on it, never in ``matrixserve.domain``.
 """
@@ -28,7 +36,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, TypeVar
 
@@ -46,6 +56,7 @@ T = TypeVar("T")
 # What a ZooKeeper call raises when the session is not there (connection loss, timeout, ...):
 # callers catch these without importing kazoo.
 ERRORS: tuple[type[Exception], ...] = (KazooException, KazooTimeoutError)
+ZooKeeperError = KazooException  # the base of what a call on a live client raises
 
 
 class SessionState(StrEnum):
@@ -62,8 +73,16 @@ _FROM_KAZOO = {
 }
 
 
+@dataclass(eq=False)
+class _Watch:
+    kind: str  # "children" | "data"
+    path: str
+    callback: Callable[..., Any]
+    send_event: bool = False
+
+
 class Session:
-    """One kazoo client and what every user of it needs."""
+    """One kazoo client at a time, and what every user of it needs."""
 
     def __init__(
         self,
@@ -72,15 +91,30 @@ class Session:
         connection_retry: dict[str, Any] | None = None,
         retry_deadline: float = 10.0,
         client: Any = None,  # a kazoo client to own instead (tests script one)
+        client_factory: Callable[[], Any] | None = None,  # a fresh client (tests script one)
     ) -> None:
         self.hosts = hosts
-        self.client = client or KazooClient(
-            hosts=hosts, timeout=timeout, connection_retry=connection_retry
+        self.timeout = timeout
+        self._factory = client_factory or (
+            lambda: KazooClient(
+                hosts=hosts,
+                timeout=timeout,
+                connection_retry=connection_retry or {"max_tries": -1, "max_delay": 5},
+            )
         )
+        self.client = client or self._factory()
         self.state = SessionState.CONNECTING
         self.retry_deadline = retry_deadline
+        self.renewals = 0  # fresh clients started after a server that lost its data
         self._listeners: list[Callable[[SessionState], None]] = []
-        self.client.add_listener(self._on_kazoo_state)
+        self._watches: list[_Watch] = []
+        self._lock = threading.Lock()
+        self._suspended_timer: threading.Timer | None = None
+        self._fresh: Any = None  # a fresh client whose watches are armed once it connects
+        self._adopt(self.client)
+
+    def _adopt(self, client: Any) -> None:
+        client.add_listener(lambda state: self._on_kazoo_state(client, state))
 
     # ------------------------------------------------------------------ state
     def add_listener(self, listener: Callable[[SessionState], None]) -> None:
@@ -88,8 +122,70 @@ class Session:
         call ZooKeeper)."""
         self._listeners.append(listener)
 
-    def _on_kazoo_state(self, state: str) -> None:
-        self._set_state(_FROM_KAZOO.get(state, SessionState.LOST))
+    def _on_kazoo_state(self, client: Any, state: str) -> None:
+        if client is not self.client:
+            return  # a client given up: what it says is no longer ours
+        new = _FROM_KAZOO.get(state, SessionState.LOST)
+        self._watch_suspension(new)
+        self._set_state(new)
+        if new is SessionState.CONNECTED and self._rearm_pending(client):
+            threading.Thread(target=self._rearm, args=(client,), daemon=True).start()
+
+    # ------------------------------------------------------------------ a server without our data
+    def _watch_suspension(self, state: SessionState) -> None:
+        with self._lock:
+            if self._suspended_timer is not None:
+                self._suspended_timer.cancel()
+                self._suspended_timer = None
+            if state is SessionState.SUSPENDED:
+                timer = threading.Timer(self.timeout, self._renew, args=(self.client,))
+                timer.daemon = True
+                self._suspended_timer = timer
+                timer.start()
+
+    def _renew(self, suspended: Any) -> None:
+        """Still SUSPENDED a session timeout later: the session is gone for us; start afresh."""
+        with self._lock:
+            if self.client is not suspended or self.state is not SessionState.SUSPENDED:
+                return
+            self.client = self._factory()
+            self.renewals += 1
+            self._fresh = self.client
+        log.warning(
+            "ZooKeeper %s: suspended for over the session timeout (%.0f s), the server may have "
+            "lost its data: starting a new session",
+            self.hosts,
+            self.timeout,
+        )
+        self._set_state(SessionState.LOST)
+        self._adopt(self.client)
+        self.client.start_async()
+
+        def close() -> None:
+            with contextlib.suppress(Exception):
+                suspended.stop()
+                suspended.close()
+
+        threading.Thread(target=close, daemon=True).start()
+
+    def _rearm_pending(self, client: Any) -> bool:
+        with self._lock:
+            pending = self._fresh is client
+            if pending:
+                self._fresh = None
+            return pending
+
+    def _rearm(self, client: Any) -> None:
+        """Arm again, on a fresh client, every watch still wanted."""
+        with self._lock:
+            wanted = list(self._watches)
+        for watch in wanted:
+            if client is not self.client:
+                return
+            try:
+                self._arm(watch)
+            except ERRORS as exc:
+                log.warning("watch on %s not armed again: %s", watch.path, exc)
 
     def _set_state(self, state: SessionState) -> None:
         self.state = state
@@ -143,6 +239,9 @@ class Session:
 
     async def stop(self) -> None:
         """Close the session (its ephemerals go at once, not after the session timeout)."""
+        with self._lock:
+            if self._suspended_timer is not None:
+                self._suspended_timer.cancel()
         with contextlib.suppress(Exception):
             await asyncio.to_thread(self.client.stop)
             await asyncio.to_thread(self.client.close)
@@ -201,6 +300,25 @@ class Session:
         except NodeExistsError:  # created meanwhile (by us on a retried call, or by a peer)
             self.client.set(path, data)
 
+    @property
+    def session_id(self) -> int | None:
+        client_id = self.client.client_id
+        return int(client_id[0]) if client_id else None
+
+    def own(self, path: str, data: bytes) -> None:
+        """Write an ephemeral znode that this session owns: set it if it is ours, replace it if
+        another session holds it (a previous process whose session has not expired yet:
+        ZooKeeper would delete the znode, our data with it, when that session expires), create it
+        if absent."""
+        stat = self.client.exists(path)
+        if stat is not None and stat.ephemeralOwner == self.session_id:
+            self.client.set(path, data)
+            return
+        if stat is not None:
+            with contextlib.suppress(NoNodeError):  # expired meanwhile
+                self.client.delete(path, version=stat.version)
+        self.client.create(path, data, ephemeral=True)
+
     def create(self, path: str, data: bytes, *, ephemeral: bool = False) -> bool:
         """Create if absent; False when it already existed (left as it is)."""
         try:
@@ -245,9 +363,43 @@ class Session:
     def watch_children(
         self, path: str, callback: Callable[..., Any], *, send_event: bool = False
     ) -> None:
-        """kazoo's ``ChildrenWatch``: ``callback(children[, event])``; returning False stops it."""
-        ChildrenWatch(self.client, path, callback, send_event=send_event)
+        """kazoo's ``ChildrenWatch``: ``callback(children[, event])``; returning False stops it.
+        On a znode that does not exist yet it starts once the znode is created."""
+        self._register(_Watch("children", path, callback, send_event))
 
     def watch_data(self, path: str, callback: Callable[..., Any]) -> None:
-        """kazoo's ``DataWatch``: ``callback(data, stat)``; returning False stops it."""
-        DataWatch(self.client, path, callback)
+        """kazoo's ``DataWatch``: ``callback(data, stat)`` (None, None while absent); returning
+        False stops it."""
+        self._register(_Watch("data", path, callback))
+
+    def _register(self, watch: _Watch) -> None:
+        original = watch.callback
+
+        def callback(*args: Any) -> Any:
+            result = original(*args)
+            if result is False:
+                with self._lock, contextlib.suppress(ValueError):
+                    self._watches.remove(watch)
+            return result
+
+        watch.callback = callback
+        with self._lock:
+            self._watches.append(watch)
+        self._arm(watch)
+
+    def _arm(self, watch: _Watch) -> None:
+        client = self.client
+        if watch.kind == "data":
+            DataWatch(client, watch.path, watch.callback)
+            return
+        if client.exists(watch.path) is not None:
+            ChildrenWatch(client, watch.path, watch.callback, send_event=watch.send_event)
+            return
+
+        def created(_data: Any, stat: Any) -> bool:
+            if stat is None or client is not self.client:
+                return client is self.client  # keep waiting (or give up with the client)
+            ChildrenWatch(client, watch.path, watch.callback, send_event=watch.send_event)
+            return False
+
+        DataWatch(client, watch.path, created)

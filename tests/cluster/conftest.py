@@ -1,6 +1,6 @@
 """Fixtures for the tests on the local cluster: one real control plane with ZooKeeper per session;
 per test a fresh namespace, ZooKeeper clients, and the processes a test starts (node emulators,
-operators) and its PDGroups.
+operators, gateways) and its PDGroups.
 
 Set ``MATRIXSERVE_TEST_STATE_DIR`` to the state dir of a running dev cluster (``make cluster-up``)
 to reuse it instead of starting a private one for the session (faster iteration); a private one
@@ -37,6 +37,7 @@ from helpers import (
     install_crds,
     load,
     pdgroup_body,
+    wait_for,
     zookeeper,
 )
 from matrixserve.api import kinds
@@ -358,6 +359,59 @@ def start_operator(
 
 
 @pytest.fixture
+def start_gateway(
+    cluster: ClusterInfo, namespace: str, tmp_path: Path
+) -> Iterator[Callable[..., str]]:
+    """Start the gateway for the test's namespace: ``start_gateway(*extra_flags)`` -> its URL."""
+    sup = Supervisor(tmp_path / "gateway")
+    names: list[str] = []
+
+    def start(*extra: str) -> str:
+        (port,) = free_ports(1)
+        name = f"gateway-{len(names)}"
+        sup.start(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "matrixserve.gateway",
+                "--zookeeper",
+                cluster.zookeeper,
+                "--namespace",
+                namespace,
+                "--port",
+                str(port),
+                "--time-scale",
+                "20",
+                *extra,
+            ],
+            env={**os.environ, "KUBECONFIG": cluster.kubeconfig},
+        )
+        names.append(name)
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            if sup.exited(name):
+                pytest.fail(sup.log_path(name).read_text()[-2000:])
+            try:
+                return httpx.get(f"{url}/healthz", timeout=1, trust_env=False).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, timeout=30, what="the gateway")
+        return url
+
+    yield start
+    for name in names:
+        sup.stop(name, grace=5)
+
+
+@pytest.fixture
+def gateway(start_gateway: Callable[..., str]) -> str:
+    return start_gateway()
+
+
+@pytest.fixture
 def groups(cluster: ClusterInfo, api_client: client.ApiClient, namespace: str) -> Groups:
     """The test namespace's PDGroups; a wait for one to be Ready explains the namespace if it
     times out."""
@@ -383,3 +437,89 @@ def serving_group(
         return operator
 
     return create
+
+
+@dataclass
+class ZooKeeperHandle:
+    """A private standalone ZooKeeper for one test (its own port and data dir), the server the
+    dev cluster runs: it can be stopped and started again on the same port with its data kept
+    (``stop(); start()``) or lost (``stop(); wipe(); start()``)."""
+
+    supervisor: Supervisor
+    config: Path
+    data: Path
+    port: int
+    name: str = "zookeeper"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30) -> None:
+        """Start the server and wait until it answers ``ruok``."""
+        from enginestub.node import zookeeper as server
+
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.supervisor.start(
+            self.name,
+            server.server_argv(str(tools.java_path()), self.config, self.supervisor.log_dir),
+        )
+
+        def answers() -> bool:
+            if self.supervisor.exited(self.name):
+                pytest.fail("ZooKeeper exited:\n" + self.log()[-3000:])
+            return self.ruok()
+
+        wait_for(answers, timeout=timeout, what=f"ZooKeeper on {self.address}", every=0.05)
+
+    def ruok(self) -> bool:
+        import socket
+
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                sock.sendall(b"ruok")
+                return sock.recv(16) == b"imok"
+        except OSError:
+            return False
+
+    def stop(self, grace: float = 10) -> None:
+        self.supervisor.stop(self.name, grace=grace)
+
+    def wipe(self) -> None:
+        """Lose every znode, session and zxid (as a server rescheduled on an empty volume)."""
+        import shutil
+
+        shutil.rmtree(self.data, ignore_errors=True)
+
+    def log(self) -> str:
+        path = self.supervisor.log_path(self.name)
+        return path.read_text() if path.exists() else ""
+
+
+@pytest.fixture
+def start_zookeeper(tmp_path: Path) -> Iterator[Callable[[], ZooKeeperHandle]]:
+    """Start a private ZooKeeper: ``start_zookeeper()`` -> its handle (stopped afterwards)."""
+    from enginestub.node import zookeeper as server
+
+    handles: list[ZooKeeperHandle] = []
+
+    def start() -> ZooKeeperHandle:
+        state = tmp_path / f"zookeeper-{len(handles)}"
+        state.mkdir(parents=True)
+        (port,) = free_ports(1)
+        handle = ZooKeeperHandle(Supervisor(state), state / "zoo.cfg", state / "data", port)
+        server.write_config(
+            handle.config,
+            handle.data,
+            port,
+            "127.0.0.1",
+            "ruok,srvr,stat,mntr",
+            "minSessionTimeout=2000\n",  # as the dev cluster's: tests may expire sessions
+        )
+        handles.append(handle)
+        handle.start()
+        return handle
+
+    yield start
+    for handle in handles:
+        handle.stop()

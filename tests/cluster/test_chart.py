@@ -90,7 +90,16 @@ def test_the_rendered_chart_runs_locked_down_with_no_wildcard_rbac(
                 f"{role['metadata']['name']}: Secrets only by name"
             )
     (webhook,) = by_kind["ValidatingWebhookConfiguration"]
-    assert webhook["webhooks"][0]["clientConfig"]["caBundle"]
+    # One entry per admission handler (kopf serves each at /<handler id>): the PDGroup itself,
+    # and its scale subresource (`kubectl scale` is checked by the same rules).
+    routes = {
+        (hook["clientConfig"]["service"]["path"], resource)
+        for hook in webhook["webhooks"]
+        for rule in hook["rules"]
+        for resource in rule["resources"]
+    }
+    assert routes == {("/pdgroup-rules", "pdgroups"), ("/pdgroup-scale", "pdgroups/scale")}
+    assert all(hook["clientConfig"]["caBundle"] for hook in webhook["webhooks"])
     assert {"ServiceMonitor", "PodMonitor", "ConfigMap", "StatefulSet"} <= set(by_kind)
 
 
@@ -351,6 +360,13 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
 
         groups.create(pdgroup_body("g"))
         groups.wait_ready("g")
+        # ... and a scale beyond the rules (the scale subresource: the chart's second entry).
+        with pytest.raises(client.ApiException) as scale_refused:
+            groups.custom.patch_namespaced_custom_object_scale(
+                *groups.where, "g", {"spec": {"replicas": 200}}
+            )
+        assert scale_refused.value.status == 422, scale_refused.value.body
+        assert "cannot be placed in one SuperPod" in scale_refused.value.body
         paths = zl.GroupPaths(namespace, "g")
         assert zk.exists(paths.root) is not None, "the group lives in the bundled ZooKeeper"
         gateway_service = core.read_namespaced_service(f"{full}-gateway", namespace)

@@ -6,74 +6,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
-import pytest
 from kubernetes import client
 
 from helpers import Groups, TcpProxy, metric, wait_for, zookeeper
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo, free_ports
-from matrixserve.devcluster.procs import Supervisor
-
-
-@pytest.fixture
-def start_gateway(
-    cluster: ClusterInfo, namespace: str, tmp_path: Path
-) -> Iterator[Callable[..., str]]:
-    """Start the gateway for the test's namespace: ``start_gateway(*extra_flags)`` -> its URL."""
-    sup = Supervisor(tmp_path / "gateway")
-    names: list[str] = []
-
-    def start(*extra: str) -> str:
-        (port,) = free_ports(1)
-        name = f"gateway-{len(names)}"
-        sup.start(
-            name,
-            [
-                sys.executable,
-                "-m",
-                "matrixserve.gateway",
-                "--zookeeper",
-                cluster.zookeeper,
-                "--namespace",
-                namespace,
-                "--port",
-                str(port),
-                "--time-scale",
-                "20",
-                *extra,
-            ],
-            env={**os.environ, "KUBECONFIG": cluster.kubeconfig},
-        )
-        names.append(name)
-        url = f"http://127.0.0.1:{port}"
-
-        def up() -> bool:
-            if sup.exited(name):
-                pytest.fail(sup.log_path(name).read_text()[-2000:])
-            try:
-                return httpx.get(f"{url}/healthz", timeout=1, trust_env=False).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(up, timeout=30, what="the gateway")
-        return url
-
-    yield start
-    for name in names:
-        sup.stop(name, grace=5)
-
-
-@pytest.fixture
-def gateway(start_gateway: Callable[..., str]) -> str:
-    return start_gateway()
 
 
 def sse(

@@ -280,15 +280,15 @@ def test_without_zookeeper_the_operator_plans_nothing_destructive(
 ) -> None:
     """No coordination, no destructive plan: pods are created, but no map, no deletions."""
     start_operator(namespace, extra=("--zookeeper", "127.0.0.1:9"))  # nothing listens there
-    groups.create(pdgroup_body("g", 1, 1))
-    wait_for(lambda: len(groups.pods("g")) == 2, what="the pods")
+    groups.create(pdgroup_body("g", 1, 2))
+    wait_for(lambda: len(groups.pods("g")) == 3, what="the pods")
     wait_for(
         lambda: groups.condition("g", "Ready").get("reason") == "Blocked",
         what="Ready=False, Blocked",
     )
     assert "ZooKeeper is not connected" in groups.condition("g", "Ready")["message"]
     uids = {n: p.metadata.uid for n, p in groups.pods("g").items()}
-    groups.patch("g", {"decode": {"replicas": 0}})
+    groups.patch("g", {"decode": {"replicas": 1}})  # a scale-in (a group keeps one decode)
     time.sleep(2)
     assert {n: p.metadata.uid for n, p in groups.pods("g").items()} == uids, (
         "a pod was deleted without coordination"

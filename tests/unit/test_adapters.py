@@ -5,6 +5,7 @@ plan without coordination)."""
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -40,7 +41,27 @@ def test_put_is_set_or_create_and_makes_parents_only_when_asked() -> None:
     s.put("/a/b/c", b"2")
     assert fake.nodes["/a/b/c"][:2] == (b"2", 1)
     s.put("/a/b/e", b"x", ephemeral=True)
-    assert fake.nodes["/a/b/e"][2] is True
+    assert fake.nodes["/a/b/e"][2] == fake.session
+
+
+def test_an_owned_ephemeral_outlives_the_session_that_held_it_before() -> None:
+    """A restarted engine finds its report held by its previous process's session, not expired
+    yet: it takes the znode over, so that session's expiry does not take its report with it."""
+    fake = FakeKazoo()
+    fake.ensure_path("/g/reports")
+    s = session(fake)
+    fake.transition(KazooState.CONNECTED)
+    fake.session = 41  # the previous process's session
+    fake.create("/g/reports/e", b"old", ephemeral=True)
+    fake.session = 42  # ours
+    s.own("/g/reports/e", b"new")
+    assert fake.nodes["/g/reports/e"] == (b"new", 0, 42)
+    s.own("/g/reports/e", b"newer")  # ours already: a plain set
+    assert fake.nodes["/g/reports/e"][:2] == (b"newer", 1)
+    fake.expire(41)
+    assert fake.nodes["/g/reports/e"][0] == b"newer"
+    fake.expire()  # our own session: our ephemerals go with it
+    assert "/g/reports/e" not in fake.nodes
 
 
 def test_a_versioned_put_is_a_compare_and_set() -> None:
@@ -111,6 +132,48 @@ def test_retry_rides_out_connection_losses_until_its_deadline() -> None:
         short.retry(short.get, "/r")
 
 
+def test_a_session_suspended_past_its_timeout_starts_afresh_and_arms_its_watches_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ZooKeeper that lost its data refuses a client that saw a later zxid: the client stays
+    SUSPENDED for ever. Past the session timeout the session is given up (LOST), a fresh client
+    connects, and the watches still wanted are armed on it; a shorter suspension changes
+    nothing."""
+    first, fresh = FakeKazoo(), FakeKazoo()
+    s = Session("zk:2181", timeout=0.3, client=first, client_factory=lambda: fresh)
+    armed: list[tuple[Any, str]] = []
+    monkeypatch.setattr(s, "_arm", lambda watch: armed.append((s.client, watch.path)))
+    seen: list[SessionState] = []
+    s.add_listener(seen.append)
+    first.transition(KazooState.CONNECTED)
+    s.watch_data("/g/roce-map", lambda data, stat: None)
+    s.watch_children("/g/entrances", lambda children: None)
+    s.watch_children("/g/gone", lambda children: False)  # a watch that stopped itself
+    s._watches[-1].callback([])
+    first.transition(KazooState.SUSPENDED)
+    first.transition(KazooState.CONNECTED)  # back within the timeout: the same session
+    time.sleep(0.5)
+    assert s.client is first
+    first.transition(KazooState.SUSPENDED)
+    deadline = time.monotonic() + 3
+    while s.client is first and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert s.client is fresh
+    assert s.renewals == 1
+    while fresh.starts == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fresh.starts == 1
+    assert seen[-1] is SessionState.LOST
+    first.transition(KazooState.CONNECTED)  # the old client is not ours any more
+    assert s.state is SessionState.LOST
+    fresh.transition(KazooState.CONNECTED)
+    deadline = time.monotonic() + 3
+    while len(armed) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert armed[3:] == [(fresh, "/g/roce-map"), (fresh, "/g/entrances")]
+    assert s.connected
+
+
 async def test_connect_retries_until_it_works_and_stops_a_failed_client() -> None:
     fake = FakeKazoo()
     fake.fail["start"] = [KazooTimeoutError("no server"), KazooTimeoutError("no server")]
@@ -178,10 +241,13 @@ async def test_a_snapshot_reads_the_subtree_and_skips_unreadable_znodes() -> Non
     await store.ensure("ns", "g")
     fake.create(PATHS.report("g-p-0"), _report("g-p-0").dump())
     fake.create(PATHS.report("g-d-0"), b"{not json")
-    fake.create(PATHS.entrance("g-p-0"), b"")
+    assert (await store.snapshot("ns", "g")).entrances_present is False  # until the first one
+    fake.create(PATHS.entrance("g-p-0"), b"", makepath=True)
     fake.create(PATHS.removed_of("g-d-1"), b"")
     view = await store.snapshot("ns", "g")
     assert view.connected is True
+    assert view.present is True
+    assert view.entrances_present is True
     assert set(view.reports) == {"g-p-0"}
     assert view.entrances == {"g-p-0"}
     assert view.removed == {"g-d-1"}

@@ -120,7 +120,7 @@ WRONG = [
         "Operator layers: handlers | gateway -> adapters -> coordination -> domain -> api",
     ),
     (
-        "matrixserve/handlers/pdgroup.py",
+        "matrixserve/handlers/pdgroup/reconcile.py",
         "import matrixserve.gateway.upstream",
         "Operator layers: handlers | gateway -> adapters -> coordination -> domain -> api",
     ),

@@ -3,6 +3,8 @@ order, no destructive plan without ZooKeeper; and the cross-field validation rul
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -20,6 +22,7 @@ from matrixserve.domain.pdgroup.actions import (
     DeleteEntrance,
     DeletePod,
     EraseInstance,
+    ReportPodTrouble,
     SetEntrance,
     WriteDecodeMeta,
     WriteInitOrder,
@@ -51,7 +54,7 @@ def pod(name: str, role: zl.Role, created: float = 0.0, deleting: bool = False) 
 ENGINE = EngineSettings(zookeeper="127.0.0.1:2181")
 
 
-def group_view(s: PDGroupSpec, pods: dict[str, PodView], zk: ZkView, now: float) -> GroupView:
+def group_view(s: PDGroupSpec, pods: Mapping[str, PodView], zk: ZkView, now: float) -> GroupView:
     return GroupView("ns", "g", 1, s, pods, zk, now=now, uid="uid-g", engine=ENGINE)
 
 
@@ -166,6 +169,7 @@ def test_a_formed_group_is_ready_and_plans_nothing() -> None:
     assert plan.status["entrances"] == ["g-p-0", "g-p-1"]
     assert plan.status["ratio"]["current"] == "2:1"
     assert {c.type: c.status for c in plan.conditions} == {
+        "Coordinated": True,
         "Gathering": False,
         "Linked": True,
         "Progressing": False,
@@ -348,3 +352,183 @@ def test_scaling_back_up_before_the_old_pod_is_gone_recreates_it() -> None:
     assert not any(isinstance(a, WriteRoceMap) for a in back_up.actions), (
         "a removed instance does not rejoin"
     )
+
+
+# --------------------------------------------------------------------------- identity (issue 15)
+def moved(zk: ZkView, name: str, i: int, incarnation: str, pod_uid: str) -> ZkView:
+    """``name`` came back as someone else: its report (and only its report) is new."""
+    report = engine_report(name, i, pod_uid=pod_uid, incarnation=incarnation)
+    return dataclasses.replace(zk, reports={**zk.reports, name: report})
+
+
+def with_pod(v: GroupView, name: str, uid: str) -> dict[str, PodView]:
+    return {**v.pods, name: dataclasses.replace(v.pods[name], uid=uid)}
+
+
+def test_a_decode_that_moved_to_another_server_rejoins_and_the_group_stops_serving() -> None:
+    """A drained decode comes back with a new pod, pod IP and RoCE IPs: its old map entry,
+    links and decode meta describe someone who is gone, so it rejoins, and with the only decode
+    not serving the prefills stop taking requests."""
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    v = view(spec(), pods, serving_group(pods))
+    zk = moved(v.zk, "g-d-0", 7, incarnation="new", pod_uid="uid-new-d")
+    plan = pdgroup.plan(group_view(v.spec, with_pod(v, "g-d-0", "uid-new-d"), zk, now=10.0))
+    write = next(a for a in plan.actions if isinstance(a, WriteRoceMap))
+    assert write.rejoined == ("g-d-0",)
+    assert write.roce_map.version == 2
+    (entry,) = write.roce_map.decode
+    assert (entry.pod_ip, entry.incarnation) == ("127.64.0.9", "new")
+    # the old links and health prove nothing for the new incarnation
+    assert plan.status["links"]["verified"] == 0
+    assert DeleteEntrance("g-p-0") in plan.actions
+    assert DeleteEntrance("g-p-1") in plan.actions
+    cond = {c.type: c for c in plan.conditions}
+    assert cond["Ready"].status is False
+    assert cond["Degraded"].reason == "NoServingDecode"
+
+
+def test_a_prefill_whose_engine_restarted_rejoins_and_closes_until_it_serves_again() -> None:
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    v = view(spec(), pods, serving_group(pods))
+    # kill -9: same pod (UID), same IPs; a new engine process
+    zk = moved(v.zk, "g-p-1", 1, incarnation="second", pod_uid="uid-g-p-1")
+    plan = pdgroup.plan(group_view(v.spec, v.pods, zk, now=10.0))
+    write = next(a for a in plan.actions if isinstance(a, WriteRoceMap))
+    assert write.rejoined == ("g-p-1",)
+    assert DeleteEntrance("g-p-1") in plan.actions
+    assert DeleteEntrance("g-p-0") not in plan.actions  # the other prefill keeps serving
+    assert plan.status["links"]["verified"] == 4  # g-p-0--g-d-0 only
+    assert not plan.ready
+
+
+def test_a_report_of_a_pod_that_is_gone_is_not_the_members() -> None:
+    """The old pod's report outlives it (its session not expired yet): the new pod of the same
+    name has not reported, so the member is Starting and the map is left alone."""
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    v = view(spec(), pods, serving_group(pods))
+    plan = pdgroup.plan(group_view(v.spec, with_pod(v, "g-d-0", "uid-recreated"), v.zk, 10.0))
+    assert not any(isinstance(a, WriteRoceMap) for a in plan.actions)
+    rows = {r["name"]: r for r in plan.status["instances"]}
+    assert rows["g-d-0"]["state"] == "Starting"
+    assert not plan.ready
+
+
+def test_links_and_health_count_only_for_the_current_incarnations() -> None:
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    zk = serving_group(pods)
+    # the map already names g-d-0's new incarnation; its links and health are the old one's
+    roce_map = zk.roce_map
+    assert roce_map is not None
+    renamed = [e.model_copy(update={"incarnation": "new"}) for e in roce_map.decode]
+    new_map = roce_map.model_copy(update={"decode": renamed, "version": 2})
+    zk = moved(zk, "g-d-0", 2, incarnation="new", pod_uid="uid-g-d-0")
+    zk = dataclasses.replace(zk, roce_map=new_map)
+    plan = pdgroup.plan(view(spec(), pods, zk))
+    rows = {r["name"]: r for r in plan.status["instances"]}
+    assert rows["g-d-0"]["state"] == "Initializing"
+    assert plan.status["links"] == {"expected": 8, "verified": 0, "summary": "0/8"}
+    fresh = dict(zk.links)
+    for p in ("g-p-0", "g-p-1"):
+        fresh[(p, "g-d-0")] = zk.links[(p, "g-d-0")].model_copy(
+            update={"decode_incarnation": "new"}
+        )
+    new_health = zk.health["g-d-0"].model_copy(update={"incarnation": "new"})
+    healed = dataclasses.replace(zk, links=fresh, health={**zk.health, "g-d-0": new_health})
+    again = pdgroup.plan(view(spec(), pods, healed))
+    assert again.status["links"]["verified"] == 8
+    assert {r["name"]: r["state"] for r in again.status["instances"]}["g-d-0"] == "Serving"
+
+
+def test_without_a_serving_decode_no_prefill_is_an_entrance_until_one_serves() -> None:
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    zk = serving_group(pods)
+    sick = dataclasses.replace(zk, health={n: h for n, h in zk.health.items() if n != "g-d-0"})
+    plan = pdgroup.plan(view(spec(), pods, sick))
+    assert {a for a in plan.actions if isinstance(a, DeleteEntrance)} == {
+        DeleteEntrance("g-p-0"),
+        DeleteEntrance("g-p-1"),
+    }
+    cond = {c.type: c for c in plan.conditions}
+    assert (cond["Degraded"].status, cond["Degraded"].reason) == (True, "NoServingDecode")
+    assert cond["Ready"].reason == "NoServingDecode"
+    closed = dataclasses.replace(sick, entrances=frozenset())
+    assert not any(
+        isinstance(a, SetEntrance) for a in pdgroup.plan(view(spec(), pods, closed)).actions
+    )
+    back = dataclasses.replace(closed, health=zk.health)
+    reopened = pdgroup.plan(view(spec(), pods, back))
+    assert {a.entrance.instance for a in reopened.actions if isinstance(a, SetEntrance)} == {
+        "g-p-0",
+        "g-p-1",
+    }
+
+
+# --------------------------------------------------------------------------- data loss (issue 15)
+LAST_KNOWN: dict[str, Any] = {
+    "roceMapVersion": 3,
+    "entrances": ["g-p-0", "g-p-1"],
+    "conditions": [
+        {"type": "Ready", "status": "True", "reason": "Ready", "message": "serving"},
+        {"type": "Coordinated", "status": "True", "reason": "Connected", "message": ""},
+    ],
+}
+
+
+def after_data_loss(pods: list[str], reported: list[str]) -> GroupView:
+    """A serving group whose ZooKeeper came back empty; ``reported`` engines reported again."""
+    zk = ZkView(
+        connected=True,
+        reports={n: report(n, NAMES[n][1]) for n in reported},
+        present=True,
+        entrances_present=False,
+    )
+    v = view(spec(), pods, zk)
+    return dataclasses.replace(v, previous=LAST_KNOWN)
+
+
+def test_after_data_loss_the_map_is_rebuilt_from_the_reports_continuing_its_version() -> None:
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    waiting = pdgroup.plan(after_data_loss(pods, ["g-p-0", "g-d-0"]))
+    assert not any(isinstance(a, WriteRoceMap) for a in waiting.actions)  # g-p-1 serves: wait
+    cond = {c.type: c for c in waiting.conditions}
+    assert (cond["Coordinated"].status, cond["Coordinated"].reason) == (False, "Rebuilding")
+    assert waiting.status["roceMapVersion"] == 3  # the last known status is kept meanwhile
+    assert waiting.status["entrances"] == ["g-p-0", "g-p-1"]
+    assert cond["Ready"].status is True
+
+    rebuilt = pdgroup.plan(after_data_loss(pods, pods))
+    write = next(a for a in rebuilt.actions if isinstance(a, WriteRoceMap))
+    assert (write.roce_map.version, write.rebuilt) == (4, True)
+    assert WriteInitOrder(zl.InitOrder(epoch=4, roceMapVersion=4)) in rebuilt.actions
+    assert not any(isinstance(a, DeletePod) for a in rebuilt.actions)  # nobody restarts
+
+
+def test_a_group_that_never_served_gathers_as_usual_after_data_loss() -> None:
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    v = dataclasses.replace(after_data_loss(pods, pods), previous={})
+    plan = pdgroup.plan(v)
+    write = next(a for a in plan.actions if isinstance(a, WriteRoceMap))
+    assert (write.roce_map.version, write.rebuilt) == (1, False)
+
+
+def test_a_pod_that_cannot_run_is_the_reason_and_is_reported_once() -> None:
+    """An impossible placement or an image that does not pull becomes the group's condition
+    reason, in the scheduler's words, and one Warning Event (not one every pass)."""
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    zk = serving_group(pods)
+    v = view(spec(d=2), [*pods, "g-d-1"], zk)
+    why = ("Unschedulable", "0/4 nodes are available: 4 Insufficient huawei.com/Ascend910.")
+    stuck = dataclasses.replace(v.pods["g-d-1"], ready=False, trouble=why)
+    v = dataclasses.replace(v, pods={**v.pods, "g-d-1": stuck})
+    plan = pdgroup.plan(v)
+    ready = next(c for c in plan.conditions if c.type == "Ready")
+    assert ready.reason == "Unschedulable"
+    assert "g-d-1: 0/4 nodes are available" in ready.message
+    assert ReportPodTrouble("g-d-1", *why) in plan.actions
+    previous = {
+        "conditions": [
+            {"type": "Ready", "status": "False", "reason": ready.reason, "message": ready.message}
+        ]
+    }
+    again = pdgroup.plan(dataclasses.replace(v, previous=previous))
+    assert not any(isinstance(a, ReportPodTrouble) for a in again.actions)

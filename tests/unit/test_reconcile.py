@@ -9,6 +9,7 @@ import asyncio
 import copy
 import logging
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any, cast
 
 import kopf
@@ -85,8 +86,8 @@ class World:
     def report_all(self) -> None:
         """Every pod's engine reports its RoCE IPs (what the resident process writes)."""
         paths = zl.GroupPaths("ns", "g")
-        for i, (_, name) in enumerate(sorted(self.core.pods)):
-            report = engine_report(name, i)
+        for i, (key, name) in enumerate(sorted(self.core.pods)):
+            report = engine_report(name, i, pod_uid=self.core.pods[(key, name)]["metadata"]["uid"])
             self.zk.create(paths.report(name), report.dump(), ephemeral=True)
 
 
@@ -161,6 +162,8 @@ async def test_without_zookeeper_only_missing_pods_come_back(world: World) -> No
     await world.reconcile()
     world.report_all()
     await world.reconcile()
+    known = {k: v for k, v in world.status.items() if k != "conditions"}
+    assert known["roceMapVersion"] == 1
     world.zk.transition(KazooState.SUSPENDED)
     del world.core.pods[("ns", "g-p-1")]
     obj = world.custom.objects[KEY]
@@ -169,7 +172,11 @@ async def test_without_zookeeper_only_missing_pods_come_back(world: World) -> No
     await world.reconcile()
     assert ("ns", "g-p-1") not in world.core.pods  # not desired any more: not recreated
     assert world.core.deletes == []
-    assert world.condition("Ready")["reason"] == "Blocked"
+    # The last known status is kept (the gateway routes by it); one condition says why.
+    assert {k: v for k, v in world.status.items() if k != "conditions"} == known
+    coordinated = world.condition("Coordinated")
+    assert (coordinated["status"], coordinated["reason"]) == ("False", "ZooKeeperUnreachable")
+    assert coordinated["observedGeneration"] == 1
     obj["spec"]["prefill"]["replicas"] = 2
     await world.reconcile()
     assert ("ns", "g-p-1") in world.core.pods
@@ -288,3 +295,52 @@ async def test_the_operators_flags_reach_every_kinds_loop() -> None:
     woken = loop.wakes[("ns", "g")] = asyncio.Event()
     rt.wake_all()
     assert woken.is_set()
+
+
+# --------------------------------------------------------------------------- what a group leaves
+async def test_a_new_session_sweeps_the_subtrees_of_groups_that_are_gone(world: World) -> None:
+    """A deletion while ZooKeeper was away leaves the group's subtree; the next session (or
+    start-up) removes it, and nothing of a group that exists."""
+    await world.groups.store.ensure("ns", "ghost")
+    await world.groups.store.ensure("other", "ghost")
+    await pdgroup.sweep(world.groups)
+    assert zl.group_path("ns", "g") in world.zk.nodes
+    assert zl.group_path("ns", "ghost") not in world.zk.nodes
+    assert zl.groups_root("other") not in world.zk.nodes  # an emptied namespace folder goes too
+
+
+def test_a_deletion_waits_for_zookeeper_a_bounded_time() -> None:
+    from matrixserve.domain.pdgroup.cleanup import FINALIZER_WAIT_SECONDS, give_up_waiting
+
+    deleted_at = "2026-01-01T00:00:00Z"
+    at = datetime.fromisoformat("2026-01-01T00:00:00+00:00").timestamp()
+    assert not give_up_waiting(deleted_at, at + FINALIZER_WAIT_SECONDS - 1)
+    assert give_up_waiting(deleted_at, at + FINALIZER_WAIT_SECONDS)
+    assert not give_up_waiting(None, at + 1e6)
+    assert FINALIZER_WAIT_SECONDS < 60  # kubectl delete completes within a minute
+
+
+async def test_a_foreign_pod_holding_a_members_name_is_the_reason_not_a_silent_retry(
+    world: World,
+) -> None:
+    """Someone else's pod named g-d-0: creating it would be refused (409) every pass. The group
+    says so instead (reason, Event once) and does not try."""
+    world.core.pods[("ns", "g-d-0")] = {
+        "metadata": {
+            "name": "g-d-0",
+            "uid": "theirs",
+            "labels": {"app": "other"},
+            "ownerReferences": [{"kind": "ReplicaSet", "name": "web-7d", "uid": "rs"}],
+        },
+        "status": {"phase": "Running"},
+    }
+    await world.reconcile()
+    await world.reconcile()
+    ready = world.condition("Ready")
+    assert ready["reason"] == "PodNameTaken"
+    assert (
+        "g-d-0: a pod of this name exists and is not this group's (ReplicaSet web-7d)"
+        in (ready["message"])
+    )
+    assert world.reasons().count("PodNameTaken") == 1
+    assert world.core.pods[("ns", "g-d-0")]["metadata"]["uid"] == "theirs"

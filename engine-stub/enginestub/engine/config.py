@@ -49,6 +49,7 @@ class EngineConfig(BaseModel):
     load_source: timing.LoadSource = timing.LoadSource.SHARED_FILE_SERVICE
     concurrent_loaders: int = Field(default=1, ge=1)
     instance: str = "engine"
+    pod_uid: str = ""  # the pod's UID (downward API), reported as part of who this engine is
     pod_namespace: str = "default"
     group: str | None = None  # "<namespace>/<name>" of the P/D group in ZooKeeper
     zookeeper: str | None = None
@@ -211,6 +212,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
             load_source=timing.LoadSource(args.load_source),
             concurrent_loaders=args.concurrent_loaders,
             instance=env.get("POD_NAME", "engine"),
+            pod_uid=env.get("POD_UID", ""),
             pod_namespace=env.get("POD_NAMESPACE", "default"),
             group=args.group,
             zookeeper=args.zookeeper,

@@ -32,6 +32,7 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -58,6 +59,9 @@ class Resident:
         self.namespace, self.group = cfg.group.split("/", 1)
         self.paths = zl.GroupPaths(self.namespace, self.group)
         self.instance = cfg.instance
+        # This process's incarnation: a restarted engine (same pod, same IPs) is someone else
+        # to its peers, since every link it had is gone.
+        self.incarnation = uuid.uuid4().hex[:16]
         self.zk = Session(cfg.zookeeper, timeout=10.0)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.roce_map: zl.RoceMap | None = None
@@ -144,12 +148,20 @@ class Resident:
             dies=cfg.dies,
             roceIps=cfg.roce_ips,
             ts=time.time(),
+            podUid=cfg.pod_uid,
+            incarnation=self.incarnation,
         )
 
     async def _write_report(self) -> None:
+        """Our report, owned by our session (a previous process's, not yet expired, is
+        replaced: ZooKeeper would otherwise delete it when that session expires)."""
         data = self._report().dump()
-        path = self.paths.report(self.instance)
-        await self.zk.run(self.zk.put, path, data, ephemeral=True)
+        await self.zk.run(self.zk.own, self.paths.report(self.instance), data)
+
+    def _me(self) -> zl.MapEntry | None:
+        """Our entry in the RoCE map, if the map names this incarnation (not a previous one)."""
+        entry = self.roce_map.entry(self.instance) if self.roce_map is not None else None
+        return entry if entry is not None and entry.incarnation == self.incarnation else None
 
     async def _run(self) -> None:
         clock = self.engine.clock
@@ -157,13 +169,7 @@ class Resident:
         self.phase = "Gathering"
         await self._write_report()
         self._watch()
-        await self._wait(
-            lambda: (
-                self.init_order is not None
-                and self.roce_map is not None
-                and self.roce_map.role_of(self.instance) is not None
-            )
-        )
+        await self._wait(lambda: self.init_order is not None and self._me() is not None)
         assert self.roce_map is not None
         self.role = self.roce_map.role_of(self.instance)
         self.engine.role = "prefill" if self.role is zl.Role.PREFILL else "decode"
@@ -241,19 +247,28 @@ class Resident:
 
     # ------------------------------------------------------------------ links
     def check_handshake(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The peer side of a link: the caller must be in our map, with the opposite role and
-        the same number of devices."""
+        """The peer side of a link: the caller must be in our map as it is (the same RoCE IPs
+        and incarnation: a map that still names its previous incarnation is not proof), with
+        the opposite role and the same number of devices."""
         from enginestub.engine.core import EngineError
 
         if self.roce_map is None or self.role is None:
             raise EngineError(409, "not_linked", "this instance has no RoCE map yet")
         caller = body["instance"]
         caller_role = self.roce_map.role_of(caller)
-        if caller_role is None:
+        entry = self.roce_map.entry(caller)
+        if caller_role is None or entry is None:
             raise EngineError(
                 403,
                 "unknown_peer",
                 f"{caller} is not in this group's RoCE map v{self.roce_map.version}",
+            )
+        if (body.get("roceIps"), body.get("incarnation")) != (entry.roce_ips, entry.incarnation):
+            raise EngineError(
+                409,
+                "stale_peer",
+                f"{caller} (incarnation {body.get('incarnation')}) is not the one RoCE map "
+                f"v{self.roce_map.version} names (incarnation {entry.incarnation})",
             )
         if caller_role == self.role:
             raise EngineError(
@@ -270,24 +285,26 @@ class Resident:
             "instance": self.instance,
             "role": str(self.role),
             "roceIps": self.engine.config.roce_ips,
+            "incarnation": self.incarnation,
         }
 
     async def _link_one(self, peer: zl.MapEntry) -> None:
-        assert self.role is not None
-        me = zl.MapEntry(
-            instance=self.instance,
-            podIP=self.engine.config.host,
-            port=self.engine.config.port,
-            roceIps=self.engine.config.roce_ips,
-        )
+        """A verified link to ``peer`` between our current incarnations: one already there is
+        proof only if it joins exactly these two (else it is verified again and replaced)."""
+        me = self._me()
+        if me is None or self.role is None:
+            raise LinkError("the RoCE map does not name this incarnation (yet)")
         p, d = (me, peer) if self.role is zl.Role.PREFILL else (peer, me)
         path = self.paths.link(p.instance, d.instance)
-        if await self.zk.run(self.zk.exists, path):
-            return
+        raw = await self.zk.run(self.zk.get, path)
+        with contextlib.suppress(ValueError):
+            if raw is not None and zl.Link.parse(raw).joins(p, d):
+                return
         body = {
             "instance": self.instance,
             "role": str(self.role),
             "roceIps": self.engine.config.roce_ips,
+            "incarnation": self.incarnation,
         }
         response = await self.engine.http.post(
             f"http://{peer.pod_ip}:{peer.port}/v1/link/handshake", json=body, timeout=5.0
@@ -297,9 +314,10 @@ class Resident:
                 f"{peer.instance} refused the link: {response.status_code} {response.text[:200]}"
             )
         answer = response.json()
-        if answer.get("roceIps") != peer.roce_ips:
+        if (answer.get("roceIps"), answer.get("incarnation")) != (peer.roce_ips, peer.incarnation):
             raise LinkError(
-                f"{peer.instance} answered RoCE IPs {answer.get('roceIps')} != map {peer.roce_ips}"
+                f"{peer.instance} answered RoCE IPs {answer.get('roceIps')} incarnation "
+                f"{answer.get('incarnation')}, the map {peer.roce_ips} {peer.incarnation}"
             )
         down = [ip for ip in peer.roce_ips if ip in self.engine.device_links_down]
         if down:
@@ -310,8 +328,10 @@ class Resident:
             subLinks=zl.verify_sub_links(p, d),
             verifiedAt=time.time(),
             initiator=self.instance,
+            prefillIncarnation=p.incarnation,
+            decodeIncarnation=d.incarnation,
         )
-        await self.zk.run(self.zk.create, path, link.dump())
+        await self.zk.run(self.zk.put, path, link.dump())
 
     async def _link_all(self) -> None:
         """Link to every opposite-role peer; wait until every such link exists (ours or theirs)."""
@@ -336,12 +356,25 @@ class Resident:
             await asyncio.sleep(max(clock.to_wall(0.5), 0.1))  # no busy loop at large scales
 
     async def _keep_links(self) -> None:
-        """Dynamic RoCE construction (Fig. 7): a newcomer initiates its links; a serving instance
-        only confirms them (its handshake check reads the map it watches) and never relinks."""
+        """Dynamic RoCE construction (Fig. 7): a newcomer initiates its links (at start); a
+        serving instance confirms them (its handshake check reads the map it watches) and never
+        restarts. A serving prefill also repairs, at each map change, a link to a decode that is
+        missing or joins other incarnations than the map's (one lost with ZooKeeper's data, or
+        one a newcomer did not finish): verifying a link again interrupts nothing."""
         while True:
             self._map_changed.clear()
             await self._map_changed.wait()
             self._removed_addresses()
+            if self.role is zl.Role.PREFILL and self._me() is not None:
+                await self._repair_links()
+
+    async def _repair_links(self) -> None:
+        assert self.roce_map is not None
+        for peer in self.roce_map.peers_of(self.instance):
+            try:
+                await self._link_one(peer)
+            except (LinkError, httpx.HTTPError, coordination.ZooKeeperError) as exc:
+                log.info("link to %s not repaired yet: %s", peer.instance, exc)
 
     # ------------------------------------------------------------------ health
     def _health(self) -> zl.Health | None:
@@ -363,9 +396,12 @@ class Resident:
             message=message,
             podIP=engine.config.host,
             port=engine.config.port,
+            incarnation=self.incarnation,
         )
 
     async def _write_health(self) -> None:
+        """Our health, owned by our session (see :meth:`_write_report`); deleted while a
+        device fault makes this instance unusable."""
         if self.suspended.is_set() or not self.ready:
             return
         path = self.paths.health_of(self.instance)
@@ -373,7 +409,7 @@ class Resident:
         if health is None:
             await self.zk.run(self.zk.delete, path)
             return
-        await self.zk.run(self.zk.put, path, health.dump(), ephemeral=True)
+        await self.zk.run(self.zk.own, path, health.dump())
 
     async def _keep_health(self) -> None:
         interval = self.engine.clock.to_wall(self.engine.config.health_interval)
@@ -383,16 +419,26 @@ class Resident:
                 async with asyncio.timeout(interval):
                     await self._health_dirty.wait()
             try:
+                # The report too: a restarted container converges without help even if a
+                # previous process's session took ours with it (re-registration is not only
+                # at start or on a lost session).
+                await self._write_report()
                 await self._write_health()
             except coordination.ERRORS as exc:  # _keep_registered rewrites it
                 log.warning("health report not written (%s); retrying", type(exc).__name__)
 
     async def _keep_registered(self) -> None:
+        """After a (re)connection, our report and health again, retried every second until they
+        are written: on a server that lost its data the group's folders come back only when the
+        operator rebuilds them (an engine never creates them: a deleted group stays deleted)."""
         while True:
             self._reregister.clear()
             await self._reregister.wait()
-            if self.suspended.is_set():
-                continue
-            with contextlib.suppress(Exception):
-                await self._write_report()
-                await self._write_health()
+            while not self.suspended.is_set() and not self._reregister.is_set():
+                try:
+                    await self._write_report()
+                    await self._write_health()
+                    break
+                except Exception as exc:  # kazoo's errors, a folder not there yet
+                    log.info("not registered again yet (%s); retrying", type(exc).__name__)
+                    await asyncio.sleep(1.0)

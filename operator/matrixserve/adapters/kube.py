@@ -9,7 +9,7 @@ name is never deleted by mistake, status is written with a merge patch of the st
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -81,6 +81,28 @@ class KubeAdapter:
             raise
         return body
 
+    async def names(self, kind: Kind, namespaces: Sequence[str] = ()) -> set[tuple[str, str]]:
+        """(namespace, name) of every object of ``kind`` in ``namespaces`` (all if none)."""
+
+        def listing() -> list[dict[str, Any]]:
+            if not namespaces:
+                found: dict[str, Any] = self.custom.list_cluster_custom_object(
+                    kind.group, kind.version, kind.plural
+                )
+                return list(found.get("items") or [])
+            items: list[dict[str, Any]] = []
+            for namespace in namespaces:
+                found = self.custom.list_namespaced_custom_object(
+                    kind.group, kind.version, namespace, kind.plural
+                )
+                items += found.get("items") or []
+            return items
+
+        return {
+            (o["metadata"]["namespace"], o["metadata"]["name"])
+            for o in await asyncio.to_thread(listing)
+        }
+
     async def list_pods(self, namespace: str, labels: Mapping[str, str]) -> dict[str, PodView]:
         """The namespace's pods carrying all of ``labels``, by name."""
         selector = ",".join(f"{k}={v}" for k, v in labels.items())
@@ -105,6 +127,8 @@ class KubeAdapter:
                 node=node,
                 superpod=nodes.get(node) if node else None,
                 created_at=created.timestamp() if created else 0.0,
+                annotations=dict(pod.metadata.annotations or {}),
+                trouble=_trouble(pod),
             )
         return out
 
@@ -120,6 +144,17 @@ class KubeAdapter:
         if superpod is not None:
             self._superpods[node] = superpod
         return superpod
+
+    async def owner_of(self, namespace: str, name: str) -> str | None:
+        """Who owns the pod of this name ("no owner" if none), or None if there is no pod."""
+        try:
+            pod = await asyncio.to_thread(self.core.read_namespaced_pod, name, namespace)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        owners = pod.metadata.owner_references or []
+        return ", ".join(f"{o.kind} {o.name}" for o in owners) or "no owner"
 
     async def create_pod(self, namespace: str, body: Mapping[str, Any]) -> bool:
         """True if created, False if it already existed."""
@@ -173,3 +208,28 @@ def omit_empty(value: Any) -> Any:
     if isinstance(value, list):
         return [omit_empty(v) for v in value]
     return value
+
+
+# Container waiting reasons that mean the pod will not run without a change (not a start-up).
+BLOCKING_WAITS = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "CrashLoopBackOff",
+    }
+)
+
+
+def _trouble(pod: Any) -> tuple[str, str] | None:
+    """Why a pod cannot run, in the scheduler's or the kubelet's words, or None."""
+    for c in pod.status.conditions or []:
+        if c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable":
+            return "Unschedulable", c.message or ""
+    for status in pod.status.container_statuses or []:
+        waiting = status.state.waiting if status.state else None
+        if waiting is not None and waiting.reason in BLOCKING_WAITS:
+            return waiting.reason, waiting.message or ""
+    return None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from matrixserve.api import zk_layout as zl
@@ -70,6 +70,8 @@ class GroupStore:
             decode_meta=parse(zl.DecodeMeta, paths.decode_meta),
             entrances=frozenset(zk.children(paths.entrances)),
             removed=frozenset(zk.children(paths.removed)),
+            present=zk.exists(paths.reports),
+            entrances_present=zk.exists(paths.entrances),
         )
 
     async def snapshot(self, namespace: str, group: str) -> ZkView:
@@ -94,6 +96,15 @@ class GroupStore:
     async def ensure(self, namespace: str, group: str) -> None:
         paths = zl.GroupPaths(namespace, group)
         await self.session.run(self.session.ensure, *paths.all_folders())
+
+    async def groups(self, namespaces: Sequence[str] = ()) -> list[tuple[str, str]]:
+        """(namespace, name) of every group with a subtree, in ``namespaces`` (all if none)."""
+
+        def listing() -> list[tuple[str, str]]:
+            spaces = list(namespaces) or self.session.children(zl.groups_root())
+            return [(ns, g) for ns in spaces for g in self.session.children(zl.groups_root(ns))]
+
+        return await self.session.run(listing)
 
     async def delete(self, namespace: str, group: str) -> bool:
         """Remove the group's whole subtree; True if there was one."""
@@ -131,7 +142,6 @@ class GroupStore:
             return True
 
         for folder in (paths.reports, paths.links, paths.health, paths.entrances, paths.removed):
-            self.session.ensure(folder)
             self.session.watch_children(folder, fire, send_event=True)
         self.session.watch_data(paths.roce_map, fire)
 

@@ -27,7 +27,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Self
+from typing import NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -46,8 +46,15 @@ def _check(name: str, what: str) -> str:
     return name
 
 
+def groups_root(namespace: str | None = None) -> str:
+    """The folder of every group's subtree (of one namespace's, if given)."""
+    if namespace is None:
+        return f"{ROOT}/groups"
+    return f"{ROOT}/groups/{_check(namespace, 'namespace')}"
+
+
 def group_path(namespace: str, group: str) -> str:
-    return f"{ROOT}/groups/{_check(namespace, 'namespace')}/{_check(group, 'group')}"
+    return f"{groups_root(namespace)}/{_check(group, 'group')}"
 
 
 class GroupPaths:
@@ -84,7 +91,11 @@ class GroupPaths:
         return f"{self.removed}/{_check(instance, 'instance')}"
 
     def all_folders(self) -> list[str]:
-        return [self.reports, self.links, self.health, self.entrances, self.joining, self.removed]
+        """The folders engines write into (made by whoever starts first: an engine at start, or
+        the operator). ``entrances/`` is not one: it appears with the first entrance, so the
+        gateway can tell "no entrance open" from "not known here" (a server that lost the
+        group's data) and keep routing by the group's status meanwhile."""
+        return [self.reports, self.links, self.health, self.joining, self.removed]
 
 
 # --------------------------------------------------------------------------- operations
@@ -124,7 +135,9 @@ class _Payload(BaseModel):
 
 
 class Report(_Payload):
-    """What an instance reports: its RoCE IPs ordered by device id (P/D-Serve §3.2 step 1)."""
+    """What an instance reports: its RoCE IPs ordered by device id (P/D-Serve §3.2 step 1), and
+    who it is: the pod (its UID) and the engine process (a nonce per start, its incarnation: a
+    restarted engine keeps pod, IPs and RoCE IPs but has lost every link)."""
 
     instance: str
     role: Role | None = None  # None: a role-less container (dynamic RoCE construction)
@@ -135,6 +148,11 @@ class Report(_Payload):
     dies: list[int]
     roce_ips: list[str] = Field(alias="roceIps")
     ts: float
+    pod_uid: str = Field(default="", alias="podUid")
+    incarnation: str = ""
+
+    def identity(self) -> Identity:
+        return Identity(self.pod_ip, self.port, tuple(self.roce_ips), self.incarnation)
 
     @field_validator("roce_ips")
     @classmethod
@@ -149,11 +167,25 @@ class InitOrder(_Payload):
     roce_map_version: int = Field(alias="roceMapVersion")
 
 
+class Identity(NamedTuple):
+    """Who a member is: where its engine listens, its dies' RoCE IPs and the engine's
+    incarnation. A member whose identity changed is someone else: it rejoins the group."""
+
+    pod_ip: str
+    port: int
+    roce_ips: tuple[str, ...]
+    incarnation: str
+
+
 class MapEntry(_Payload):
     instance: str
     pod_ip: str = Field(alias="podIP")
     port: int
     roce_ips: list[str] = Field(alias="roceIps")
+    incarnation: str = ""
+
+    def identity(self) -> Identity:
+        return Identity(self.pod_ip, self.port, tuple(self.roce_ips), self.incarnation)
 
 
 class RoceMap(_Payload):
@@ -162,6 +194,9 @@ class RoceMap(_Payload):
     version: int
     prefill: list[MapEntry] = Field(alias="P")
     decode: list[MapEntry] = Field(alias="D")
+
+    def entry(self, instance: str) -> MapEntry | None:
+        return next((e for e in (*self.prefill, *self.decode) if e.instance == instance), None)
 
     def role_of(self, instance: str) -> Role | None:
         if any(e.instance == instance for e in self.prefill):
@@ -193,13 +228,29 @@ class SubLink(_Payload):
 
 
 class Link(_Payload):
-    """A verified P↔D link: device k of the prefill paired with device k of the decode."""
+    """A verified P↔D link: device k of the prefill paired with device k of the decode, between
+    the two engines of the incarnations named (a link proves nothing for later ones)."""
 
     prefill: str
     decode: str
     sub_links: list[SubLink] = Field(alias="subLinks")
     verified_at: float = Field(alias="verifiedAt")
     initiator: str
+    prefill_incarnation: str = Field(default="", alias="prefillIncarnation")
+    decode_incarnation: str = Field(default="", alias="decodeIncarnation")
+
+    def joins(self, prefill: MapEntry, decode: MapEntry) -> bool:
+        """Whether this link was verified between exactly these two members: their current
+        RoCE IPs device by device, and their current incarnations."""
+        return (
+            self.prefill == prefill.instance
+            and self.decode == decode.instance
+            and self.prefill_incarnation == prefill.incarnation
+            and self.decode_incarnation == decode.incarnation
+            and [(s.prefill_ip, s.decode_ip) for s in self.sub_links]
+            == list(zip(prefill.roce_ips, decode.roce_ips, strict=False))
+            and len(prefill.roce_ips) == len(decode.roce_ips)
+        )
 
 
 class HealthState(StrEnum):
@@ -216,6 +267,7 @@ class Health(_Payload):
     message: str = ""
     pod_ip: str = Field(alias="podIP")
     port: int
+    incarnation: str = ""
 
 
 class DecodeMeta(_Payload):
@@ -251,6 +303,7 @@ def build_roce_map(reports: Iterable[Report], roles: dict[str, Role], version: i
                 podIP=report.pod_ip,
                 port=report.port,
                 roceIps=report.roce_ips,
+                incarnation=report.incarnation,
             )
         )
     return RoceMap(version=version, P=by_role[Role.PREFILL], D=by_role[Role.DECODE])

@@ -48,6 +48,10 @@ class PodDeletion(Effect):
     uid: str
 
 
+class Notice(Effect):
+    """Nothing to change, something to say: applying it posts its Event."""
+
+
 class ZnodeChange(Effect, Generic[Paths]):
     """Writes to the kind's ZooKeeper subtree (``Paths`` names its znodes), in order, each
     idempotent."""

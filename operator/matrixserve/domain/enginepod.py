@@ -32,9 +32,11 @@ def _field(path: str) -> dict[str, Any]:
 
 
 def downward_env() -> list[dict[str, Any]]:
-    """The pod's own name, namespace and IP (the engine binds and reports the IP)."""
+    """The pod's own name, UID, namespace and IP (the engine binds and reports the IP, and
+    reports the UID as part of who it is)."""
     return [
         {"name": "POD_NAME", **_field("metadata.name")},
+        {"name": "POD_UID", **_field("metadata.uid")},
         {"name": "POD_NAMESPACE", **_field("metadata.namespace")},
         {"name": "POD_IP", **_field("status.podIP")},
     ]

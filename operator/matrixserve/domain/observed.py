@@ -23,6 +23,10 @@ class PodView:
     node: str | None
     superpod: str | None
     created_at: float
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    # Why it cannot run, as the scheduler or the kubelet says: (reason, message), e.g.
+    # ("Unschedulable", "0/4 nodes are available: ...") or ("ImagePullBackOff", ...).
+    trouble: tuple[str, str] | None = None
 
     def label(self, key: str) -> str | None:
         return self.labels.get(key)

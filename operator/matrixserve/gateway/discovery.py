@@ -270,7 +270,6 @@ class Discovery:
 
     def _watch_entrances(self, route: GroupRoute) -> None:
         paths = zl.GroupPaths(route.namespace, route.name)
-        self.zk.ensure(paths.entrances)
         generation = route.generation
 
         def changed(children: list[str]) -> bool:

@@ -29,7 +29,14 @@ import kopf
 from matrixserve.adapters.kube import KubeAdapter, omit_empty
 from matrixserve.api.kinds import Kind
 from matrixserve.domain import conditions as cond
-from matrixserve.domain.effects import Effect, Event, PodCreation, PodDeletion, ZnodeChange
+from matrixserve.domain.effects import (
+    Effect,
+    Event,
+    Notice,
+    PodCreation,
+    PodDeletion,
+    ZnodeChange,
+)
 from matrixserve.handlers.metrics import OperatorMetrics
 
 Key = tuple[str, str]  # (namespace, name)
@@ -199,7 +206,9 @@ class Reconciler:
         would be patched on every pass)."""
         meta = body["metadata"]
         old: Mapping[str, Any] = body.get("status") or {}
-        generation = int(meta.get("generation") or 0)
+        # The conditions are as current as the status they come with (a kept status keeps its
+        # generation).
+        generation = int(status.get("observedGeneration", meta.get("generation") or 0))
         new = {
             **status,
             "conditions": cond.merge(
@@ -230,6 +239,8 @@ class Reconciler:
             changed = await self.kube.delete_pod(namespace, action.name, action.uid)
         elif isinstance(action, ZnodeChange):
             await znodes(action)
+            changed = True
+        elif isinstance(action, Notice):
             changed = True
         else:
             raise TypeError(f"no applier for {action!r}")

@@ -45,6 +45,7 @@ class OperatorConfig:
     worker_limit: int = 64
     resync_seconds: float = 10.0
     zk_watches: bool = True
+    namespaces: tuple[str, ...] = ()  # watched namespaces (none: the whole cluster)
 
 
 @dataclass

@@ -13,7 +13,7 @@ This package imports only ``matrixserve.api`` and the kind-neutral parts of
 ``matrixserve.domain``; no other kind's package (``make lint`` checks it).
 """
 
-from matrixserve.domain.pdgroup.plan import Plan, Seams, plan
+from matrixserve.domain.pdgroup.plan import Plan, Seams, plan, spec_pod_names
 from matrixserve.domain.pdgroup.view import GroupView, ZkView
 
-__all__ = ["GroupView", "Plan", "Seams", "ZkView", "plan"]
+__all__ = ["GroupView", "Plan", "Seams", "ZkView", "plan", "spec_pod_names"]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from matrixserve.api import zk_layout as zl
-from matrixserve.domain.effects import Event, PodCreation, PodDeletion, ZnodeChange
+from matrixserve.domain.effects import Event, Notice, PodCreation, PodDeletion, ZnodeChange
 from matrixserve.domain.pdgroup.pods import role_label
 
 
@@ -35,6 +35,18 @@ class DeletePod(PodDeletion):
         return Event("DeletedPod", f"Deleted pod {self.name}: {self.reason}")
 
 
+@dataclass(frozen=True)
+class ReportPodTrouble(Notice):
+    """A pod of the group that cannot run (unschedulable, its image not pulled, ...)."""
+
+    pod: str
+    reason: str
+    message: str
+
+    def describe(self) -> Event:
+        return Event(self.reason, f"Pod {self.pod} cannot run: {self.message}", warning=True)
+
+
 # --------------------------------------------------------------------------- ZooKeeper
 class _GroupZnodes(ZnodeChange[zl.GroupPaths]):
     """A write to the group's subtree. ``reason`` and ``message`` (a format string over the
@@ -54,13 +66,27 @@ class WriteRoceMap(_GroupZnodes):
     roce_map: zl.RoceMap
     added: tuple[str, ...]
     removed: tuple[str, ...]
+    rejoined: tuple[str, ...] = ()  # members now someone else: new pod, RoCE IPs or engine
+    rebuilt: bool = False  # written again after ZooKeeper lost the group's data
 
     def znodes(self, paths: zl.GroupPaths) -> list[zl.ZnodeOp]:
         return [zl.Put(paths.roce_map, self.roce_map.dump())]
 
     def describe(self) -> Event:
         m = self.roce_map
-        change = ", ".join([*(f"+{a}" for a in self.added), *(f"-{r}" for r in self.removed)])
+        change = ", ".join(
+            [
+                *(f"+{a}" for a in self.added),
+                *(f"-{r}" for r in self.removed),
+                *(f"~{r} rejoined" for r in self.rejoined),
+            ]
+        )
+        if self.rebuilt:
+            return Event(
+                "RoceMapRebuilt",
+                f"ZooKeeper lost the group's data: wrote RoCE map v{m.version} again from the "
+                f"engines' reports ({change}); {m.expected_links()} sub-links expected",
+            )
         return Event(
             "RoceMap",
             f"Wrote RoCE map v{m.version} ({change}); {m.expected_links()} sub-links expected",
@@ -145,6 +171,7 @@ class ClearRemoved(_GroupZnodes):
 Action = (
     CreatePod
     | DeletePod
+    | ReportPodTrouble
     | WriteRoceMap
     | WriteInitOrder
     | WriteDecodeMeta

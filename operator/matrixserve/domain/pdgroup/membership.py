@@ -7,12 +7,16 @@ P/D-Serve §3.2-3.3 as stages of a level-based plan (pure; ``now`` comes with th
   instances (replicas lowered before the map existed) and instances that never report go.
 - **Dynamic RoCE construction** (Fig. 7): a new, role-less container that has reported joins
   the map (version bump); an instance no longer desired leaves it, is marked removed and loses
-  its entrance. Nobody else restarts.
+  its entrance. A member that came back as someone else (moved to another server, or its engine
+  restarted: a new pod IP, new RoCE IPs or a new incarnation) rejoins: its entry is replaced in
+  the same way, its entrance closed, and its links count again only once verified between the
+  current incarnations. Nobody else restarts.
 - **Release** (§3.3, in this order): an instance out of the map has its links erased, then its
   pods deleted; once they are gone its removal marker is cleared.
 - **Traffic**: once *every* member is healthy the decode meta (the healthy decodes) is pushed to
   the prefills and the healthy prefills become entrances; later, only healthy members get
-  traffic.
+  traffic, and while no decode serves, no prefill is an entrance (a request would be accepted
+  only to fail for want of a decode).
 """
 
 from __future__ import annotations
@@ -78,24 +82,51 @@ def gather(
 ) -> tuple[list[Action], zl.RoceMap | None]:
     """Before the group has a map: its actions, and the map written now (if every desired
     instance has reported)."""
-    zk = view.zk
     actions: list[Action] = []
     # Extra instances (replicas lowered before the map existed) carry no traffic yet.
     for name, instance in live_instances(view).items():
         if name not in desired:
             actions += release_pods(instance, "not desired before the group formed")
         elif (
-            name not in zk.reports
+            name not in view.reports
             and view.now - instance.leader.created_at > GATHER_TIMEOUT_SECONDS
         ):
             actions += release_pods(instance, "did not report its RoCE IPs in time; retrying")
-    reported = [zk.reports[n] for n in desired if n in zk.reports]
+    reported = [view.reports[n] for n in desired if n in view.reports]
+    known = int(view.previous.get("roceMapVersion") or 0)
+    if known:
+        rebuilt, roce_map = rebuild(view, desired, reported, known)
+        return actions + rebuilt, roce_map
     if not desired or len(reported) != len(desired):
         return actions, None
     new_map = zl.build_roce_map(reported, dict(desired), version=1)
     actions.append(WriteRoceMap(new_map, tuple(sorted(desired)), ()))
     actions.append(WriteInitOrder(zl.InitOrder(epoch=1, roceMapVersion=1)))
     return actions, new_map
+
+
+def rebuild(
+    view: GroupView, desired: Mapping[str, zl.Role], reported: list[zl.Report], known: int
+) -> tuple[list[Action], zl.RoceMap | None]:
+    """The group had a map (its status says which version) and ZooKeeper no longer has it: the
+    server lost its data. The engines kept serving and report again; once every instance whose
+    pod is Ready (its engine serving) has, the map is written again from those reports, its
+    version continuing from the status (engines and gateway compare versions), and the init
+    order with it. Instances still starting join later, by dynamic RoCE construction; nobody
+    restarts."""
+    serving_pods = [n for n in desired if n in view.instances and view.instances[n].ready]
+    roles = {r.instance: desired[r.instance] for r in reported}
+    if any(n not in view.reports for n in serving_pods) or set(roles.values()) != {
+        zl.Role.PREFILL,
+        zl.Role.DECODE,
+    }:
+        return [], None
+    version = known + 1
+    new_map = zl.build_roce_map(reported, roles, version=version)
+    return [
+        WriteRoceMap(new_map, tuple(sorted(roles)), (), rebuilt=True),
+        WriteInitOrder(zl.InitOrder(epoch=version, roceMapVersion=version)),
+    ], new_map
 
 
 # --------------------------------------------------------------------------- dynamic RoCE construction
@@ -120,28 +151,52 @@ def _as_report(entry: zl.MapEntry) -> zl.Report:
         dies=[],
         roceIps=entry.roce_ips,
         ts=0.0,
+        incarnation=entry.incarnation,
     )
 
 
 def change_map(view: GroupView, roce_map: zl.RoceMap, desired: Mapping[str, zl.Role]) -> Change:
-    """Joiners (desired, reported, not in the map, not marked removed) enter the map and leavers
-    (in the map, not desired) go, in one new version; leavers are marked removed and closed."""
+    """Joiners (desired, reported, not in the map, not marked removed) enter the map, rejoiners
+    (members whose current report is someone else than their entry) replace their entries, and
+    leavers (in the map, not desired) go, in one new version; leavers are marked removed and
+    closed, rejoiners closed until they serve again."""
     zk = view.zk
     members = {e.instance: zl.Role.PREFILL for e in roce_map.prefill} | {
         e.instance: zl.Role.DECODE for e in roce_map.decode
     }
     observed = frozenset(members)
-    joining = [n for n in desired if n not in members and n in zk.reports and n not in zk.removed]
+    usable = {n for n in desired if n in view.reports and n not in zk.removed}
+    joining = [n for n in desired if n in usable and n not in members]
+    rejoining = [
+        e.instance
+        for e in (*roce_map.prefill, *roce_map.decode)
+        if e.instance in usable and not view.current(e)
+    ]
     leaving = [n for n in members if n not in desired]
     actions: list[Action] = []
-    if joining or leaving:
-        kept = [e for e in (*roce_map.prefill, *roce_map.decode) if e.instance not in leaving]
-        roles = {e.instance: members[e.instance] for e in kept} | {n: desired[n] for n in joining}
-        reports = [_as_report(e) for e in kept] + [zk.reports[n] for n in joining]
+    if joining or rejoining or leaving:
+        kept = [
+            e
+            for e in (*roce_map.prefill, *roce_map.decode)
+            if e.instance not in leaving and e.instance not in rejoining
+        ]
+        newcomers = [*joining, *rejoining]
+        roles = {e.instance: members[e.instance] for e in kept} | {
+            n: members.get(n, desired[n]) for n in newcomers
+        }
+        reports = [_as_report(e) for e in kept] + [view.reports[n] for n in newcomers]
         roce_map = zl.build_roce_map(reports, roles, version=roce_map.version + 1)
-        actions.append(WriteRoceMap(roce_map, tuple(sorted(joining)), tuple(sorted(leaving))))
+        actions.append(
+            WriteRoceMap(
+                roce_map,
+                tuple(sorted(joining)),
+                tuple(sorted(leaving)),
+                tuple(sorted(rejoining)),
+            )
+        )
         for name in leaving:
             actions.append(MarkRemoved(zl.Removal(instance=name, reason="scale-in", at=view.now)))
+        for name in (*leaving, *rejoining):
             if name in zk.entrances:
                 actions.append(DeleteEntrance(name))
         members = roles
@@ -170,31 +225,45 @@ def release(view: GroupView, desired: Mapping[str, zl.Role], change: Change) -> 
 
 
 # --------------------------------------------------------------------------- traffic
+def serving(view: GroupView, entry: zl.MapEntry) -> bool:
+    """A member that may get traffic: the map names it as it is now, its engine is healthy, and
+    it is not being removed."""
+    return (
+        view.current(entry)
+        and view.healthy(entry.instance)
+        and entry.instance not in view.zk.removed
+    )
+
+
 def open_traffic(view: GroupView, change: Change, earlier: list[Action]) -> list[Action]:
-    """The decode meta and the entrances, from who is healthy (P/D-Serve §3.3 step 3): opened
-    once every member is healthy; afterwards kept to the healthy members."""
+    """The decode meta and the entrances, from who serves (P/D-Serve §3.3 step 3): opened once
+    every member is healthy; afterwards kept to the serving members, and closed while no decode
+    serves (the gateway then refuses up front, or uses another group of the scenario)."""
     zk = view.zk
     roce_map, members = change.roce_map, change.members
     actions: list[Action] = []
     all_healthy = bool(members) and all(view.healthy(n) for n in members)
-    serving_decodes = [
-        e for e in roce_map.decode if view.healthy(e.instance) and e.instance not in zk.removed
-    ]
-    current = [d.instance for d in zk.decode_meta.decodes] if zk.decode_meta else []
+    serving_decodes = [e for e in roce_map.decode if serving(view, e)]
+    current = list(zk.decode_meta.decodes) if zk.decode_meta else []
     opened = bool(zk.entrances - set(change.leaving))
-    if (opened or all_healthy) and [d.instance for d in serving_decodes] != current:
+    if (opened or all_healthy) and serving_decodes != current:
         version = (zk.decode_meta.version if zk.decode_meta else 0) + 1
         actions.append(WriteDecodeMeta(zl.DecodeMeta(version=version, decodes=serving_decodes)))
     if (opened or all_healthy) and serving_decodes:
         for entry in roce_map.prefill:
-            if view.healthy(entry.instance) and entry.instance not in zk.entrances:
+            if serving(view, entry) and entry.instance not in zk.entrances:
                 actions.append(
                     SetEntrance(
                         zl.Entrance(instance=entry.instance, podIP=entry.pod_ip, port=entry.port)
                     )
                 )
     closing = {a.name for a in earlier if isinstance(a, DeleteEntrance)}
-    for name in zk.entrances - closing:
-        if name not in members or (not view.healthy(name) and name not in change.leaving):
+    for name in sorted(zk.entrances - closing):
+        member = roce_map.entry(name)
+        if (
+            member is None
+            or not serving_decodes
+            or (not serving(view, member) and name not in change.leaving)
+        ):
             actions.append(DeleteEntrance(name))
     return actions

@@ -9,7 +9,9 @@ The stages, in order (P/D-Serve §3.2-3.4):
    (all of this pass's at once).
    Today a cold start (a new role-less pod); a warm-pool claim or an NPU-fork plugs in here.
 3. Without coordination (ZooKeeper session not connected) nothing destructive is planned: only
-   missing pods are obtained, and the group is ``Blocked``.
+   missing pods are obtained; the status keeps what was last known (entrances, map version,
+   instances: the gateway routes by it) and says ``Coordinated=False`` since when. The same
+   status is kept while a group whose server lost its data is rebuilt (``Rebuilding``).
 4. **Faults** — seam ``Seams.faults``: actions that answer faults observed in the view. Today
    none; the recovery planner plugs in here.
 5. **Membership** (:mod:`.membership`): gathering, or the map's joins and leaves by dynamic RoCE
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain.conditions import Condition
 from matrixserve.domain.pdgroup import membership, status
 from matrixserve.domain.pdgroup.actions import Action, CreatePod
@@ -65,6 +68,21 @@ def cold_start(view: GroupView, missing: Mapping[str, zl.Role]) -> list[Action]:
         )
         for instance, role in missing.items()
         for pod in missing_pods(view, instance, role)
+        if pod not in view.foreign  # taken: creating it would only be refused again
+    ]
+
+
+def spec_pod_names(group: str, spec: PDGroupSpec) -> list[str]:
+    """The pod names the spec's replicas ask for (to see whether another owner holds one)."""
+    desired = membership.desired_instances(
+        group, RoleCounts(spec.prefill.replicas, spec.decode.replicas)
+    )
+    return [
+        pod
+        for instance, role in desired.items()
+        for pod in pod_names(
+            instance, (spec.prefill if role is zl.Role.PREFILL else spec.decode).pods_per_instance
+        )
     ]
 
 
@@ -86,11 +104,36 @@ class Seams:
 TODAY = Seams()
 
 
+REBUILDING = (
+    "ZooKeeper lost the group's data: rebuilding it from the engines' reports (they keep "
+    "serving; the status is the last known until the prefills are entrances again)"
+)
+
+
+def rebuilding(view: GroupView) -> bool:
+    """The group had served (its status lists entrances) and ZooKeeper has no entrances folder
+    for it: the server lost its data and the entrances are not back yet."""
+    zk = view.zk
+    return (
+        zk.connected
+        and not zk.entrances_present
+        and bool(view.previous.get("roceMapVersion"))
+        and bool(view.previous.get("entrances"))
+    )
+
+
 # --------------------------------------------------------------------------- the plan
 def plan(view: GroupView, seams: Seams = TODAY) -> Plan:
     desired = membership.desired_instances(view.name, seams.counts(view))
     actions, roce_map, blocked = _actions(view, seams, desired)
-    derived = status.derive(view, actions, desired, roce_map, blocked)
+    actions += status.trouble_notices(view, desired)
+    if blocked:
+        held = status.hold(view, blocked)
+    elif rebuilding(view):
+        held = status.hold(view, REBUILDING, reason="Rebuilding")
+    else:
+        held = None
+    derived = held or status.derive(view, actions, desired, roce_map, blocked)
     return Plan(actions, derived.status, derived.conditions, derived.ready)
 
 

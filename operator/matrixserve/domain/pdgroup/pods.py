@@ -23,6 +23,7 @@ from matrixserve.domain.enginepod import (
     platform_env,
 )
 from matrixserve.domain.observed import PodView
+from matrixserve.domain.pdgroup.validation import ANNOTATION_TEMPLATE, stamp
 
 
 def role_label(role: zl.Role) -> str:
@@ -101,6 +102,8 @@ def pod_manifest(
             "annotations": {
                 kinds.ANNOTATION_SERVICE: spec.service,
                 kinds.ANNOTATION_SCENARIO: spec.scenario,
+                # what it is made from: the reconciler refuses a spec that differs from it
+                ANNOTATION_TEMPLATE: stamp(spec, role_label(role)),
             },
             "ownerReferences": [
                 {

@@ -1,8 +1,9 @@
 """The PDGroup's status, derived from what was observed and what this pass plans (pure).
 
-Ready means the group serves what its spec asks: every desired instance serving (its engine
-healthy in ZooKeeper and its pods Ready), exactly n_p·n_d·K verified sub-links (P/D-Serve §3.2),
-every prefill an entrance and the decode meta complete; and nothing left to change this pass.
+Ready means the group serves what its spec asks: every desired instance serving (the map names
+it as it is now, its current engine healthy in ZooKeeper, its pods Ready), exactly n_p·n_d·K
+sub-links verified between the members' current incarnations (P/D-Serve §3.2), every prefill an
+entrance and the decode meta complete; and nothing left to change this pass.
 The conditions follow the Kubernetes conventions (``matrixserve.domain.conditions``).
 """
 
@@ -15,7 +16,13 @@ from typing import Any
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.domain.conditions import Condition
-from matrixserve.domain.pdgroup.actions import Action, CreatePod, DeletePod, WriteRoceMap
+from matrixserve.domain.pdgroup.actions import (
+    Action,
+    CreatePod,
+    DeletePod,
+    ReportPodTrouble,
+    WriteRoceMap,
+)
 from matrixserve.domain.pdgroup.membership import devices_k
 from matrixserve.domain.pdgroup.pods import role_of
 from matrixserve.domain.pdgroup.view import GroupView
@@ -53,12 +60,14 @@ def instance_state(view: GroupView, name: str, roce_map: zl.RoceMap | None) -> s
         return "Terminating"
     if name in view.zk.removed:
         return "Removing"
-    if name not in view.zk.reports:
+    report = view.reports.get(name)
+    if report is None:
         return "Starting"
-    if roce_map is None or roce_map.role_of(name) is None:
+    entry = roce_map.entry(name) if roce_map is not None else None
+    if entry is None or not view.current(entry):
         return "Joining"
     health = view.zk.health.get(name)
-    if health is None:
+    if health is None or health.incarnation != report.incarnation:
         return "Initializing"
     if health.state is not zl.HealthState.SERVING:
         return "Degraded"
@@ -70,11 +79,10 @@ def instance_rows(
     view: GroupView, desired: Mapping[str, zl.Role], roce_map: zl.RoceMap | None
 ) -> list[InstanceRow]:
     """One row per instance that is desired, has pods, or is in the map."""
-    zk = view.zk
     in_map = {e.instance for e in (*roce_map.prefill, *roce_map.decode)} if roce_map else set()
     rows = []
     for name in sorted(set(desired) | set(view.instances) | in_map):
-        report = zk.reports.get(name)
+        report = view.reports.get(name)
         instance = view.instances.get(name)
         pod = instance.leader if instance else None
         role = (
@@ -97,6 +105,77 @@ def instance_rows(
     return rows
 
 
+def troubles(view: GroupView, desired: Mapping[str, zl.Role]) -> dict[str, tuple[str, str]]:
+    """The desired instances' pods that cannot run, and why (the scheduler's or kubelet's
+    reason and message, or a pod of another owner holding the name), by pod name."""
+    found = {
+        pod.name: pod.trouble
+        for name in desired
+        if (instance := view.instances.get(name)) is not None
+        for pod in instance.pods
+        if pod.trouble is not None and not pod.deleting
+    }
+    for pod, owner in view.foreign.items():
+        found[pod] = (
+            "PodNameTaken",
+            f"a pod of this name exists and is not this group's ({owner}): delete or rename it",
+        )
+    return found
+
+
+def trouble_notices(view: GroupView, desired: Mapping[str, zl.Role]) -> list[Action]:
+    """A Warning Event for a pod's trouble the status does not report yet (once, not every
+    pass: the status then carries it)."""
+    conditions = view.previous.get("conditions") or []
+    ready: Mapping[str, Any] = next((c for c in conditions if c.get("type") == "Ready"), {})
+    return [
+        ReportPodTrouble(pod, reason, message)
+        for pod, (reason, message) in sorted(troubles(view, desired).items())
+        if not (ready.get("reason") == reason and f"{pod}: " in str(ready.get("message")))
+    ]
+
+
+def current_sub_links(view: GroupView, roce_map: zl.RoceMap | None) -> int:
+    """Sub-links verified between the map's members as they are now: a link made with an
+    earlier incarnation, or for other RoCE IPs, proves nothing."""
+    if roce_map is None:
+        return 0
+    total = 0
+    for p in roce_map.prefill:
+        for d in roce_map.decode:
+            link = view.zk.links.get((p.instance, d.instance))
+            if link is not None and view.current(p) and view.current(d) and link.joins(p, d):
+                total += len(link.sub_links)
+    return total
+
+
+COORDINATED = "Coordinated"
+
+
+def coordinated(blocked: str | None, reason: str = "ZooKeeperUnreachable") -> Condition:
+    if blocked is None:
+        return Condition(COORDINATED, True, "Connected", "ZooKeeper session connected")
+    return Condition(COORDINATED, False, reason, blocked)
+
+
+def hold(view: GroupView, blocked: str, reason: str = "ZooKeeperUnreachable") -> GroupStatus | None:
+    """The last known status, kept while ZooKeeper cannot say better (out of reach, or the
+    group's data being rebuilt after the server lost it), as the engines keep serving and the
+    gateway routes by it: only the ``Coordinated`` condition changes, and its
+    ``lastTransitionTime`` says since when. None before anything was known."""
+    previous = view.previous
+    known = [c for c in previous.get("conditions") or [] if c.get("type") != COORDINATED]
+    if not known:
+        return None
+    conditions = [
+        Condition(c["type"], c.get("status") == "True", c.get("reason", ""), c.get("message", ""))
+        for c in known
+    ]
+    kept = {k: v for k, v in previous.items() if k != "conditions"}
+    ready = any(c.type == "Ready" and c.status for c in conditions)
+    return GroupStatus(kept, [*conditions, coordinated(blocked, reason)], ready)
+
+
 def derive(
     view: GroupView,
     actions: Sequence[Action],
@@ -116,11 +195,7 @@ def derive(
     members_p = [e.instance for e in roce_map.prefill] if roce_map else []
     members_d = [e.instance for e in roce_map.decode] if roce_map else []
     expected_links = len(members_p) * len(members_d) * devices_k(view.spec)
-    verified = sum(
-        len(link.sub_links)
-        for (p, d), link in zk.links.items()
-        if p in members_p and d in members_d
-    )
+    verified = current_sub_links(view, roce_map)
     entrances = sorted(zk.entrances)
     stable = set(members_p) | set(members_d) == set(desired) and not any(
         isinstance(a, CreatePod | DeletePod | WriteRoceMap) for a in actions
@@ -140,13 +215,27 @@ def derive(
     unhealthy = ", ".join(
         i.name
         for i in rows
-        if i.state in ("Initializing", "Degraded") and i.name in (members_p + members_d)
+        if i.state in ("Initializing", "Degraded", "Joining") and i.name in (members_p + members_d)
     )
     progress = f"{len(serving & set(desired))}/{len(desired)} instances serving"
-    reported = sum(1 for n in desired if n in zk.reports)
+    stuck = troubles(view, desired)
+    if stuck:  # say why, in the scheduler's or the kubelet's words
+        progress += "; " + "; ".join(
+            f"{pod}: {message}" for pod, (_, message) in sorted(stuck.items())
+        )
+    stuck_reason = stuck[min(stuck)][0] if stuck else None
+    reported = sum(1 for n in desired if n in view.reports)
     linked = roce_map is not None and expected_links > 0 and verified == expected_links
-    degraded = bool(zk.entrances) and bool(unhealthy)
+    # The group has served (its decode meta was pushed) and now cannot as it should.
+    opened = zk.decode_meta is not None
+    no_decode = opened and bool(members_d) and not (serving & set(members_d))
+    degraded = opened and (bool(unhealthy) or no_decode)
+    if no_decode:
+        why_degraded = ("NoServingDecode", "no decode instance serves: the entrances are closed")
+    else:
+        why_degraded = ("InstanceUnhealthy" if degraded else "AsExpected", unhealthy)
     conditions = [
+        coordinated(blocked),
         Condition(
             "Gathering",
             roce_map is None,
@@ -166,16 +255,24 @@ def derive(
             not ready,
             "Stable"
             if ready
-            else ("Blocked" if blocked else ("Gathering" if roce_map is None else "Converging")),
+            else (
+                "Blocked"
+                if blocked
+                else stuck_reason or ("Gathering" if roce_map is None else "Converging")
+            ),
             blocked or ("" if ready else progress),
         ),
-        Condition(
-            "Degraded", degraded, "InstanceUnhealthy" if degraded else "AsExpected", unhealthy
-        ),
+        Condition("Degraded", degraded, *why_degraded),
         Condition(
             "Ready",
             ready,
-            "Ready" if ready else ("Blocked" if blocked else "SettingUp"),
+            "Ready"
+            if ready
+            else (
+                "Blocked"
+                if blocked
+                else ("NoServingDecode" if no_decode else stuck_reason or "SettingUp")
+            ),
             "every instance serving, links verified, prefills open"
             if ready
             else (blocked or progress),

@@ -1,21 +1,35 @@
-"""Cross-field rules for a PDGroup that a schema cannot express on Kubernetes 1.20 (no CEL).
+"""Cross-field rules for a PDGroup that a schema cannot express on Kubernetes 1.20 (no CEL),
+and the rules for changing an existing group.
 
-The validating admission webhook rejects a spec that breaks them; the reconciler checks them
-again (Ready=False, reason InvalidSpec) and touches nothing. Pure: the hardware facts
-(CloudMatrix384, 001 §3) and the model shapes come from the API's catalogue
-(:mod:`matrixserve.api.catalog`), which the engine stub emulates.
+The validating admission webhook rejects a spec that breaks them (on create, update and the
+scale subresource: :func:`admit`); the reconciler checks them again, with the instance template
+the running pods were made from (:func:`running_template_changes`), and on a violation sets
+Ready=False, reason InvalidSpec and touches nothing. Pure: the hardware facts (CloudMatrix384,
+001 §3) and the model shapes come from the API's catalogue (:mod:`matrixserve.api.catalog`),
+which the engine stub emulates.
+
+What may change on an existing group: the replicas (scale out and in by dynamic RoCE
+construction, P/D-Serve §3.3), and ``service``, ``scenario``, ``slo``, ``ratioPolicy``,
+``recovery`` (the gateway and the status follow them at once). The instance template (the model,
+each role's fields but its replicas, ``moe``, ``warmPoolRef``) reaches a pod only when the pod is
+made; the operator does not roll a changed template out to running instances yet, so it is
+immutable until it does, rather than accepted and ignored.
 """
 
 from __future__ import annotations
 
+import copy
+import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
-from matrixserve.api import catalog
+from matrixserve.api import catalog, kinds
 from matrixserve.api.catalog import HBM_USABLE_FRACTION, PRESETS
 from matrixserve.api.resources import MoEMode, PDGroupSpec, RoleSpec, field_errors
+from matrixserve.domain.observed import PodView
 
 MAX_GROUP_NAME = 50  # pod names are <group>-p-<ordinal> and must stay within 63 characters
 
@@ -98,6 +112,15 @@ def validate_pdgroup(spec: PDGroupSpec, name: str) -> list[str]:
             f"and decode need the same devices per instance ({spec.prefill.devices_per_instance} vs "
             f"{spec.decode.devices_per_instance})"
         )
+    for role, r, why in (
+        ("prefill", spec.prefill, "the prefills are the group's entrances: none takes requests"),
+        ("decode", spec.decode, "every request's KV cache moves from a prefill to a decode"),
+    ):
+        if r.replicas < 1:
+            errors.append(
+                f"spec.{role}.replicas: {r.replicas}; a group needs at least 1 {role} ({why}); "
+                "delete the group to stop it"
+            )
     superpod_npus = catalog.SERVERS_PER_SUPERPOD * catalog.NPUS_PER_SERVER
     decode_npus = spec.decode.replicas * spec.decode.devices_per_instance
     if decode_npus > superpod_npus:
@@ -134,3 +157,163 @@ def parse_spec(raw: Any, name: str) -> tuple[PDGroupSpec | None, list[str]]:
     except ValidationError as exc:
         return None, field_errors(exc)
     return parsed, validate_pdgroup(parsed, name)
+
+
+# --------------------------------------------------------------------------- changes
+ROLES = ("prefill", "decode")
+# On each pod: the canonical JSON of the instance template it was made from (:func:`stamp`).
+ANNOTATION_TEMPLATE = f"{kinds.LABEL_PREFIX}/instance-template"
+NOT_ROLLED_OUT = (
+    "the operator does not roll out changes to the instance template (model; a role's "
+    "devicesPerInstance, podsPerInstance, npuType, parallelism, batchSize, image; moe; "
+    "warmPoolRef) yet: set it back, or create a new PDGroup"
+)
+
+
+def instance_template(spec: PDGroupSpec, role: str) -> dict[str, Any]:
+    """What an instance of ``role`` (``prefill`` or ``decode``) is made from, in the spec's shape
+    and JSON names: the model, the role's fields but its replicas, ``moe``, ``warmPoolRef``."""
+    r = spec.prefill if role == "prefill" else spec.decode
+    return {
+        "model": spec.model.model_dump(mode="json", by_alias=True),
+        role: r.model_dump(mode="json", by_alias=True, exclude={"replicas"}),
+        "moe": None if spec.moe is None else spec.moe.model_dump(mode="json", by_alias=True),
+        "warmPoolRef": (
+            None
+            if spec.warm_pool_ref is None
+            else spec.warm_pool_ref.model_dump(mode="json", by_alias=True)
+        ),
+    }
+
+
+def stamp(spec: PDGroupSpec, role: str) -> str:
+    """The :data:`ANNOTATION_TEMPLATE` value of a pod of ``role``: its template as canonical
+    JSON (sorted keys, no spaces), so equal templates give equal strings."""
+    return json.dumps(instance_template(spec, role), sort_keys=True, separators=(",", ":"))
+
+
+def _changes(made_from: Any, now: Any, path: str) -> list[tuple[str, Any, Any]]:
+    """Each leaf of ``made_from`` that ``now`` differs in: (spec path, was, now). A field the
+    template it was made from does not name (a pod of an older operator) is not a change."""
+    if isinstance(made_from, dict) and isinstance(now, dict):
+        found = []
+        for key, was in made_from.items():
+            found += _changes(was, now.get(key), f"{path}.{key}")
+        return found
+    return [] if made_from == now else [(path, made_from, now)]
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _immutable(path: str, was: Any, now: Any) -> str:
+    return (
+        f"{path}: cannot change from {_show(was)} to {_show(now)} on an existing group; "
+        + NOT_ROLLED_OUT
+    )
+
+
+def validate_update(old: PDGroupSpec, new: PDGroupSpec) -> list[str]:
+    """The instance template fields that ``new`` changes from ``old`` (an existing group's
+    spec), one message each; empty when only what may change did."""
+    errors: list[str] = []
+    for role in ROLES:
+        for path, was, now in _changes(
+            instance_template(old, role), instance_template(new, role), "spec"
+        ):
+            message = _immutable(path, was, now)
+            if message not in errors:  # model, moe and warmPoolRef are in both roles' templates
+                errors.append(message)
+    return errors
+
+
+def _running_changes(
+    spec: PDGroupSpec, pods: Iterable[PodView]
+) -> list[tuple[str, Any, Any, PodView]]:
+    """(spec path, the pod's value, the spec's, the first pod in name order that differs) for
+    each template field ``spec`` differs in from a running pod's stamped template."""
+    found: dict[str, tuple[str, Any, Any, PodView]] = {}
+    for pod, role, made_from in _stamped(pods):
+        for path, was, now in _changes(made_from, instance_template(spec, role), "spec"):
+            found.setdefault(path, (path, was, now, pod))
+    return list(found.values())
+
+
+def running_template_changes(spec: PDGroupSpec, pods: Iterable[PodView]) -> list[str]:
+    """The instance template fields ``spec`` differs in from the template a running pod of the
+    group was made from (its :data:`ANNOTATION_TEMPLATE`), one message each. A pod being
+    deleted, or without the annotation (made by an older operator), counts as matching."""
+    return [
+        f"{path}: {_show(now)} differs from {_show(was)}, which the running pod {pod.name} was "
+        "made from; " + NOT_ROLLED_OUT
+        for path, was, now, pod in _running_changes(spec, pods)
+    ]
+
+
+def _stamped(pods: Iterable[PodView]) -> list[tuple[PodView, str, dict[str, Any]]]:
+    """The running pods that carry a readable template, with their role, in name order."""
+    found = []
+    for pod in sorted(pods, key=lambda p: p.name):
+        role = pod.label(kinds.LABEL_ROLE)
+        raw = pod.annotations.get(ANNOTATION_TEMPLATE)
+        if pod.deleting or role not in ROLES or raw is None:
+            continue
+        try:
+            made_from = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(made_from, dict):
+            found.append((pod, str(role), made_from))
+    return found
+
+
+# --------------------------------------------------------------------------- admission
+def spec_changes(
+    operation: str, old_raw: Mapping[str, Any] | None, new_raw: Mapping[str, Any] | None
+) -> bool:
+    """Whether a request writes a spec: a create, or an update whose spec differs (not an update
+    of metadata only: labels, annotations, finalizers, the finalizer's removal included)."""
+    if operation == "CREATE":
+        return True
+    return operation == "UPDATE" and dict(old_raw or {}) != dict(new_raw or {})
+
+
+def admit(
+    operation: str,
+    old_raw: Mapping[str, Any] | None,
+    new_raw: Mapping[str, Any] | None,
+    deleting: bool,
+    name: str,
+    running: Iterable[PodView] = (),
+) -> list[str]:
+    """The webhook's decision on a request (``CREATE`` or ``UPDATE``, with the old and the new
+    raw spec): every reason to refuse it, empty to admit it.
+
+    Never refused: an update of metadata only, and anything on an object being deleted (an
+    invalid object can always be fixed or deleted). A new spec must pass :func:`parse_spec`; an
+    update must keep the instance template of what runs: the ``running`` pods' (the group's pods,
+    when they carry their template), else the old spec's (when it was valid: a spec that never
+    was is not what runs)."""
+    if deleting or not spec_changes(operation, old_raw, new_raw):
+        return []
+    new, errors = parse_spec(new_raw or {}, name)
+    if operation != "UPDATE" or new is None:
+        return errors
+    running = tuple(running)
+    if _stamped(running):
+        return errors + [
+            _immutable(p, was, now) for p, was, now, _ in _running_changes(new, running)
+        ]
+    old, old_errors = parse_spec(old_raw or {}, name)
+    if old is not None and not old_errors:
+        errors += validate_update(old, new)
+    return errors
+
+
+def with_decode_replicas(spec_raw: Mapping[str, Any], replicas: Any) -> dict[str, Any]:
+    """The spec a write of the scale subresource makes: ``replicas`` (the Scale's
+    ``spec.replicas``) at the CRD's ``specReplicasPath``, ``spec.decode.replicas``."""
+    scaled = copy.deepcopy(dict(spec_raw))
+    scaled["decode"] = {**(scaled.get("decode") or {}), "replicas": replicas}
+    return scaled

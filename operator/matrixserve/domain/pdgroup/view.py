@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
@@ -29,6 +30,8 @@ class ZkView:
     decode_meta: zl.DecodeMeta | None = None
     entrances: frozenset[str] = frozenset()
     removed: frozenset[str] = frozenset()
+    present: bool = True  # the group's subtree exists (it is gone after a server lost its data)
+    entrances_present: bool = True  # entrances/ exists (it appears with the first entrance)
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,10 @@ class GroupView:
     now: float
     uid: str  # the PDGroup's, for its pods' owner reference
     engine: EngineSettings
+    # The status the object has now: what was last known, kept while ZooKeeper is out of reach.
+    previous: Mapping[str, Any] = field(default_factory=dict)
+    # Pods that hold one of the group's pod names and are not the group's: name -> whose.
+    foreign: Mapping[str, str] = field(default_factory=dict)
 
     @cached_property
     def instances(self) -> dict[str, InstanceView]:
@@ -57,7 +64,31 @@ class GroupView:
         role = self.spec.prefill if role_of(pod) is zl.Role.PREFILL else self.spec.decode
         return instance if pod.name in pod_names(instance, role.pods_per_instance) else pod.name
 
+    @cached_property
+    def reports(self) -> dict[str, zl.Report]:
+        """The reports of the group's current pods. Identity is the pod and what it reported,
+        not the name: a report of a pod that is gone (its session not expired yet) or of an
+        earlier pod of the same name is not one."""
+        return {
+            name: report
+            for name, report in self.zk.reports.items()
+            if (instance := self.instances.get(name)) is not None
+            and report.pod_uid == instance.leader.uid
+        }
+
+    def current(self, entry: zl.MapEntry) -> bool:
+        """The map names this member as it is now (pod IP, RoCE IPs, engine incarnation)."""
+        report = self.reports.get(entry.instance)
+        return report is not None and report.identity() == entry.identity()
+
     def healthy(self, instance: str) -> bool:
-        """Its engine reports itself serving (ZooKeeper health, P/D-Serve §3.2)."""
+        """Its current engine reports itself serving (ZooKeeper health, P/D-Serve §3.2): a
+        previous incarnation's health is not this one's."""
         health = self.zk.health.get(instance)
-        return health is not None and health.state is zl.HealthState.SERVING
+        report = self.reports.get(instance)
+        return (
+            health is not None
+            and report is not None
+            and health.incarnation == report.incarnation
+            and health.state is zl.HealthState.SERVING
+        )

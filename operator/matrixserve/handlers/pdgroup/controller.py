@@ -1,0 +1,105 @@
+"""The PDGroup controller: what the kind keeps at run time (its per-object loop, its ZooKeeper
+store, its metrics) and its set-up, including the sweep of subtrees whose group is gone on every
+new ZooKeeper session (issue 15)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import kopf
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+from matrixserve.adapters.zk_groups import GroupStore
+from matrixserve.api import kinds
+from matrixserve.coordination import SessionState
+from matrixserve.domain.pdgroup import cleanup
+from matrixserve.handlers.metrics import Milestones
+from matrixserve.handlers.reconciler import Key, Reconciler
+from matrixserve.handlers.runtime import Runtime
+
+KIND = kinds.PDGROUP
+API = (KIND.group, KIND.version, KIND.plural)
+log = logging.getLogger("matrixserve.pdgroup")
+
+
+class PDGroupMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.setup_phase_seconds = Histogram(
+            "matrixserve_operator_setup_phase_seconds",
+            "PDGroup setup phases (wall seconds): gather (created -> RoCE map), "
+            "link (map -> all links), serve (links -> Ready)",
+            ["phase"],
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
+            registry=registry,
+        )
+        self.links_verified = Gauge(
+            "matrixserve_operator_links_verified",
+            "Verified P-D sub-links per group",
+            ["namespace", "group"],
+            registry=registry,
+        )
+        self.groups_ready = Gauge(
+            "matrixserve_operator_groups_ready", "PDGroups with Ready=True", registry=registry
+        )
+        self.setup = Milestones(
+            self.setup_phase_seconds, [("mapped", "gather"), ("linked", "link"), ("ready", "serve")]
+        )
+
+
+@dataclass
+class PDGroups:
+    """The PDGroup controller: its loop, its ZooKeeper store, its metrics."""
+
+    rt: Runtime
+    loop: Reconciler
+    store: GroupStore
+    metrics: PDGroupMetrics
+    ready: set[Key] = field(default_factory=set)
+    kind: kinds.Kind = KIND
+
+    def forget(self, key: Key) -> None:
+        self.metrics.setup.forget(key)
+        self.ready.discard(key)
+        self.metrics.groups_ready.set(len(self.ready))
+
+
+def install(rt: Runtime) -> PDGroups:
+    groups = PDGroups(
+        rt, rt.reconciler(KIND), GroupStore(rt.session), PDGroupMetrics(rt.metrics.registry)
+    )
+    last = [SessionState.CONNECTING]
+
+    def on_state(state: SessionState) -> None:  # kazoo's thread
+        if state is SessionState.CONNECTED and last[0] in (
+            SessionState.CONNECTING,
+            SessionState.LOST,
+        ):  # a new session: sweep what deletions could not remove
+            rt.loop.call_soon_threadsafe(lambda: rt.loop.create_task(sweep(groups)))
+        last[0] = state
+
+    rt.session.add_listener(on_state)
+    return groups
+
+
+async def sweep(groups: PDGroups) -> None:
+    """Remove the subtrees of groups that no longer exist (ZooKeeper listed first: see
+    :func:`cleanup.orphans`)."""
+    namespaces = groups.rt.config.namespaces
+    try:
+        in_zookeeper = await groups.store.groups(namespaces)
+        in_kubernetes = await groups.rt.kube.names(KIND, namespaces)
+        for namespace, name in cleanup.orphans(in_zookeeper, in_kubernetes):
+            await groups.store.delete(namespace, name)
+            log.info(
+                "swept the ZooKeeper subtree of %s/%s: the group no longer exists", namespace, name
+            )
+    except Exception as exc:  # retried on the next new session
+        log.warning("sweep of ZooKeeper subtrees failed: %s", exc)
+
+
+def groups_of(memo: kopf.Memo) -> PDGroups:
+    groups: PDGroups = memo.runtime.controllers[KIND.kind]
+    return groups
+
+

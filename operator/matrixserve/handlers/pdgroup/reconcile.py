@@ -1,0 +1,157 @@
+"""PDGroup's kopf handlers (P/D-Serve §3.2-3.4): wake-ups, the per-group daemon running
+``reconcile`` (parse -> validate -> observe -> plan -> apply -> status), and the finalizer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import kopf
+
+from matrixserve.api import kinds
+from matrixserve.domain import pdgroup as pd
+from matrixserve.domain.effects import ZnodeChange
+from matrixserve.domain.pdgroup import cleanup
+from matrixserve.domain.pdgroup.validation import parse_spec, running_template_changes
+from matrixserve.handlers.pdgroup.controller import API, KIND, PDGroups, groups_of
+from matrixserve.handlers.reconciler import Key
+
+
+# --------------------------------------------------------------------------- wake-ups
+@kopf.on.event(*API)
+def pdgroup_event(name: str, namespace: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    groups_of(memo).loop.object_changed(namespace, name, int(meta.get("generation") or 0))
+
+
+@kopf.on.event("", "v1", "pods", labels={kinds.LABEL_GROUP: kopf.PRESENT})
+def pod_event(labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    groups_of(memo).loop.related_changed(namespace, labels[kinds.LABEL_GROUP])
+
+
+# --------------------------------------------------------------------------- reconcile
+@kopf.daemon(*API, id="reconciler", cancellation_timeout=10.0)
+async def reconciler(
+    name: str,
+    namespace: str,
+    stopped: kopf.DaemonStopped,
+    memo: kopf.Memo,
+    logger: logging.Logger,
+    **_: Any,
+) -> None:
+    groups = groups_of(memo)
+    groups.metrics.setup.start((namespace, name), time.monotonic())
+
+    async def reconcile_group(ns: str, group: str, log: logging.Logger) -> bool:
+        return await reconcile(groups, ns, group, log)
+
+    async def arm(ns: str, group: str, wake: Any) -> bool:
+        if not groups.store.connected:
+            return False
+        await groups.store.ensure(ns, group)
+        await groups.rt.session.run(groups.store.watch, ns, group, wake)
+        return True
+
+    try:
+        await groups.loop.run(namespace, name, stopped, logger, reconcile_group, arm)
+    finally:
+        groups.store.unwatch(namespace, name)
+
+
+async def reconcile(groups: PDGroups, namespace: str, name: str, logger: logging.Logger) -> bool:
+    """One pass; True if it applied actions (so another pass should follow soon)."""
+    rt = groups.rt
+    body = await rt.kube.get(KIND, namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return False
+    meta = body["metadata"]
+    pods = await rt.kube.list_pods(namespace, {kinds.LABEL_GROUP: name})
+    spec, errors = parse_spec(body.get("spec") or {}, name)
+    if spec is not None:  # the webhook may be off: a template the pods do not run is refused too
+        errors += running_template_changes(spec, pods.values())
+    if spec is None or errors:
+        await groups.loop.report_invalid(body, errors, logger)
+        return False
+    groups.loop.spec_valid(namespace, name)
+    # A pod holding one of the group's names that is not the group's (looked up together).
+    absent = [pod for pod in pd.spec_pod_names(name, spec) if pod not in pods]
+    owners = await asyncio.gather(*(rt.kube.owner_of(namespace, pod) for pod in absent))
+    foreign = {pod: owner for pod, owner in zip(absent, owners, strict=True) if owner}
+    view = pd.GroupView(
+        namespace,
+        name,
+        int(meta.get("generation", 0)),
+        spec,
+        pods,
+        await groups.store.snapshot(namespace, name),
+        now=time.time(),
+        uid=meta["uid"],
+        engine=rt.engine,
+        previous=body.get("status") or {},
+        foreign=foreign,
+    )
+    if view.zk.connected and not view.zk.present:  # a server that lost the group's data
+        await groups.store.ensure(namespace, name)  # where the engines report again
+    plan = pd.plan(view)
+
+    async def znodes(action: ZnodeChange[Any]) -> None:
+        await groups.store.apply(namespace, name, action)
+
+    await groups.loop.apply(body, plan.actions, znodes)
+    await groups.loop.write_status(body, plan.status, plan.conditions)
+    _track_setup(groups, (namespace, name), plan)
+    groups.metrics.links_verified.labels(namespace=namespace, group=name).set(
+        plan.status["links"]["verified"]
+    )
+    return bool(plan.actions)
+
+
+def _track_setup(groups: PDGroups, key: Key, plan: pd.Plan) -> None:
+    """The setup phases' wall times (gather, link, serve), and the count of Ready groups."""
+    links = plan.status["links"]
+    reached = {
+        "mapped": bool(plan.status["roceMapVersion"]),
+        "linked": bool(links["expected"]) and links["verified"] == links["expected"],
+        "ready": plan.ready,
+    }
+    groups.metrics.setup.update(key, reached, time.monotonic())
+    if plan.ready:
+        groups.ready.add(key)
+    else:
+        groups.ready.discard(key)
+    groups.metrics.groups_ready.set(len(groups.ready))
+
+
+# --------------------------------------------------------------------------- deletion
+@kopf.on.delete(*API, id="cleanup-zookeeper")
+async def deleted(
+    name: str,
+    namespace: str,
+    meta: kopf.Meta,
+    body: kopf.Body,
+    memo: kopf.Memo,
+    logger: logging.Logger,
+    **_: Any,
+) -> None:
+    groups = groups_of(memo)
+    if not groups.store.connected:
+        if not cleanup.give_up_waiting(meta.get("deletionTimestamp"), time.time()):
+            raise kopf.TemporaryError(
+                "ZooKeeper is not connected; the group's znodes are kept until it is", delay=5
+            )
+        kopf.warn(
+            body,
+            reason="ZooKeeperUnreachable",
+            message=f"ZooKeeper unreachable for {cleanup.FINALIZER_WAIT_SECONDS:.0f} s: the "
+            "group is let go; its znodes are removed when ZooKeeper is back",
+        )
+        groups.forget((namespace, name))
+        return
+    removed = await groups.store.delete(namespace, name)
+    groups.forget((namespace, name))
+    logger.info(
+        "deleted the ZooKeeper subtree of %s/%s" if removed else "no ZooKeeper subtree for %s/%s",
+        namespace,
+        name,
+    )
