@@ -17,6 +17,7 @@ from kazoo.exceptions import (
     NodeExistsError,
     NoNodeError,
     NotEmptyError,
+    RolledBackError,
 )
 from kubernetes import client
 
@@ -154,6 +155,9 @@ class FakeKazoo:
             self.delete(f"{path}/{child}", recursive=True)
         del self.nodes[path]
 
+    def transaction(self) -> FakeTransaction:
+        return FakeTransaction(self)
+
     @property
     def client_id(self) -> tuple[int, bytes] | None:
         return (self.session, b"password") if self.connected else None
@@ -166,6 +170,32 @@ class FakeKazoo:
         if gone == self.session:
             self.session += 1
             self.transition(KazooState.LOST)
+
+
+class FakeTransaction:
+    """kazoo's transaction: every operation or none (on a failure, the results hold the
+    exception where it failed and a ``RolledBackError`` for the others)."""
+
+    def __init__(self, zk: FakeKazoo) -> None:
+        self.zk = zk
+        self.ops: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    def delete(self, path: str, version: int = -1) -> None:
+        self.ops.append(("delete", (path,), {"version": version}))
+
+    def create(self, path: str, value: bytes = b"", ephemeral: bool = False) -> None:
+        self.ops.append(("create", (path, value), {"ephemeral": ephemeral}))
+
+    def commit(self) -> list[Any]:
+        saved = dict(self.zk.nodes)
+        results: list[Any] = []
+        for op, args, kwargs in self.ops:
+            try:
+                results.append(getattr(self.zk, op)(*args, **kwargs))
+            except Exception as exc:
+                self.zk.nodes = saved
+                return [*[RolledBackError() for _ in results], exc]
+        return results
 
 
 def engine_report(

@@ -57,6 +57,8 @@ T = TypeVar("T")
 # callers catch these without importing kazoo.
 ERRORS: tuple[type[Exception], ...] = (KazooException, KazooTimeoutError)
 ZooKeeperError = KazooException  # the base of what a call on a live client raises
+CallTimeout = KazooTimeoutError  # a call that got no answer in time
+__all__ = ["ERRORS", "CallTimeout", "NotEmptyError", "Session", "SessionState", "ZooKeeperError"]
 
 
 class SessionState(StrEnum):
@@ -95,14 +97,21 @@ class Session:
     ) -> None:
         self.hosts = hosts
         self.timeout = timeout
-        self._factory = client_factory or (
-            lambda: KazooClient(
+
+        def fresh_client() -> Any:
+            return KazooClient(
                 hosts=hosts,
                 timeout=timeout,
                 connection_retry=connection_retry or {"max_tries": -1, "max_delay": 5},
             )
+
+        # An injected client is renewed only by an injected factory (a test's fake never turns
+        # into a real client).
+        self._factory: Callable[[], Any] | None = client_factory or (
+            None if client is not None else fresh_client
         )
-        self.client = client or self._factory()
+        self.client = client if client is not None else fresh_client()
+        self._stopped = False
         self.state = SessionState.CONNECTING
         self.retry_deadline = retry_deadline
         self.renewals = 0  # fresh clients started after a server that lost its data
@@ -123,41 +132,49 @@ class Session:
         self._listeners.append(listener)
 
     def _on_kazoo_state(self, client: Any, state: str) -> None:
-        if client is not self.client:
-            return  # a client given up: what it says is no longer ours
         new = _FROM_KAZOO.get(state, SessionState.LOST)
-        self._watch_suspension(new)
-        self._set_state(new)
-        if new is SessionState.CONNECTED and self._rearm_pending(client):
-            threading.Thread(target=self._rearm, args=(client,), daemon=True).start()
-
-    # ------------------------------------------------------------------ a server without our data
-    def _watch_suspension(self, state: SessionState) -> None:
-        with self._lock:
+        with self._lock:  # the check, the state and the timer together: no renewal in between
+            if client is not self.client:
+                return  # a client given up: what it says is no longer ours
+            self.state = new
             if self._suspended_timer is not None:
                 self._suspended_timer.cancel()
                 self._suspended_timer = None
-            if state is SessionState.SUSPENDED:
-                timer = threading.Timer(self.timeout, self._renew, args=(self.client,))
+            if new is SessionState.SUSPENDED and self._factory is not None:
+                timer = threading.Timer(self.timeout, self._renew, args=(client,))
                 timer.daemon = True
                 self._suspended_timer = timer
                 timer.start()
+            rearm = new is SessionState.CONNECTED and self._fresh is client
+            if rearm:
+                self._fresh = None
+        self._tell(new)
+        if rearm:
+            threading.Thread(target=self._rearm, args=(client,), daemon=True).start()
 
+    # ------------------------------------------------------------------ a server without our data
     def _renew(self, suspended: Any) -> None:
         """Still SUSPENDED a session timeout later: the session is gone for us; start afresh."""
         with self._lock:
-            if self.client is not suspended or self.state is not SessionState.SUSPENDED:
+            if (
+                self._stopped
+                or self._factory is None
+                or self.client is not suspended
+                or self.state is not SessionState.SUSPENDED
+                or suspended.connected  # it came back just now
+            ):
                 return
             self.client = self._factory()
             self.renewals += 1
             self._fresh = self.client
+            self.state = SessionState.LOST
         log.warning(
             "ZooKeeper %s: suspended for over the session timeout (%.0f s), the server may have "
             "lost its data: starting a new session",
             self.hosts,
             self.timeout,
         )
-        self._set_state(SessionState.LOST)
+        self._tell(SessionState.LOST)
         self._adopt(self.client)
         self.client.start_async()
 
@@ -168,27 +185,31 @@ class Session:
 
         threading.Thread(target=close, daemon=True).start()
 
-    def _rearm_pending(self, client: Any) -> bool:
-        with self._lock:
-            pending = self._fresh is client
-            if pending:
-                self._fresh = None
-            return pending
-
     def _rearm(self, client: Any) -> None:
-        """Arm again, on a fresh client, every watch still wanted."""
+        """Arm again, on a fresh client, every watch still wanted (a watch that could not be
+        armed is tried again a second later, for as long as this client is ours)."""
         with self._lock:
-            wanted = list(self._watches)
-        for watch in wanted:
-            if client is not self.client:
-                return
-            try:
-                self._arm(watch)
-            except ERRORS as exc:
-                log.warning("watch on %s not armed again: %s", watch.path, exc)
+            pending = list(self._watches)
+        while pending and client is self.client and not self._stopped:
+            failed = []
+            for watch in pending:
+                if watch not in self._watches:
+                    continue  # cancelled meanwhile
+                try:
+                    self._arm(watch)
+                except ERRORS as exc:
+                    log.warning("watch on %s not armed again yet: %s", watch.path, exc)
+                    failed.append(watch)
+            pending = failed
+            if pending:
+                threading.Event().wait(1.0)
 
     def _set_state(self, state: SessionState) -> None:
-        self.state = state
+        with self._lock:
+            self.state = state
+        self._tell(state)
+
+    def _tell(self, state: SessionState) -> None:
         for listener in list(self._listeners):
             listener(state)
 
@@ -240,6 +261,7 @@ class Session:
     async def stop(self) -> None:
         """Close the session (its ephemerals go at once, not after the session timeout)."""
         with self._lock:
+            self._stopped = True
             if self._suspended_timer is not None:
                 self._suspended_timer.cancel()
         with contextlib.suppress(Exception):
@@ -314,10 +336,21 @@ class Session:
         if stat is not None and stat.ephemeralOwner == self.session_id:
             self.client.set(path, data)
             return
-        if stat is not None:
-            with contextlib.suppress(NoNodeError):  # expired meanwhile
-                self.client.delete(path, version=stat.version)
-        self.client.create(path, data, ephemeral=True)
+        if stat is None:
+            self.client.create(path, data, ephemeral=True)
+            return
+        # Replaced in one transaction: nobody reading the group sees the member without it.
+        transaction = self.client.transaction()
+        transaction.delete(path, version=stat.version)
+        transaction.create(path, data, ephemeral=True)
+        failures = [r for r in transaction.commit() if isinstance(r, Exception)]
+        if failures:  # expired or replaced meanwhile: the caller tries again
+            raise failures[0]
+
+    def owns(self, path: str) -> bool:
+        """Whether the znode exists and is an ephemeral of this session."""
+        stat = self.client.exists(path)
+        return stat is not None and stat.ephemeralOwner == self.session_id
 
     def create(self, path: str, data: bytes, *, ephemeral: bool = False) -> bool:
         """Create if absent; False when it already existed (left as it is)."""
@@ -362,37 +395,47 @@ class Session:
     # ------------------------------------------------------------------ watches
     def watch_children(
         self, path: str, callback: Callable[..., Any], *, send_event: bool = False
-    ) -> None:
-        """kazoo's ``ChildrenWatch``: ``callback(children[, event])``; returning False stops it.
-        On a znode that does not exist yet it starts once the znode is created."""
-        self._register(_Watch("children", path, callback, send_event))
+    ) -> _Watch:
+        """kazoo's ``ChildrenWatch``: ``callback(children[, event])``; returning False (or
+        :meth:`cancel`) stops it. On a znode that does not exist yet it starts once the znode is
+        created."""
+        return self._register(_Watch("children", path, callback, send_event))
 
-    def watch_data(self, path: str, callback: Callable[..., Any]) -> None:
+    def watch_data(self, path: str, callback: Callable[..., Any]) -> _Watch:
         """kazoo's ``DataWatch``: ``callback(data, stat)`` (None, None while absent); returning
-        False stops it."""
-        self._register(_Watch("data", path, callback))
+        False (or :meth:`cancel`) stops it."""
+        return self._register(_Watch("data", path, callback))
 
-    def _register(self, watch: _Watch) -> None:
+    def cancel(self, watch: _Watch) -> None:
+        """This watch is no longer wanted: never armed again, and stopped when it next fires."""
+        with self._lock, contextlib.suppress(ValueError):
+            self._watches.remove(watch)
+
+    def _register(self, watch: _Watch) -> _Watch:
         original = watch.callback
 
         def callback(*args: Any) -> Any:
+            with self._lock:
+                wanted = watch in self._watches
+            if not wanted:
+                return False
             result = original(*args)
             if result is False:
-                with self._lock, contextlib.suppress(ValueError):
-                    self._watches.remove(watch)
+                self.cancel(watch)
             return result
 
         watch.callback = callback
         with self._lock:
             self._watches.append(watch)
         self._arm(watch)
+        return watch
 
     def _arm(self, watch: _Watch) -> None:
         client = self.client
         if watch.kind == "data":
             DataWatch(client, watch.path, watch.callback)
             return
-        if client.exists(watch.path) is not None:
+        if self.retry(client.exists, watch.path) is not None:
             ChildrenWatch(client, watch.path, watch.callback, send_event=watch.send_event)
             return
 

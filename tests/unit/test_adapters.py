@@ -289,6 +289,16 @@ async def test_deleting_a_group_prunes_its_namespace_folder_only_when_empty() ->
     assert await store.delete("ns", "h") is False
 
 
+async def test_a_group_deletion_goes_again_when_an_engine_wrote_meanwhile() -> None:
+    """A still running engine's report lands between the listing and its folder's deletion
+    (NotEmptyError): the deletion goes again at once, not after kopf's 60 s back-off."""
+    fake, store = _connected_store()
+    await store.ensure("ns", "g")
+    fake.fail["delete"] = [NotEmptyError(), NotEmptyError()]
+    assert await store.delete("ns", "g") is True
+    assert zl.group_path("ns", "g") not in fake.nodes
+
+
 def test_watches_end_at_unwatch_even_when_the_group_is_watched_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

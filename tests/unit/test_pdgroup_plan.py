@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -29,6 +30,7 @@ from matrixserve.domain.pdgroup.actions import (
     WriteRoceMap,
 )
 from matrixserve.domain.pdgroup.pods import pod_labels
+from matrixserve.domain.pdgroup.status import hold
 from matrixserve.domain.pdgroup.validation import validate_pdgroup
 
 P, D = zl.Role.PREFILL, zl.Role.DECODE
@@ -467,6 +469,10 @@ def test_without_a_serving_decode_no_prefill_is_an_entrance_until_one_serves() -
 LAST_KNOWN: dict[str, Any] = {
     "roceMapVersion": 3,
     "entrances": ["g-p-0", "g-p-1"],
+    "links": {"expected": 8, "verified": 8, "summary": "8/8"},
+    "instances": [],
+    "prefill": {"replicas": 2, "ready": 2, "summary": "2/2"},
+    "decode": {"replicas": 1, "ready": 1, "summary": "1/1"},
     "conditions": [
         {"type": "Ready", "status": "True", "reason": "Ready", "message": "serving"},
         {"type": "Coordinated", "status": "True", "reason": "Connected", "message": ""},
@@ -511,9 +517,10 @@ def test_a_group_that_never_served_gathers_as_usual_after_data_loss() -> None:
     assert (write.roce_map.version, write.rebuilt) == (1, False)
 
 
-def test_a_pod_that_cannot_run_is_the_reason_and_is_reported_once() -> None:
+def test_a_pod_that_cannot_run_is_the_reason_and_is_reported() -> None:
     """An impossible placement or an image that does not pull becomes the group's condition
-    reason, in the scheduler's words, and one Warning Event (not one every pass)."""
+    reason, in the scheduler's words, and a notice while it lasts (the applier posts it once:
+    tests/unit/test_reconcile.py)."""
     pods = ["g-p-0", "g-p-1", "g-d-0"]
     zk = serving_group(pods)
     v = view(spec(d=2), [*pods, "g-d-1"], zk)
@@ -525,10 +532,66 @@ def test_a_pod_that_cannot_run_is_the_reason_and_is_reported_once() -> None:
     assert ready.reason == "Unschedulable"
     assert "g-d-1: 0/4 nodes are available" in ready.message
     assert ReportPodTrouble("g-d-1", *why) in plan.actions
-    previous = {
-        "conditions": [
-            {"type": "Ready", "status": "False", "reason": ready.reason, "message": ready.message}
-        ]
+    healed = dataclasses.replace(
+        v, pods={**v.pods, "g-d-1": dataclasses.replace(stuck, trouble=None)}
+    )
+    assert not any(isinstance(a, ReportPodTrouble) for a in pdgroup.plan(healed).actions)
+
+
+def test_a_rebuild_releases_no_pod_however_old() -> None:
+    """Right after data loss nobody has reported yet: pods older than the gather timeout are
+    the serving engines, not engines that never reported."""
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    v = dataclasses.replace(after_data_loss(pods, []), now=10_000.0)
+    plan = pdgroup.plan(v)
+    assert not any(isinstance(a, DeletePod) for a in plan.actions)
+
+
+def test_the_rebuild_hold_ends_after_its_bound_and_never_holds_an_invalid_status() -> None:
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    v = after_data_loss(pods, ["g-p-0", "g-d-0"])
+    since = datetime.fromtimestamp(v.now - 31, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    rebuilding = {
+        "type": "Coordinated",
+        "status": "False",
+        "reason": "Rebuilding",
+        "lastTransitionTime": since,
     }
-    again = pdgroup.plan(dataclasses.replace(v, previous=previous))
-    assert not any(isinstance(a, ReportPodTrouble) for a in again.actions)
+    late = dataclasses.replace(
+        v, previous={**LAST_KNOWN, "conditions": [*LAST_KNOWN["conditions"][:1], rebuilding]}
+    )
+    cond = {c.type: c for c in pdgroup.plan(late).conditions}
+    assert cond["Coordinated"].status is True  # derived again: no longer the last known
+    assert cond["Ready"].status is False
+    invalid = {
+        **LAST_KNOWN,
+        "conditions": [{"type": "Ready", "status": "False", "reason": "InvalidSpec"}],
+    }
+    assert hold(dataclasses.replace(v, previous=invalid), {}, "why") is None
+    assert hold(dataclasses.replace(v, previous={"observedGeneration": 1}), {}, "why") is None
+
+
+def test_without_zookeeper_a_member_whose_pod_is_gone_is_not_held_ready() -> None:
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    v = view(spec(), ["g-p-0", "g-p-1"], ZkView(connected=False))
+    plan = pdgroup.plan(dataclasses.replace(v, previous=LAST_KNOWN))
+    ready = next(c for c in plan.conditions if c.type == "Ready")
+    assert (ready.status, ready.reason) == (False, "ZooKeeperUnreachable")
+    assert ready.message.startswith("g-d-0 not Ready")
+    assert plan.status["entrances"] == ["g-p-0", "g-p-1"]  # still the last known routes
+    assert not plan.ready
+    kept = pdgroup.plan(
+        dataclasses.replace(view(spec(), pods, ZkView(connected=False)), previous=LAST_KNOWN)
+    )
+    assert kept.ready
+
+
+def test_an_engine_of_an_older_image_without_a_pod_uid_is_known_by_name() -> None:
+    """An operator upgrade must not close the entrances of groups whose engines predate
+    reporting their pod."""
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    zk = serving_group(pods)
+    legacy = {n: r.model_copy(update={"pod_uid": ""}) for n, r in zk.reports.items()}
+    plan = pdgroup.plan(view(spec(), pods, dataclasses.replace(zk, reports=legacy)))
+    assert plan.ready
+    assert plan.actions == []

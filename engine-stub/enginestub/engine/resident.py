@@ -74,6 +74,7 @@ class Resident:
         self._map_changed = asyncio.Event()
         self._reregister = asyncio.Event()
         self._health_dirty = asyncio.Event()
+        self._writes = asyncio.Lock()  # our ephemerals are written by one writer at a time
         self._task: asyncio.Task[None] | None = None
         self._removed_names: set[str] = set()
         engine.on_health_change = self._health_dirty.set
@@ -156,7 +157,8 @@ class Resident:
         """Our report, owned by our session (a previous process's, not yet expired, is
         replaced: ZooKeeper would otherwise delete it when that session expires)."""
         data = self._report().dump()
-        await self.zk.run(self.zk.own, self.paths.report(self.instance), data)
+        async with self._writes:
+            await self.zk.run(self.zk.own, self.paths.report(self.instance), data)
 
     def _me(self) -> zl.MapEntry | None:
         """Our entry in the RoCE map, if the map names this incarnation (not a previous one)."""
@@ -169,6 +171,10 @@ class Resident:
         self.phase = "Gathering"
         await self._write_report()
         self._watch()
+        # Re-registration from the start, not once serving: a report lost while gathering (a
+        # session lost or renewed) is written again, or engine and operator would wait on
+        # each other for ever.
+        registered = asyncio.create_task(self._keep_registered(), name="re-register")
         await self._wait(lambda: self.init_order is not None and self._me() is not None)
         assert self.roce_map is not None
         self.role = self.roce_map.role_of(self.instance)
@@ -187,7 +193,7 @@ class Resident:
             await self._write_health()
         except coordination.ERRORS as exc:  # _keep_health writes it again
             log.warning("first health report not written (%s)", type(exc).__name__)
-        await asyncio.gather(self._keep_health(), self._keep_links(), self._keep_registered())
+        await asyncio.gather(self._keep_health(), self._keep_links(), registered)
 
     async def _wait(self, condition: Any) -> None:
         while not condition():
@@ -220,8 +226,13 @@ class Resident:
         self._map_changed.set()
 
     def _set_map(self, data: bytes | None) -> None:
+        """A new map. An absent one changes nothing: the group is being deleted (this pod goes
+        with it) or ZooKeeper lost its data (the operator rebuilds the map, and meanwhile peers
+        still handshake against the last one)."""
+        if not data:
+            return
         try:
-            self.roce_map = zl.RoceMap.parse(data) if data else None
+            self.roce_map = zl.RoceMap.parse(data)
         except ValueError:
             log.error("ignoring an unreadable roce-map")
             return
@@ -263,7 +274,10 @@ class Resident:
                 "unknown_peer",
                 f"{caller} is not in this group's RoCE map v{self.roce_map.version}",
             )
-        if (body.get("roceIps"), body.get("incarnation")) != (entry.roce_ips, entry.incarnation):
+        if (body.get("roceIps"), body.get("incarnation", "")) != (
+            entry.roce_ips,
+            entry.incarnation,
+        ):
             raise EngineError(
                 409,
                 "stale_peer",
@@ -314,7 +328,10 @@ class Resident:
                 f"{peer.instance} refused the link: {response.status_code} {response.text[:200]}"
             )
         answer = response.json()
-        if (answer.get("roceIps"), answer.get("incarnation")) != (peer.roce_ips, peer.incarnation):
+        if (answer.get("roceIps"), answer.get("incarnation", "")) != (
+            peer.roce_ips,
+            peer.incarnation,
+        ):
             raise LinkError(
                 f"{peer.instance} answered RoCE IPs {answer.get('roceIps')} incarnation "
                 f"{answer.get('incarnation')}, the map {peer.roce_ips} {peer.incarnation}"
@@ -362,19 +379,31 @@ class Resident:
         missing or joins other incarnations than the map's (one lost with ZooKeeper's data, or
         one a newcomer did not finish): verifying a link again interrupts nothing."""
         while True:
-            self._map_changed.clear()
             await self._map_changed.wait()
+            self._map_changed.clear()  # before the work: a change during it is seen next round
             self._removed_addresses()
             if self.role is zl.Role.PREFILL and self._me() is not None:
                 await self._repair_links()
 
     async def _repair_links(self) -> None:
-        assert self.roce_map is not None
-        for peer in self.roce_map.peers_of(self.instance):
-            try:
-                await self._link_one(peer)
-            except (LinkError, httpx.HTTPError, coordination.ZooKeeperError) as exc:
-                log.info("link to %s not repaired yet: %s", peer.instance, exc)
+        """Every link to a decode the map names, verified again where it is missing or stale;
+        retried (a peer may not have the new map yet) until all join or the map changes."""
+        delay = 0.2
+        while not self._map_changed.is_set():
+            assert self.roce_map is not None
+            pending = []
+            for peer in self.roce_map.peers_of(self.instance):
+                try:
+                    await self._link_one(peer)
+                except (LinkError, httpx.HTTPError, coordination.ZooKeeperError) as exc:
+                    pending.append(f"{peer.instance}: {exc}")
+            if not pending:
+                return
+            log.info("links not repaired yet (%s); again in %.1fs", "; ".join(pending), delay)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._map_changed.wait()
+            delay = min(delay * 2, 5.0)
 
     # ------------------------------------------------------------------ health
     def _health(self) -> zl.Health | None:
@@ -406,10 +435,11 @@ class Resident:
             return
         path = self.paths.health_of(self.instance)
         health = self._health()
-        if health is None:
-            await self.zk.run(self.zk.delete, path)
-            return
-        await self.zk.run(self.zk.own, path, health.dump())
+        async with self._writes:
+            if health is None:
+                await self.zk.run(self.zk.delete, path)
+                return
+            await self.zk.run(self.zk.own, path, health.dump())
 
     async def _keep_health(self) -> None:
         interval = self.engine.clock.to_wall(self.engine.config.health_interval)
@@ -419,10 +449,11 @@ class Resident:
                 async with asyncio.timeout(interval):
                     await self._health_dirty.wait()
             try:
-                # The report too: a restarted container converges without help even if a
-                # previous process's session took ours with it (re-registration is not only
-                # at start or on a lost session).
-                await self._write_report()
+                # The report too, if it is not ours: a restarted container converges without
+                # help even if a previous process's session took ours with it
+                # (re-registration is not only at start or on a lost session).
+                if not await self.zk.run(self.zk.owns, self.paths.report(self.instance)):
+                    await self._write_report()
                 await self._write_health()
             except coordination.ERRORS as exc:  # _keep_registered rewrites it
                 log.warning("health report not written (%s); retrying", type(exc).__name__)

@@ -11,17 +11,19 @@ one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from matrixserve.api import zk_layout as zl
-from matrixserve.coordination import Session
+from matrixserve.coordination import NotEmptyError, Session
 from matrixserve.domain.effects import ZnodeChange
 from matrixserve.domain.pdgroup import ZkView
 
 log = logging.getLogger("matrixserve.zookeeper")
+DELETE_TRIES = 10
 
 
 class GroupStore:
@@ -30,6 +32,7 @@ class GroupStore:
         self._lock = threading.Lock()
         self._watched: dict[str, list[Callable[[], None]]] = {}
         self._epochs: dict[str, int] = {}  # which watch registration is the live one
+        self._handles: dict[str, list[Any]] = {}  # the session's watches, cancelled at unwatch
         self._epoch = 0
 
     @property
@@ -111,7 +114,16 @@ class GroupStore:
         path = zl.group_path(namespace, group)
 
         def delete() -> bool:
-            existed = self.session.delete(path, recursive=True)
+            # Engines still running (their pods go after the group) write their report and
+            # health into the folders being deleted: a child created between kazoo's listing
+            # and its folder's deletion fails the folder's; go again (a running engine never
+            # recreates a folder; one starting meanwhile may: the next sweep takes those).
+            for _ in range(DELETE_TRIES - 1):
+                with contextlib.suppress(NotEmptyError):
+                    existed = self.session.delete(path, recursive=True)
+                    break
+            else:
+                existed = self.session.delete(path, recursive=True)
             self.session.prune(path.rsplit("/", 1)[0])  # the namespace folder, once empty
             return existed
 
@@ -141,12 +153,19 @@ class GroupStore:
                 callback()
             return True
 
-        for folder in (paths.reports, paths.links, paths.health, paths.entrances, paths.removed):
+        handles = [
             self.session.watch_children(folder, fire, send_event=True)
-        self.session.watch_data(paths.roce_map, fire)
+            for folder in (paths.reports, paths.links, paths.health, paths.entrances, paths.removed)
+        ]
+        handles.append(self.session.watch_data(paths.roce_map, fire))
+        with self._lock:
+            self._handles[key] = handles
 
     def unwatch(self, namespace: str, group: str) -> None:
         key = zl.group_path(namespace, group)
         with self._lock:
             self._watched.pop(key, None)
             self._epochs.pop(key, None)
+            handles = self._handles.pop(key, [])
+        for handle in handles:  # a deleted group's watches are not armed again on a new session
+            self.session.cancel(handle)

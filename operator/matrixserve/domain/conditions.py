@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 
@@ -46,3 +47,15 @@ def is_true(status: Mapping[str, Any] | None, kind: str) -> bool:
         c.get("type") == kind and c.get("status") == "True"
         for c in (status or {}).get("conditions") or []
     )
+
+
+def find(status: Mapping[str, Any] | None, kind: str) -> Mapping[str, Any]:
+    """The object's condition ``kind`` as stored (empty if it has none)."""
+    return next((c for c in (status or {}).get("conditions") or [] if c.get("type") == kind), {})
+
+
+def seconds_since(timestamp: str | None, now: float) -> float | None:
+    """Seconds from an RFC 3339 timestamp (as conditions and deletions carry) to ``now``."""
+    if not timestamp:
+        return None
+    return now - datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()

@@ -73,6 +73,7 @@ class GroupRoute:
     status_entrances: list[Entrance] = field(default_factory=list)  # from the PDGroup status
     watched: bool = False
     generation: int = 0  # bumped when the session is lost: older watches then stop
+    watch: Any = None  # the session's entrance watch, cancelled when replaced or the group goes
 
     def settle(self, spec: PDGroupSpec | RoutingFields) -> None:
         """Take the routing settings of a (valid) spec."""
@@ -151,7 +152,7 @@ class Discovery:
                     seen.add(self._upsert(obj))
                 with self.lock:
                     for key in [k for k in self.groups if k not in seen]:
-                        del self.groups[key]
+                        self._drop(key)
                 self.synced.set()
                 stream = watch.Watch()
                 for event in stream.stream(
@@ -165,7 +166,7 @@ class Discovery:
                         key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
                         self._invalid.pop(key, None)
                         with self.lock:
-                            self.groups.pop(key, None)
+                            self._drop(key)
                     elif event["type"] in ("ADDED", "MODIFIED"):
                         self._upsert(obj)
                     if self._stop.is_set():
@@ -175,6 +176,12 @@ class Discovery:
                     return
                 log.warning("PDGroup watch restarting: %s", exc)
                 time.sleep(1)
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        """Forget a group that is gone (caller holds the lock), its entrance watch with it."""
+        route = self.groups.pop(key, None)
+        if route is not None and route.watch is not None:
+            self.zk.cancel(route.watch)
 
     def _upsert(self, obj: dict[str, Any]) -> tuple[str, str]:
         meta = obj["metadata"]
@@ -291,4 +298,6 @@ class Discovery:
                 alive = self.groups.get((route.namespace, route.name)) is route
             return alive  # False stops the watch once the group is gone
 
-        self.zk.watch_children(paths.entrances, changed)
+        if route.watch is not None:
+            self.zk.cancel(route.watch)  # the previous session's
+        route.watch = self.zk.watch_children(paths.entrances, changed)

@@ -80,6 +80,7 @@ class Reconciler:
         self.wakes: dict[Key, asyncio.Event] = {}
         self.generations: dict[Key, int] = {}
         self.invalid_reported: dict[Key, int] = {}
+        self.noticed: dict[Key, set[tuple[str, str]]] = {}  # each object's notices posted
 
     # ------------------------------------------------------------------ wake-ups
     def wake(self, namespace: str, name: str) -> None:
@@ -142,6 +143,7 @@ class Reconciler:
             self.wakes.pop(key, None)
             self.generations.pop(key, None)
             self.invalid_reported.pop(key, None)
+            self.noticed.pop(key, None)
 
     async def _pass(
         self, namespace: str, name: str, logger: logging.Logger, reconcile: ReconcileFn
@@ -221,14 +223,30 @@ class Reconciler:
     # ------------------------------------------------------------------ actions
     async def apply(
         self, body: Mapping[str, Any], actions: Sequence[Effect], znodes: ZnodesFn
-    ) -> None:
+    ) -> bool:
         """Pod creations are independent of each other: issued together; everything else in
-        the plan's order."""
+        the plan's order. A notice is posted once while it holds (a plan repeats it every pass
+        its cause lasts), again if it comes back. True if anything was to be changed."""
+        meta = body["metadata"]
+        key = (meta["namespace"], meta["name"])
+        notices = [a for a in actions if isinstance(a, Notice)]
+        said = self.noticed.get(key, set())
+        current: set[tuple[str, str]] = set()
+        for notice in notices:
+            event = notice.describe()
+            if event is None:
+                continue
+            current.add((event.reason, event.message))
+            if (event.reason, event.message) not in said:
+                self.post(body, event)
+        self.noticed[key] = current
+        actions = [a for a in actions if not isinstance(a, Notice)]
         creations = [a for a in actions if isinstance(a, PodCreation)]
         await asyncio.gather(*(self._apply(body, a, znodes) for a in creations))
         for action in actions:
             if not isinstance(action, PodCreation):
                 await self._apply(body, action, znodes)
+        return bool(actions)
 
     async def _apply(self, body: Mapping[str, Any], action: Effect, znodes: ZnodesFn) -> None:
         namespace = body["metadata"]["namespace"]
@@ -239,8 +257,6 @@ class Reconciler:
             changed = await self.kube.delete_pod(namespace, action.name, action.uid)
         elif isinstance(action, ZnodeChange):
             await znodes(action)
-            changed = True
-        elif isinstance(action, Notice):
             changed = True
         else:
             raise TypeError(f"no applier for {action!r}")

@@ -134,8 +134,9 @@ async def startup(
 
     def on_state(state: SessionState) -> None:  # from a kazoo thread
         metrics.set_zk_state(state)
-        if state is SessionState.CONNECTED:  # coordination is back: let every object re-plan
-            runtime.loop.call_soon_threadsafe(runtime.wake_all)
+        # Every transition changes what may be planned: back, every object re-plans; gone, every
+        # object says so at once (its last known status kept) rather than at the next resync.
+        runtime.loop.call_soon_threadsafe(runtime.wake_all)
 
     session.add_listener(on_state)
     metrics.set_zk_state(SessionState.CONNECTING)

@@ -22,7 +22,9 @@ class CreatePod(PodCreation):
     manifest: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def describe(self) -> Event:
-        return Event("CreatedPod", f"Created pod {self.name} for a {role_label(self.role)} instance")
+        return Event(
+            "CreatedPod", f"Created pod {self.name} for a {role_label(self.role)} instance"
+        )
 
 
 @dataclass(frozen=True)

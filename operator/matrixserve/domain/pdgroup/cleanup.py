@@ -9,7 +9,8 @@ subtree of every group that no longer exists in Kubernetes.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import datetime
+
+from matrixserve.domain.conditions import seconds_since
 
 # How long a deletion waits for ZooKeeper before the object is let go (the issue's bound for
 # `kubectl delete` while ZooKeeper is down is 60 s, so this leaves room for the retries).
@@ -18,10 +19,8 @@ FINALIZER_WAIT_SECONDS = 30.0
 
 def give_up_waiting(deletion_timestamp: str | None, now: float) -> bool:
     """Whether a deletion has waited long enough for ZooKeeper (RFC 3339 timestamp)."""
-    if not deletion_timestamp:
-        return False
-    since = datetime.fromisoformat(deletion_timestamp.replace("Z", "+00:00")).timestamp()
-    return now - since >= FINALIZER_WAIT_SECONDS
+    waited = seconds_since(deletion_timestamp, now)
+    return waited is not None and waited >= FINALIZER_WAIT_SECONDS
 
 
 Key = tuple[str, str]  # (namespace, name)

@@ -83,6 +83,10 @@ def gather(
     """Before the group has a map: its actions, and the map written now (if every desired
     instance has reported)."""
     actions: list[Action] = []
+    reported = [view.reports[n] for n in desired if n in view.reports]
+    known = int(view.previous.get("roceMapVersion") or 0)
+    if known:  # a formed group whose map ZooKeeper lost: its pods serve; none is released here
+        return rebuild(view, desired, reported, known)
     # Extra instances (replicas lowered before the map existed) carry no traffic yet.
     for name, instance in live_instances(view).items():
         if name not in desired:
@@ -92,11 +96,6 @@ def gather(
             and view.now - instance.leader.created_at > GATHER_TIMEOUT_SECONDS
         ):
             actions += release_pods(instance, "did not report its RoCE IPs in time; retrying")
-    reported = [view.reports[n] for n in desired if n in view.reports]
-    known = int(view.previous.get("roceMapVersion") or 0)
-    if known:
-        rebuilt, roce_map = rebuild(view, desired, reported, known)
-        return actions + rebuilt, roce_map
     if not desired or len(reported) != len(desired):
         return actions, None
     new_map = zl.build_roce_map(reported, dict(desired), version=1)
@@ -245,7 +244,10 @@ def open_traffic(view: GroupView, change: Change, earlier: list[Action]) -> list
     all_healthy = bool(members) and all(view.healthy(n) for n in members)
     serving_decodes = [e for e in roce_map.decode if serving(view, e)]
     current = list(zk.decode_meta.decodes) if zk.decode_meta else []
-    opened = bool(zk.entrances - set(change.leaving))
+    # Opened before: entrances now, or (ZooKeeper lost them with its data) in the last status.
+    opened = bool(zk.entrances - set(change.leaving)) or (
+        not zk.entrances_present and bool(view.previous.get("entrances"))
+    )
     if (opened or all_healthy) and serving_decodes != current:
         version = (zk.decode_meta.version if zk.decode_meta else 0) + 1
         actions.append(WriteDecodeMeta(zl.DecodeMeta(version=version, decodes=serving_decodes)))

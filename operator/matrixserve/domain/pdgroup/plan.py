@@ -27,7 +27,7 @@ from typing import Any
 
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
-from matrixserve.domain.conditions import Condition
+from matrixserve.domain.conditions import Condition, find, seconds_since
 from matrixserve.domain.pdgroup import membership, status
 from matrixserve.domain.pdgroup.actions import Action, CreatePod
 from matrixserve.domain.pdgroup.membership import RoleCounts
@@ -110,16 +110,24 @@ REBUILDING = (
 )
 
 
+REBUILD_HOLD_SECONDS = 30.0  # the issue's bound for Ready after data loss
+
+
 def rebuilding(view: GroupView) -> bool:
     """The group had served (its status lists entrances) and ZooKeeper has no entrances folder
-    for it: the server lost its data and the entrances are not back yet."""
+    for it: the server lost its data and the entrances are not back yet. Held for at most
+    ``REBUILD_HOLD_SECONDS``: a group that cannot open again (a member down) then says so."""
     zk = view.zk
-    return (
+    if not (
         zk.connected
         and not zk.entrances_present
         and bool(view.previous.get("roceMapVersion"))
         and bool(view.previous.get("entrances"))
-    )
+    ):
+        return False
+    held = find(view.previous, status.COORDINATED)
+    since = seconds_since(held.get("lastTransitionTime"), view.now)
+    return held.get("reason") != "Rebuilding" or since is None or since < REBUILD_HOLD_SECONDS
 
 
 # --------------------------------------------------------------------------- the plan
@@ -128,9 +136,9 @@ def plan(view: GroupView, seams: Seams = TODAY) -> Plan:
     actions, roce_map, blocked = _actions(view, seams, desired)
     actions += status.trouble_notices(view, desired)
     if blocked:
-        held = status.hold(view, blocked)
+        held = status.hold(view, desired, blocked)
     elif rebuilding(view):
-        held = status.hold(view, REBUILDING, reason="Rebuilding")
+        held = status.hold(view, desired, REBUILDING, reason="Rebuilding")
     else:
         held = None
     derived = held or status.derive(view, actions, desired, roce_map, blocked)

@@ -16,6 +16,7 @@ from typing import Any
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.domain.conditions import Condition
+from matrixserve.domain.conditions import find as conditions_find
 from matrixserve.domain.pdgroup.actions import (
     Action,
     CreatePod,
@@ -124,14 +125,11 @@ def troubles(view: GroupView, desired: Mapping[str, zl.Role]) -> dict[str, tuple
 
 
 def trouble_notices(view: GroupView, desired: Mapping[str, zl.Role]) -> list[Action]:
-    """A Warning Event for a pod's trouble the status does not report yet (once, not every
-    pass: the status then carries it)."""
-    conditions = view.previous.get("conditions") or []
-    ready: Mapping[str, Any] = next((c for c in conditions if c.get("type") == "Ready"), {})
+    """A Warning Event for each pod that cannot run, every pass it lasts (the applier posts a
+    notice once while it holds)."""
     return [
         ReportPodTrouble(pod, reason, message)
         for pod, (reason, message) in sorted(troubles(view, desired).items())
-        if not (ready.get("reason") == reason and f"{pod}: " in str(ready.get("message")))
     ]
 
 
@@ -158,22 +156,51 @@ def coordinated(blocked: str | None, reason: str = "ZooKeeperUnreachable") -> Co
     return Condition(COORDINATED, False, reason, blocked)
 
 
-def hold(view: GroupView, blocked: str, reason: str = "ZooKeeperUnreachable") -> GroupStatus | None:
+HELD = ("roceMapVersion", "links", "instances", "entrances", "prefill", "decode")
+
+
+def hold(
+    view: GroupView,
+    desired: Mapping[str, zl.Role],
+    blocked: str,
+    reason: str = "ZooKeeperUnreachable",
+) -> GroupStatus | None:
     """The last known status, kept while ZooKeeper cannot say better (out of reach, or the
     group's data being rebuilt after the server lost it), as the engines keep serving and the
-    gateway routes by it: only the ``Coordinated`` condition changes, and its
-    ``lastTransitionTime`` says since when. None before anything was known."""
+    gateway routes by it: the ``Coordinated`` condition says since when (its
+    ``lastTransitionTime``). What Kubernetes shows still counts: a member whose pod is gone or
+    not Ready makes ``Ready`` False. None when there is no complete status to keep (nothing
+    known yet, or only an ``InvalidSpec`` one)."""
     previous = view.previous
-    known = [c for c in previous.get("conditions") or [] if c.get("type") != COORDINATED]
-    if not known:
+    if (
+        any(k not in previous for k in HELD)
+        or conditions_find(previous, "Ready").get("reason") == "InvalidSpec"
+    ):
         return None
     conditions = [
         Condition(c["type"], c.get("status") == "True", c.get("reason", ""), c.get("message", ""))
-        for c in known
+        for c in previous.get("conditions") or []
+        if c.get("type") not in (COORDINATED, "Ready")
     ]
+    ready = conditions_find(previous, "Ready").get("status") == "True"
+    down = sorted(
+        name
+        for name in desired
+        if (instance := view.instances.get(name)) is None or instance.deleting or not instance.ready
+    )
+    if ready and down:
+        ready_condition = Condition(
+            "Ready", False, reason, f"{', '.join(down)} not Ready; {blocked}"
+        )
+    else:
+        old = conditions_find(previous, "Ready")
+        ready_condition = Condition(
+            "Ready", ready, old.get("reason", reason), old.get("message", blocked)
+        )
     kept = {k: v for k, v in previous.items() if k != "conditions"}
-    ready = any(c.type == "Ready" and c.status for c in conditions)
-    return GroupStatus(kept, [*conditions, coordinated(blocked, reason)], ready)
+    return GroupStatus(
+        kept, [*conditions, ready_condition, coordinated(blocked, reason)], ready and not down
+    )
 
 
 def derive(

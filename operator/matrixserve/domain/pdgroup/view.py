@@ -73,7 +73,8 @@ class GroupView:
             name: report
             for name, report in self.zk.reports.items()
             if (instance := self.instances.get(name)) is not None
-            and report.pod_uid == instance.leader.uid
+            # an engine of an older image does not say its pod: known by name, as before
+            and report.pod_uid in (instance.leader.uid, "")
         }
 
     def current(self, entry: zl.MapEntry) -> bool:

@@ -4,6 +4,7 @@ new ZooKeeper session (issue 15)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 
@@ -57,6 +58,12 @@ class PDGroups:
     metrics: PDGroupMetrics
     ready: set[Key] = field(default_factory=set)
     kind: kinds.Kind = KIND
+    sweeps: set[asyncio.Task[None]] = field(default_factory=set)  # running (kept from the GC)
+
+    def start_sweep(self) -> None:
+        task = self.rt.loop.create_task(sweep(self))
+        self.sweeps.add(task)
+        task.add_done_callback(self.sweeps.discard)
 
     def forget(self, key: Key) -> None:
         self.metrics.setup.forget(key)
@@ -75,7 +82,7 @@ def install(rt: Runtime) -> PDGroups:
             SessionState.CONNECTING,
             SessionState.LOST,
         ):  # a new session: sweep what deletions could not remove
-            rt.loop.call_soon_threadsafe(lambda: rt.loop.create_task(sweep(groups)))
+            rt.loop.call_soon_threadsafe(groups.start_sweep)
         last[0] = state
 
     rt.session.add_listener(on_state)

@@ -10,6 +10,7 @@ from typing import Any
 
 import kopf
 
+from matrixserve import coordination
 from matrixserve.api import kinds
 from matrixserve.domain import pdgroup as pd
 from matrixserve.domain.effects import ZnodeChange
@@ -98,13 +99,13 @@ async def reconcile(groups: PDGroups, namespace: str, name: str, logger: logging
     async def znodes(action: ZnodeChange[Any]) -> None:
         await groups.store.apply(namespace, name, action)
 
-    await groups.loop.apply(body, plan.actions, znodes)
+    busy = await groups.loop.apply(body, plan.actions, znodes)
     await groups.loop.write_status(body, plan.status, plan.conditions)
     _track_setup(groups, (namespace, name), plan)
     groups.metrics.links_verified.labels(namespace=namespace, group=name).set(
         plan.status["links"]["verified"]
     )
-    return bool(plan.actions)
+    return busy
 
 
 def _track_setup(groups: PDGroups, key: Key, plan: pd.Plan) -> None:
@@ -148,7 +149,11 @@ async def deleted(
         )
         groups.forget((namespace, name))
         return
-    removed = await groups.store.delete(namespace, name)
+    try:
+        removed = await groups.store.delete(namespace, name)
+    except (coordination.ZooKeeperError, coordination.CallTimeout, ConnectionError) as exc:
+        # lost mid-way: retried within the bound, not after kopf's minute of back-off
+        raise kopf.TemporaryError(f"ZooKeeper failed during the deletion: {exc}", delay=5) from exc
     groups.forget((namespace, name))
     logger.info(
         "deleted the ZooKeeper subtree of %s/%s" if removed else "no ZooKeeper subtree for %s/%s",
