@@ -509,7 +509,14 @@ def drain(stage: Stage, traffic: Traffic, chaos: Chaos, instance: str) -> None:
     chaos.to_serving.append(serving)
     chaos.to_ready.append(to_ready)
     ready_engine = max(engine["linked"], engine["healthy"])
-    overhead = (served.first_token or 0.0) - ready_engine
+    resumed = served.first_token or 0.0
+    if instance.startswith(f"{GROUP}-p-"):
+        # A prefill serves once it is an entrance again; which requests the gateway then sends
+        # it (batch forwarding keeps a busy-enough prefill first) is load balancing, not recovery.
+        opened = stage.znode(paths.entrance(instance))
+        assert opened is not None, f"{instance} is not an entrance again"
+        resumed = min(resumed, opened[1].ctime / 1000)
+    overhead = resumed - ready_engine
     chaos.notes.append(
         f"not Ready after {unready:.1f}s; new engine reported +{engine['reported'] - fault:.1f}s, "
         f"linked +{engine['linked'] - fault:.1f}s, healthy +{engine['healthy'] - fault:.1f}s; "

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -385,3 +386,45 @@ async def test_closing_the_pool_ends_what_waits_on_it() -> None:
         with pytest.raises(UpstreamError, match="dropped the connection"):
             await asyncio.wait_for(heading, 2)
         assert await streaming.batch() == []
+
+
+async def test_a_prefill_that_cannot_be_reached_is_passed_over_for_a_while() -> None:
+    """Passive health: routes may be stale (ZooKeeper out of reach, the status the last known),
+    so a prefill that could not be reached is not tried first again by the next requests."""
+    from matrixserve.domain.forwarding import Completion, Entrance
+    from matrixserve.gateway.app import GatewayConfig, GatewayMetrics
+    from matrixserve.gateway.discovery import GroupRoute
+    from matrixserve.gateway.forwarder import Forwarder
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        while await read_request(reader) is not None:
+            writer.write(stream_bytes(["a"]))
+            await writer.drain()
+
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    try:
+        async with engine(answer) as (_, alive):
+            route = GroupRoute("ns", "g", "general", 2000, 0, 8)
+            route.entrances = [
+                Entrance("g-p-0", f"127.0.0.1:{dead.getsockname()[1]}"),
+                Entrance("g-p-1", alive),
+            ]
+            metrics = GatewayMetrics()
+            forwarder = Forwarder(cast(Any, None), GatewayConfig(), metrics)
+            await forwarder.start()
+            completion = Completion("general", "hi", 1, stream=True, chat=False)
+            for i in range(3):  # a scenario each: no batch-forwarding stickiness
+                chosen = await forwarder.forward(f"s{i}", [route], completion)
+                assert not isinstance(chosen, str), chosen
+                entrance, stream = chosen
+                assert entrance.instance == "g-p-1"
+                await drain(stream)
+                stream.release()
+            unreachable = metrics.registry.get_sample_value(
+                "matrixserve_gateway_forward_attempts_total", {"answer": "unreachable"}
+            )
+            assert unreachable == 1  # tried once, then passed over
+            await forwarder.close()
+    finally:
+        dead.close()

@@ -42,6 +42,10 @@ if TYPE_CHECKING:  # the app composes this module's parts; they only name its ty
 # When every entrance is busy, wait for a slot to be released (a stream's second token or its
 # end), at most this long (wall s: other gateways' requests release slots this one cannot see).
 RETRY_PAUSE_SECONDS = 0.02
+# Passive health: a prefill that could not be reached (or did not answer in time) is passed over
+# for this long (wall s), while another entrance is open; its routes may be stale (ZooKeeper out
+# of reach, the group's status the last known one).
+PASSED_OVER_SECONDS = 2.0
 _REFUSAL = {"rejected": "rejected", "timeout": "not answered in time", "unreachable": "unreachable"}
 
 
@@ -59,6 +63,7 @@ class Forwarder:
         self.released = asyncio.Event()  # set (and replaced) whenever a prefill slot frees
         self.last_accepted: dict[str, str] = {}  # per scenario
         self.reported: dict[str, int] = {}  # the prefills' last queue reports
+        self.failing: dict[str, float] = {}  # passed over until (monotonic s), per prefill
         self.turns = itertools.count()
         self.engines: EnginePool | None = None  # the relay's connections (the hot path)
         self.session: aiohttp.ClientSession | None = None  # the queue reports' polls
@@ -153,6 +158,10 @@ class Forwarder:
             slots = {e.instance: g.prefill_batch for g in routes for e in g.entrances}
             if not entrances:
                 return f"scenario {scenario!r} has no prefill entrance open"
+            now = time.monotonic()
+            entrances = [
+                e for e in entrances if self.failing.get(e.instance, 0.0) <= now
+            ] or entrances
             loads = Loads(
                 self.open,
                 self.prefilling,
@@ -180,8 +189,11 @@ class Forwarder:
                 response = await self._try(entrance, json.dumps(body).encode(), remaining)
                 if not isinstance(response, str):
                     self.last_accepted[scenario] = entrance.instance
+                    self.failing.pop(entrance.instance, None)
                     return entrance, response
                 refusals[response] += 1
+                if response in ("unreachable", "timeout"):
+                    self.failing[entrance.instance] = time.monotonic() + PASSED_OVER_SECONDS
                 if self.last_accepted.get(scenario) == entrance.instance:
                     del self.last_accepted[scenario]  # it is busy: batch forwarding moves on
             remaining = wall_budget - (time.monotonic() - started)
