@@ -81,6 +81,9 @@ class Reconciler:
         self.generations: dict[Key, int] = {}
         self.invalid_reported: dict[Key, int] = {}
         self.noticed: dict[Key, set[tuple[str, str]]] = {}  # each object's notices posted
+        # Pods whose creation found one of that name already there (409), per object: whose
+        # they are is worth a look (another owner's pod holding the name?).
+        self.taken: dict[Key, set[str]] = {}
 
     # ------------------------------------------------------------------ wake-ups
     def wake(self, namespace: str, name: str) -> None:
@@ -144,6 +147,7 @@ class Reconciler:
             self.generations.pop(key, None)
             self.invalid_reported.pop(key, None)
             self.noticed.pop(key, None)
+            self.taken.pop(key, None)
 
     async def _pass(
         self, namespace: str, name: str, logger: logging.Logger, reconcile: ReconcileFn
@@ -253,6 +257,12 @@ class Reconciler:
         self.metrics.actions.labels(action=type(action).__name__).inc()
         if isinstance(action, PodCreation):
             changed = await self.kube.create_pod(namespace, action.manifest)
+            pod = str(action.manifest["metadata"]["name"])
+            taken = self.taken.setdefault((namespace, body["metadata"]["name"]), set())
+            if changed:
+                taken.discard(pod)
+            else:
+                taken.add(pod)
         elif isinstance(action, PodDeletion):
             changed = await self.kube.delete_pod(namespace, action.name, action.uid)
         elif isinstance(action, ZnodeChange):

@@ -75,8 +75,10 @@ async def reconcile(groups: PDGroups, namespace: str, name: str, logger: logging
         await groups.loop.report_invalid(body, errors, logger)
         return False
     groups.loop.spec_valid(namespace, name)
-    # A pod holding one of the group's names that is not the group's (looked up together).
-    absent = [pod for pod in pd.spec_pod_names(name, spec) if pod not in pods]
+    # A pod holding one of the group's names that is not the group's: looked up (together) for
+    # the names whose creation found a pod there, not on every pass.
+    taken = groups.loop.taken.get((namespace, name), set())
+    absent = [pod for pod in pd.spec_pod_names(name, spec) if pod not in pods and pod in taken]
     owners = await asyncio.gather(*(rt.kube.owner_of(namespace, pod) for pod in absent))
     foreign = {pod: owner for pod, owner in zip(absent, owners, strict=True) if owner}
     view = pd.GroupView(
