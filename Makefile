@@ -9,9 +9,15 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEVCLUSTER := $(PY) -m matrixserve.devcluster
 PYTEST_ARGS ?=
+# checkov (a dev tool: the chart's security checks) pins many packages of its own: it lives in its
+# own virtual environment, never in $(VENV).
+CHECKOV_VENV := .venv-checkov
+CHECKOV_VERSION := 3.3.30
+CHECKOV_STAMP := $(CHECKOV_VENV)/.installed-$(CHECKOV_VERSION)
 
 .DEFAULT_GOAL := help
-.PHONY: help venv setup test test-unit lint demo cluster-up cluster-down cluster-status bench \
+.PHONY: help venv setup test test-unit lint checkov checkov-venv helm demo cluster-up cluster-down \
+        cluster-status bench \
         bench-node-emulator bench-engine-streams bench-operator-setup bench-gateway-overhead bench-ttft-slo \
         kind-up kind-down kind-load e2e-kind images clean
 
@@ -20,6 +26,7 @@ help:
 	@echo "make test          the whole suite (unit + real local cluster), all set-up included"
 	@echo "make test-unit     pure tests only (no cluster)"
 	@echo "make lint          ruff, mypy, import-linter"
+	@echo "make checkov       checkov's Kubernetes checks on the rendered Helm chart"
 	@echo "make bench         every benchmark (each alone: make bench-<name>)"
 	@echo "make cluster-up    start the dev cluster (see 'python -m matrixserve.devcluster env')"
 	@echo "make cluster-down  stop exactly what cluster-up started"
@@ -37,9 +44,29 @@ venv: $(STAMP)
 setup: venv
 	$(DEVCLUSTER) setup
 
+# helm alone, from the dev cluster's tool cache (the chart's unit tests render the chart).
+helm: venv
+	@$(PY) -c 'from pathlib import Path; from matrixserve.devcluster import tools; tools.ensure_helm(Path("$(VENV)/helm.log"))'
+
+$(CHECKOV_STAMP):
+	@test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install -q --disable-pip-version-check 'checkov==$(CHECKOV_VERSION)'
+	@touch $@
+
+checkov-venv: $(CHECKOV_STAMP)
+
+# The chart as `helm template` renders it, checked by checkov (skips are in the chart, each with
+# its reason); tests/unit/test_chart_hardening.py does the same in `make test`, with more values.
+checkov: checkov-venv helm
+	@out=$$(mktemp -d) && trap 'rm -rf "$$out"' EXIT && \
+	  helm=$$($(PY) -c 'from matrixserve.devcluster import tools; print(tools.helm_path())') && \
+	  "$$helm" template matrixserve charts/matrixserve -n matrixserve > "$$out/chart.yaml" && \
+	  CKV_SKIP_PACKAGE_UPDATE_CHECK=true $(CHECKOV_VENV)/bin/checkov -f "$$out/chart.yaml" \
+	    --framework kubernetes --skip-download --compact
+
 # The whole suite: lint (layering is part of correctness), then unit and cluster tests; in CI
 # (CI=true, root) the two images are built and checked as well (podman; see `make images`).
-test: setup lint
+test: setup lint checkov-venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 	@if [ "$$CI" = "true" ]; then $(MAKE) --no-print-directory images; fi
 
@@ -58,7 +85,7 @@ e2e-kind: kind-up kind-load
 	kubectl config use-context kind-matrixserve
 	bash scripts/e2e-kind.sh
 
-test-unit: venv
+test-unit: venv helm checkov-venv
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
 lint: venv
@@ -112,4 +139,4 @@ kind-down:
 	kind delete cluster --name matrixserve
 
 clean: cluster-down
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(CHECKOV_VENV) .pytest_cache .mypy_cache .ruff_cache

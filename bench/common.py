@@ -14,13 +14,30 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import yaml
+from kazoo.client import KazooClient
 from kubernetes import client
 
+from matrixserve.devcluster.cluster import ClusterInfo
 from matrixserve.devcluster.namespaces import wait_for_service_account
 
 REPO = Path(__file__).resolve().parents[1]
 
 TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cluster_env(info: ClusterInfo) -> dict[str, str]:
+    """The environment of a process a benchmark starts against its own dev cluster: that
+    cluster's kubeconfig and ZooKeeper identity, whatever the calling shell exported."""
+    return {**os.environ, **info.env()}
+
+
+def zookeeper(info: ClusterInfo) -> KazooClient:
+    """A started ZooKeeper client of the benchmark's cluster, with MatrixServe's identity (its
+    znodes are readable by that identity alone)."""
+    auth = [("digest", info.zookeeper_auth)] if info.zookeeper_auth else None
+    zk = KazooClient(hosts=info.zookeeper, auth_data=auth)
+    zk.start()
+    return zk
 
 
 def run_bench(main: Callable[[Path], int], prefix: str) -> int:

@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 import yaml
 from common import (
     REPO,
+    cluster_env,
     collector_paused,
     cpu_seconds,
     gateway_command,
@@ -52,8 +53,8 @@ from common import (
     make_namespace,
     run_bench,
     wait_http,
+    zookeeper,
 )
-from kazoo.client import KazooClient
 from kubernetes import client, config
 
 from matrixserve.api import zk_layout as zl
@@ -161,7 +162,7 @@ async def closed_loop(
     async def user(i: int) -> None:
         nonlocal done
         while time.monotonic() < stop:
-            await lean.ttft(url, {**body, "requestId": f"c{i}-{done}"})
+            await lean.ttft(url, body)  # the gateway names requests itself
             done += 1
 
     try:
@@ -197,7 +198,7 @@ async def open_loop(
     try:
         for i in range(n):
             await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
-            task = asyncio.create_task(lean.ttft(gateway, {**body, "requestId": f"o{i}"}))
+            task = asyncio.create_task(lean.ttft(gateway, body))
             every_task.append(task)
             if i >= skip:
                 via.append(task)
@@ -289,8 +290,7 @@ def main(work: Path) -> int:
         assert upstream.stdout is not None
         if upstream.stdout.readline().strip() != b"ready":
             raise SystemExit("the null engine did not start")
-        zk = KazooClient(hosts=info.zookeeper)
-        zk.start()
+        zk = zookeeper(info)
         paths = zl.GroupPaths("bench", "bench")
         for host, name in ENGINES:
             zk.create(
@@ -302,7 +302,7 @@ def main(work: Path) -> int:
         (port,) = free_ports(1)
         gateway = subprocess.Popen(
             ["taskset", "-c", "0", *gateway_command(info.zookeeper, "bench", port)],
-            env={**os.environ, "KUBECONFIG": info.kubeconfig},
+            env=cluster_env(info),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

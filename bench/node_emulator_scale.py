@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import cpu_seconds, make_namespace, run_bench
+from common import (
+    cluster_env,
+    cpu_seconds,
+    make_namespace,
+    run_bench,
+)
 from kubernetes import client, config
 
 from enginestub.node.command import node_names, run_argv
@@ -73,7 +77,7 @@ def main(work: Path) -> int:
                 prefix="bench",
                 extra=("--log-level", "WARNING"),
             ),
-            env={**os.environ, "KUBECONFIG": info.kubeconfig},
+            env=cluster_env(info),
         )
         record = sup.record("node-emulator")
         assert record is not None

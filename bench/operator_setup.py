@@ -22,7 +22,6 @@ Writes ``bench/results/operator-setup.json`` and prints the table.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -30,7 +29,15 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from common import REPO, cpu_seconds, install_crds, make_namespace, run_bench
+from common import (
+    REPO,
+    cluster_env,
+    cpu_seconds,
+    install_crds,
+    make_namespace,
+    run_bench,
+    zookeeper,
+)
 from kazoo.client import KazooClient
 from kubernetes import client, config
 
@@ -116,13 +123,12 @@ def run_variant(
             "WARNING",
             *extra,
         ],
-        env={**os.environ, "KUBECONFIG": info.kubeconfig},
+        env=cluster_env(info),
     )
     time.sleep(3)  # operator start-up
     record = sup.record("operator")
     assert record is not None
-    zk = KazooClient(hosts=info.zookeeper)
-    zk.start()
+    zk = zookeeper(info)
     probe = Probe(api, zk, ns)
     body = yaml.safe_load((REPO / "crds" / "samples" / "pdgroup-2p1d.yaml").read_text())
     body["metadata"] = {"name": "bench"}

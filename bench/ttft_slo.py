@@ -58,6 +58,7 @@ import httpx
 import yaml
 from common import (
     REPO,
+    cluster_env,
     collector_paused,
     gateway_command,
     install_crds,
@@ -203,7 +204,7 @@ def start_gateway(sup: Supervisor, info: Any, policy: str, started: list[str]) -
     sup.start(
         f"gateway-{policy}",
         gateway_command(info.zookeeper, NS, port, "--time-scale", str(SCALE), "--policy", policy),
-        env={**os.environ, "KUBECONFIG": info.kubeconfig},
+        env=cluster_env(info),
     )
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/healthz")
@@ -239,7 +240,7 @@ def main(work: Path) -> int:
                     *("--metrics-port", str(free_ports(1)[0]), "--log-level", "WARNING"),
                     *("--liveness-port", str(free_ports(1)[0])),
                 ],
-                env={**os.environ, "KUBECONFIG": info.kubeconfig},
+                env=cluster_env(info),
             )
             group = yaml.safe_load((REPO / "crds" / "samples" / "pdgroup-2p1d.yaml").read_text())
             group["metadata"] = {"name": "slo"}

@@ -1,6 +1,6 @@
 """Fakes for unit tests of one layer: a scripted kazoo client (ZooKeeper's rules for znodes,
-versions, ephemerals and errors, in memory) and a scripted Kubernetes API (the 404/409/UID rules
-the adapters rely on). Cluster tests use the real ones."""
+versions, ephemerals, ACLs and errors, in memory) and a scripted Kubernetes API (the 404/409/UID
+rules the adapters rely on). Cluster tests use the real ones."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ from typing import Any
 from kazoo.client import KazooState
 from kazoo.exceptions import (
     BadVersionError,
+    NoAuthError,
     NodeExistsError,
     NoNodeError,
     NotEmptyError,
     RolledBackError,
 )
+from kazoo.security import ACL, OPEN_ACL_UNSAFE
 from kubernetes import client
 
 from matrixserve.api import zk_layout as zl
@@ -30,9 +32,24 @@ class Stat:
     ephemeralOwner: int  # kazoo's ZnodeStat field name: the owning session, 0 if persistent
 
 
+@dataclass
+class Answer:
+    """What kazoo's ``*_async`` calls return: ``get()`` gives the result or raises."""
+
+    value: Any = None
+    error: Exception | None = None
+
+    def get(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
 class FakeKazoo:
     """In-memory znodes with ZooKeeper's rules. ``fail`` scripts errors: ``fail["set"] =
-    [ConnectionLoss(), ...]`` raises them, in order, on the next ``set`` calls."""
+    [ConnectionLoss(), ...]`` raises them, in order, on the next ``set`` calls. ACLs: every
+    znode's is open unless set (``acls``); a znode in ``foreign`` belongs to another identity
+    (its ACL, children and ACL changes refused with ``NoAuthError``)."""
 
     def __init__(self) -> None:
         # path -> (data, version, owner session: 0 for a persistent znode)
@@ -44,6 +61,8 @@ class FakeKazoo:
         self.calls: list[tuple[str, str]] = []
         self.starts = 0
         self.stops = 0
+        self.acls: dict[str, list[ACL]] = {}
+        self.foreign: set[str] = set()
 
     # ------------------------------------------------------------------ session
     def add_listener(self, listener: Callable[[str], None]) -> None:
@@ -155,6 +174,43 @@ class FakeKazoo:
             self.delete(f"{path}/{child}", recursive=True)
         del self.nodes[path]
 
+    # ------------------------------------------------------------------ ACLs
+    def get_acls(self, path: str) -> tuple[list[ACL], Stat]:
+        self._call("get_acls", path)
+        if path not in self.nodes:
+            raise NoNodeError(path)
+        if path in self.foreign:
+            raise NoAuthError(path)
+        _, version, owner = self.nodes[path]
+        return list(self.acls.get(path, OPEN_ACL_UNSAFE)), Stat(version, owner)
+
+    def set_acls(self, path: str, acls: list[ACL], version: int = -1) -> Stat:
+        self._call("set_acls", path)
+        if path not in self.nodes:
+            raise NoNodeError(path)
+        if path in self.foreign:
+            raise NoAuthError(path)
+        self.acls[path] = list(acls)
+        _, current, owner = self.nodes[path]
+        return Stat(current, owner)
+
+    def _async(self, call: Callable[..., Any], *args: Any) -> Answer:
+        try:
+            return Answer(call(*args))
+        except Exception as exc:
+            return Answer(error=exc)
+
+    def get_acls_async(self, path: str) -> Answer:
+        return self._async(self.get_acls, path)
+
+    def set_acls_async(self, path: str, acls: list[ACL], version: int = -1) -> Answer:
+        return self._async(self.set_acls, path, acls, version)
+
+    def get_children_async(self, path: str) -> Answer:
+        if path in self.foreign:
+            return Answer(error=NoAuthError(path))
+        return self._async(self.get_children, path)
+
     def transaction(self) -> FakeTransaction:
         return FakeTransaction(self)
 
@@ -226,14 +282,16 @@ def api_error(status: int) -> client.ApiException:
 
 @dataclass
 class FakeCore:
-    """``CoreV1Api``'s pod and node calls, with the API server's rules: a create of an existing
-    name is 409, a delete with a stale UID precondition is 409, a missing pod is 404."""
+    """``CoreV1Api``'s pod, Secret and node calls, with the API server's rules: a create of an
+    existing name is 409, a delete with a stale UID precondition is 409, a missing pod is 404."""
 
     pods: dict[tuple[str, str], Any] = field(default_factory=dict)
     nodes: dict[str, dict[str, str]] = field(default_factory=dict)
     node_reads: int = 0
     selectors: list[str] = field(default_factory=list)
     deletes: list[tuple[str, str, str | None]] = field(default_factory=list)
+    secrets: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    secret_calls: list[tuple[str, str, str]] = field(default_factory=list)
 
     def create_namespaced_pod(self, namespace: str, body: dict[str, Any]) -> None:
         key = (namespace, body["metadata"]["name"])
@@ -265,6 +323,19 @@ class FakeCore:
             for o in body["metadata"].get("ownerReferences") or []
         ]
         return pod
+
+    def create_namespaced_secret(self, namespace: str, body: dict[str, Any]) -> None:
+        self.secret_calls.append(("create", namespace, body["metadata"]["name"]))
+        key = (namespace, body["metadata"]["name"])
+        if key in self.secrets:
+            raise api_error(409)
+        self.secrets[key] = copy.deepcopy(body)
+
+    def patch_namespaced_secret(self, name: str, namespace: str, body: dict[str, Any]) -> None:
+        self.secret_calls.append(("patch", namespace, name))
+        if (namespace, name) not in self.secrets:
+            raise api_error(404)
+        self.secrets[(namespace, name)] = merge_patch(self.secrets[(namespace, name)], body)
 
     def list_namespaced_pod(self, namespace: str, label_selector: str = "") -> Any:
         self.selectors.append(label_selector)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -278,12 +279,34 @@ def install_crds(
     return names
 
 
+def serves(gateway: str, tokens: int = 3) -> None:
+    """One completion through the gateway at ``gateway`` (its URL) answers with ``tokens``
+    tokens."""
+    answer = httpx.post(
+        f"{gateway}/v1/completions",
+        json={"model": "general", "prompt": "hi", "max_tokens": tokens},
+        timeout=30,
+        trust_env=False,
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == tokens
+
+
+def zookeeper_auth(auth: str | None = None) -> list[tuple[str, str]] | None:
+    """kazoo's ``auth_data`` for ``auth`` (``user:password``; by default MatrixServe's ZooKeeper
+    identity, $MATRIXSERVE_ZK_AUTH, which the cluster fixture sets for the session); None
+    without one (``auth=""``: none)."""
+    auth = os.environ.get("MATRIXSERVE_ZK_AUTH") if auth is None else auth
+    return [("digest", auth)] if auth else None
+
+
 @contextlib.contextmanager
-def zookeeper(hosts: str) -> Iterator[Any]:
-    """A started kazoo client for ``hosts`` (``host:port[/chroot]``), stopped and closed after."""
+def zookeeper(hosts: str, auth: str | None = None) -> Iterator[Any]:
+    """A started kazoo client for ``hosts`` (``host:port[/chroot]``), stopped and closed after;
+    authenticated as :func:`zookeeper_auth` says (its znodes get kazoo's open ACL)."""
     from kazoo.client import KazooClient
 
-    zk = KazooClient(hosts=hosts, timeout=10)
+    zk = KazooClient(hosts=hosts, timeout=10, auth_data=zookeeper_auth(auth))
     zk.start(timeout=15)
     try:
         yield zk

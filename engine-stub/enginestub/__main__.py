@@ -19,6 +19,7 @@ from aiohttp import web
 from enginestub.engine.config import ConfigError, parse
 from enginestub.engine.core import Engine
 from enginestub.engine.server import build_app
+from matrixserve import httpserving
 
 BAD_CONFIG = 2
 
@@ -38,9 +39,9 @@ async def serve(argv: list[str] | None = None) -> int:
         ready=(lambda: resident.ready) if resident else None,
     )
     runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    await httpserving.start(
+        runner, config.host, config.port, config.connection_limits, engine.metrics.registry
+    )
     logging.getLogger("enginestub").info(
         "engine %s (%s, %s on %d dies) on %s:%d, time scale %g",
         config.instance,

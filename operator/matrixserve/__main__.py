@@ -8,11 +8,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
 import kopf
 
+from matrixserve.api.zk_layout import Credentials
+from matrixserve.coordination import add_auth_flag
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.handlers import pdgroup  # registers the PDGroup handlers
 from matrixserve.handlers import runtime as _runtime
@@ -45,6 +48,12 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
         default=env.get("MATRIXSERVE_ZK"),
         help="host:port[/chroot] ($MATRIXSERVE_ZK)",
     )
+    add_auth_flag(
+        p,
+        "; set, every znode under /matrixserve is made (or at start set) readable and writable "
+        "by it alone, and engines get it from --engine-zookeeper-auth-secret; unset, znodes are "
+        "open to every client",
+    )
     p.add_argument(
         "--namespace", action="append", default=[], help="watch only these namespaces (repeatable)"
     )
@@ -71,6 +80,18 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
         choices=["reject", "queue"],
         default="reject",
         help="prefill admission: reject when busy (P/D-Serve) or queue (the gateway benchmark's baseline)",
+    )
+    p.add_argument(
+        "--engine-zookeeper-auth-secret",
+        default="matrixserve-zookeeper-auth",
+        help="the Secret (key 'auth') the operator writes with --zookeeper-auth into each namespace "
+        "where it creates engine pods, and that they read it from",
+    )
+    p.add_argument(
+        "--engine-fault-injection",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="engines accept POST/DELETE /v1/faults (tests, demos); off: they answer 403",
     )
     p.add_argument("--metrics-address", default="127.0.0.1")
     p.add_argument(
@@ -124,6 +145,10 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
             raise ValueError
     except ValueError:
         p.error(f"--engine-time-scale {args.engine_time_scale!r} must be a positive number")
+    auth: Credentials | None = args.zookeeper_auth
+    secret = args.engine_zookeeper_auth_secret
+    if len(secret) > 253 or not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", secret):
+        p.error(f"--engine-zookeeper-auth-secret {secret!r}: a Secret name (lower-case DNS name)")
     if not 0.1 <= args.resync_seconds <= 3600:
         p.error(f"--resync-seconds {args.resync_seconds} must be within 0.1..3600")
     if args.webhook_secret is not None and args.webhook_secret.count("/") != 1:
@@ -152,6 +177,9 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
             load_source=args.engine_load_source,
             health_interval_seconds=str(args.engine_health_interval),
             admission=args.engine_admission,
+            fault_injection=args.engine_fault_injection,
+            zookeeper_auth=auth,
+            zookeeper_auth_secret=args.engine_zookeeper_auth_secret,
         ),
         metrics_address=args.metrics_address,
         metrics_port=args.metrics_port,
@@ -166,6 +194,7 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
         resync_seconds=args.resync_seconds,
         zk_watches=args.zk_watches,
         namespaces=tuple(args.namespace),
+        zookeeper_auth=auth,
     )
     return config, args
 

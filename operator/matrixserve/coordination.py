@@ -27,15 +27,22 @@ Patroni's ZooKeeper DCS is the model:
   cost live sessions) is given up: listeners hear LOST, a fresh client connects, and every watch
   still wanted is armed again on it. Whoever owns ephemerals writes them again on CONNECTED, as
   after any lost session.
+- **Access** (issue 16 finding 7): given :class:`~matrixserve.api.zk_layout.Credentials`, every
+  client (a renewed one too) authenticates with that digest identity and creates every znode
+  with an ACL granting it, and only it, everything (no world access); :meth:`Session.restrict`
+  gives the same ACL to znodes created before (an upgrade). Without credentials, znodes are
+  open to every client, as ZooKeeper's default.
 
 kazoo is imported here and in the adapters built on it, never in ``matrixserve.domain``.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -43,10 +50,17 @@ from enum import StrEnum
 from typing import Any, TypeVar
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError, NotEmptyError
+from kazoo.exceptions import (
+    KazooException,
+    NoAuthError,
+    NodeExistsError,
+    NoNodeError,
+    NotEmptyError,
+)
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.recipe.watchers import ChildrenWatch, DataWatch
 from kazoo.retry import KazooRetry
+from kazoo.security import ACL, make_digest_acl
 
 from matrixserve.api import zk_layout as zl
 
@@ -58,7 +72,17 @@ T = TypeVar("T")
 ERRORS: tuple[type[Exception], ...] = (KazooException, KazooTimeoutError)
 ZooKeeperError = KazooException  # the base of what a call on a live client raises
 CallTimeout = KazooTimeoutError  # a call that got no answer in time
-__all__ = ["ERRORS", "CallTimeout", "NotEmptyError", "Session", "SessionState", "ZooKeeperError"]
+__all__ = [
+    "ERRORS",
+    "CallTimeout",
+    "NotEmptyError",
+    "Restricted",
+    "Session",
+    "SessionState",
+    "ZooKeeperError",
+]
+RESTRICT_BATCH = 256  # znodes asked about at once when ACLs are set on an existing tree
+AUTH_ENV = "MATRIXSERVE_ZK_AUTH"  # the identity, user:password, as every process takes it
 
 
 class SessionState(StrEnum):
@@ -73,6 +97,51 @@ _FROM_KAZOO = {
     KazooState.SUSPENDED: SessionState.SUSPENDED,
     KazooState.LOST: SessionState.LOST,
 }
+
+
+def _credentials(text: str) -> zl.Credentials | None:
+    if not text:
+        return None
+    try:
+        return zl.Credentials.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_auth_flag(parser: argparse.ArgumentParser, more: str = "") -> None:
+    """``--zookeeper-auth`` (default ``$MATRIXSERVE_ZK_AUTH``), taken the same way by every
+    process: parsed into :class:`~matrixserve.api.zk_layout.Credentials`, empty for none, a
+    malformed one refused (exit 2) with the reason."""
+    parser.add_argument(
+        "--zookeeper-auth",
+        type=_credentials,
+        default=os.environ.get(AUTH_ENV),
+        metavar="USER:PASSWORD",
+        help=f"MatrixServe's ZooKeeper digest identity (${AUTH_ENV}: prefer it, a flag shows in "
+        f"the process list){more}",
+    )
+
+
+def access(auth: zl.Credentials | None) -> dict[str, Any]:
+    """A kazoo client's keyword arguments for ``auth``: authenticate with the digest identity and
+    create every znode with an ACL that grants it everything and nobody else anything."""
+    if auth is None:
+        return {}
+    return {
+        "auth_data": [("digest", auth.text())],
+        "default_acl": [make_digest_acl(auth.user, auth.password, all=True)],
+    }
+
+
+@dataclass(frozen=True)
+class Restricted:
+    """What :meth:`Session.restrict` found: znodes seen, given our ACL, and refused to us (owned
+    by another identity; the first few named)."""
+
+    seen: int = 0
+    changed: int = 0
+    refused: int = 0
+    examples: tuple[str, ...] = ()
 
 
 @dataclass(eq=False)
@@ -94,15 +163,18 @@ class Session:
         retry_deadline: float = 10.0,
         client: Any = None,  # a kazoo client to own instead (tests script one)
         client_factory: Callable[[], Any] | None = None,  # a fresh client (tests script one)
+        auth: zl.Credentials | None = None,  # the digest identity (None: open znodes)
     ) -> None:
         self.hosts = hosts
         self.timeout = timeout
+        self.auth = auth
 
-        def fresh_client() -> Any:
+        def fresh_client() -> Any:  # every client, a renewed one too, with the same access
             return KazooClient(
                 hosts=hosts,
                 timeout=timeout,
                 connection_retry=connection_retry or {"max_tries": -1, "max_delay": 5},
+                **access(auth),
             )
 
         # An injected client is renewed only by an injected factory (a test's fake never turns
@@ -383,6 +455,65 @@ class Session:
         for path in paths:
             self.client.ensure_path(path)
 
+    def restrict(self, top: str = zl.TOP, batch: int = RESTRICT_BATCH) -> Restricted:
+        """Give ``top`` and every znode under it our ACL where it has another (znodes created
+        before credentials were configured: an upgrade). Level by level, ``batch`` znodes' ACLs
+        and children asked at once (kazoo's asynchronous calls), so a large tree costs a few
+        round trips per thousand znodes, not three each. A znode another identity owns is left
+        as it is and named in the result. Connection losses raise: run it again (it only
+        changes what still differs)."""
+        if self.auth is None:
+            raise ValueError("no credentials: there is no ACL to give")
+        client = self.client
+        wanted = access(self.auth)["default_acl"]
+        seen = changed = 0
+        refused: list[str] = []
+        level = [top] if client.exists(top) is not None else []
+        while level:
+            deeper: list[str] = []
+            for start in range(0, len(level), batch):
+                chunk = level[start : start + batch]
+                acls = [(path, client.get_acls_async(path)) for path in chunk]
+                kids = [(path, client.get_children_async(path)) for path in chunk]
+                setting = []
+                for path, pending in acls:
+                    current = _answer(pending, path, refused)
+                    if current is None:
+                        continue
+                    seen += 1
+                    if not _same_acl(current[0], wanted):
+                        setting.append((path, client.set_acls_async(path, wanted)))
+                changed += sum(_answer(p, path, refused) is not None for path, p in setting)
+                for path, pending in kids:
+                    children = _answer(pending, path, [])
+                    deeper += [f"{path.rstrip('/')}/{child}" for child in children or ()]
+            level = deeper
+        return Restricted(seen, changed, len(refused), tuple(refused[:5]))
+
+    async def restrict_existing(self, top: str = zl.TOP, pause: float = 2.0) -> Restricted:
+        """:meth:`restrict` in a worker thread, run again after a connection loss until it
+        completes (the operator's, once connected at start); what it did is logged."""
+        while True:
+            try:
+                done = await self.run(self.restrict, top)
+                break
+            except ERRORS as exc:
+                log.warning("ZooKeeper ACLs on %s not all set yet (%s); retrying", top, exc)
+                await asyncio.sleep(pause)
+        if done.changed:
+            log.info(
+                "ZooKeeper: our ACL set on %d of %d znodes under %s", done.changed, done.seen, top
+            )
+        if done.refused:
+            log.error(
+                "ZooKeeper: %d znodes under %s belong to another identity (%s, ...): MatrixServe "
+                "cannot use them; remove them as ZooKeeper's super user",
+                done.refused,
+                top,
+                ", ".join(done.examples),
+            )
+        return done
+
     def apply(self, ops: Iterable[zl.ZnodeOp]) -> None:
         """Run layout operations in order (each idempotent; a Put creates missing parents)."""
         for op in ops:
@@ -446,3 +577,21 @@ class Session:
             return False
 
         DataWatch(client, watch.path, created)
+
+
+def _answer(pending: Any, path: str, refused: list[str]) -> Any:
+    """An asynchronous call's result; None when the znode went meanwhile or is not ours to
+    touch (then its path is noted in ``refused``)."""
+    try:
+        return pending.get()
+    except NoNodeError:
+        return None
+    except NoAuthError:
+        refused.append(path)
+        return None
+
+
+def _same_acl(current: Iterable[ACL], wanted: Iterable[ACL]) -> bool:
+    return {(a.perms, a.id.scheme, a.id.id) for a in current} == {
+        (a.perms, a.id.scheme, a.id.id) for a in wanted
+    }

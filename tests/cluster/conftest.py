@@ -55,14 +55,29 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterInfo]:
         info = existing.info()
         if info is None or not existing.is_running():
             pytest.fail(f"MATRIXSERVE_TEST_STATE_DIR={reuse} has no running cluster")
-        yield info
+        with _zookeeper_identity(info):
+            yield info
         return
     dev = DevCluster(tmp_path_factory.mktemp("devcluster"))
     info = dev.up(timeout=180)
     try:
-        yield info
+        with _zookeeper_identity(info):
+            yield info
     finally:
         dev.down()
+
+
+@contextlib.contextmanager
+def _zookeeper_identity(info: ClusterInfo) -> Iterator[None]:
+    """The dev cluster's ZooKeeper identity as $MATRIXSERVE_ZK_AUTH for the session: operators
+    and gateways the tests start use it (their znodes get digest ACLs, engines read it from the
+    Secret the operator writes), and so do the tests' own clients (``helpers.zookeeper``)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if info.zookeeper_auth:
+            patch.setenv("MATRIXSERVE_ZK_AUTH", info.zookeeper_auth)
+        else:  # a cluster started before identities: none, whatever the shell says
+            patch.delenv("MATRIXSERVE_ZK_AUTH", raising=False)
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -278,6 +293,7 @@ def start_operator(
             namespace,
             "--engine-time-scale",
             time_scale,
+            "--engine-fault-injection",  # tests inject faults (--no-engine-fault-injection: off)
             "--metrics-port",
             str(metrics),
             "--liveness-port",

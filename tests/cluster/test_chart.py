@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import json
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Callable
@@ -16,13 +18,17 @@ import yaml
 from kazoo.client import KazooClient
 from kubernetes import client, config
 
-from helpers import Groups, absent, pdgroup_body, wait_for
+from helpers import Groups, absent, pdgroup_body, serves, wait_for
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.kinds import LABEL_GROUP
 from matrixserve.devcluster.cluster import ClusterInfo, free_ports
 from matrixserve.devcluster.procs import Supervisor
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "matrixserve"
+
+# An HTTP 403 in a log line ("(403)", " 403 ", "status=403"), not the digits of a port (40379)
+# or of a log timestamp's milliseconds (",403").
+FORBIDDEN = r"(?<![\w.,:-])403(?!\w)"
 
 
 def test_helm_lint_is_clean(run_tool: Callable[..., Any]) -> None:
@@ -86,9 +92,16 @@ def test_the_rendered_chart_runs_locked_down_with_no_wildcard_rbac(
         for rule in role["rules"]:
             assert "*" not in rule["verbs"], role["metadata"]["name"]
             assert "*" not in rule["resources"], role["metadata"]["name"]
-            assert not {"secrets"} & set(rule["resources"]) or rule.get("resourceNames"), (
-                f"{role['metadata']['name']}: Secrets only by name"
+            # Secrets by name only; but the operator creates the engines' ZooKeeper credential
+            # where it creates engine pods, and RBAC cannot limit a create by name.
+            operator_create = (
+                rule["verbs"] == ["create"] and "-operator" in role["metadata"]["name"]
             )
+            assert (
+                not {"secrets"} & set(rule["resources"])
+                or rule.get("resourceNames")
+                or operator_create
+            ), f"{role['metadata']['name']}: Secrets only by name"
     (webhook,) = by_kind["ValidatingWebhookConfiguration"]
     # One entry per admission handler (kopf serves each at /<handler id>): the PDGroup itself,
     # and its scale subresource (`kubectl scale` is checked by the same rules).
@@ -140,6 +153,11 @@ def _service_account_kubeconfig(
     return path
 
 
+def _kubectl_get(run_tool: Callable[..., Any], *what: str) -> dict[str, Any]:
+    found: dict[str, Any] = json.loads(run_tool("kubectl", "get", *what, "-o", "json").stdout)
+    return found
+
+
 def _answers(url: str) -> bool:
     try:
         return httpx.get(url, timeout=1, trust_env=False).status_code == 200
@@ -172,7 +190,13 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
         kubeconfig = _service_account_kubeconfig(
             cluster, core, namespace, account, tmp_path / "operator.kubeconfig"
         )
-        operator = serving_group(webhook=False, extra=("--kubeconfig", str(kubeconfig)))
+        # The chart's name for the engines' ZooKeeper credential: its Secret is there already
+        # (the chart's own), so the operator patches it by name.
+        secret = f"{release}-matrixserve-zookeeper-auth"
+        operator = serving_group(
+            webhook=False,
+            extra=("--kubeconfig", str(kubeconfig), "--engine-zookeeper-auth-secret", secret),
+        )
         # The gateway under its own ServiceAccount discovers the group and serves a request.
         gateway_kubeconfig = _service_account_kubeconfig(
             cluster, core, namespace, f"{release}-matrixserve-gateway", tmp_path / "gw.kubeconfig"
@@ -197,14 +221,7 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
         try:
             url = f"http://127.0.0.1:{port}"
             wait_for(lambda: _answers(f"{url}/healthz"), timeout=30, what="the gateway")
-            answer = httpx.post(
-                f"{url}/v1/completions",
-                json={"model": "general", "prompt": "hi", "max_tokens": 3},
-                timeout=30,
-                trust_env=False,
-            )
-            assert answer.status_code == 200, answer.text
-            assert answer.json()["usage"]["completion_tokens"] == 3
+            serves(url)
         finally:
             supervisor.stop("gateway")
         gateway_log = supervisor.log_path("gateway").read_text()
@@ -232,7 +249,9 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
         refused = [
             line
             for line in log.splitlines()
-            if "Forbidden" in line or " 403" in line or "Failed to post an event" in line
+            if "Forbidden" in line
+            or re.search(FORBIDDEN, line)
+            or "Failed to post an event" in line
         ]
         assert not refused, "\n".join(refused[:5])
         reasons = {
@@ -241,7 +260,7 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
             if e.involved_object.kind == "PDGroup"
         }
         assert {"CreatedPod", "DeletedPod"} <= reasons, reasons
-        assert " 403" not in log, log[-3000:]
+        assert not re.search(FORBIDDEN, log), log[-3000:]
 
         # What the chart does not grant is refused.
         with config.new_client_from_config(config_file=str(kubeconfig)) as as_operator:
@@ -357,9 +376,37 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         )
         assert refused.status == 422, refused.body
         assert "same devices per instance (2 vs 4)" in refused.body
+        # Engine resources: a quantity the CRD's pattern refuses (the API server's own
+        # message), and a limit below its request, which the webhook refuses.
+        bad["spec"]["decode"] = {"replicas": 1, "resources": {"requests": {"cpu": "1.5.3"}}}
+        not_a_quantity = refusal(bad)
+        assert not_a_quantity is not None
+        assert not_a_quantity.status == 422, not_a_quantity.body
+        assert "spec.decode.resources.requests.cpu" in not_a_quantity.body
+        below = {"requests": {"memory": "2Gi"}, "limits": {"memory": "1Gi"}}
+        bad["spec"]["decode"]["resources"] = below
+        limit_below = refusal(bad)
+        assert limit_below is not None
+        assert "spec.decode.resources.limits.memory: 1Gi is below the request 2Gi" in (
+            limit_below.body
+        )
 
-        groups.create(pdgroup_body("g"))
+        body = pdgroup_body("g")
+        body["spec"]["decode"]["resources"] = {"requests": {"cpu": 1, "memory": "512Mi"}}
+        groups.create(body)
         groups.wait_ready("g")
+        # The engine pods, as the API server stored them (issue 16 finding 8): unprivileged,
+        # and Burstable (CPU and memory requested), not BestEffort; the emulator ran them.
+        for engine in core.list_namespaced_pod(namespace, label_selector=LABEL_GROUP).items:
+            assert engine.status.qos_class == "Burstable", engine.metadata.name
+            assert engine.spec.security_context.run_as_non_root is True
+            assert engine.spec.security_context.seccomp_profile.type == "RuntimeDefault"
+            (container,) = engine.spec.containers
+            assert container.security_context.read_only_root_filesystem is True
+            assert container.security_context.capabilities.drop == ["ALL"]
+            decode = engine.metadata.name.startswith("g-d-")
+            assert container.resources.requests["cpu"] == ("1" if decode else "250m")
+            assert container.resources.requests["memory"] == ("512Mi" if decode else "256Mi")
         # ... and a scale beyond the rules (the scale subresource: the chart's second entry).
         with pytest.raises(client.ApiException) as scale_refused:
             groups.custom.patch_namespaced_custom_object_scale(
@@ -399,8 +446,9 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
 
         engines = group_pods()
         run_tool(
-            "helm", "upgrade", release, str(CHART), *common, "--set", "operator.logLevel=DEBUG"
-        )
+            "helm", "upgrade", release, str(CHART), *common, "--set", "operator.logLevel=DEBUG",
+            "--set", "gateway.replicas=2",
+        )  # fmt: skip
 
         def rolled() -> bool:
             pod = running("operator")
@@ -409,6 +457,17 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         wait_for(rolled, timeout=60, what="the operator rolled by the upgrade")
         assert group_pods() == engines, "the upgrade must not touch the group's pods"
         assert groups.ready("g")
+        # Two gateways: a disruption budget keeps one (policy/v1beta1 on this 1.20 server).
+        pdb = ("pdb", "-n", namespace, f"{full}-gateway")
+        budget = _kubectl_get(run_tool, *pdb)
+        assert budget["apiVersion"] == "policy/v1beta1"
+        assert budget["spec"]["maxUnavailable"] == 1
+
+        def allowed() -> bool:
+            status = _kubectl_get(run_tool, *pdb).get("status", {})
+            return (status.get("currentHealthy"), status.get("disruptionsAllowed")) == (2, 1)
+
+        wait_for(allowed, timeout=60, what="both gateways healthy and one disruption allowed")
 
         groups.delete("g")
         wait_for(lambda: zk.exists(paths.root) is None, what="the group's znodes removed")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -47,15 +48,22 @@ def test_streamed_and_plain_completions_through_the_gateway(
 
     status, chunks = sse(
         f"{gateway}/v1/completions",
-        {"model": "general", "prompt": "hi " * 200, "max_tokens": 8, "stream": True},
+        {
+            "model": "general",
+            "prompt": "hi " * 200,
+            "max_tokens": 8,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
     )
     assert status == 200
     assert chunks[-1] == "[DONE]"
-    texts = [c["choices"][0]["text"] for c in chunks[:-2]]
+    texts = [c["choices"][0]["text"] for c in chunks[:-3]]
     assert len(texts) == 8
-    final = chunks[-2]
+    final = chunks[-3]
     assert final["choices"][0]["finish_reason"] == "length"
-    assert final["usage"]["completion_tokens"] == 8
+    assert chunks[-2]["choices"] == []
+    assert chunks[-2]["usage"]["completion_tokens"] == 8
     assert final["matrixserve"]["instances"]["decode"] == "g-d-0"
     assert final["matrixserve"]["timings"]["ttft"] > 0
 
@@ -157,6 +165,58 @@ def test_a_decode_killed_mid_stream_ends_the_stream_with_an_error_and_new_reques
         if code == 200 and "choices" in more[-2]:
             ok += 1
     assert ok == 4, "new requests must succeed on the remaining decode"
+
+
+def test_an_abandoned_plain_request_stops_the_decode(
+    groups: Groups, serving_group: Callable[..., Any], start_gateway: Callable[..., str]
+) -> None:
+    """Issue 16, finding 5: a client that leaves a request that is not streamed cancels it at the
+    gateway, which closes its engine stream, so the decode stops generating for nobody (it ran
+    to ``max_tokens`` before: a batch slot for seconds, minutes at real time scale). The engines
+    run in real time here, so the request would decode for ~20 s."""
+    serving_group(prefill=1, decode=1, time_scale="1")
+    gateway = start_gateway("--time-scale", "1")
+    ips = {
+        name: groups.core.read_namespaced_pod(name, groups.namespace).status.pod_ip
+        for name in ("g-p-0", "g-d-0")
+    }
+
+    def health(name: str) -> dict[str, Any]:
+        info = httpx.get(f"http://{ips[name]}:8000/v1/info", timeout=5, trust_env=False).json()
+        return dict(info["health"])
+
+    def decoding() -> int:
+        return int(health("g-d-0")["decodeBatch"]["running"])
+
+    _, probe = sse(
+        f"{gateway}/v1/completions",
+        {"model": "general", "prompt": "probe", "max_tokens": 4, "stream": True},
+    )
+    tokens = 8000
+    would_last = tokens * probe[-2]["matrixserve"]["timings"]["tpotMean"]  # wall s
+    host, port = gateway.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": "general", "prompt": "abandoned", "max_tokens": tokens}).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json"
+            b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        wait_for(lambda: decoding() == 1, timeout=10, every=0.02, what="the request decoding")
+    left = time.monotonic()
+    wait_for(
+        lambda: decoding() == 0,
+        timeout=3,
+        every=0.02,
+        what="the decode to stop",
+        explain=lambda: f"decode {health('g-d-0')}\n{httpx.get(f'{gateway}/metrics').text}",
+    )
+    stopped = time.monotonic() - left
+    assert stopped < 3 < would_last / 2, (stopped, would_last)
+    assert health("g-p-0")["prefillSlots"]["used"] == 0
+    for name in ("open_streams", "prompts_in_prefill", "prefill_slots_held"):
+        assert metric(gateway, f"matrixserve_gateway_{name}") == 0, name
+    scrape = httpx.get(f"{gateway}/metrics", trust_env=False).text
+    assert 'requests_total{outcome="client_gone",scenario="general"} 1.0' in scrape
 
 
 def test_a_hung_prefill_gets_a_503_once_the_budget_for_the_prompts_length_is_spent(

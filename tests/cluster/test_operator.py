@@ -15,7 +15,7 @@ import pytest
 from kazoo.client import KazooClient
 from kubernetes import client, watch
 
-from helpers import Groups, absent, events_of, pdgroup_body, wait_for, zookeeper
+from helpers import Groups, absent, events_of, pdgroup_body, wait_for, zookeeper, zookeeper_auth
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo
 
@@ -125,7 +125,7 @@ def test_scaling_prefill_in_removes_the_map_entry_before_the_pod(
     serving_group(prefill=2, decode=2)
     paths = zl.GroupPaths(namespace, "g")
     seen: dict[str, float] = {}
-    zk = KazooClient(hosts=cluster.zookeeper, timeout=10)
+    zk = KazooClient(hosts=cluster.zookeeper, timeout=10, auth_data=zookeeper_auth())
     zk.start(timeout=15)
 
     def on_map(data: bytes | None, _stat: Any) -> None:

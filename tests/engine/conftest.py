@@ -36,6 +36,15 @@ class EngineProc:
     def log(self) -> str:
         return self.sup.log_path(self.name).read_text()
 
+    @property
+    def pid(self) -> int:
+        record = self.sup.record(self.name)
+        assert record is not None, f"{self.name} was not started"
+        return record.pid
+
+    def alive(self) -> bool:
+        return not self.sup.exited(self.name)
+
 
 @pytest.fixture
 def start_engine(tmp_path: Path) -> Iterator[Callable[..., EngineProc]]:
@@ -50,7 +59,8 @@ def start_engine(tmp_path: Path) -> Iterator[Callable[..., EngineProc]]:
         sup.start(
             name,
             [sys.executable, "-m", "enginestub", "--host", host, "--port", str(port), *args],
-            env={**os.environ, "POD_NAME": name, **(env or {})},
+            # fault injection on: the tests inject faults (it is off unless enabled)
+            env={**os.environ, "POD_NAME": name, "ENGINE_FAULT_INJECTION": "1", **(env or {})},
         )
         started.append(name)
         proc = EngineProc(sup, name, host, port)

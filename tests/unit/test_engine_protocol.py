@@ -50,8 +50,13 @@ def test_a_bad_generate_body_is_refused_with_its_reason(
         ep.GenerateRequest.parse(body, 4096, 64)
     assert refused.value.status == status
     assert words in refused.value.message
-    assert refused.value.body() == {
-        "error": {"code": refused.value.code, "message": refused.value.message}
+    assert refused.value.body() == {  # OpenAI's error shape (issue 16 finding 3)
+        "error": {
+            "code": refused.value.code,
+            "message": refused.value.message,
+            "type": "invalid_request_error",
+            "param": None,
+        }
     }
 
 

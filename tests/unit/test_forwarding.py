@@ -12,6 +12,7 @@ from matrixserve.domain.forwarding import (
     Entrance,
     Loads,
     Policy,
+    Prompt,
     entrances_from_status,
     estimate_tokens,
     order,
@@ -74,9 +75,9 @@ def ok(**extra: Any) -> dict[str, Any]:
 
 def test_completion_and_chat_bodies_parse() -> None:
     c = parse_completion(ok(max_tokens=5, stream=True), False, 1000, 100)
-    assert (c.model, c.prompt, c.max_tokens, c.stream, c.chat) == (
+    assert (c.model, c.prompts, c.max_tokens, c.stream, c.chat) == (
         "general",
-        "hello",
+        (Prompt("hello", 2),),
         5,
         True,
         False,
@@ -84,7 +85,7 @@ def test_completion_and_chat_bodies_parse() -> None:
     chat = parse_completion(
         {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, True, 1000, 100
     )
-    assert chat.prompt == "user: hi"
+    assert chat.prompts == (Prompt.of_text("user: hi"),)
     assert chat.max_tokens == 16
 
 
@@ -101,7 +102,7 @@ def test_completion_and_chat_bodies_parse() -> None:
         (ok(stream="yes"), False, "stream", 400),
         (ok(prompt="x" * 2000), False, "prompt", 413),
         ({"model": "m", "messages": []}, True, "messages", 400),
-        ({"model": "m", "messages": [{"role": "user"}]}, True, "messages[0]", 400),
+        ({"model": "m", "messages": [{"role": "user"}]}, True, "messages[0].content", 400),
     ],
 )
 def test_bad_requests_get_openai_style_errors(

@@ -391,7 +391,7 @@ async def test_closing_the_pool_ends_what_waits_on_it() -> None:
 async def test_a_prefill_that_cannot_be_reached_is_passed_over_for_a_while() -> None:
     """Passive health: routes may be stale (ZooKeeper out of reach, the status the last known),
     so a prefill that could not be reached is not tried first again by the next requests."""
-    from matrixserve.domain.forwarding import Completion, Entrance
+    from matrixserve.domain.forwarding import Completion, Entrance, Prompt
     from matrixserve.gateway.app import GatewayConfig, GatewayMetrics
     from matrixserve.gateway.discovery import GroupRoute
     from matrixserve.gateway.forwarder import Forwarder
@@ -413,7 +413,7 @@ async def test_a_prefill_that_cannot_be_reached_is_passed_over_for_a_while() -> 
             metrics = GatewayMetrics()
             forwarder = Forwarder(cast(Any, None), GatewayConfig(), metrics)
             await forwarder.start()
-            completion = Completion("general", "hi", 1, stream=True, chat=False)
+            completion = Completion("general", (Prompt.of_text("hi"),), 1, stream=True, chat=False)
             for i in range(3):  # a scenario each: no batch-forwarding stickiness
                 chosen = await forwarder.forward(f"s{i}", [route], completion)
                 assert not isinstance(chosen, str), chosen

@@ -15,10 +15,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from enginestub import calibration as cal
 from enginestub import timing
 from enginestub.fabric import Plane
+from matrixserve import httpserving
 from matrixserve.api import catalog
+from matrixserve.api import zk_layout as zl
 from matrixserve.api.catalog import HBM_USABLE_FRACTION, PRESETS, ModelShape
+from matrixserve.coordination import add_auth_flag
 
 Role = Literal["prefill", "decode", "colocated", "expert", "attention", "auto"]
+
+# An engine's clients: the gateway's pool, which keeps idle connections for as long as the engine
+# does and passes over one the engine closed (a longer idle limit keeps more of it warm), and other
+# engines and the node emulator through httpx and aiohttp, whose pools let go first (5 s, 15 s).
+CONNECTION_LIMITS = httpserving.ConnectionLimits(idle_timeout=300.0)
 
 
 class ConfigError(Exception):
@@ -53,6 +61,9 @@ class EngineConfig(BaseModel):
     pod_namespace: str = "default"
     group: str | None = None  # "<namespace>/<name>" of the P/D group in ZooKeeper
     zookeeper: str | None = None
+    zookeeper_auth: zl.Credentials | None = None  # the digest identity (None: open znodes)
+    fault_injection: bool = False  # POST/DELETE /v1/faults answered (else 403)
+    connection_limits: httpserving.ConnectionLimits = CONNECTION_LIMITS
     health_interval: float = Field(default=cal.HEALTH_REPORT_INTERVAL_SECONDS, gt=0)
     link_timeout: float = Field(default=60.0, gt=0)
     device_status_file: Path | None = None
@@ -153,6 +164,13 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
     )
     parser.add_argument("--group", default=env.get("MATRIXSERVE_GROUP"))
     parser.add_argument("--zookeeper", default=env.get("MATRIXSERVE_ZK"))
+    add_auth_flag(parser, " (in a pod: from a Secret)")
+    parser.add_argument(
+        "--fault-injection",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="accept POST/DELETE /v1/faults (default: $ENGINE_FAULT_INJECTION=1; else 403)",
+    )
     parser.add_argument(
         "--health-interval",
         type=float,
@@ -182,6 +200,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
         default=env.get("ENGINE_STEP_SCHEDULING", "absolute"),
         help="decode step scheduling: absolute deadlines (default) or relative (naive baseline)",
     )
+    httpserving.add_arguments(parser, "ENGINE_", CONNECTION_LIMITS)
     args = parser.parse_args(argv)
     try:
         model = _model(args.model)
@@ -216,6 +235,13 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
             pod_namespace=env.get("POD_NAMESPACE", "default"),
             group=args.group,
             zookeeper=args.zookeeper,
+            zookeeper_auth=args.zookeeper_auth,
+            fault_injection=(
+                _switch("ENGINE_FAULT_INJECTION")
+                if args.fault_injection is None
+                else args.fault_injection
+            ),
+            connection_limits=httpserving.limits_from(args),
             health_interval=args.health_interval,
             link_timeout=args.link_timeout,
             device_status_file=Path(status_file) if status_file else None,
@@ -231,6 +257,14 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
         ) from None
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _switch(name: str) -> bool:
+    """An on/off environment variable: 1/true or 0/false/unset; anything else is refused."""
+    value = os.environ.get(name, "").strip().lower()
+    if value not in ("", "0", "1", "false", "true"):
+        raise ValueError(f"{name}={value!r}: 1/true or 0/false expected")
+    return value in ("1", "true")
 
 
 def _model(name: str) -> ModelShape:

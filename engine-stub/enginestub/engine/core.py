@@ -13,6 +13,11 @@ path through the parts, which live in their own modules:
 - :mod:`.faults` — the device status file (P/D-Serve §3.4) and injected faults: a die of this
   instance going unhealthy fails its in-flight requests with a clear error and stops admission.
 
+What a request takes (a prefill slot or a decode place, and its KV) is a
+:class:`~enginestub.engine.parts.Hold`, given back once on every path; a hold kept without
+progress for :data:`STUCK_BOUNDS` KV-pull wait bounds makes the engine unready (``stuckSlots``
+in its health, 503 from ``/readyz``): issue 16 finding 1.
+
 The wire format (request bodies, stream events) is :mod:`matrixserve.api.engine_protocol`.
 Every time here is emulated seconds (see :mod:`.clock`).
 """
@@ -22,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import httpx
@@ -33,9 +38,9 @@ from enginestub.engine.config import EngineConfig
 from enginestub.engine.decode import DecodeBatch, Sequence
 from enginestub.engine.faults import DeviceFaults
 from enginestub.engine.kvcache import KvBudget
-from enginestub.engine.kvpull import KvHoldings, KvPuller
+from enginestub.engine.kvpull import KvHoldings, KvPuller, kv_wait_bound
 from enginestub.engine.metrics import EngineMetrics
-from enginestub.engine.parts import Shared
+from enginestub.engine.parts import Hold, Shared
 from enginestub.engine.prefill import Prefill, PrefillTicket
 from enginestub.engine.progress import Progress
 from enginestub.engine.sharing import SharedResource
@@ -61,12 +66,20 @@ _LATE_IN_QUEUE = (
 _LATE_FIRST_TOKEN = "first token after {seconds:.3f}s exceeds the {budget:.3f}s budget"
 
 
+# A hold (prefill slot, decode place) idle for this many KV-pull wait bounds is stuck: every
+# wait on another engine gives up after one bound, so one still held after two is held by
+# nothing that will free it (issue 16 finding 1: such an engine must not look ready).
+STUCK_BOUNDS = 2.0
+
+
 class Engine:
-    def __init__(self, config: EngineConfig, metrics: EngineMetrics | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, metrics: EngineMetrics | None = None, clock: Clock | None = None
+    ) -> None:
         self.config = config
-        self.clock = Clock(config.time_scale)
+        self.clock = clock or Clock(config.time_scale)
         self.metrics = metrics or EngineMetrics(config.role)
-        self.role = config.role  # an "auto" instance's role is set by the resident process
+        self._role: str = config.role  # an "auto" instance's role is set by the resident process
         self.shape = config.shape
         self.loaded = False
         self.load_seconds: float | None = None
@@ -78,16 +91,37 @@ class Engine:
         self.decode_peers: list[str] = list(config.decode_peers)  # host:port (resident sets)
         self.removed: set[str] = set()  # host:port of logically removed instances
         self.devices = DeviceFaults(config, self.metrics)
-        self.kv = KvBudget(config, self.metrics)
+        self.kv = KvBudget(config)
         shared = Shared(config, self.clock, self.metrics, self.devices, self.kv, self.http)
         self.prefill = Prefill(shared, self.compute)
-        self.holdings = KvHoldings(shared, self.prefill.free_slot)
+        self.holdings = KvHoldings(shared)
         self.forwarder = DecodeForwarder(shared, self._open_decodes)
         self.puller = KvPuller(shared, self.kv_ingress)
         self.batch = DecodeBatch(shared)
         self._decode_task: asyncio.Task[None] | None = None
         self._watch_task: asyncio.Task[None] | None = None
         self.metrics.hbm_capacity.set(config.kv_capacity_bytes + config.weights_bytes)
+        # Issue 16 finding 9: the gauges read the state at each scrape, so an emptied batch
+        # reads 0, not the last size it was set to.
+        self.metrics.batch_size.set_function(lambda: len(self.batch.running))
+        self.metrics.prefill_slots.set_function(lambda: self.prefill.slots)
+        self.metrics.hbm_used.set_function(
+            lambda: (config.weights_bytes if self.loaded else 0.0) + self.kv.reserved
+        )
+
+    @property
+    def role(self) -> str:
+        return self._role
+
+    @role.setter
+    def role(self, role: str) -> None:
+        """The role, and the info gauge's one series with it (issue 16 finding 9: an "auto"
+        instance learns its role from the RoCE map after start)."""
+        if role != self._role:
+            with contextlib.suppress(KeyError):  # metrics given by the caller, of another role
+                self.metrics.info.remove(self._role)
+            self.metrics.info.labels(role=role).set(1)
+            self._role = role
 
     # ================================================================ lifecycle
     async def start(self) -> None:
@@ -121,7 +155,6 @@ class Engine:
         self.load_seconds = self.clock.now() - started
         self.loaded = True
         self.metrics.load_seconds.labels(source=str(source)).set(self.load_seconds)
-        self.metrics.hbm_used.set(self.config.weights_bytes)
         log.info(
             "model %s loaded from %s in %.2f emulated s",
             self.config.model.name,
@@ -134,6 +167,20 @@ class Engine:
     @property
     def serving(self) -> bool:
         return self.loaded and self.devices.healthy
+
+    @property
+    def ready(self) -> bool:
+        """Serving, and no request held without progress (``/readyz``)."""
+        return self.serving and not self.stuck_holds()
+
+    def stuck_bound(self) -> float:
+        """Emulated seconds a hold may stay idle before it counts as stuck."""
+        return STUCK_BOUNDS * kv_wait_bound(self.config, self.slow_factor)
+
+    def stuck_holds(self) -> int:
+        """Prefill slots and decode places held without progress past :meth:`stuck_bound`."""
+        now, bound = self.clock.now(), self.stuck_bound()
+        return sum(1 for hold in (*self.prefill.held, *self.batch.places) if hold.idle(now) > bound)
 
     def health(self) -> dict[str, Any]:
         return {
@@ -148,10 +195,13 @@ class Engine:
             "decodeBatch": {
                 "running": len(self.batch.running),
                 "joining": len(self.batch.joining),
+                "admitted": len(self.batch.places),
                 "max": self.config.max_batch,
             },
             "kvReservedBytes": self.kv.reserved,
             "kvEgressFlows": self.holdings.egress_flows,
+            "stuckSlots": self.stuck_holds(),
+            "stuckAfterSeconds": self.stuck_bound(),
         }
 
     async def wait_not_hung(self) -> None:
@@ -203,64 +253,65 @@ class Engine:
 
     # ================================================================ prefill (entrance)
     def admit_prefill(self, req: GenerateRequest) -> PrefillTicket:
-        """Accept (take a slot) or raise: P/D-Serve's prefill never queues."""
+        """Accept (take a slot) or raise: P/D-Serve's prefill never queues. The caller holds
+        the ticket in a ``with`` block around the whole exchange (it gives the slot back)."""
         self.check_serving()
         self.require_role("prefill", "colocated")
         return self.prefill.admit(req)
 
-    async def generate(self, ticket: PrefillTicket) -> AsyncIterator[Event]:
-        """A request accepted by :meth:`admit_prefill`: prefill, then decode (here or remote)."""
+    async def generate(self, ticket: PrefillTicket) -> AsyncGenerator[Event, None]:
+        """A request accepted by :meth:`admit_prefill`: prefill, then decode (here or remote).
+        The slot is given back here as soon as it is not needed, and by the ticket's owner
+        on every other way out."""
         req, budget = ticket.request, ticket.request.ttft_budget
         progress = Progress(self.clock, self.config.instance, self.clock.now())
-        slot_held = not ticket.queued
-        try:
-            if ticket.queued:  # time in the local queue counts toward TTFT, as in the baseline
-                await self.prefill.wait_for_slot(ticket)
-                slot_held = True
-                # P/D-Serve §2.2.2 early intervention: checked before prefill too, so a prompt
-                # whose budget ran out in the queue does not use the prefill.
-                late = self._ttft_timeout(budget, progress.elapsed(), _LATE_IN_QUEUE)
-                if late is not None:
-                    yield late
-                    return
-            progress.prefill = await self.prefill.run(ticket)
-            progress.ttft = ttft = progress.elapsed()
-            self.metrics.ttft.observe(ttft)
-            # P/D-Serve §3.3: timeouts are checked before and after prefill, not during.
-            late = self._ttft_timeout(budget, ttft, _LATE_FIRST_TOKEN)
+        if ticket.queued:  # time in the local queue counts toward TTFT, as in the baseline
+            await self.prefill.wait_for_slot(ticket)
+            # P/D-Serve §2.2.2 early intervention: checked before prefill too, so a prompt
+            # whose budget ran out in the queue does not use the prefill.
+            late = self._ttft_timeout(budget, progress.elapsed(), _LATE_IN_QUEUE)
             if late is not None:
                 yield late
                 return
-            yield token_event(0, synthetic_token(req.request_id, 0), ttft)
-            if req.max_tokens == 1:
-                yield progress.done(req, 1, [], 0.0, self.config.instance)
-                return
-            if self.role == "colocated":
-                seq = Sequence(req.request_id, req.prompt_tokens, req.max_tokens - 1)
-                self.prefill.free_slot(req)
-                slot_held = False
-                if not self.kv.reserve(req.prompt_tokens + req.max_tokens - 1):
-                    yield error_event("kv_exhausted", "no HBM left to decode this request")
-                    return
-                self.batch.join(seq)
-                async for event in self.batch.stream(
-                    seq, req, progress, 0.0, self.config.instance, offset=1
-                ):
-                    yield event
-                return
-            # The slot (and the KV) is held until a decode has pulled the KV (P/D-Serve §3.5: "a
-            # prompt continuously occupies one slot in prefill if it is waiting for KVCache
-            # transfer"); kv_release frees it then, while this stream relays the decode's tokens.
-            pending = self.holdings.hold(req)
-            slot_held = False  # the pending KV owns it now
+        progress.prefill = await self.prefill.run(ticket)
+        progress.ttft = ttft = progress.elapsed()
+        self.metrics.ttft.observe(ttft)
+        # P/D-Serve §3.3: timeouts are checked before and after prefill, not during.
+        late = self._ttft_timeout(budget, ttft, _LATE_FIRST_TOKEN)
+        if late is not None:
+            yield late
+            return
+        yield token_event(0, synthetic_token(req.request_id, 0), ttft)
+        if req.max_tokens == 1:
+            yield progress.done(req, 1, [], 0.0, self.config.instance)
+            return
+        if self.role == "colocated":
+            ticket.release()  # the prompt's KV moves into the decode's reservation
             try:
-                async for event in self.forwarder.relay(req, progress, pending):
+                hold = self.batch.admit(req.prompt_tokens + req.max_tokens - 1, limit=False)
+            except EngineError:
+                yield error_event("kv_exhausted", "no HBM left to decode this request")
+                return
+            seq = Sequence(req.request_id, req.prompt_tokens, req.max_tokens - 1, hold)
+            # Inner generators are closed here, not left to the collector: the sequence leaves
+            # the batch the moment this stream is closed.
+            with hold:
+                async with contextlib.aclosing(
+                    self.batch.stream(seq, req, progress, 0.0, self.config.instance, offset=1)
+                ) as events:
+                    async for event in events:
+                        yield event
+            return
+        # The slot (and the KV) is held until a decode has pulled the KV (P/D-Serve §3.5: "a
+        # prompt continuously occupies one slot in prefill if it is waiting for KVCache
+        # transfer"); kv_release frees it then, while this stream relays the decode's tokens.
+        pending = self.holdings.hold(ticket)
+        try:
+            async with contextlib.aclosing(self.forwarder.relay(req, progress, pending)) as relay:
+                async for event in relay:
                     yield event
-            finally:
-                self.holdings.drop(pending)
         finally:
-            if slot_held:
-                self.prefill.free_slot(req)
+            self.holdings.drop(pending)
 
     def _ttft_timeout(self, budget: TtftBudget | None, seconds: float, why: str) -> Event | None:
         """The error that ends a request ``seconds`` from its arrival, if over its budget."""
@@ -280,32 +331,33 @@ class Engine:
     def kv_pull_meta(self, request_id: str) -> dict[str, Any]:
         return self.holdings.pull_meta(request_id)
 
-    def kv_release(self, request_id: str, nbytes: float) -> None:
-        self.holdings.release(request_id, nbytes)
+    def kv_release(self, request_id: str) -> None:
+        self.holdings.release(request_id)
 
     # ================================================================ decode
-    def admit_decode(self, req: GenerateRequest) -> None:
+    def admit_decode(self, req: GenerateRequest) -> Hold:
+        """A place in the batch and the request's KV, or raise; the caller holds it in a
+        ``with`` block around the whole exchange."""
         self.check_serving()
         self.require_role("decode")
-        self.batch.admit(req)
+        return self.batch.admit(req.prompt_tokens + req.max_tokens)
 
-    async def decode(self, req: GenerateRequest, prefill: PrefillRef) -> AsyncIterator[Event]:
+    async def decode(
+        self, hold: Hold, req: GenerateRequest, prefill: PrefillRef
+    ) -> AsyncGenerator[Event, None]:
         """A request accepted by :meth:`admit_decode`: pull its KV, then decode it."""
         progress = Progress(self.clock, self.config.instance, self.clock.now())
-        reserved = req.prompt_tokens + req.max_tokens
         try:
             kv_seconds = await self.puller.pull(req.request_id, prefill)
         except EngineError as exc:
-            self.kv.release(reserved)
             yield error_event(exc.code, exc.message)
             return
         except httpx.HTTPError as exc:
-            self.kv.release(reserved)
             yield error_event("kv_pull_failed", f"prefill unreachable: {type(exc).__name__}")
             return
-        seq = Sequence(req.request_id, req.prompt_tokens, req.max_tokens)
-        self.batch.join(seq)
-        async for event in self.batch.stream(
-            seq, req, progress, kv_seconds, self.config.instance, offset=0
-        ):
-            yield event
+        seq = Sequence(req.request_id, req.prompt_tokens, req.max_tokens, hold)
+        async with contextlib.aclosing(
+            self.batch.stream(seq, req, progress, kv_seconds, self.config.instance, offset=0)
+        ) as events:
+            async for event in events:
+                yield event

@@ -1,7 +1,9 @@
 """Decode: admission, and the continuous-batching loop (P/D-Serve §3.6).
 
-A decode accepts a request from a prefill if its batch and HBM allow (429 otherwise), pulls the
-KV (:mod:`.kvpull`), and the request joins the running batch at the next iteration. One step
+A decode accepts a request from a prefill if its batch and HBM allow (429 otherwise; a place
+counts from admission, its KV pull included), pulls the KV (:mod:`.kvpull`), and the request
+joins the running batch at the next iteration; it leaves the batch when its stream is closed
+(its last token, or its caller gone: issue 16 finding 5). One step
 emits a token for every running request; the step time is the model's TPOT for the current batch
 and mean context, scheduled on absolute deadlines so event-loop overhead does not accumulate into
 the reported timings. A colocated instance runs the same batch after its own prefill.
@@ -11,11 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from enginestub import timing
-from enginestub.engine.parts import Part, Shared
+from enginestub.engine.parts import Hold, Part, Shared
 from enginestub.engine.progress import Progress
 from matrixserve.api.engine_protocol import (
     EngineError,
@@ -33,48 +35,68 @@ _Token = tuple[int, str, float]
 
 @dataclass(eq=False)
 class Sequence:
-    """One request in the decode batch."""
+    """One request in the decode batch; it leaves when its :attr:`hold` is released (its last
+    token, a device fault, or its caller gone)."""
 
     request_id: str
     kv_tokens: int
     remaining: int
+    hold: Hold  # its place in the batch and its KV (prompt and output)
     events: asyncio.Queue[_Token | Event | None] = field(default_factory=asyncio.Queue)
     emitted: int = 0
     last_token_at: float = 0.0
-    failed: bool = False
+
+    @property
+    def ended(self) -> bool:
+        return self.hold.released
 
 
 class DecodeBatch(Part):
     def __init__(self, shared: Shared) -> None:
         super().__init__(shared)
         self.shape = self.config.shape
+        self.places: set[Hold] = set()  # admitted: pulling their KV, joining or running
         self.running: list[Sequence] = []
         self.joining: list[Sequence] = []  # join the batch at its next step
         self._wake = asyncio.Event()
 
-    def admit(self, req: GenerateRequest) -> None:
-        """Take the request into the batch (a slot and HBM for prompt and output) or raise."""
-        if len(self.running) + len(self.joining) >= self.config.max_batch:
+    def admit(self, tokens: int, *, limit: bool = True) -> Hold:
+        """A place in the batch (counted from admission, its KV pull included, so a decode never
+        takes more than its batch) and HBM for ``tokens`` (prompt and output), or raise.
+        ``limit=False``: a colocated instance's request, whose prefill slot was the limit."""
+        if limit and len(self.places) >= self.config.max_batch:
             self.metrics.requests.labels(stage="decode", outcome="rejected").inc()
             raise EngineError(429, "rejected", f"decode batch full: {self.config.max_batch}")
-        if not self.kv.reserve(req.prompt_tokens + req.max_tokens):
+        lease = self.kv.lease(tokens)
+        if lease is None:
             self.metrics.requests.labels(stage="decode", outcome="rejected").inc()
             raise EngineError(
                 429, "rejected", "decode HBM full: no room for this request's KV cache"
             )
+        hold = Hold(self.clock, lease, self.places.discard)
+        self.places.add(hold)
         self.metrics.requests.labels(stage="decode", outcome="accepted").inc()
+        return hold
 
     def join(self, seq: Sequence) -> None:
+        seq.hold.progressed()
         self.joining.append(seq)
         self._wake.set()
+
+    def leave(self, seq: Sequence) -> None:
+        """The sequence is out of the batch, its place and KV given back (if not already)."""
+        seq.hold.release()
+        with contextlib.suppress(ValueError):
+            self.running.remove(seq)
+        with contextlib.suppress(ValueError):
+            self.joining.remove(seq)
 
     def fail_all(self, why: str) -> None:
         """A device fault: every request in the batch ends with an error."""
         for seq in [*self.running, *self.joining]:
-            seq.failed = True
             seq.events.put_nowait(error_event("device_fault", why))
             seq.events.put_nowait(None)
-            self.kv.release(seq.kv_tokens + seq.remaining)
+            seq.hold.release()
             self.metrics.requests.labels(stage="decode", outcome="failed").inc()
         self.running.clear()
         self.joining.clear()
@@ -87,10 +109,12 @@ class DecodeBatch(Part):
         kv: float,
         instance: str,
         offset: int,
-    ) -> AsyncIterator[Event]:
-        """The sequence's tokens as they come, then its ``done``; ``offset``: tokens the
-        request had before it joined (its prefill's first, when this instance prefilled it)."""
+    ) -> AsyncGenerator[Event, None]:
+        """The sequence joins the batch; its tokens as they come, then its ``done``. ``offset``:
+        tokens the request had before it joined (its prefill's first, when this instance
+        prefilled it). Closing the stream takes the sequence out of the batch."""
         tpots: list[float] = []
+        self.join(seq)
         try:
             while (item := await seq.events.get()) is not None:
                 if not isinstance(item, tuple):
@@ -100,14 +124,8 @@ class DecodeBatch(Part):
                 tpots.append(tpot)
                 yield token_event(index + offset, text, progress.elapsed())
             yield progress.done(req, seq.emitted + offset, tpots, kv, instance)
-        finally:
-            if not seq.failed and seq.remaining > 0:  # the client went away: leave the batch
-                seq.failed = True
-                with contextlib.suppress(ValueError):
-                    self.running.remove(seq)
-                with contextlib.suppress(ValueError):
-                    self.joining.remove(seq)
-                self.kv.release(seq.kv_tokens + seq.remaining)
+        finally:  # its end, or its caller gone: out of the batch at once
+            self.leave(seq)
 
     async def loop(self) -> None:
         """Continuous batching: one token per running request per step (absolute deadlines)."""
@@ -121,7 +139,7 @@ class DecodeBatch(Part):
             if self.joining:
                 self.running.extend(self.joining)
                 self.joining.clear()
-            batch = [s for s in self.running if not s.failed]
+            batch = [s for s in self.running if not s.ended]
             self.running = batch
             if not batch:
                 continue
@@ -130,7 +148,6 @@ class DecodeBatch(Part):
                 self.config.model, self.shape, len(batch) / self.shape.npus, int(kv_mean)
             )
             step *= self.faults.slow_factor
-            self.metrics.batch_size.set(len(batch))
             if self.config.step_scheduling == "relative":
                 await self.clock.sleep(step)  # baseline: the loop's own overhead adds to every step
             else:
@@ -138,7 +155,7 @@ class DecodeBatch(Part):
                 await self.clock.sleep_until(deadline)
             now = self.clock.now()
             for seq in batch:
-                if seq.failed:
+                if seq.ended:
                     continue
                 seq.kv_tokens += 1
                 seq.remaining -= 1
@@ -148,8 +165,9 @@ class DecodeBatch(Part):
                     (seq.emitted, synthetic_token(seq.request_id, seq.emitted + 1), tpot)
                 )
                 seq.emitted += 1
+                seq.hold.progressed()
                 self.metrics.tpot.observe(tpot)
                 if seq.remaining <= 0:
                     seq.events.put_nowait(None)
-                    self.kv.release(seq.kv_tokens)
-            self.running = [s for s in self.running if s.remaining > 0 and not s.failed]
+                    seq.hold.release()
+            self.running = [s for s in self.running if not s.ended]

@@ -6,67 +6,96 @@
 - **Decode side** (:class:`KvPuller`): once a decode has a batch slot and HBM for the request, it
   pulls the KV over the fabric; the transfer shares the decode's ingress and the prefill's egress
   fairly (UB inside one SuperPod, else RoCE). A link down to the prefill's dies fails the pull.
+
+Both sides wait on the other at most :func:`kv_wait_bound` (issue 16 finding 1). The flows out of
+a prefill are counted from what it holds (a pull asked for and not yet released), so an abandoned
+pull is never counted for ever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
+from enginestub.engine.config import EngineConfig
 from enginestub.engine.parts import Part, Shared
+from enginestub.engine.prefill import PrefillTicket
 from enginestub.engine.sharing import SharedResource
 from enginestub.fabric import Plane, link_bandwidth, link_latency
-from matrixserve.api.engine_protocol import EngineError, GenerateRequest, PrefillRef
+from matrixserve.api.engine_protocol import EngineError, PrefillRef
+
+# The wall time a wait on another engine may take on top of the modelled transfer: loopback
+# HTTP round trips and event-loop pauses on a loaded machine, which are wall time whatever the
+# time scale (a second or two at worst on a busy 2-core machine; 5 s leaves room).
+WAIT_FLOOR_WALL_SECONDS = 5.0
+
+
+def kv_wait_bound(config: EngineConfig, slow_factor: float) -> float:
+    """The KV-pull wait bound (emulated s): how long a request's KV may wait, with no sign of
+    progress, for a decode to take the request and pull it (the prefill's side), and how long a
+    decode's pull may take (the decode's side).
+
+    Twice the time to move every byte of KV this instance can hold through its KV links at
+    the slowest plane a pull may use (HBM bounds the KV in flight out of a prefill, and into a
+    decode of the same shape: links join devices of equal count), slowed by any injected slow
+    factor; never under :data:`WAIT_FLOOR_WALL_SECONDS` of wall time."""
+    planes = {config.kv_plane, Plane.ROCE}  # UB reaches only inside a SuperPod: RoCE beyond
+    link = min(link_bandwidth(p, same_node=False) for p in planes) * len(config.dies)
+    transfer = 2.0 * config.kv_capacity_bytes / link * slow_factor
+    return max(transfer, WAIT_FLOOR_WALL_SECONDS * config.time_scale)
 
 
 @dataclass
 class PendingKV:
-    """KV a prefill holds for a decode to pull."""
+    """KV a prefill holds for a decode to pull, with the prefill slot of its request."""
 
     request_id: str
     nbytes: float
     tokens: int
+    ticket: PrefillTicket  # its slot and KV: given back once pulled, or when its stream ends
     released: asyncio.Event = field(default_factory=asyncio.Event)
-    request: GenerateRequest | None = None  # whose prefill slot is held until the pull is done
+    pulling: bool = False  # a decode asked for it and has not said it is done
 
 
 class KvHoldings(Part):
     """The prefill's side: the KV it holds, by request, and the pulls under way."""
 
-    def __init__(self, shared: Shared, free_slot: Callable[[GenerateRequest], None]) -> None:
+    def __init__(self, shared: Shared) -> None:
         super().__init__(shared)
-        self._free_slot = free_slot  # the prefill slot a pulled (or abandoned) request held
         self.pending: dict[str, PendingKV] = {}
-        self.egress_flows = 0  # pulls under way from this instance
 
-    def hold(self, req: GenerateRequest) -> PendingKV:
+    @property
+    def egress_flows(self) -> int:
+        """Pulls under way from this instance (derived, so an abandoned pull never counts)."""
+        return sum(1 for p in self.pending.values() if p.pulling)
+
+    def hold(self, ticket: PrefillTicket) -> PendingKV:
         """Hold the prompt's KV and its slot for a decode to pull."""
+        req = ticket.request
         pending = PendingKV(
-            req.request_id, self.kv.bytes_for(req.prompt_tokens), req.prompt_tokens, request=req
+            req.request_id, self.kv.bytes_for(req.prompt_tokens), req.prompt_tokens, ticket
         )
-        self.pending[req.request_id] = pending
+        self.pending[req.request_id] = pending  # a later request of the same id replaces it
         return pending
 
     def drop(self, pending: PendingKV) -> None:
         """The request's stream ended: nothing is held for it any more."""
-        self.pending.pop(pending.request_id, None)
-        self._free_pending_slot(pending)
-
-    def _free_pending_slot(self, pending: PendingKV) -> None:
-        if pending.request is not None:
-            self._free_slot(pending.request)
-            pending.request = None
+        if self.pending.get(pending.request_id) is pending:
+            del self.pending[pending.request_id]
+        pending.pulling = False
+        pending.ticket.release()
 
     def pull_meta(self, request_id: str) -> dict[str, Any]:
         pending = self.pending.get(request_id)
-        if pending is None:
+        if pending is None or pending.released.is_set():
             raise EngineError(404, "unknown_request", f"no KV held for request {request_id}")
-        self.egress_flows += 1
+        pending.pulling = True
+        pending.ticket.progressed()  # a decode is pulling it
         return {
             "bytes": pending.nbytes,
             "tokens": pending.tokens,
@@ -76,13 +105,45 @@ class KvHoldings(Part):
             "superpod": self.config.superpod,
         }
 
-    def release(self, request_id: str, nbytes: float) -> None:
-        self.egress_flows = max(0, self.egress_flows - 1)
+    def release(self, request_id: str) -> None:
+        """The decode has the KV: free the slot (the prefill's own count of the bytes moved)."""
         pending = self.pending.get(request_id)
-        if pending is not None:
-            pending.released.set()
-            self._free_pending_slot(pending)
-        self.metrics.kv_bytes.labels(plane=str(self.config.kv_plane), direction="out").inc(nbytes)
+        if pending is None or pending.released.is_set():
+            return
+        pending.released.set()
+        pending.pulling = False
+        pending.ticket.release()
+        self.metrics.kv_bytes.labels(plane=str(self.config.kv_plane), direction="out").inc(
+            pending.nbytes
+        )
+
+
+@dataclass(frozen=True)
+class _KvMeta:
+    """What the prefill says of the KV a decode pulls (its ``/pull`` answer)."""
+
+    nbytes: float
+    egress_flows: int
+    dies: int  # its RoCE addresses, one a die (0: not said)
+    node: object
+    superpod: object
+
+    @classmethod
+    def parse(cls, meta: Any) -> _KvMeta:
+        """Raises ValueError, TypeError or KeyError on an answer that is not one."""
+        if not isinstance(meta, dict):
+            raise TypeError("not an object")
+        nbytes = float(meta["bytes"])
+        if not 0 <= nbytes < float("inf"):
+            raise ValueError("bytes out of range")
+        ips = meta.get("roceIps")
+        return cls(
+            nbytes,
+            max(int(meta["egressFlows"]), 1),
+            len(ips) if isinstance(ips, list) else 0,
+            meta.get("node"),
+            meta.get("superpod"),
+        )
 
 
 class KvPuller(Part):
@@ -93,8 +154,23 @@ class KvPuller(Part):
         self.ingress = ingress  # this instance's KV plane bandwidth, shared by its pulls
 
     async def pull(self, request_id: str, prefill: PrefillRef) -> float:
-        """Retrieve the KV from the prefill over the fabric (P/D-Serve §3.6); emulated seconds."""
+        """Retrieve the KV from the prefill over the fabric (P/D-Serve §3.6); emulated seconds.
+        Bounded by :func:`kv_wait_bound` (a prefill that does not answer fails the pull with
+        504 ``kv_pull_timeout``, and the request leaves the batch)."""
+        bound = kv_wait_bound(self.config, self.faults.slow_factor)
+        try:
+            async with asyncio.timeout(self.clock.to_wall(bound)):
+                return await self._pull(request_id, prefill)
+        except TimeoutError:
+            raise EngineError(
+                504, "kv_pull_timeout", f"the KV pull took over {bound:.3f}s (the bound)"
+            ) from None
+        except httpx.InvalidURL:
+            raise EngineError(400, "invalid_request", "prefill.address is not host:port") from None
+
+    async def _pull(self, request_id: str, prefill: PrefillRef) -> float:
         address = prefill.address
+        url = f"http://{address}/v1/kv/{quote(request_id, safe='')}"
         broken = [ip for ip in prefill.roce_ips if ip in self.faults.links_down]
         if broken:
             raise EngineError(
@@ -102,30 +178,30 @@ class KvPuller(Part):
                 "link_down",
                 f"RoCE link to the prefill's device(s) {', '.join(broken)} is down",
             )
-        response = await self.http.post(f"http://{address}/v1/kv/{request_id}/pull")
+        response = await self.http.post(f"{url}/pull")
         if response.status_code != 200:
             raise EngineError(
                 502,
                 "kv_pull_failed",
                 f"prefill answered {response.status_code}: {response.text[:200]}",
             )
-        meta = response.json()
-        nbytes = float(meta["bytes"])
+        try:
+            meta = _KvMeta.parse(response.json())
+        except (ValueError, TypeError, KeyError):
+            raise EngineError(
+                502, "kv_pull_failed", "the prefill's KV metadata is not understood"
+            ) from None
+        nbytes = meta.nbytes
         plane = self.config.kv_plane
-        if plane is Plane.UB and meta.get("superpod") != self.config.superpod:
+        if plane is Plane.UB and meta.superpod != self.config.superpod:
             plane = Plane.ROCE  # UB only reaches inside one SuperPod
-        per_die = link_bandwidth(plane, same_node=meta.get("node") == self.config.node)
-        egress_cap = (
-            per_die
-            * len(meta.get("roceIps") or self.config.dies)
-            / max(int(meta["egressFlows"]), 1)
-        )
-        await self.clock.sleep(link_latency(plane, meta.get("node") == self.config.node))
+        same_node = meta.node == self.config.node
+        per_die = link_bandwidth(plane, same_node=same_node)
+        egress_cap = per_die * (meta.dies or len(self.config.dies)) / meta.egress_flows
+        await self.clock.sleep(link_latency(plane, same_node))
         seconds = await self.ingress.consume(nbytes * self.faults.slow_factor, cap=egress_cap)
         self.metrics.kv_bytes.labels(plane=str(plane), direction="in").inc(nbytes)
         self.metrics.kv_seconds.observe(seconds)
         with contextlib.suppress(httpx.HTTPError):
-            await self.http.post(
-                f"http://{address}/v1/kv/{request_id}/release", json={"bytes": nbytes}
-            )
+            await self.http.post(f"{url}/release", json={"bytes": nbytes})
         return seconds

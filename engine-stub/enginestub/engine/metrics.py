@@ -1,6 +1,9 @@
 """Engine metrics (Prometheus, prefix ``matrixserve_engine_``), in emulated seconds.
 
-One registry per engine, so several engines can live in one test process."""
+One registry per engine, so several engines can live in one test process. The gauges of what the
+engine holds (decode batch, prefill slots, HBM) read its state at each scrape, and the info
+gauge's one series follows the role (issue 16 finding 9): :class:`enginestub.engine.core.Engine`
+wires both."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ class EngineMetrics:
         self.requests = Counter(
             "matrixserve_engine_requests",
             "Requests by stage (prefill, decode) and outcome (accepted, queued, rejected,"
-            " rejected_deadline, timeout, failed)",
+            " rejected_deadline, timeout, kv_timeout, failed)",
             ["stage", "outcome"],
             registry=r,
         )

@@ -13,21 +13,37 @@ original version).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 from enginestub import timing
-from enginestub.engine.parts import Part, Shared
+from enginestub.engine.kvcache import KvLease
+from enginestub.engine.parts import Hold, Part, Releasable, Shared
 from enginestub.engine.sharing import SharedResource
 from matrixserve.api.engine_protocol import EngineError, GenerateRequest
 
 
-@dataclass
-class PrefillTicket:
-    """A request admitted to prefill: a slot held, or a place in the local queue."""
+class PrefillTicket(Releasable):
+    """A request admitted to prefill: a slot held (its :attr:`hold`, with the prompt's KV), or
+    a place in the local queue. Whoever ends the exchange calls :meth:`release` (the HTTP
+    handler's ``with`` block always does); it gives back what the ticket has, once."""
 
-    request: GenerateRequest
-    queued: bool = False  # in the local queue (admission "queue"): no slot yet
-    deadline: float | None = None  # emulated time its first token is due by
+    def __init__(self, prefill: Prefill, request: GenerateRequest, deadline: float | None) -> None:
+        self._prefill = prefill
+        self.request = request
+        self.deadline = deadline  # emulated time its first token is due by
+        self.queued = False  # in the local queue (admission "queue"): no slot yet
+        self.hold: Hold | None = None  # its slot and the prompt's KV, while it has them
+
+    def progressed(self) -> None:
+        if self.hold is not None:
+            self.hold.progressed()
+
+    def release(self) -> None:
+        """Leave the queue, or give back the slot and the prompt's KV; once."""
+        if self.queued:
+            self.queued = False
+            self._prefill.queue -= 1
+        if self.hold is not None:
+            self.hold.release()
 
 
 class Prefill(Part):
@@ -37,9 +53,14 @@ class Prefill(Part):
         super().__init__(shared)
         self.compute = compute  # 1 emulated second of work per second
         self.shape = self.config.shape
-        self.slots = 0  # in use
+        self.held: set[Hold] = set()  # the slots in use
         self.queue = 0  # waiting in the local queue
         self._slot_freed = asyncio.Event()
+
+    @property
+    def slots(self) -> int:
+        """Slots in use."""
+        return len(self.held)
 
     def admit(self, req: GenerateRequest) -> PrefillTicket:
         """Accept (take a slot, or a place in the local queue if asked) or raise."""
@@ -48,9 +69,11 @@ class Prefill(Part):
                 413, "prompt_too_long", "the prompt's KV cache does not fit this instance's HBM"
             )
         budget = req.ttft_budget
-        ticket = PrefillTicket(req)
-        if budget is not None:
-            ticket.deadline = self.clock.now() + budget.emulated_seconds
+        ticket = PrefillTicket(
+            self,
+            req,
+            self.clock.now() + budget.emulated_seconds if budget is not None else None,
+        )
         if (req.admission or self.config.admission) == "queue":  # the baseline: a local queue
             ticket.queued = True
             self.queue += 1
@@ -81,35 +104,36 @@ class Prefill(Part):
                 f"token would miss its {budget.emulated_seconds:.3f}s budget, or make one of "
                 "them miss its own",
             )
-        if not self.kv.reserve(req.prompt_tokens):
+        lease = self.kv.lease(req.prompt_tokens)
+        if lease is None:
             self.metrics.requests.labels(stage="prefill", outcome="rejected").inc()
             raise EngineError(
                 429, "rejected", "prefill busy: no HBM left for another prompt's KV cache"
             )
-        self.slots += 1
+        self._take_slot(ticket, lease)
         self.metrics.requests.labels(stage="prefill", outcome="accepted").inc()
-        self.metrics.prefill_slots.set(self.slots)
         return ticket
 
-    def free_slot(self, req: GenerateRequest) -> None:
-        self.slots -= 1
-        self.kv.release(req.prompt_tokens)
-        self.metrics.prefill_slots.set(self.slots)
+    def _take_slot(self, ticket: PrefillTicket, lease: KvLease) -> None:
+        ticket.hold = Hold(self.clock, lease, self._free)
+        self.held.add(ticket.hold)
+
+    def _free(self, hold: Hold) -> None:
+        self.held.discard(hold)
         self._slot_freed.set()
 
     async def wait_for_slot(self, ticket: PrefillTicket) -> None:
         """Queue mode: FIFO-ish wait until a slot and the prompt's KV fit."""
-        try:
-            while self.slots >= self.config.max_batch or not self.kv.reserve(
-                ticket.request.prompt_tokens
-            ):
-                self._slot_freed.clear()
-                await self._slot_freed.wait()
-        finally:
-            self.queue -= 1
-        self.slots += 1
+        while True:
+            if self.slots < self.config.max_batch:
+                lease = self.kv.lease(ticket.request.prompt_tokens)
+                if lease is not None:
+                    break
+            self._slot_freed.clear()
+            await self._slot_freed.wait()
         ticket.queued = False
-        self.metrics.prefill_slots.set(self.slots)
+        self.queue -= 1
+        self._take_slot(ticket, lease)
 
     def work(self, req: GenerateRequest) -> float:
         """The prompt's prefill alone on this instance (emulated seconds of its compute)."""
@@ -119,5 +143,13 @@ class Prefill(Part):
         )
 
     async def run(self, ticket: PrefillTicket) -> float:
-        """Prefill the prompt; returns its compute time (emulated s)."""
-        return await self.compute.consume(self.work(ticket.request), deadline=ticket.deadline)
+        """Prefill the prompt; returns its compute time (emulated s). Its slot is working (not
+        idle) meanwhile: the shared compute advances every prompt in it."""
+        hold = ticket.hold
+        assert hold is not None, "prefill without a slot"
+        hold.working = True
+        try:
+            return await self.compute.consume(self.work(ticket.request), deadline=ticket.deadline)
+        finally:
+            hold.working = False
+            hold.progressed()

@@ -62,7 +62,7 @@ class Resident:
         # This process's incarnation: a restarted engine (same pod, same IPs) is someone else
         # to its peers, since every link it had is gone.
         self.incarnation = uuid.uuid4().hex[:16]
-        self.zk = Session(cfg.zookeeper, timeout=10.0)
+        self.zk = Session(cfg.zookeeper, timeout=10.0, auth=cfg.zookeeper_auth)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.roce_map: zl.RoceMap | None = None
         self.init_order: zl.InitOrder | None = None
@@ -414,6 +414,13 @@ class Resident:
         if engine.device_links_down:
             state = zl.HealthState.DEGRADED
             message = "RoCE link down to " + ", ".join(sorted(engine.device_links_down))
+        stuck = engine.stuck_holds()
+        if stuck:  # issue 16 finding 1: slots nothing will free are not capacity
+            state = zl.HealthState.DEGRADED
+            message = (
+                f"{stuck} request(s) held without progress for over "
+                f"{engine.stuck_bound():g} s (emulated)"
+            )
         assert self.role is not None
         self.health_seq += 1
         return zl.Health(

@@ -1,5 +1,6 @@
-"""The Kubernetes adapter: the operator's only reads and writes of pods and of its custom
-objects, for every kind (the kind is an argument, never a method name).
+"""The Kubernetes adapter: the operator's only reads and writes of pods (and of the Secrets they
+read, written before them) and of its custom objects, for every kind (the kind is an argument,
+never a method name).
 
 The synchronous ``kubernetes`` client runs in worker threads (``asyncio.to_thread``). Creates
 are idempotent (409 is success), deletes carry a UID precondition so a recreated pod of the same
@@ -57,10 +58,16 @@ def credentials(kubeconfig: str | None = None) -> dict[str, Any]:
 
 
 class KubeAdapter:
-    def __init__(self, api: client.ApiClient) -> None:
+    def __init__(
+        self, api: client.ApiClient, pod_secrets: Sequence[Mapping[str, Any]] = ()
+    ) -> None:
         self.api = api
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        # Secrets every pod we create reads (the engines' ZooKeeper credential), written into
+        # the pod's namespace before it: created if absent, else patched once per namespace.
+        self.pod_secrets = list(pod_secrets)
+        self._secrets_written: set[tuple[str, str]] = set()
         # A node's SuperPod is fixed by its hardware: read each node once, not every pass.
         self._superpods: dict[str, str] = {}
 
@@ -158,6 +165,8 @@ class KubeAdapter:
 
     async def create_pod(self, namespace: str, body: Mapping[str, Any]) -> bool:
         """True if created, False if it already existed."""
+        for secret in self.pod_secrets:
+            await self._write_secret(namespace, secret)
         try:
             await asyncio.to_thread(self.core.create_namespaced_pod, namespace, body)
         except client.ApiException as exc:
@@ -165,6 +174,22 @@ class KubeAdapter:
                 return False
             raise
         return True
+
+    async def _write_secret(self, namespace: str, secret: Mapping[str, Any]) -> None:
+        """Create the Secret; one already there gets our data (its labels are left: it may be
+        the chart's own, in the release namespace), once per namespace. A deleted one is created
+        again with the next pod."""
+        key = (namespace, str(secret["metadata"]["name"]))
+        try:
+            await asyncio.to_thread(self.core.create_namespaced_secret, namespace, secret)
+        except client.ApiException as exc:
+            if exc.status != 409:
+                raise
+            if key in self._secrets_written:
+                return
+            data = {k: secret[k] for k in ("data", "stringData") if k in secret}
+            await asyncio.to_thread(self.core.patch_namespaced_secret, key[1], namespace, data)
+        self._secrets_written.add(key)
 
     async def delete_pod(self, namespace: str, name: str, uid: str) -> bool:
         try:

@@ -77,16 +77,32 @@ class TtftBudget:
 # --------------------------------------------------------------------------- errors
 class EngineError(Exception):
     """What an engine answers instead of a stream: an HTTP status and a machine-readable code
-    (``{"error": {"code", "message"}}``)."""
+    (``{"error": {"code", "message", "type", "param"}}``, OpenAI's error shape: issue 16 finding
+    3; ``param`` names the body field at fault, if one is)."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.param = param
+
+    @property
+    def kind(self) -> str:
+        """OpenAI's error ``type`` for the status."""
+        if self.status == 429:
+            return "rate_limit_exceeded"
+        return "invalid_request_error" if self.status < 500 else "server_error"
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"code": self.code, "message": self.message}}
+        return {
+            "error": {
+                "code": self.code,
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+            }
+        }
 
 
 def _invalid(message: str) -> EngineError:
@@ -150,12 +166,17 @@ class GenerateRequest:
 
 
 def generate_body(
-    request_id: str, prompt: str, max_tokens: int, ttft_budget: TtftBudget, admission: Admission
+    request_id: str,
+    prompt: str | int,
+    max_tokens: int,
+    ttft_budget: TtftBudget,
+    admission: Admission,
 ) -> dict[str, Any]:
-    """The gateway's ``/v1/generate`` body."""
+    """The gateway's ``/v1/generate`` body; ``prompt`` is the text, or the length in tokens of a
+    prompt given as token ids."""
     return {
         "requestId": request_id,
-        "prompt": prompt,
+        ("prompt" if isinstance(prompt, str) else "promptTokens"): prompt,
         "maxTokens": max_tokens,
         "ttftBudget": ttft_budget.emulated_seconds,
         "admission": admission,

@@ -7,10 +7,20 @@ boundary: handlers turn a CR's ``spec`` into these models and the domain works o
 
 from __future__ import annotations
 
+import re
+from decimal import Decimal
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 DnsLabel = Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)]
 BatchSize = Annotated[int, Field(ge=1, le=4096)]
@@ -43,6 +53,97 @@ class Parallelism(_Spec):
     ep: int | None = Field(default=None, ge=1, le=1024)
 
 
+# --------------------------------------------------------------------------- quantities
+# CPU and memory of engine pods (issue 16, finding 8). A Kubernetes resource quantity (k8s.io/apimachinery's resource.Quantity) without a sign; the
+# CRD carries this pattern, so the API server and the models agree on what parses.
+QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[eE][-+]?[0-9]+|[numkMGTPE])?$"
+_QUANTITY = re.compile(QUANTITY_PATTERN)
+_BINARY_EXPONENT = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
+_DECIMAL_EXPONENT = {
+    **{"n": -9, "u": -6, "m": -3, "": 0},
+    **{"k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18},
+}
+
+
+def quantity_value(text: str) -> Decimal:
+    """A quantity in base units (CPUs, bytes): ``500m`` -> 0.5, ``1Gi`` -> 2**30, ``1e3`` ->
+    1000. Raises ``ValueError`` when ``text`` is not one (:data:`QUANTITY_PATTERN`)."""
+    match = _QUANTITY.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a Kubernetes quantity")
+    amount, suffix = Decimal(match.group(1)), match.group(3) or ""
+    if suffix in _BINARY_EXPONENT:
+        return amount * Decimal(2) ** _BINARY_EXPONENT[suffix]
+    exponent = _DECIMAL_EXPONENT[suffix] if suffix in _DECIMAL_EXPONENT else int(suffix[1:])
+    if abs(exponent) > 18:  # beyond what a Kubernetes quantity holds (int64 of nano-units)
+        raise ValueError(f"{text!r} is out of a Kubernetes quantity's range")
+    return amount.scaleb(exponent)
+
+
+def _quantity_text(value: Any) -> str:
+    """A quantity as written, checked to parse and to be more than 0. YAML gives ``cpu: 2`` as a
+    number; the model keeps the text, so a pod's stamped template is what the spec says."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise PydanticCustomError(
+            "quantity_type", "a quantity is a string (500m, 1Gi) or an integer"
+        )
+    text = str(value)
+    try:
+        amount = quantity_value(text)
+    except ValueError as exc:
+        raise PydanticCustomError(
+            "quantity", "{problem} (e.g. 500m, 2, 512Mi, 4Gi)", {"problem": str(exc)}
+        ) from None
+    if amount <= 0:
+        raise PydanticCustomError(
+            "quantity_zero", "{text} must be more than 0", {"text": repr(text)}
+        )
+    return text
+
+
+Quantity = Annotated[str, BeforeValidator(_quantity_text)]
+
+
+class CpuMemory(_Spec):
+    """CPU (cores: ``2``, ``500m``) and memory (bytes: ``512Mi``, ``4Gi``) of a container."""
+
+    cpu: Quantity | None = None
+    memory: Quantity | None = None
+
+    @field_validator("cpu")
+    @classmethod
+    def _whole_millicores(cls, value: str | None) -> str | None:
+        # Kubernetes rounds a finer CPU amount up to 1m without a word: refuse it instead.
+        if value is not None and not _whole(quantity_value(value) * 1000):
+            raise PydanticCustomError(
+                "cpu_precision",
+                "{text} is finer than 1m (a thousandth of a CPU), the smallest amount Kubernetes counts",
+                {"text": repr(value)},
+            )
+        return value
+
+    @field_validator("memory")
+    @classmethod
+    def _whole_bytes(cls, value: str | None) -> str | None:
+        if value is not None and not _whole(quantity_value(value)):
+            raise PydanticCustomError(
+                "memory_bytes", "{text} is not a whole number of bytes", {"text": repr(value)}
+            )
+        return value
+
+
+def _whole(amount: Decimal) -> bool:
+    return amount == amount.to_integral_value()
+
+
+class EngineResources(_Spec):
+    """An engine container's CPU and memory requests and limits; a value left out takes the
+    operator's default (``matrixserve.domain.enginepod.engine_resources``)."""
+
+    requests: CpuMemory = CpuMemory()
+    limits: CpuMemory = CpuMemory()
+
+
 class RoleSpec(_Spec):
     replicas: int = Field(ge=0, le=256)
     devices_per_instance: int = Field(default=2, alias="devicesPerInstance", ge=1, le=64)
@@ -51,6 +152,7 @@ class RoleSpec(_Spec):
     parallelism: Parallelism = Parallelism()
     batch_size: BatchSize = Field(default=DEFAULT_BATCH, alias="batchSize")
     image: str = Field(default="matrixserve/engine-stub:0.1.0", max_length=512)
+    resources: EngineResources | None = None
 
 
 class RatioMode(StrEnum):

@@ -19,19 +19,24 @@ JSON payloads (pydantic), no client. ``docs/zookeeper.md`` has the table of who 
         removed/<instance>     PERSISTENT Removal: logically removed, no traffic   (operator)
     /matrixserve/v1/expertpools/<ns>/<pool>/map            logical -> physical expert map
     /matrixserve/v1/expertpools/<ns>/<pool>/servers/<id>   EPHEMERAL, one per expert server
+
+Who may touch it (issue 16 finding 7): with :class:`Credentials` configured, every znode under
+``/matrixserve`` belongs to one digest identity that the operator, the gateway and the engines
+share; nobody else may read, write or delete them.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-ROOT = "/matrixserve/v1"
+TOP = "/matrixserve"  # every version's tree: what the ACLs protect
+ROOT = f"{TOP}/v1"
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
 
@@ -116,6 +121,38 @@ class Delete:
 
 
 ZnodeOp = Put | Delete
+
+
+# --------------------------------------------------------------------------- who may touch it
+USER = "matrixserve"  # the identity's user name (the chart's and the dev cluster's)
+CREDENTIALS_KEY = "auth"  # the key of "user:password" in the Secrets that carry it
+_UNSAFE = re.compile(r"[\s\x00-\x1f\x7f]")
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """MatrixServe's ZooKeeper digest identity, ``user:password``; shared by the operator, the
+    gateway and the engines. The password stays out of ``repr`` (configurations get logged)."""
+
+    user: str
+    password: str = field(repr=False)
+
+    @classmethod
+    def parse(cls, text: str) -> Credentials:
+        """From ``user:password`` (the password may hold colons; ZooKeeper splits at the first)."""
+        user, colon, password = text.partition(":")
+        if not colon or not user or not password:
+            raise ValueError("ZooKeeper credentials must be user:password, both non-empty")
+        if _UNSAFE.search(text):
+            # A Secret written with `echo` ends in a newline: refused, never silently a
+            # different identity than the other processes'.
+            raise ValueError(
+                "ZooKeeper credentials must not contain whitespace or control characters"
+            )
+        return cls(user, password)
+
+    def text(self) -> str:
+        return f"{self.user}:{self.password}"
 
 
 def expert_pool_path(namespace: str, pool: str) -> str:

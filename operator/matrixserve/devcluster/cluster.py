@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster import pki, tools
 from matrixserve.devcluster.errors import DevClusterError, tail
 from matrixserve.devcluster.procs import Supervisor
@@ -75,6 +76,9 @@ class ClusterInfo:
     helm: str
     node_emulator: str = ""  # control API URL of the node emulator
     service_cidr: str = ""  # ClusterIPs: a loopback /16 the node emulator routes
+    # MatrixServe's ZooKeeper identity, user:password: an operator, gateway or engine given it
+    # ($MATRIXSERVE_ZK_AUTH) makes its znodes readable and writable by that identity alone
+    zookeeper_auth: str = ""
 
     @classmethod
     def load(cls, path: Path) -> ClusterInfo:
@@ -86,6 +90,7 @@ class ClusterInfo:
         return {
             "KUBECONFIG": self.kubeconfig,
             "MATRIXSERVE_ZK": self.zookeeper,
+            "MATRIXSERVE_ZK_AUTH": self.zookeeper_auth,
             "MATRIXSERVE_STATE_DIR": self.state_dir,
             "MATRIXSERVE_HELM": self.helm,
             "MATRIXSERVE_NODE_EMULATOR": self.node_emulator,
@@ -211,6 +216,7 @@ class DevCluster:
             ca_file=str(ca.cert),
             admin_token=token,
             zookeeper=f"{LOOPBACK}:{ports.zookeeper}",
+            zookeeper_auth=f"{zl.USER}:{secrets.token_hex(16)}",
             ports=ports,
             bin_dir=str(bin_dir),
             helm=str(helm),

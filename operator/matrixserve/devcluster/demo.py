@@ -16,6 +16,7 @@ the group.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -53,11 +54,13 @@ def _until(what: str, timeout: float, attempt: Any, every: float = 0.2) -> Any:
 
 RELEASE = "matrixserve"
 SYSTEM = "matrixserve-system"
-# The chart's values for the local cluster: no storage provisioner, no root needed for ports.
+# The chart's values for the local cluster: no storage provisioner, no root needed for ports;
+# engines take injected faults (POST /v1/faults), to try recovery on the demo.
 LOCAL_VALUES = (
     "zookeeper.persistence=false",
     "gateway.service.port=8080",
     f"operator.engine.timeScale={TIME_SCALE}",
+    "operator.engine.faultInjection=true",
 )
 
 
@@ -142,7 +145,19 @@ def wait_ready(api: client.ApiClient) -> float:
     return time.monotonic() - started
 
 
-def show(info: ClusterInfo, zookeeper: str) -> None:
+def zookeeper_auth(api: client.ApiClient) -> list[tuple[str, str]] | None:
+    """The chart's ZooKeeper identity (its znodes are readable by it alone), as kazoo's
+    ``auth_data``; None if the release runs without one."""
+    try:
+        secret = client.CoreV1Api(api).read_namespaced_secret(f"{RELEASE}-zookeeper-auth", SYSTEM)
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return [("digest", base64.b64decode(secret.data[zl.CREDENTIALS_KEY]).decode())]
+
+
+def show(info: ClusterInfo, zookeeper: str, auth: list[tuple[str, str]] | None) -> None:
     env = {**os.environ, "KUBECONFIG": info.kubeconfig}
     kubectl = str(tools.kubectl_path())
     for args in (
@@ -155,7 +170,7 @@ def show(info: ClusterInfo, zookeeper: str) -> None:
                 [kubectl, *args], env=env, capture_output=True, text=True, check=False
             ).stdout.rstrip()
         )
-    zk = KazooClient(hosts=zookeeper)
+    zk = KazooClient(hosts=zookeeper, auth_data=auth)
     zk.start(timeout=10)
     try:
         paths = zl.GroupPaths(NAMESPACE, GROUP)
@@ -188,6 +203,7 @@ def ask_gateway(url: str) -> None:
         ],
         "max_tokens": 24,
         "stream": True,
+        "stream_options": {"include_usage": True},  # the usage: a last chunk, as OpenAI
     }
     print(
         f'\nOne OpenAI chat completion through the gateway ({url}/v1/chat/completions, model "general"):'
@@ -201,14 +217,15 @@ def ask_gateway(url: str) -> None:
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunks.append(json.loads(line[6:]))
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c.get("choices"))
-    final = chunks[-1] if chunks else {}
+    # the choice's last chunk (its matrixserve account), else the last one (an error)
+    final = next((c for c in chunks if "matrixserve" in c), chunks[-1] if chunks else {})
     print(f"  answer  : {text.strip()}")
     if "matrixserve" not in final:
         print(f"  error   : {final}")
         return
     t, served = final["matrixserve"]["timings"], final["matrixserve"]["instances"]
     print(
-        f"  served  : prefill {served['prefill']}, decode {served['decode']}; usage {final['usage']}"
+        f"  served  : prefill {served['prefill']}, decode {served['decode']}; usage {chunks[-1].get('usage')}"
     )
     print(
         f"  timings : TTFT {t['ttft'] * 1000:.1f} ms, KV transfer {t['kvTransfer'] * 1000:.2f} ms, "
@@ -227,8 +244,9 @@ def run(info: ClusterInfo) -> int:
         seconds = wait_ready(api)
         print(f"Ready after {seconds:.1f}s (engine time scale {TIME_SCALE}).")
         zookeeper = service_address(api, "zookeeper", 2181)
+        auth = zookeeper_auth(api)
         url = f"http://{service_address(api, 'gateway', 8080)}"
-    show(info, zookeeper)
+    show(info, zookeeper, auth)
     ask_gateway(url)
     print(
         f"\nThe gateway Service stays up at {url} (OpenAI API: /v1/models, /v1/completions, "

@@ -10,14 +10,17 @@ import os
 import signal
 import sys
 
-from aiohttp import web
-
+from matrixserve import httpserving
 from matrixserve.adapters.kube import api_client
-from matrixserve.coordination import Session
+from matrixserve.coordination import Session, add_auth_flag
 from matrixserve.domain.forwarding import Policy
 from matrixserve.gateway.app import Gateway, GatewayConfig
 from matrixserve.gateway.auth import keep_keys
 from matrixserve.gateway.discovery import Discovery
+
+# Clients' own pools drop idle connections sooner (httpx and the openai client: 5 s, aiohttp: 15 s),
+# so the gateway's idle limit never closes a connection a client is about to reuse.
+CONNECTION_LIMITS = httpserving.ConnectionLimits(idle_timeout=75.0)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -27,6 +30,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--kubeconfig", default=env.get("KUBECONFIG"))
     p.add_argument("--zookeeper", default=env.get("MATRIXSERVE_ZK"))
+    add_auth_flag(p)
     p.add_argument(
         "--namespace", default=None, help="serve only this namespace's PDGroups (default: all)"
     )
@@ -59,6 +63,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--rate-limit", type=float, default=0.0, help="requests/s per API key (0: unlimited)"
     )
     p.add_argument("--rate-burst", type=float, default=10.0, help="burst allowed per API key")
+    httpserving.add_arguments(p, "GATEWAY_", CONNECTION_LIMITS)
     args = p.parse_args(argv)
     if not args.zookeeper:
         p.error("--zookeeper (or $MATRIXSERVE_ZK) is required")
@@ -79,7 +84,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> int:
     # Not waiting for ZooKeeper: until it is reached (and whenever it is lost) the gateway routes
     # by PDGroup status; kazoo keeps reconnecting.
-    zk = Session(args.zookeeper, connection_retry={"max_tries": -1, "delay": 0.2, "max_delay": 5})
+    zk = Session(
+        args.zookeeper,
+        connection_retry={"max_tries": -1, "delay": 0.2, "max_delay": 5},
+        auth=args.zookeeper_auth,
+    )
     zk.start_background()
     api = api_client(args.kubeconfig)
     discovery = Discovery(api, zk, args.namespace)
@@ -102,9 +111,10 @@ async def serve(args: argparse.Namespace) -> int:
     if args.api_keys_secret:
         namespace, name = args.api_keys_secret.split("/", 1)
         asyncio.get_running_loop().create_task(keep_keys(gateway.keys, api, namespace, name))
-    runner = web.AppRunner(gateway.app(), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
+    runner = gateway.runner()
+    await httpserving.start(
+        runner, args.host, args.port, httpserving.limits_from(args), gateway.metrics.registry
+    )
     logging.getLogger("matrixserve.gateway").info(
         "gateway on %s:%d, policy %s", args.host, args.port, args.policy
     )

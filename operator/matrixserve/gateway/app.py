@@ -6,6 +6,13 @@ to a prefill entrance that accepts within its TTFT budget (:mod:`.forwarder`), a
 prefill's stream (decode -> prefill -> gateway), read through the gateway's pooled engine client
 (:mod:`.upstream`), is relayed as OpenAI chunks (:mod:`.openai`); a decode failing mid-stream
 ends the client's stream with an error chunk and ``[DONE]``. API keys: :mod:`.auth`.
+
+Issue 16: a body is decoded here and validated in the domain, so whatever bytes a client sends
+get an OpenAI-shaped 4xx, never a 500 (finding 3); metric labels take known values only, so no
+request can break ``/metrics`` or grow its series (finding 2); a request whose client leaves is
+cancelled (``handler_cancellation``, set where the server is run) and its legs give their engine
+streams back, so the engines stop working on it, streamed or not (finding 5); ``n``, lists of
+prompts, ``stop`` and ``stream_options.include_usage`` are honoured (finding 6).
 """
 
 from __future__ import annotations
@@ -13,8 +20,10 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -24,13 +33,22 @@ from prometheus_client import (
     generate_latest,
 )
 
+from matrixserve import httpserving
 from matrixserve.api.engine_protocol import Event
-from matrixserve.domain.forwarding import BadRequest, Completion, Policy, parse_completion
+from matrixserve.domain.forwarding import (
+    MAX_CHOICES,
+    UNKNOWN_SCENARIO,
+    BadRequest,
+    Completion,
+    Policy,
+    error_code,
+    parse_completion,
+    parse_json_body,
+)
 from matrixserve.gateway import openai
 from matrixserve.gateway.auth import ApiKeys
 from matrixserve.gateway.discovery import Discovery
-from matrixserve.gateway.forwarder import Flight, Forwarder
-from matrixserve.gateway.upstream import EngineStream
+from matrixserve.gateway.forwarder import Forwarder, Leg, Reader
 
 
 @dataclass(frozen=True)
@@ -40,6 +58,7 @@ class GatewayConfig:
     default_ttft_ms: int = 2000
     max_prompt_chars: int = 200_000
     max_tokens_limit: int = 8192
+    max_choices: int = MAX_CHOICES  # prompts x n per request
     report_interval: float = 0.1  # least-loaded baseline: queue report period (emulated s)
     require_keys: bool = False  # API keys configured: /v1/* needs "Authorization: Bearer <key>"
     rate_limit: float = 0.0  # requests per second per key (0: unlimited)
@@ -71,6 +90,16 @@ class GatewayMetrics:
         self.open_streams = Gauge(
             "matrixserve_gateway_open_streams", "Open SSE streams", registry=r
         )
+        self.in_prefill = Gauge(
+            "matrixserve_gateway_prompts_in_prefill",
+            "Choices accepted by a prefill and without a first token yet, as this gateway counts",
+            registry=r,
+        )
+        self.slots_held = Gauge(
+            "matrixserve_gateway_prefill_slots_held",
+            "Prefill slots this gateway's choices hold (until their second token or end)",
+            registry=r,
+        )
         self.zookeeper_connected = Gauge(
             "matrixserve_gateway_zookeeper_connected",
             "1 while entrances come from ZooKeeper, 0 while they come from PDGroup status",
@@ -90,7 +119,9 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.metrics.zookeeper_connected.set_function(lambda: float(discovery.zk_connected))
         discovery.on_session_lost = self.metrics.zookeeper_sessions_lost.inc
-        self.forwarder = Forwarder(discovery, config, self.metrics)
+        self.forwarder = forwarder = Forwarder(discovery, config, self.metrics)
+        self.metrics.in_prefill.set_function(lambda: float(sum(forwarder.prefilling.values())))
+        self.metrics.slots_held.set_function(lambda: float(sum(forwarder.holding.values())))
         self.keys = ApiKeys(config, self.metrics)
 
     async def start(self) -> None:
@@ -108,138 +139,160 @@ class Gateway:
         if denied is not None:
             return denied
         try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            return openai.error_response(BadRequest("the request body is not valid JSON"))
-        try:
-            completion = parse_completion(
-                body, chat, self.config.max_prompt_chars, self.config.max_tokens_limit
-            )
+            completion = await self._read(request, chat)
         except BadRequest as exc:
+            self.metrics.requests.labels(scenario=UNKNOWN_SCENARIO, outcome="bad_request").inc()
             return openai.error_response(exc)
         scenario = self._scenario(request, completion)
         routes = self.discovery.routes(scenario)
         if not routes:
-            known = ", ".join(self.discovery.scenarios()) or "none"
-            self.metrics.requests.labels(scenario=scenario, outcome="unknown_scenario").inc()
-            return openai.error_response(
-                BadRequest(
-                    f"no PDGroup serves scenario {scenario!r} (known: {known})",
-                    "model",
-                    status=404,
-                    code="model_not_found",
-                )
-            )
-        started = time.monotonic()
-        chosen = await self.forwarder.forward(scenario, routes, completion)
-        if isinstance(chosen, str):
-            self.metrics.requests.labels(scenario=scenario, outcome="rejected").inc()
-            return openai.failure(503, chosen, "server_busy", "no_capacity", retry_after="1")
-        entrance, upstream = chosen
-        flight = Flight(self.forwarder, entrance.instance, scenario, started)
+            self.metrics.requests.labels(
+                scenario=UNKNOWN_SCENARIO, outcome="unknown_scenario"
+            ).inc()
+            return self._no_such_model(scenario)
+        # from here the scenario is one this gateway routes: a known label value
+        outcome = "client_gone"  # unless it gets further: a cancellation is its client leaving
         try:
-            if completion.stream:
-                return await self._relay_stream(request, completion, scenario, upstream, flight)
-            return await self._collect(completion, scenario, upstream, flight)
+            legs = await self.forwarder.forward_all(scenario, routes, completion)
+            if isinstance(legs, str):
+                outcome = "rejected"
+                return openai.failure(503, legs, "server_busy", "no_capacity", retry_after="1")
+            reader = Reader(legs)
+            try:
+                if completion.stream:
+                    streamed, outcome = await self._relay_stream(request, completion, reader)
+                    return streamed
+                answered, outcome = await self._collect(completion, reader)
+                return answered
+            finally:  # every leg's stream and prefill share back, whatever happened
+                reader.close()
         finally:
-            upstream.release()
-            flight.end()
+            self.metrics.requests.labels(scenario=scenario, outcome=outcome).inc()
+
+    async def _read(self, request: web.Request, chat: bool) -> Completion:
+        """The request's body as a validated completion; :class:`BadRequest` otherwise. A body
+        over the size limit raises aiohttp's 413, rendered by the app's error middleware."""
+        try:
+            raw = await request.read()
+        except RequestPayloadError:
+            raise BadRequest(
+                "the request body could not be read: it is not in its Content-Encoding, or its "
+                "chunked framing is broken",
+                code="invalid_body",
+            ) from None
+        return parse_completion(
+            parse_json_body(raw, request.charset),
+            chat,
+            self.config.max_prompt_chars,
+            self.config.max_tokens_limit,
+            self.config.max_choices,
+        )
+
+    def _no_such_model(self, name: str) -> web.Response:
+        known = ", ".join(self.discovery.scenarios()) or "none"
+        return openai.error_response(
+            BadRequest(
+                f"no PDGroup serves scenario {name[:100]!r} (known: {known})",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
+        )
 
     async def _relay_stream(
-        self,
-        request: web.Request,
-        c: Completion,
-        scenario: str,
-        upstream: EngineStream,
-        flight: Flight,
-    ) -> web.StreamResponse:
+        self, request: web.Request, c: Completion, reader: Reader
+    ) -> tuple[web.StreamResponse, str]:
+        """The choices' streams relayed as one SSE stream; the response and its outcome."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
         ident, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        token_frame = openai.TokenFrame(openai.chunk(ident, created, c, openai.PIECE, None))
-        outcome = "incomplete"
+        token_frames = {
+            leg.index: openai.TokenFrame(
+                openai.chunk(ident, created, c, openai.PIECE, None, leg.index)
+            )
+            for leg in reader.legs
+        }
+        failed: Event | None = None
         try:
             if c.chat:
-                role = openai.chunk(ident, created, c, {"role": "assistant"}, None)
-                await response.write(openai.frame(role))
-            # each batch is what arrived in one read: one write to the client per batch
-            while batch := await upstream.batch():
-                frames: list[bytes] = []
-                for event in batch:
-                    if event["type"] == "token":
-                        flight.token()
-                        frames.append(token_frame(event["text"]))
-                    elif event["type"] == "done":
-                        frames.append(openai.frame(openai.final_chunk(ident, created, c, event)))
-                        outcome = "ok"
-                        break
-                    elif event["type"] == "error":
-                        frames.append(
-                            openai.frame(openai.error_chunk(event["message"], event.get("code")))
-                        )
-                        outcome = event.get("code", "error")
-                        break
-                await response.write(b"".join(frames))
-                if outcome != "incomplete":
-                    break
-            if outcome == "incomplete":
-                cut = openai.error_chunk(
-                    "the serving instance closed the stream early", "stream_interrupted"
+                role = {"role": "assistant"}
+                await response.write(
+                    b"".join(
+                        openai.frame(openai.chunk(ident, created, c, role, None, leg.index))
+                        for leg in reader.legs
+                    )
                 )
-                await response.write(openai.frame(cut))
+            # each batch is what arrived in one read: one write to the client per round
+            while failed is None and (batches := await reader.next()):
+                frames: list[bytes] = []
+                for leg, batch in batches:
+                    token_frame = token_frames[leg.index]
+                    frames += [token_frame(piece) for piece in leg.take(batch)]
+                    if leg.error is not None:
+                        failed = leg.error
+                        break
+                    if leg.finish is not None:
+                        account = openai.served(leg.done, leg.instance)
+                        last = openai.final_chunk(ident, created, c, leg.index, leg.finish, account)
+                        frames.append(openai.frame(last))
+                        leg.close()  # now: at a stop string, the engines stop there
+                await response.write(b"".join(frames))
+            if failed is not None:
+                outcome = error_code(failed.get("code"))
+                await response.write(openai.frame(openai.error_chunk(_message(failed), outcome)))
+            else:
+                outcome = "ok"
+                if c.include_usage:
+                    totals = _usage(c, reader.legs)
+                    await response.write(
+                        openai.frame(openai.usage_chunk(ident, created, c, totals))
+                    )
             await response.write(b"data: [DONE]\n\n")
         except ConnectionResetError:
             outcome = "client_gone"
-        self.metrics.requests.labels(scenario=scenario, outcome=outcome).inc()
-        return response
+        return response, outcome
 
-    async def _collect(
-        self,
-        c: Completion,
-        scenario: str,
-        upstream: EngineStream,
-        flight: Flight,
-    ) -> web.Response:
-        text: list[str] = []
-        done: Event | None = None
-        error: Event | None = None
-        while batch := await upstream.batch():
-            for event in batch:
-                if event["type"] == "token":
-                    flight.token()
-                    text.append(event["text"])
-                elif event["type"] == "done":
-                    done = event
-                    break
-                elif event["type"] == "error":
-                    error = event
-                    break
-            if done or error:
-                break
-        if done is None:
-            self.metrics.requests.labels(scenario=scenario, outcome="error").inc()
-            message = error["message"] if error else "the serving instance closed the stream early"
-            return openai.failure(
-                502, message, "server_error", (error or {}).get("code", "stream_interrupted")
+    async def _collect(self, c: Completion, reader: Reader) -> tuple[web.Response, str]:
+        """The choices read whole: the plain answer (or a 502 if one failed) and its outcome."""
+        texts: dict[int, list[str]] = {leg.index: [] for leg in reader.legs}
+        while batches := await reader.next():
+            for leg, batch in batches:
+                texts[leg.index] += leg.take(batch)
+                if leg.error is not None:
+                    code = error_code(leg.error.get("code"))
+                    return openai.failure(502, _message(leg.error), "server_error", code), code
+                if leg.ended:
+                    leg.close()  # now: at a stop string, the engines stop there
+        answers = [
+            openai.Answer(
+                leg.index,
+                "".join(texts[leg.index]),
+                leg.finish or "stop",
+                openai.served(leg.done, leg.instance),
             )
-        self.metrics.requests.labels(scenario=scenario, outcome="ok").inc()
-        return web.json_response(openai.completion(c, "".join(text), done))
+            for leg in reader.legs
+        ]
+        return web.json_response(openai.completion(c, answers, _usage(c, reader.legs))), "ok"
 
     async def models(self, request: web.Request) -> web.Response:
         denied = self.keys.authorize(request)
         if denied is not None:
             return denied
         return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {"id": s, "object": "model", "owned_by": "matrixserve"}
-                    for s in self.discovery.scenarios()
-                ],
-            }
+            {"object": "list", "data": [openai.model(s) for s in self.discovery.scenarios()]}
         )
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{model}``: a scenario this gateway routes, else 404."""
+        denied = self.keys.authorize(request)
+        if denied is not None:
+            return denied
+        name = request.match_info["model"]
+        if name not in self.discovery.scenarios():
+            return self._no_such_model(name)
+        return web.json_response(openai.model(name))
 
     async def routes(self, request: web.Request) -> web.Response:
         """What the gateway routes by: each group's scenario, TTFT budget and open entrances, and
@@ -269,8 +322,16 @@ class Gateway:
             headers={"Content-Type": CONTENT_TYPE_LATEST},
         )
 
+    def runner(self, **server: Any) -> web.AppRunner:
+        """The gateway's app as it is served (``__main__``, and the tests that serve it): a
+        client that leaves cancels its request's handler (``handler_cancellation``: aiohttp >= 3.9
+        does not by default), which gives the request's engine streams back, so the engines stop
+        working on a request nobody waits for, streamed or not (issue 16, finding 5). ``server``:
+        the server's other settings."""
+        return web.AppRunner(self.app(), access_log=None, handler_cancellation=True, **server)
+
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=4 * self.config.max_prompt_chars + 65536)
+        app = httpserving.application(client_max_size=4 * self.config.max_prompt_chars + 65536)
 
         async def completions(request: web.Request) -> web.StreamResponse:
             return await self.completions(request, chat=False)
@@ -289,9 +350,22 @@ class Gateway:
                 web.post("/v1/completions", completions),
                 web.post("/v1/chat/completions", chat),
                 web.get("/v1/models", self.models),
+                web.get("/v1/models/{model:.+}", self.model),
                 web.get("/v1/routes", self.routes),
                 web.get("/healthz", healthz),
                 web.get("/metrics", self.metrics_endpoint),
             ]
         )
         return app
+
+
+def _usage(c: Completion, legs: list[Leg]) -> dict[str, int]:
+    """A request's usage, as OpenAI counts it: each prompt once, every choice's tokens."""
+    return openai.usage(sum(p.tokens for p in c.prompts), sum(leg.tokens for leg in legs))
+
+
+def _message(error: Event) -> str:
+    """An engine's error message as a client gets it (an engine's text is not trusted to be
+    a string, or short)."""
+    message = error.get("message")
+    return message[:500] if isinstance(message, str) else "the serving instance failed"

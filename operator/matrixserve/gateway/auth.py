@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from kubernetes import client
 
-from matrixserve.domain.forwarding import TokenBucket, bearer, parse_keys
+from matrixserve.domain.forwarding import UNKNOWN_SCENARIO, TokenBucket, bearer, parse_keys
 from matrixserve.gateway.openai import failure
 
 if TYPE_CHECKING:  # the app composes this module's parts; they only name its types
@@ -40,7 +40,7 @@ class ApiKeys:
         key = bearer(request.headers.get("Authorization"))
         name = self.names.get(key) if key else None
         if name is None:
-            self.metrics.requests.labels(scenario="", outcome="unauthorized").inc()
+            self.metrics.requests.labels(scenario=UNKNOWN_SCENARIO, outcome="unauthorized").inc()
             return failure(
                 401,
                 "missing or invalid API key: send Authorization: Bearer <key>",
@@ -56,7 +56,9 @@ class ApiKeys:
                 ),
             )
             if not bucket.take(now):
-                self.metrics.requests.labels(scenario="", outcome="rate_limited").inc()
+                self.metrics.requests.labels(
+                    scenario=UNKNOWN_SCENARIO, outcome="rate_limited"
+                ).inc()
                 return failure(
                     429,
                     f"rate limit of {self.config.rate_limit:g} requests/s for key {name!r} exceeded",

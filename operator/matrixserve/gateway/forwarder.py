@@ -9,6 +9,12 @@ commits to one choice, what it asks a busy prefill to do, whether prefills whose
 gateway holds are passed over, and whether it needs the prefills' queue reports (polled here).
 What the gateway counts per prefill (open streams, prompts still in prefill, slots held) is the
 prefill's feedback; a :class:`Flight` is one request's share of it.
+
+A request has one choice per prompt and ``n`` (issue 16, finding 6); each is forwarded on its
+own, together, and is a :class:`Leg`: its prefill's stream, its flight, its text up to a stop
+string. A request goes ahead only when every choice was accepted; else the accepted ones are
+dropped at once. A leg that ends (its last event, a stop string, a failure) gives its stream
+back, so a stop string ends the upstream work there and then.
 """
 
 from __future__ import annotations
@@ -24,13 +30,16 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from matrixserve.api.engine_protocol import TtftBudget, generate_body
+from matrixserve.api.engine_protocol import Event, TtftBudget, error_event, generate_body
 from matrixserve.domain.forwarding import (
     POLICIES,
     Completion,
     Entrance,
     Loads,
-    estimate_tokens,
+    Prompt,
+    StopScanner,
+    answer_label,
+    finish_reason,
     request_budget,
 )
 from matrixserve.gateway.discovery import Discovery, GroupRoute
@@ -103,11 +112,11 @@ class Forwarder:
                     continue
             await asyncio.sleep(self.config.report_interval / self.config.time_scale)
 
-    def _budget(self, routes: list[GroupRoute], completion: Completion) -> TtftBudget:
+    def _budget(self, routes: list[GroupRoute], prompt: Prompt) -> TtftBudget:
         """The request's TTFT threshold: the tightest of its groups' for a prompt of this length."""
         return request_budget(
             ((g.ttft_ms, g.ttft_per_1k_ms) for g in routes),
-            estimate_tokens(completion.prompt),
+            prompt.tokens,
             self.config.default_ttft_ms,
         )
 
@@ -128,16 +137,73 @@ class Forwarder:
             if response.status == 200:
                 self.metrics.attempts.labels(answer="accepted").inc()
                 return response
-            answer = "rejected" if response.status == 429 else f"http_{response.status}"
+            answer = "rejected" if response.status == 429 else answer_label(response.status)
             response.release()
         self.metrics.attempts.labels(answer=answer).inc()
         return answer
 
-    async def forward(
+    async def forward_all(
         self, scenario: str, routes: list[GroupRoute], completion: Completion
+    ) -> list[Leg] | str:
+        """Every choice of the request accepted by a prefill, in choice order, or why not (the
+        first refusal: the choices accepted are dropped at once, the others no longer tried)."""
+        started = time.monotonic()
+        if completion.choices == 1:  # the common case: no task
+            chosen = await self.forward(scenario, routes, completion, completion.prompts[0])
+            if isinstance(chosen, str):
+                return chosen
+            return [self._leg(0, completion, scenario, started, *chosen)]
+        tries = [
+            asyncio.ensure_future(
+                self.forward(scenario, routes, completion, completion.prompt_of(i))
+            )
+            for i in range(completion.choices)
+        ]
+        accepted: dict[int, tuple[Entrance, EngineStream]] = {}
+        try:
+            waiting = set(tries)
+            while waiting:
+                finished, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for task in finished:
+                    answer = task.result()
+                    if isinstance(answer, str):
+                        return answer
+                    accepted[tries.index(task)] = answer
+            return [
+                self._leg(i, completion, scenario, started, *accepted.pop(i))
+                for i in range(len(tries))
+            ]
+        finally:  # refused, failed or cancelled (the client left): nothing stays taken
+            for task in tries:
+                if not task.done():
+                    task.cancel()
+                    task.add_done_callback(_drop_accepted)
+            for _, stream in accepted.values():
+                stream.release()
+
+    def _leg(
+        self,
+        index: int,
+        completion: Completion,
+        scenario: str,
+        started: float,
+        entrance: Entrance,
+        stream: EngineStream,
+    ) -> Leg:
+        flight = Flight(self, entrance.instance, scenario, started)
+        return Leg(index, completion, entrance.instance, stream, flight)
+
+    async def forward(
+        self,
+        scenario: str,
+        routes: list[GroupRoute],
+        completion: Completion,
+        prompt: Prompt | None = None,
     ) -> tuple[Entrance, EngineStream] | str:
-        """An accepting prefill and its stream, or why there is none."""
-        budget = self._budget(routes, completion)
+        """An accepting prefill and its stream for ``prompt`` (the request's first if not
+        given), or why there is none."""
+        prompt = prompt or completion.prompts[0]
+        budget = self._budget(routes, prompt)
         wall_budget = budget.wall_seconds(self.config.time_scale)  # as this gateway waits
         policy = self.policy
         started = time.monotonic()
@@ -180,7 +246,7 @@ class Forwarder:
                     return spent()
                 body = generate_body(
                     request_id,
-                    completion.prompt,
+                    prompt.text if prompt.text is not None else prompt.tokens,
                     completion.max_tokens,
                     TtftBudget.from_wall_seconds(remaining, self.config.time_scale),
                     policy.admission,
@@ -240,3 +306,111 @@ class Flight:
             self.forwarder.release_slot(self.instance)
         self.forwarder.open[self.instance] -= 1
         self.forwarder.metrics.open_streams.dec()
+
+
+def _drop_accepted(task: asyncio.Future[tuple[Entrance, EngineStream] | str]) -> None:
+    """A try cancelled once its request was given up: its stream, if it got one meanwhile, goes."""
+    if not task.cancelled() and task.exception() is None:
+        answer = task.result()
+        if not isinstance(answer, str):
+            answer[1].release()
+
+
+class Leg:
+    """One choice of a request: its prefill's stream and flight, the tokens it relayed, its text
+    up to the first stop string, and how it ended (a finish reason, or the engine's error)."""
+
+    def __init__(
+        self,
+        index: int,
+        completion: Completion,
+        instance: str,
+        upstream: EngineStream,
+        flight: Flight,
+    ) -> None:
+        self.index, self.instance = index, instance
+        self.upstream, self.flight = upstream, flight
+        self.max_tokens = completion.max_tokens
+        self.scanner = StopScanner(completion.stop) if completion.stop else None
+        self.tokens = 0  # token events relayed (the usage's completion tokens)
+        self.finish: str | None = None  # "stop" or "length" once it ended well
+        self.done: Event | None = None  # the engine's own end
+        self.error: Event | None = None  # the engine's failure, or the stream cut short
+        self._closed = False
+
+    @property
+    def ended(self) -> bool:
+        return self.finish is not None or self.error is not None
+
+    def take(self, batch: list[Event]) -> list[str]:
+        """The texts to pass on for a batch of its stream's events (an empty batch: the stream
+        ended without its last event); ``ended`` says whether the choice is over."""
+        pieces: list[str] = []
+        if not batch:
+            self.error = error_event(
+                "stream_interrupted", "the serving instance closed the stream early"
+            )
+        for event in batch:
+            kind = event["type"]
+            if kind == "token":
+                self.flight.token()
+                self.tokens += 1
+                text = event.get("text")
+                if not isinstance(text, str):  # an engine's text is not trusted to be one
+                    text = ""
+                if self.scanner is None:
+                    pieces.append(text)
+                    continue
+                passed, stopped = self.scanner.feed(text)
+                if passed:
+                    pieces.append(passed)
+                if stopped:
+                    self.finish = "stop"
+                    break
+            elif kind == "done":
+                if self.scanner is not None and (held := self.scanner.flush()):
+                    pieces.append(held)
+                self.done, self.finish = event, finish_reason(self.tokens, self.max_tokens)
+                break
+            elif kind == "error":
+                self.error = event
+                break
+        return pieces
+
+    def close(self) -> None:
+        """Give its stream and its share of the prefill back (once): a stream not read to its
+        end is dropped, so the engines stop working on it."""
+        if not self._closed:
+            self._closed = True
+            self.upstream.release()
+            self.flight.end()
+
+
+class Reader:
+    """A request's choices read together: the batches of whichever streams have events."""
+
+    def __init__(self, legs: list[Leg]) -> None:
+        self.legs = legs
+        self._reads: dict[asyncio.Task[list[Event]], Leg] = {}
+
+    async def next(self) -> list[tuple[Leg, list[Event]]]:
+        """The next batches (each leg's), or ``[]`` once every leg has ended."""
+        going = [leg for leg in self.legs if not leg.ended]
+        if not going:
+            return []
+        if len(self.legs) == 1:  # one choice (the hot path): no task per batch
+            return [(going[0], await going[0].upstream.batch())]
+        reading = set(self._reads.values())
+        for leg in going:
+            if leg not in reading:
+                self._reads[asyncio.ensure_future(leg.upstream.batch())] = leg
+        finished, _ = await asyncio.wait(self._reads, return_when=asyncio.FIRST_COMPLETED)
+        return [(self._reads.pop(task), task.result()) for task in finished]
+
+    def close(self) -> None:
+        """Stop every read under way, then give every leg back."""
+        for task in self._reads:
+            task.cancel()
+        self._reads.clear()
+        for leg in self.legs:
+            leg.close()

@@ -1,9 +1,11 @@
-"""The gateway's OpenAI side (P/D-Serve §3.5: the gateway is the clients' entry): the engine's
-stream rendered as ``/v1/completions`` and ``/v1/chat/completions`` answers — SSE chunks and the
-plain response, ``usage``, the ``matrixserve`` timings — and OpenAI-style errors. The requests
-are validated in :func:`matrixserve.domain.forwarding.parse_completion` (pure).
+"""The gateway's OpenAI side (P/D-Serve §3.5: the gateway is the clients' entry): the engines'
+streams rendered as ``/v1/completions`` and ``/v1/chat/completions`` answers — SSE chunks and the
+plain response, one choice per prompt and ``n``, ``usage`` (in streams only with
+``stream_options.include_usage``, as OpenAI: a last chunk with ``choices: []``), the
+``matrixserve`` timings — models, and OpenAI-style errors. The requests are validated in
+:func:`matrixserve.domain.forwarding.parse_completion` (pure).
 
-A stream's token chunks are serialised once per stream (:class:`TokenFrame`): only each token's
+A stream's token chunks are serialised once per choice (:class:`TokenFrame`): only each token's
 text is encoded, to the same bytes the whole chunk would make (the relay's hot path).
 """
 
@@ -12,6 +14,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -20,68 +24,111 @@ from matrixserve.api.engine_protocol import Event
 from matrixserve.domain.forwarding import BadRequest, Completion
 
 PIECE = "\x00piece\x00"  # stands in for a token's text in a serialised chunk
+OWNER = "matrixserve"
 
 
 def chunk(
-    ident: str, created: int, c: Completion, piece: Any, finish: str | None
+    ident: str, created: int, c: Completion, piece: Any, finish: str | None, index: int = 0
 ) -> dict[str, Any]:
     if c.chat:
         delta = piece if isinstance(piece, dict) else {"content": piece}
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": piece, "logprobs": None, "finish_reason": finish}
         kind = "text_completion"
-    return {"id": ident, "object": kind, "created": created, "model": c.model, "choices": [choice]}
+    body = {"id": ident, "object": kind, "created": created, "model": c.model, "choices": [choice]}
+    if c.include_usage:  # OpenAI: every chunk but the last has "usage": null
+        body["usage"] = None
+    return body
 
 
-def usage(done: Event) -> dict[str, int]:
-    prompt, completion = done["usage"]["promptTokens"], done["usage"]["completionTokens"]
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
 
 
-def _served(done: Event) -> dict[str, Any]:
-    """The engines' own account of the request: emulated timings, the instances that served it."""
-    return {"timings": done["timings"], "instances": done["instances"]}
+def served(done: Event | None, prefill: str) -> dict[str, Any]:
+    """The engines' own account of a choice: emulated timings and the instances that served it
+    (from their ``done``); a choice the gateway cut at a stop string has only its prefill."""
+    if done is None:
+        return {"timings": None, "instances": {"prefill": prefill, "decode": None}}
+    return {"timings": done.get("timings"), "instances": done.get("instances")}
 
 
-def final_chunk(ident: str, created: int, c: Completion, done: Event) -> dict[str, Any]:
-    """A stream's last chunk, from the engine's ``done``."""
-    final = chunk(ident, created, c, "" if not c.chat else {}, "length")
-    final["usage"] = usage(done)
-    final["matrixserve"] = _served(done)
+def final_chunk(
+    ident: str, created: int, c: Completion, index: int, finish: str, account: dict[str, Any]
+) -> dict[str, Any]:
+    """A choice's last chunk: its finish reason and the engines' account of it."""
+    final = chunk(ident, created, c, "" if not c.chat else {}, finish, index)
+    final["matrixserve"] = account
     return final
 
 
-def completion(c: Completion, text: str, done: Event) -> dict[str, Any]:
+def usage_chunk(ident: str, created: int, c: Completion, totals: dict[str, int]) -> dict[str, Any]:
+    """``stream_options.include_usage``: the stream's last chunk, with no choice."""
+    kind = "chat.completion.chunk" if c.chat else "text_completion"
+    return {
+        "id": ident,
+        "object": kind,
+        "created": created,
+        "model": c.model,
+        "choices": [],
+        "usage": totals,
+    }
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One choice of a plain (not streamed) answer."""
+
+    index: int
+    text: str
+    finish: str
+    account: dict[str, Any]  # the ``matrixserve`` object: see :func:`served`
+
+
+def completion(c: Completion, answers: Sequence[Answer], totals: dict[str, int]) -> dict[str, Any]:
     """The whole answer of a request that did not ask for a stream."""
-    choice: dict[str, Any] = (
+    choices = [
         {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": "length",
+            "index": a.index,
+            "message": {"role": "assistant", "content": a.text},
+            "logprobs": None,
+            "finish_reason": a.finish,
+            "matrixserve": a.account,
         }
         if c.chat
-        else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
-    )
+        else {
+            "index": a.index,
+            "text": a.text,
+            "logprobs": None,
+            "finish_reason": a.finish,
+            "matrixserve": a.account,
+        }
+        for a in answers
+    ]
     return {
         "id": f"cmpl-{uuid.uuid4().hex[:24]}",
         "object": "chat.completion" if c.chat else "text_completion",
         "created": int(time.time()),
         "model": c.model,
-        "choices": [choice],
-        "usage": usage(done),
-        "matrixserve": _served(done),
+        "choices": choices,
+        "usage": totals,
     }
+
+
+def model(name: str) -> dict[str, Any]:
+    """A scenario as an OpenAI model (``created`` is not known here: 0)."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": OWNER}
 
 
 class TokenFrame:
     """A stream's token events as SSE frames: the chunk around the text is serialised once per
-    stream, and each token only has its text encoded (the same bytes ``frame`` would make)."""
+    choice, and each token only has its text encoded (the same bytes ``frame`` would make)."""
 
     def __init__(self, template: dict[str, Any]) -> None:
         # the text is the chunk's last string: whatever the client named its model, the last
@@ -111,4 +158,4 @@ def failure(
 
 def error_chunk(message: str, code: str | None) -> dict[str, Any]:
     """The last SSE chunk of a stream that failed after it started."""
-    return {"error": {"message": message, "type": "server_error", "code": code}}
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}

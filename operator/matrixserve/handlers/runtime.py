@@ -19,6 +19,7 @@ from prometheus_client import start_http_server
 
 from matrixserve.adapters.kube import KubeAdapter, api_client, credentials
 from matrixserve.api import kinds
+from matrixserve.api.zk_layout import Credentials
 from matrixserve.coordination import Session, SessionState
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.handlers.metrics import OperatorMetrics
@@ -46,6 +47,7 @@ class OperatorConfig:
     resync_seconds: float = 10.0
     zk_watches: bool = True
     namespaces: tuple[str, ...] = ()  # watched namespaces (none: the whole cluster)
+    zookeeper_auth: Credentials | None = None  # the digest identity (None: open znodes)
 
 
 @dataclass
@@ -118,10 +120,10 @@ async def startup(
         if cfg.webhook_managed:
             settings.admission.managed = WEBHOOK_CONFIGURATION
     metrics = OperatorMetrics()
-    session = Session(cfg.zookeeper)
+    session = Session(cfg.zookeeper, auth=cfg.zookeeper_auth)
     runtime = Runtime(
         config=cfg,
-        kube=KubeAdapter(api_client(cfg.kubeconfig)),
+        kube=KubeAdapter(api_client(cfg.kubeconfig), pod_secrets=cfg.engine.secrets()),
         session=session,
         metrics=metrics,
         loop=asyncio.get_running_loop(),
@@ -149,6 +151,8 @@ async def startup(
 async def _connect(session: Session, logger: logging.Logger) -> None:
     await session.connect(attempt_timeout=5, pause=2)
     logger.info("connected to ZooKeeper %s", session.hosts)
+    if session.auth is not None:  # znodes made before credentials were configured: ours now
+        await session.restrict_existing()
 
 
 @kopf.on.cleanup()

@@ -3,7 +3,9 @@
 Every pod starts role-less (``ENGINE_ROLE=auto``): its role is bound in the RoCE map when it joins
 (P/D-Serve §3.3: "newly added containers (stateless and no P/D role)"). Placement: a group's decode
 instances are tightly coupled and stay inside one SuperPod (required pod affinity on the SuperPod
-label, 001 §6.1.2); prefill prefers the same SuperPod but may go elsewhere over RoCE.
+label, 001 §6.1.2); prefill prefers the same SuperPod but may go elsewhere over RoCE. Each pod
+runs the hardened engine container (:mod:`matrixserve.domain.enginepod`, issue 16 finding 8)
+with its role's ``resources``.
 
 An instance is an ordered list of pods (:func:`pod_names`); today every instance is one pod,
 named as the instance.
@@ -21,6 +23,7 @@ from matrixserve.domain.enginepod import (
     downward_env,
     engine_container,
     platform_env,
+    pod_security_context,
 )
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.pdgroup.validation import ANNOTATION_TEMPLATE, stamp
@@ -123,6 +126,7 @@ def pod_manifest(
             "automountServiceAccountToken": False,
             "nodeSelector": {kinds.LABEL_NPU_TYPE: r.npu_type},
             "affinity": _affinity(group, role),
-            "containers": [engine_container(r.image, env, r.devices_per_instance)],
+            "securityContext": pod_security_context(),
+            "containers": [engine_container(r.image, env, r.devices_per_instance, r.resources)],
         },
     }

@@ -6,14 +6,15 @@ scale subresource: :func:`admit`); the reconciler checks them again, with the in
 the running pods were made from (:func:`running_template_changes`), and on a violation sets
 Ready=False, reason InvalidSpec and touches nothing. Pure: the hardware facts (CloudMatrix384,
 001 §3) and the model shapes come from the API's catalogue (:mod:`matrixserve.api.catalog`),
-which the engine stub emulates.
+which the engine stub emulates. A role's ``resources`` (CPU and memory, issue 16 finding 8) have
+their quantities checked by the model and their limits against their requests here.
 
 What may change on an existing group: the replicas (scale out and in by dynamic RoCE
 construction, P/D-Serve §3.3), and ``service``, ``scenario``, ``slo``, ``ratioPolicy``,
 ``recovery`` (the gateway and the status follow them at once). The instance template (the model,
-each role's fields but its replicas, ``moe``, ``warmPoolRef``) reaches a pod only when the pod is
-made; the operator does not roll a changed template out to running instances yet, so it is
-immutable until it does, rather than accepted and ignored.
+each role's fields but its replicas, its ``resources`` included, ``moe``, ``warmPoolRef``)
+reaches a pod only when the pod is made; the operator does not roll a changed template out to
+running instances yet, so it is immutable until it does, rather than accepted and ignored.
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ from pydantic import ValidationError
 
 from matrixserve.api import catalog, kinds
 from matrixserve.api.catalog import HBM_USABLE_FRACTION, PRESETS
-from matrixserve.api.resources import MoEMode, PDGroupSpec, RoleSpec, field_errors
+from matrixserve.api.resources import (
+    MoEMode,
+    PDGroupSpec,
+    RoleSpec,
+    field_errors,
+    quantity_value,
+)
 from matrixserve.domain.observed import PodView
 
 MAX_GROUP_NAME = 50  # pod names are <group>-p-<ordinal> and must stay within 63 characters
@@ -53,8 +60,28 @@ def model_facts(spec: PDGroupSpec) -> ModelFacts | None:
     return None
 
 
-def _role_rules(role: str, r: RoleSpec, facts: ModelFacts | None, context: int) -> list[str]:
+def _resource_rules(role: str, r: RoleSpec) -> list[str]:
+    """A limit below its request, both given (what is left out is defaulted so as to fit)."""
+    if r.resources is None:
+        return []
     errors = []
+    for name in ("cpu", "memory"):
+        request = getattr(r.resources.requests, name)
+        limit = getattr(r.resources.limits, name)
+        if (
+            request is not None
+            and limit is not None
+            and quantity_value(limit) < quantity_value(request)
+        ):
+            errors.append(
+                f"spec.{role}.resources.limits.{name}: {limit} is below the request "
+                f"{request} (requests.{name}); a limit must be at least its request"
+            )
+    return errors
+
+
+def _role_rules(role: str, r: RoleSpec, facts: ModelFacts | None, context: int) -> list[str]:
+    errors = _resource_rules(role, r)
     dies = r.devices_per_instance * catalog.DIES_PER_NPU
     if r.devices_per_instance > catalog.NPUS_PER_SERVER:
         errors.append(
@@ -165,8 +192,8 @@ ROLES = ("prefill", "decode")
 ANNOTATION_TEMPLATE = f"{kinds.LABEL_PREFIX}/instance-template"
 NOT_ROLLED_OUT = (
     "the operator does not roll out changes to the instance template (model; a role's "
-    "devicesPerInstance, podsPerInstance, npuType, parallelism, batchSize, image; moe; "
-    "warmPoolRef) yet: set it back, or create a new PDGroup"
+    "devicesPerInstance, podsPerInstance, npuType, parallelism, batchSize, image, resources; "
+    "moe; warmPoolRef) yet: set it back, or create a new PDGroup"
 )
 
 

@@ -1,0 +1,418 @@
+"""The gateway's request semantics (issue 16, findings 2, 3, 5, 6), served as ``__main__`` serves
+it (``Gateway.runner()``) on 127.0.0.1, in front of a scripted engine on 127.0.0.1: hostile names
+and engine codes never reach ``/metrics``; malformed bodies get OpenAI-shaped 4xx; a client that
+leaves closes its engine streams; stop strings, ``n``, lists of prompts, token-id prompts,
+``include_usage`` and ``GET /v1/models/{id}`` as OpenAI."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import aiohttp
+import pytest
+from aiohttp import web
+from kubernetes import client
+from prometheus_client.parser import text_string_to_metric_families
+
+from matrixserve.api.engine_protocol import (
+    Timings,
+    done_event,
+    error_event,
+    sse_data,
+    token_event,
+)
+from matrixserve.coordination import Session
+from matrixserve.gateway.app import Gateway, GatewayConfig
+from matrixserve.gateway.discovery import Discovery
+
+
+class _Zk:
+    connected = False
+
+    def add_listener(self, listener: Callable[[str], None]) -> None:
+        pass
+
+
+@dataclass
+class FakeEngine:
+    """A prefill entrance as the gateway sees one: ``/v1/generate`` answers a stream of
+    ``maxTokens`` tokens (``word(i)`` each, ``delay`` s apart), or what ``answer(n)`` says for
+    its n-th request (a status to refuse with, or an error event's code to fail the stream)."""
+
+    delay: float = 0.0
+    word: Callable[[int], str] = lambda i: f"t{i} "
+    answer: Callable[[int], int | str | None] = lambda n: None
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    open: int = 0  # streams under way
+    cut: int = 0  # streams the gateway closed before their end
+    finished: int = 0
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)  # a stream was cut
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        answer = self.answer(len(self.bodies))
+        if isinstance(answer, int):
+            return web.json_response({"error": {"code": "x", "message": "no"}}, status=answer)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        self.open += 1
+        self.started.set()
+        try:
+            if isinstance(answer, str):
+                await response.write(sse_data(error_event(answer, "failed")))
+            else:
+                for i in range(body["maxTokens"]):
+                    await asyncio.sleep(self.delay)
+                    await response.write(sse_data(token_event(i, self.word(i), 0.0)))
+                timings = Timings(0.1, 0.1, 0.0, 0.01, 0.2)
+                done = done_event(1, body["maxTokens"], timings, "g-p-0", "g-d-0")
+                await response.write(sse_data(done))
+            await response.write_eof()
+            self.finished += 1
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.cut += 1
+            self.closed.set()
+            raise
+        finally:
+            self.open -= 1
+        return response
+
+
+@dataclass
+class Served:
+    url: str
+    gateway: Gateway
+    engine: FakeEngine
+    http: aiohttp.ClientSession
+
+    async def post(self, path: str, body: Any, **kwargs: Any) -> tuple[int, Any]:
+        async with self.http.post(self.url + path, json=body, **kwargs) as r:
+            return r.status, await r.json()
+
+    async def stream(self, path: str, body: Any) -> list[Any]:
+        async with self.http.post(self.url + path, json=body) as r:
+            assert r.status == 200, await r.text()
+            lines = [line.decode().strip() async for line in r.content]
+        return [
+            "[DONE]" if line == "data: [DONE]" else json.loads(line[6:])
+            for line in lines
+            if line.startswith("data: ")
+        ]
+
+    def counters(self) -> tuple[int, int, int]:
+        f = self.gateway.forwarder
+        return sum(f.open.values()), sum(f.prefilling.values()), sum(f.holding.values())
+
+
+async def _site(runner: web.AppRunner) -> str:
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = cast(Any, site._server).sockets[0].getsockname()[:2]
+    return f"{host}:{port}"
+
+
+@asynccontextmanager
+async def served(engine: FakeEngine, **config: Any) -> AsyncIterator[Served]:
+    app = web.Application()
+    app.router.add_post("/v1/generate", engine.generate)
+    engine_runner = web.AppRunner(app, handler_cancellation=True)
+    address = await _site(engine_runner)
+    discovery = Discovery(client.ApiClient(), cast(Session, _Zk()), "ns")
+    discovery._upsert(
+        {
+            "metadata": {"namespace": "ns", "name": "g", "generation": 1},
+            "spec": {
+                "service": "chat",
+                "scenario": "general",
+                "model": {"name": "llama3-8b"},
+                "prefill": {"replicas": 1, "batchSize": 64},
+                "decode": {"replicas": 1},
+            },
+            "status": {
+                "entrances": ["g-p-0"],
+                "instances": [{"name": "g-p-0", "state": "Serving", "endpoint": address}],
+            },
+        }
+    )
+    discovery.synced.set()
+    gateway = Gateway(discovery, GatewayConfig(**config))
+    await gateway.start()
+    runner = gateway.runner()  # as __main__ serves it
+    url = "http://" + await _site(runner)
+    try:
+        async with aiohttp.ClientSession() as http:
+            yield Served(url, gateway, engine, http)
+    finally:
+        await runner.cleanup()
+        await gateway.close()
+        await engine_runner.cleanup()
+
+
+def assert_openai_error(status: int, body: Any, expected_status: int, param: str | None) -> None:
+    assert status == expected_status, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str), body
+    assert body["error"]["code"], body
+    assert body["error"]["param"] == param, body
+
+
+async def raw_request(url: str, data: bytes) -> tuple[int, bytes, bytes]:
+    """One request written as given; the status, the head and the body."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), head, body
+
+
+def post(path: str, body: bytes, *headers: str) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: gateway", f"Content-Length: {len(body)}"]
+    lines += [*headers, "Connection: close"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+# --------------------------------------------------------------------------- finding 2
+def series(text: str, name: str) -> list[dict[str, str]]:
+    """The label sets of a metric's samples in a scrape (parsed as Prometheus parses it)."""
+    return [
+        s.labels
+        for family in text_string_to_metric_families(text)
+        if family.name == name
+        for s in family.samples
+        if s.name == name + "_total"
+    ]
+
+
+async def test_no_client_name_or_engine_code_becomes_a_label_and_the_scrape_stays_whole() -> None:
+    hostile = iter(["\ud800", "\udcff", "x" * 5000, "\x00", *(f"m{i}" for i in range(300))])
+    engine = FakeEngine(answer=lambda n: next(hostile) if n <= 304 else None)
+    async with served(engine) as s:
+        bodies = [{"model": f"made-up-{i}", "prompt": "x"} for i in range(300)]
+        bodies += [{"model": "\ud800", "prompt": "x"}, {"model": "general\udcff", "prompt": "x"}]
+        statuses = await asyncio.gather(*(s.post("/v1/completions", b) for b in bodies))
+        assert {status for status, _ in statuses} == {404}
+        # a scenario header of raw bytes that are not UTF-8
+        raw = post(
+            "/v1/completions",
+            b'{"model": "general", "prompt": "x"}',
+            "X-MatrixServe-Scenario: \xff\xfe\udcff".encode("utf-8", "surrogateescape").decode(
+                "latin-1"
+            ),
+        )
+        assert (await raw_request(s.url, raw))[0] == 404
+        # the engine's error codes: hostile strings (a stream's and a plain answer's)
+        for i in range(304):
+            body = {"model": "general", "prompt": "x", "stream": i % 2 == 0, "max_tokens": 1}
+            async with s.http.post(s.url + "/v1/completions", json=body) as r:
+                await r.read()
+        async with s.http.get(s.url + "/metrics") as r:
+            assert r.status == 200
+            text = await r.text()
+    labels = series(text, "matrixserve_gateway_requests")
+    assert {lab["scenario"] for lab in labels} == {"_unknown", "general"}
+    assert {lab["outcome"] for lab in labels} == {"unknown_scenario", "engine_error"}
+    assert len(labels) == 2
+
+
+# --------------------------------------------------------------------------- finding 3
+@pytest.mark.parametrize(
+    ("body", "headers", "param"),
+    [
+        (b"[" * 200_000, (), None),
+        (
+            b'{"model": "general", "prompt": "x"}',
+            ("Content-Type: application/json; charset=nope",),
+            None,
+        ),
+        (b'{"model": "general", "prompt": "x"}', ("Content-Encoding: gzip",), None),
+        (gzip.compress(b"{" * 100_000), ("Content-Encoding: gzip",), None),
+        (b'{"model": "general", "prompt": "\xff"}', (), None),
+        (b'["model", "general"]', (), None),
+        (b"null", (), None),
+        (b'{"model": "general", "prompt": {"a": 1}}', (), "prompt"),
+        (b'{"model": 5, "prompt": "x"}', (), "model"),
+        (b'{"model": "general", "prompt": "x", "max_tokens": "9"}', (), "max_tokens"),
+        (b'{"model": "general", "prompt": "x", "temperature": NaN}', (), "temperature"),
+        (b'{"model": "general", "prompt": "x", "n": 1e400}', (), "n"),
+        (b'{"model": "general", "prompt": "x", "tools": []}', (), "tools"),
+    ],
+    ids=[
+        "deep-nesting",
+        "unknown-charset",
+        "gzip-header-plain-body",
+        "gzip-of-deep-nesting",
+        "bad-utf8",
+        "array",
+        "null",
+        "prompt-object",
+        "model-number",
+        "max-tokens-string",
+        "temperature-nan",
+        "n-infinite",
+        "unknown-for-completions",
+    ],
+)
+async def test_a_malformed_request_gets_an_openai_shaped_4xx(
+    body: bytes, headers: tuple[str, ...], param: str | None
+) -> None:
+    async with served(FakeEngine()) as s:
+        status, head, answer = await raw_request(s.url, post("/v1/completions", body, *headers))
+        assert b"application/json" in head
+        assert_openai_error(status, json.loads(answer), 400, param)
+        assert s.engine.bodies == []
+        async with s.http.get(s.url + "/metrics") as r:
+            assert r.status == 200
+            text = await r.text()
+        assert series(text, "matrixserve_gateway_requests") == [
+            {"scenario": "_unknown", "outcome": "bad_request"}
+        ]
+
+
+# --------------------------------------------------------------------------- finding 5
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_that_leaves_closes_its_engine_stream(stream: bool) -> None:
+    engine = FakeEngine(delay=0.01)  # 1,000 tokens: 10 s
+    async with served(engine) as s:
+        body = {"model": "general", "prompt": "x", "max_tokens": 1000, "stream": stream}
+        host, port = s.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(post("/v1/completions", json.dumps(body).encode()))
+        await asyncio.wait_for(engine.started.wait(), 5)
+        await asyncio.sleep(0.05)  # a few tokens relayed (or collected)
+        writer.close()
+        await asyncio.wait_for(engine.closed.wait(), 2)  # not the stream's 10 s
+        assert (engine.cut, engine.finished) == (1, 0)
+        await asyncio.sleep(0.05)
+        assert s.counters() == (0, 0, 0)
+        async with s.http.get(s.url + "/metrics") as r:
+            text = await r.text()
+        assert series(text, "matrixserve_gateway_requests") == [
+            {"scenario": "general", "outcome": "client_gone"}
+        ]
+        assert "matrixserve_gateway_open_streams 0.0" in text
+        assert "matrixserve_gateway_prefill_slots_held 0.0" in text
+        del reader
+
+
+# --------------------------------------------------------------------------- finding 6
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_stop_string_cuts_the_text_and_ends_the_engine_stream(stream: bool) -> None:
+    engine = FakeEngine(delay=0.005)
+    async with served(engine) as s:
+        body = {"model": "general", "prompt": "x", "max_tokens": 1000, "stop": ["t3", "zz"]}
+        if stream:
+            chunks = await s.stream("/v1/completions", {**body, "stream": True})
+            text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
+            final = chunks[-2]["choices"][0]
+            assert chunks[-1] == "[DONE]"
+            assert all("usage" not in c for c in chunks[:-1])  # no include_usage: no usage
+        else:
+            status, answer = await s.post("/v1/completions", body)
+            assert status == 200
+            final = answer["choices"][0]
+            text = final["text"]
+            assert answer["usage"] == {
+                "prompt_tokens": 1,
+                "completion_tokens": 4,
+                "total_tokens": 5,
+            }
+        assert text == "t0 t1 t2 "
+        assert final["finish_reason"] == "stop"
+        await asyncio.wait_for(engine.closed.wait(), 2)
+        assert (engine.cut, engine.finished) == (1, 0)
+        status, answer = await s.post("/v1/completions", {**body, "max_tokens": 3})
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert answer["choices"][0]["text"] == "t0 t1 t2 "
+        assert s.counters() == (0, 0, 0)
+
+
+async def test_n_and_a_list_of_prompts_give_one_choice_each_in_openai_order() -> None:
+    engine = FakeEngine(word=lambda i: "w ")
+    async with served(engine) as s:
+        body = {"model": "general", "prompt": ["aaaa", "bbbbbbbb"], "n": 2, "max_tokens": 3}
+        status, answer = await s.post("/v1/completions", body)
+        assert status == 200, answer
+        assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+        assert [c["text"] for c in answer["choices"]] == ["w w w "] * 4
+        assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15}
+        assert sorted(b["prompt"] for b in engine.bodies) == ["aaaa"] * 2 + ["bbbbbbbb"] * 2
+
+        engine.bodies.clear()
+        body = {"model": "general", "prompt": [[1, 2, 3], [4]], "max_tokens": 2, "stream": True}
+        chunks = await s.stream(
+            "/v1/completions", {**body, "stream_options": {"include_usage": True}}
+        )
+        assert sorted(b["promptTokens"] for b in engine.bodies) == [1, 3]
+        assert all("prompt" not in b for b in engine.bodies)
+        assert chunks[-1] == "[DONE]"
+        assert chunks[-2]["choices"] == []
+        assert chunks[-2]["usage"] == {
+            "prompt_tokens": 4,
+            "completion_tokens": 4,
+            "total_tokens": 8,
+        }
+        assert all(c["usage"] is None for c in chunks[:-2])
+        by_index: dict[int, list[Any]] = {0: [], 1: []}
+        for c in chunks[:-2]:
+            by_index[c["choices"][0]["index"]].append(c["choices"][0])
+        for choices in by_index.values():
+            assert "".join(c["text"] for c in choices) == "w w "
+            assert [c["finish_reason"] for c in choices] == [None, None, "length"]
+
+        chat = {"model": "general", "messages": [{"role": "user", "content": "hi"}], "n": 3}
+        chunks = await s.stream("/v1/chat/completions", {**chat, "max_tokens": 1, "stream": True})
+        roles = [c["choices"][0] for c in chunks[:3]]
+        assert [(r["index"], r["delta"]) for r in roles] == [
+            (i, {"role": "assistant"}) for i in range(3)
+        ]
+        assert s.counters() == (0, 0, 0)
+
+
+async def test_a_request_goes_ahead_only_when_every_choice_is_accepted() -> None:
+    engine = FakeEngine(delay=0.01, answer=lambda n: None if n == 1 else 429)
+    async with served(engine, default_ttft_ms=300) as s:
+        body = {"model": "general", "prompt": "x", "n": 2, "max_tokens": 1000}
+        async with s.http.post(s.url + "/v1/completions", json=body) as r:
+            assert r.status == 503
+            assert r.headers["Retry-After"] == "1"
+            assert (await r.json())["error"]["code"] == "no_capacity"
+        await asyncio.wait_for(engine.closed.wait(), 2)  # the accepted choice was dropped
+        assert (engine.cut, engine.finished) == (1, 0)
+        assert s.counters() == (0, 0, 0)
+
+
+async def test_an_engine_error_in_one_choice_fails_the_request_and_drops_the_others() -> None:
+    engine = FakeEngine(delay=0.01, answer=lambda n: "\ud800bad" if n == 2 else None)
+    async with served(engine) as s:
+        body = {"model": "general", "prompt": "x", "n": 2, "max_tokens": 1000}
+        status, answer = await s.post("/v1/completions", body)
+        assert status == 502
+        assert answer["error"]["code"] == "engine_error"
+        await asyncio.wait_for(engine.closed.wait(), 2)
+        assert s.counters() == (0, 0, 0)
+
+
+async def test_models_are_listed_and_retrieved_and_an_unknown_one_is_not_found() -> None:
+    async with served(FakeEngine()) as s:
+        async with s.http.get(s.url + "/v1/models") as r:
+            listed = await r.json()
+        assert listed["data"] == [
+            {"id": "general", "object": "model", "created": 0, "owned_by": "matrixserve"}
+        ]
+        async with s.http.get(s.url + "/v1/models/general") as r:
+            assert (r.status, await r.json()) == (200, listed["data"][0])
+        async with s.http.get(s.url + "/v1/models/org/no-such-model") as r:
+            error = await r.json()
+            assert_openai_error(r.status, error, 404, "model")
+            assert error["error"]["code"] == "model_not_found"
