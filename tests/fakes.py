@@ -48,7 +48,8 @@ class Answer:
 class FakeKazoo:
     """In-memory znodes with ZooKeeper's rules. ``fail`` scripts errors: ``fail["set"] =
     [ConnectionLoss(), ...]`` raises them, in order, on the next ``set`` calls. ACLs: every
-    znode's is open unless set (``acls``); a znode in ``foreign`` belongs to another identity
+    znode's is open unless set (``acls``: by ``set_acls``, or at creation the ``acl`` given, else
+    ``default_acl`` as kazoo's client does); a znode in ``foreign`` belongs to another identity
     (its ACL, children and ACL changes refused with ``NoAuthError``)."""
 
     def __init__(self) -> None:
@@ -62,6 +63,7 @@ class FakeKazoo:
         self.starts = 0
         self.stops = 0
         self.acls: dict[str, list[ACL]] = {}
+        self.default_acl: list[ACL] | None = None  # kazoo's client's (None: open)
         self.foreign: set[str] = set()
 
     # ------------------------------------------------------------------ session
@@ -140,7 +142,12 @@ class FakeKazoo:
         self.nodes[path] = (data, current + 1, owner)
 
     def create(
-        self, path: str, value: bytes = b"", ephemeral: bool = False, makepath: bool = False
+        self,
+        path: str,
+        value: bytes = b"",
+        acl: list[ACL] | None = None,
+        ephemeral: bool = False,
+        makepath: bool = False,
     ) -> str:
         self._call("create", path)
         if path in self.nodes:
@@ -149,15 +156,24 @@ class FakeKazoo:
         if parent not in self.nodes:
             if not makepath:
                 raise NoNodeError(parent)
-            self.ensure_path(parent)
+            self.ensure_path(parent, acl)
         self.nodes[path] = (value, 0, self.session if ephemeral else 0)
+        self._made(path, acl)
         return path
 
-    def ensure_path(self, path: str) -> None:
+    def ensure_path(self, path: str, acl: list[ACL] | None = None) -> None:
         if path in self.nodes:
             return
-        self.ensure_path(self._parent(path))
+        self.ensure_path(self._parent(path), acl)
         self.nodes[path] = (b"", 0, 0)
+        self._made(path, acl)
+
+    def _made(self, path: str, acl: list[ACL] | None) -> None:
+        given = acl or self.default_acl
+        if given is not None:
+            self.acls[path] = list(given)
+        else:
+            self.acls.pop(path, None)  # a znode made again: not the old one's ACL
 
     def delete(self, path: str, version: int = -1, recursive: bool = False) -> None:
         self._call("delete", path)
@@ -239,8 +255,10 @@ class FakeTransaction:
     def delete(self, path: str, version: int = -1) -> None:
         self.ops.append(("delete", (path,), {"version": version}))
 
-    def create(self, path: str, value: bytes = b"", ephemeral: bool = False) -> None:
-        self.ops.append(("create", (path, value), {"ephemeral": ephemeral}))
+    def create(
+        self, path: str, value: bytes = b"", acl: list[ACL] | None = None, ephemeral: bool = False
+    ) -> None:
+        self.ops.append(("create", (path, value), {"acl": acl, "ephemeral": ephemeral}))
 
     def commit(self) -> list[Any]:
         saved = dict(self.zk.nodes)
@@ -291,10 +309,13 @@ class FakeCore:
     selectors: list[str] = field(default_factory=list)
     deletes: list[tuple[str, str, str | None]] = field(default_factory=list)
     secrets: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
-    secret_calls: list[tuple[str, str, str]] = field(default_factory=list)
+    # Every Secret call and pod creation, in order: ("create_pod" | "read_secret" |
+    # "create_secret" | "patch_secret", namespace, name)
+    calls: list[tuple[str, str, str]] = field(default_factory=list)
 
     def create_namespaced_pod(self, namespace: str, body: dict[str, Any]) -> None:
         key = (namespace, body["metadata"]["name"])
+        self.calls.append(("create_pod", *key))
         if key in self.pods:
             raise api_error(409)
         stored = copy.deepcopy(body)  # what the API server sets on creation
@@ -324,15 +345,26 @@ class FakeCore:
         ]
         return pod
 
+    def read_namespaced_secret(self, name: str, namespace: str) -> client.V1Secret:
+        self.calls.append(("read_secret", namespace, name))
+        body = self.secrets.get((namespace, name))
+        if body is None:
+            raise api_error(404)
+        meta = body["metadata"]
+        return client.V1Secret(
+            metadata=client.V1ObjectMeta(name=meta["name"], labels=meta.get("labels")),
+            data=copy.deepcopy(body.get("data")),
+        )
+
     def create_namespaced_secret(self, namespace: str, body: dict[str, Any]) -> None:
-        self.secret_calls.append(("create", namespace, body["metadata"]["name"]))
+        self.calls.append(("create_secret", namespace, body["metadata"]["name"]))
         key = (namespace, body["metadata"]["name"])
         if key in self.secrets:
             raise api_error(409)
         self.secrets[key] = copy.deepcopy(body)
 
     def patch_namespaced_secret(self, name: str, namespace: str, body: dict[str, Any]) -> None:
-        self.secret_calls.append(("patch", namespace, name))
+        self.calls.append(("patch_secret", namespace, name))
         if (namespace, name) not in self.secrets:
             raise api_error(404)
         self.secrets[(namespace, name)] = merge_patch(self.secrets[(namespace, name)], body)
@@ -367,13 +399,45 @@ def _v1_pod(body: dict[str, Any]) -> client.V1Pod:
             creation_timestamp=meta.get("creationTimestamp"),
             deletion_timestamp=meta.get("deletionTimestamp"),
         ),
-        spec=client.V1PodSpec(containers=[], node_name=spec.get("nodeName")),
+        spec=client.V1PodSpec(
+            containers=[],
+            node_name=spec.get("nodeName"),
+            volumes=[
+                client.V1Volume(
+                    name=v["name"],
+                    secret=client.V1SecretVolumeSource(secret_name=v["secret"]["secretName"])
+                    if "secret" in v
+                    else None,
+                )
+                for v in spec.get("volumes") or []
+            ],
+        ),
         status=client.V1PodStatus(
             phase=status.get("phase"),
             conditions=[
-                client.V1PodCondition(type=c["type"], status=c["status"])
+                client.V1PodCondition(
+                    type=c["type"],
+                    status=c["status"],
+                    last_transition_time=c.get("lastTransitionTime"),
+                )
                 for c in status.get("conditions") or []
             ],
+            container_statuses=[
+                client.V1ContainerStatus(
+                    name=cs["name"],
+                    image="engine",
+                    image_id="",
+                    ready=bool(cs.get("ready")),
+                    restart_count=0,
+                    state=client.V1ContainerState(
+                        running=client.V1ContainerStateRunning(started_at=cs["startedAt"])
+                        if cs.get("startedAt")
+                        else None
+                    ),
+                )
+                for cs in status.get("containerStatuses") or []
+            ]
+            or None,
         ),
     )
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import kopf
 
 from matrixserve.api.zk_layout import Credentials
-from matrixserve.coordination import add_auth_flag
+from matrixserve.coordination import add_auth_flags, auth_from
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.handlers import pdgroup  # registers the PDGroup handlers
 from matrixserve.handlers import runtime as _runtime
@@ -48,11 +48,11 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
         default=env.get("MATRIXSERVE_ZK"),
         help="host:port[/chroot] ($MATRIXSERVE_ZK)",
     )
-    add_auth_flag(
+    add_auth_flags(
         p,
         "; set, every znode under /matrixserve is made (or at start set) readable and writable "
-        "by it alone, and engines get it from --engine-zookeeper-auth-secret; unset, znodes are "
-        "open to every client",
+        "by it alone (a group's once all its pods carry it), and engines get it from "
+        "--engine-zookeeper-auth-secret; unset, znodes are open to every client",
     )
     p.add_argument(
         "--namespace", action="append", default=[], help="watch only these namespaces (repeatable)"
@@ -83,9 +83,10 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
     )
     p.add_argument(
         "--engine-zookeeper-auth-secret",
-        default="matrixserve-zookeeper-auth",
-        help="the Secret (key 'auth') the operator writes with --zookeeper-auth into each namespace "
-        "where it creates engine pods, and that they read it from",
+        default="matrixserve-engine-zookeeper-auth",
+        help="the Secret (key 'auth') the operator writes with the identity into each namespace "
+        "where it creates engine pods, and that they mount it from (one of that name that is "
+        "not the operator's is left alone, and no engine pod created there)",
     )
     p.add_argument(
         "--engine-fault-injection",
@@ -145,7 +146,7 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
             raise ValueError
     except ValueError:
         p.error(f"--engine-time-scale {args.engine_time_scale!r} must be a positive number")
-    auth: Credentials | None = args.zookeeper_auth
+    auth: Credentials | None = auth_from(p, args)
     secret = args.engine_zookeeper_auth_secret
     if len(secret) > 253 or not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", secret):
         p.error(f"--engine-zookeeper-auth-secret {secret!r}: a Secret name (lower-case DNS name)")

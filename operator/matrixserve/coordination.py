@@ -30,8 +30,12 @@ Patroni's ZooKeeper DCS is the model:
 - **Access** (issue 16 finding 7): given :class:`~matrixserve.api.zk_layout.Credentials`, every
   client (a renewed one too) authenticates with that digest identity and creates every znode
   with an ACL granting it, and only it, everything (no world access); :meth:`Session.restrict`
-  gives the same ACL to znodes created before (an upgrade). Without credentials, znodes are
-  open to every client, as ZooKeeper's default.
+  gives the same ACL to znodes created before (an upgrade). A group's subtree still open (its
+  engines started before the credential existed and still write there) keeps what is made in
+  it open too, until the operator closes it (:meth:`Session.close`). Without credentials,
+  znodes are open to every client, as ZooKeeper's default. Every process takes the identity
+  the same way (:func:`add_auth_flags`): from a file (a mounted Secret) or, for the dev
+  cluster and tests, from the environment.
 
 kazoo is imported here and in the adapters built on it, never in ``matrixserve.domain``.
 """
@@ -47,6 +51,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, TypeVar
 
 from kazoo.client import KazooClient, KazooState
@@ -60,7 +65,7 @@ from kazoo.exceptions import (
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.recipe.watchers import ChildrenWatch, DataWatch
 from kazoo.retry import KazooRetry
-from kazoo.security import ACL, make_digest_acl
+from kazoo.security import ACL, OPEN_ACL_UNSAFE, make_digest_acl
 
 from matrixserve.api import zk_layout as zl
 
@@ -82,7 +87,11 @@ __all__ = [
     "ZooKeeperError",
 ]
 RESTRICT_BATCH = 256  # znodes asked about at once when ACLs are set on an existing tree
-AUTH_ENV = "MATRIXSERVE_ZK_AUTH"  # the identity, user:password, as every process takes it
+# A closing walk is repeated until it changes nothing: a znode made open in the subtree just as
+# it was being closed (its creator saw the root still open) is caught by the next walk.
+CLOSE_WALKS = 3
+AUTH_ENV = "MATRIXSERVE_ZK_AUTH"  # the identity, user:password (the dev cluster and tests)
+AUTH_FILE_ENV = "MATRIXSERVE_ZK_AUTH_FILE"  # a file holding it (a mounted Secret)
 
 
 class SessionState(StrEnum):
@@ -99,27 +108,69 @@ _FROM_KAZOO = {
 }
 
 
-def _credentials(text: str) -> zl.Credentials | None:
-    if not text:
-        return None
+def _parsed(text: str, where: str = "") -> zl.Credentials:
     try:
         return zl.Credentials.parse(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(f"{where}{exc}") from None
 
 
-def add_auth_flag(parser: argparse.ArgumentParser, more: str = "") -> None:
-    """``--zookeeper-auth`` (default ``$MATRIXSERVE_ZK_AUTH``), taken the same way by every
-    process: parsed into :class:`~matrixserve.api.zk_layout.Credentials`, empty for none, a
-    malformed one refused (exit 2) with the reason."""
-    parser.add_argument(
-        "--zookeeper-auth",
-        type=_credentials,
-        default=os.environ.get(AUTH_ENV),
-        metavar="USER:PASSWORD",
-        help=f"MatrixServe's ZooKeeper digest identity (${AUTH_ENV}: prefer it, a flag shows in "
-        f"the process list){more}",
-    )
+def _credentials(text: str) -> zl.Credentials | None:
+    return _parsed(text) if text else None
+
+
+def _credentials_file(path: str) -> zl.Credentials | None:
+    if not path:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"{path}: {exc}") from None
+    return _parsed(text, f"{path}: ")  # an empty file too: a Secret without its value
+
+
+def add_auth_flags(parser: argparse.ArgumentParser, more: str = "") -> None:
+    """``--zookeeper-auth-file`` (default ``$MATRIXSERVE_ZK_AUTH_FILE``: a mounted Secret's
+    file) and ``--zookeeper-auth`` (default ``$MATRIXSERVE_ZK_AUTH``: the dev cluster and tests),
+    taken the same way by every process: parsed into
+    :class:`~matrixserve.api.zk_layout.Credentials`, empty for none, an unreadable file or a
+    malformed identity refused (exit 2) with the reason. :func:`auth_from` gives the one in
+    effect."""
+    flags = [
+        (
+            "--zookeeper-auth-file",
+            _credentials_file,
+            AUTH_FILE_ENV,
+            "PATH",
+            f"a file holding MatrixServe's ZooKeeper digest identity, user:password "
+            f"(${AUTH_FILE_ENV}; in a pod: a Secret mounted as a volume){more}",
+        ),
+        (
+            "--zookeeper-auth",
+            _credentials,
+            AUTH_ENV,
+            "USER:PASSWORD",
+            f"the identity itself (${AUTH_ENV}: prefer it to the flag, which shows in the "
+            "process list; in a pod prefer the file)",
+        ),
+    ]
+    for flag, parse, variable, metavar, help_text in flags:
+        parser.add_argument(
+            flag, type=parse, default=os.environ.get(variable), metavar=metavar, help=help_text
+        )
+
+
+def auth_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> zl.Credentials | None:
+    """The identity :func:`add_auth_flags` parsed; both given is refused (exit 2): two sources
+    that may disagree would make this process a different identity than the others."""
+    inline: zl.Credentials | None = args.zookeeper_auth
+    from_file: zl.Credentials | None = args.zookeeper_auth_file
+    if inline is not None and from_file is not None:
+        parser.error(
+            f"--zookeeper-auth (${AUTH_ENV}) and --zookeeper-auth-file (${AUTH_FILE_ENV}) are "
+            "both given: give the ZooKeeper identity once"
+        )
+    return inline or from_file
 
 
 def access(auth: zl.Credentials | None) -> dict[str, Any]:
@@ -192,6 +243,9 @@ class Session:
         self._lock = threading.Lock()
         self._suspended_timer: threading.Timer | None = None
         self._fresh: Any = None  # a fresh client whose watches are armed once it connects
+        # Group subtrees found closed: what is made in them gets our ACL without asking again
+        # (a closed subtree is never opened again while we run; a renewed client asks afresh).
+        self._closed_scopes: set[str] = set()
         self._adopt(self.client)
 
     def _adopt(self, client: Any) -> None:
@@ -239,6 +293,7 @@ class Session:
             self.client = self._factory()
             self.renewals += 1
             self._fresh = self.client
+            self._closed_scopes.clear()  # the server lost its data: the subtrees are made again
             self.state = SessionState.LOST
         log.warning(
             "ZooKeeper %s: suspended for over the session timeout (%.0f s), the server may have "
@@ -390,7 +445,9 @@ class Session:
             if version >= 0:
                 raise
         try:
-            self.client.create(path, data, ephemeral=ephemeral, makepath=makepath)
+            self.client.create(
+                path, data, acl=self._acl(path), ephemeral=ephemeral, makepath=makepath
+            )
         except NodeExistsError:  # created meanwhile (by us on a retried call, or by a peer)
             self.client.set(path, data)
 
@@ -408,13 +465,14 @@ class Session:
         if stat is not None and stat.ephemeralOwner == self.session_id:
             self.client.set(path, data)
             return
+        acl = self._acl(path)
         if stat is None:
-            self.client.create(path, data, ephemeral=True)
+            self.client.create(path, data, acl=acl, ephemeral=True)
             return
         # Replaced in one transaction: nobody reading the group sees the member without it.
         transaction = self.client.transaction()
         transaction.delete(path, version=stat.version)
-        transaction.create(path, data, ephemeral=True)
+        transaction.create(path, data, acl=acl, ephemeral=True)
         failures = [r for r in transaction.commit() if isinstance(r, Exception)]
         if failures:  # expired or replaced meanwhile: the caller tries again
             raise failures[0]
@@ -427,7 +485,7 @@ class Session:
     def create(self, path: str, data: bytes, *, ephemeral: bool = False) -> bool:
         """Create if absent; False when it already existed (left as it is)."""
         try:
-            self.client.create(path, data, ephemeral=ephemeral)
+            self.client.create(path, data, acl=self._acl(path), ephemeral=ephemeral)
         except NodeExistsError:
             return False
         return True
@@ -451,17 +509,47 @@ class Session:
             return False
         return True
 
-    def ensure(self, *paths: str) -> None:
+    def ensure(self, *paths: str, open_acl: bool = False) -> None:
+        """Make the znodes (and their missing parents) that are not there. ``open_acl``: open
+        to every client, for a group subtree still open to engines without the credential (an
+        upgrade), made again after the server lost its data."""
         for path in paths:
-            self.client.ensure_path(path)
+            acl = list(OPEN_ACL_UNSAFE) if open_acl and self.auth is not None else None
+            self.client.ensure_path(path, acl=acl or self._acl(path))
 
-    def restrict(self, top: str = zl.TOP, batch: int = RESTRICT_BATCH) -> Restricted:
+    # ------------------------------------------------------------------ access
+    def _acl(self, path: str) -> list[ACL] | None:
+        """The ACL a znode made at ``path`` gets: None for the client's default (ours; open
+        without credentials), open inside a group subtree that is still open (an upgrade: the
+        group's engines started without the credential go on reading and writing there, and
+        must read what we make there too, until the operator closes the subtree)."""
+        if self.auth is None:
+            return None
+        scope = zl.group_root_of(path)
+        if scope is None or scope == path or scope in self._closed_scopes:
+            return None
+        try:
+            acls, _ = self.client.get_acls(scope)
+        except NoNodeError:
+            return None  # made together with this znode: closed from the start
+        if _is_open(acls):
+            return list(OPEN_ACL_UNSAFE)
+        self._closed_scopes.add(scope)
+        return None
+
+    def restrict(
+        self,
+        top: str = zl.TOP,
+        batch: int = RESTRICT_BATCH,
+        skip: Callable[[str], bool] | None = None,
+    ) -> Restricted:
         """Give ``top`` and every znode under it our ACL where it has another (znodes created
-        before credentials were configured: an upgrade). Level by level, ``batch`` znodes' ACLs
-        and children asked at once (kazoo's asynchronous calls), so a large tree costs a few
-        round trips per thousand znodes, not three each. A znode another identity owns is left
-        as it is and named in the result. Connection losses raise: run it again (it only
-        changes what still differs)."""
+        before credentials were configured: an upgrade), except the subtrees whose root
+        ``skip`` names (left as they are). Level by level, ``batch`` znodes' ACLs and children
+        asked at once (kazoo's asynchronous calls), so a large tree costs a few round trips per
+        thousand znodes, not three each. A znode another identity owns is left as it is and
+        named in the result. Connection losses raise: run it again (it only changes what still
+        differs)."""
         if self.auth is None:
             raise ValueError("no credentials: there is no ACL to give")
         client = self.client
@@ -470,6 +558,8 @@ class Session:
         refused: list[str] = []
         level = [top] if client.exists(top) is not None else []
         while level:
+            if skip is not None:
+                level = [path for path in level if not skip(path)]
             deeper: list[str] = []
             for start in range(0, len(level), batch):
                 chunk = level[start : start + batch]
@@ -490,12 +580,29 @@ class Session:
             level = deeper
         return Restricted(seen, changed, len(refused), tuple(refused[:5]))
 
-    async def restrict_existing(self, top: str = zl.TOP, pause: float = 2.0) -> Restricted:
+    def close(self, top: str) -> Restricted:
+        """Close a subtree that was kept open (see :meth:`_acl`): :meth:`restrict` again until a
+        walk changes nothing (at most ``CLOSE_WALKS``), so a znode made open while the first
+        walk ran is closed by the next; what is made there afterwards is ours from the start.
+        Returns what the walks did together."""
+        total = Restricted()
+        for _ in range(CLOSE_WALKS):
+            done = self.restrict(top)
+            total = Restricted(done.seen, total.changed + done.changed, done.refused, done.examples)
+            if not done.changed:
+                break
+        if not total.refused:
+            self._closed_scopes.add(top)
+        return total
+
+    async def restrict_existing(
+        self, top: str = zl.TOP, pause: float = 2.0, skip: Callable[[str], bool] | None = None
+    ) -> Restricted:
         """:meth:`restrict` in a worker thread, run again after a connection loss until it
         completes (the operator's, once connected at start); what it did is logged."""
         while True:
             try:
-                done = await self.run(self.restrict, top)
+                done = await self.run(self.restrict, top, RESTRICT_BATCH, skip)
                 break
             except ERRORS as exc:
                 log.warning("ZooKeeper ACLs on %s not all set yet (%s); retrying", top, exc)
@@ -507,7 +614,8 @@ class Session:
         if done.refused:
             log.error(
                 "ZooKeeper: %d znodes under %s belong to another identity (%s, ...): MatrixServe "
-                "cannot use them; remove them as ZooKeeper's super user",
+                "cannot use them; delete them (docs/zookeeper.md, 'Access': a leaf with our "
+                "identity, one with children with its owner's)",
                 done.refused,
                 top,
                 ", ".join(done.examples),
@@ -589,6 +697,11 @@ def _answer(pending: Any, path: str, refused: list[str]) -> Any:
     except NoAuthError:
         refused.append(path)
         return None
+
+
+def _is_open(acls: Iterable[ACL]) -> bool:
+    """Whether anyone may do something there (a ``world`` entry: ZooKeeper's default ACL)."""
+    return any(a.id.scheme == "world" for a in acls)
 
 
 def _same_acl(current: Iterable[ACL], wanted: Iterable[ACL]) -> bool:

@@ -17,24 +17,35 @@ connections but has no read deadlines and no connection caps. :func:`start` serv
 
 - a **header deadline**: a request head (line and headers) must arrive whole within
   ``header_timeout`` of its first byte — of the connection's opening for its first request — or
-  the connection is closed (a slowloris sends a header a byte at a time);
+  the connection is closed (a slowloris sends a header a byte at a time). A head begun in the
+  read that ended the request before it (pipelined) is held to it too: the parser is fed up to
+  each place a message can end and asked whether one did (:class:`_ParserTap`);
 - a **body deadline**: the body must arrive whole within ``body_timeout`` of its head; past it
   the handler reading it gets a 408 ``request_timeout`` and the connection is closed;
 - an **idle limit**: aiohttp's keep-alive timeout, ``idle_timeout`` between requests;
+- a **send deadline**: a response's write that stalls — the connection's send buffer full,
+  its client reading nothing — for ``send_timeout`` is given up and the connection aborted, so
+  a client that stops reading does not hold its stream (and the engine work behind it) for
+  ever; a client that reads, however slowly, is never cut;
 - **connection caps**: at most ``max_connections`` open at once, and ``max_connections_per_client``
   from one client address. A connection over a cap is answered at once with 503
   ``too_many_connections`` and ``Retry-After`` and closed, never read.
 
-None of them touches a request being served: a response streaming for minutes (an engine's
-tokens, the gateway's SSE relay, the prefill -> decode relay) has had its head and its body read,
-and only a connection waiting for its next request is idle. The gateway's pool of connections to
-engines (:mod:`matrixserve.gateway.upstream`) keeps idle connections with no limit of its own
-and passes over one the engine has closed, so the engines' idle limit is a trade (a longer one
-keeps more of the pool warm), not a correctness bound; the engines' other clients (httpx, 5 s;
-aiohttp, 15 s) drop idle connections before any engine does.
+None of the read limits touches a request being served: a response streaming for minutes (an
+engine's tokens, the gateway's SSE relay, the prefill -> decode relay) has had its head and its
+body read, and only a connection waiting for its next request is idle. The gateway's pool of
+connections to engines (:mod:`matrixserve.gateway.upstream`) has no idle-time limit of its own
+(it keeps at most 256 idle connections per engine) and passes over one the engine has closed,
+so the engines' idle limit is a trade (a longer one keeps more of the pool warm), not a
+correctness bound; the engines' other clients (httpx, 5 s; aiohttp, 15 s) drop idle connections
+before any engine does.
+
+**Open files.** :func:`start` raises the process's soft open-file limit to its hard limit (a
+soft limit of 1,024, common, would otherwise hold a server to 480 connections), then fits the
+caps to it, and logs the limits in effect.
 
 Counted in ``matrixserve_http_connections_open``, ``…_refused_total{reason}`` and
-``…_timed_out_total{phase}``, on the registry the server passes.
+``…_timed_out_total{phase}`` (``header``, ``body``, ``send``), on the registry the server passes.
 """
 
 from __future__ import annotations
@@ -183,11 +194,12 @@ class ConnectionLimits:
     header_timeout: float = 10.0  # s from a request head's first byte to its end
     body_timeout: float = 60.0  # s from a request's head to its body's end
     idle_timeout: float = 75.0  # s a keep-alive connection may wait for its next request
+    send_timeout: float = 60.0  # s a response's write may stall (its client reading nothing)
     max_connections: int = 8192
     max_connections_per_client: int = 4096
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout", "body_timeout", "idle_timeout"):
+        for name in ("header_timeout", "body_timeout", "idle_timeout", "send_timeout"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, not {value}")
@@ -215,6 +227,7 @@ _FLAGS = {
     "header_timeout": "s a request's line and headers may take from their first byte",
     "body_timeout": "s a request's body may take from the end of its head (then 408)",
     "idle_timeout": "s a keep-alive connection may wait for its next request",
+    "send_timeout": "s a response's write may stall, its client reading nothing (then closed)",
     "max_connections": "connections open at once (more are refused: 503 with Retry-After)",
     "max_connections_per_client": "connections open at once from one client address",
 }
@@ -243,9 +256,10 @@ def _positive_count(text: str, env: str) -> int:
 def add_arguments(
     parser: argparse.ArgumentParser, env_prefix: str, defaults: ConnectionLimits
 ) -> None:
-    """``--header-timeout``, ``--body-timeout``, ``--idle-timeout``, ``--max-connections``,
-    ``--max-connections-per-client``, each defaulting to ``$<env_prefix><NAME>`` or ``defaults``.
-    Bad values (from a flag or the environment) are argparse errors: exit 2 with the flag named."""
+    """``--header-timeout``, ``--body-timeout``, ``--idle-timeout``, ``--send-timeout``,
+    ``--max-connections``, ``--max-connections-per-client``, each defaulting to
+    ``$<env_prefix><NAME>`` or ``defaults``. Bad values (from a flag or the environment) are
+    argparse errors: exit 2 with the flag named."""
     group = parser.add_argument_group("connection limits")
     for field in fields(ConnectionLimits):
         default = getattr(defaults, field.name)
@@ -275,7 +289,8 @@ class ConnectionMetrics:
         )
         self.timed_out = Counter(
             "matrixserve_http_connections_timed_out",
-            "Connections closed because a request's head or body did not arrive in time",
+            "Connections closed because a request's head or body did not arrive in time, or "
+            "a response's write stalled",
             ["phase"],
             registry=registry,
         )
@@ -285,7 +300,7 @@ class ConnectionMetrics:
         gauge.set_function(lambda: float(guard.open))
         for reason in ("total", "per_client"):  # every series scraped from the start, at 0
             self.refused.labels(reason=reason)
-        for phase in ("header", "body"):
+        for phase in ("header", "body", "send"):
             self.timed_out.labels(phase=phase)
 
 
@@ -361,25 +376,103 @@ def _refusal(reason: str, limits: ConnectionLimits) -> bytes:
 
 
 class _ParserTap:
-    """aiohttp's request parser, with the heads it completes reported to the connection."""
+    """aiohttp's request parser, with the heads it completes reported to the connection, and
+    whether the bytes after the last whole message begin another head (:attr:`partial`: the
+    header deadline runs). The parser (aiohttp's C parser: its state is not readable) is fed up
+    to each place a message can end — a blank line (a head's end, a chunked body's end) and a
+    Content-Length body's last byte — and asked whether one did. Should the parser's own
+    buffering (flow control, an upgrade) hide where messages end, :attr:`partial` stays False
+    for the connection: its idle limit still bounds it."""
 
     def __init__(self, parser: Any, on_messages: Callable[[list[Any]], None]) -> None:
         self._parser = parser
         self._on_messages = on_messages
+        self._left = 0  # bytes of a Content-Length body still to come
+        self._chunked: StreamReader | None = None  # a chunked body, until its end
+        self._carry = b""  # the last bytes fed outside a Content-Length body (a blank line
+        # may straddle two reads)
+        self._lost = False  # where messages end is no longer known
+        self.partial = False  # a head has begun (a byte other than CR or LF) and not ended
 
     def feed_data(self, data: bytes) -> Any:
-        parsed = self._parser.feed_data(data)
+        if self._lost or not data:  # nothing new (flow control resumed): the parser's buffer
+            parsed = self._parser.feed_data(data)
+            if parsed[0] or parsed[1]:  # heads it had buffered: where they ended is unknown
+                self._lost, self.partial = True, False
+        else:
+            parsed = self._feed_pieces(data)
         if parsed[0]:
             self._on_messages(parsed[0])
         return parsed
+
+    def _feed_pieces(self, data: bytes) -> tuple[list[Any], bool, bytes]:
+        messages: list[Any] = []
+        at, size = 0, len(data)
+        while at < size:
+            end = self._piece_end(data, at)
+            piece = data if end - at == size else data[at:end]
+            in_body = self._left > 0
+            got, upgraded, tail = self._parser.feed_data(piece)
+            messages += got
+            at = end
+            if upgraded or (got and in_body) or len(got) > 1:
+                # an upgrade, or heads the parser had buffered: positions are lost, and the
+                # rest goes as aiohttp would send it (an upgrade's tail is the connection's)
+                self._lost, self.partial = True, False
+                if upgraded:
+                    return messages, upgraded, tail + data[at:]
+                if at < size:
+                    more, upgraded, tail = self._parser.feed_data(data[at:])
+                    messages += more
+                return messages, upgraded, tail
+            if in_body:
+                self._left -= len(piece)
+                if not self._left:
+                    self._at_message_end()
+            elif got:
+                self._head_ended(*got[0])
+            elif self._chunked is not None and self._chunked.is_eof():
+                self._at_message_end()
+            else:  # a head's bytes, or a chunked body's
+                self.partial = self.partial or (
+                    self._chunked is None and bool(piece.strip(b"\r\n"))
+                )
+                self._carry = (self._carry + piece)[-3:]
+        return messages, False, b""
+
+    def _piece_end(self, data: bytes, at: int) -> int:
+        """Where the next piece to feed ends: a Content-Length body's end, else a blank line's."""
+        if self._left:
+            return min(len(data), at + self._left)
+        if self._carry:
+            found = (self._carry + data[at : at + 3]).find(b"\r\n\r\n")
+            if found >= 0:
+                return at + found + 4 - len(self._carry)
+        found = data.find(b"\r\n\r\n", at)
+        return len(data) if found < 0 else found + 4
+
+    def _head_ended(self, message: Any, payload: StreamReader) -> None:
+        self.partial, self._carry = False, b""
+        if payload.is_eof():  # no body
+            self._at_message_end()
+        elif message.chunked:
+            self._chunked = payload
+        else:
+            try:
+                self._left = int(message.headers.get("Content-Length", ""))
+            except ValueError:
+                self._lost = True
+
+    def _at_message_end(self) -> None:
+        self._left, self._chunked, self._carry, self.partial = 0, None, b"", False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._parser, name)
 
 
 class _GuardedHandler(RequestHandler):
-    """aiohttp's HTTP/1.1 protocol with the caps, the header and body deadlines, and errors it
-    answers itself (a malformed head, an ``Expect`` refused) in JSON."""
+    """aiohttp's HTTP/1.1 protocol with the caps, the header, body and send deadlines, and
+    errors it answers itself (a malformed head, an ``Expect`` refused) in JSON."""
 
     def __init__(self, manager: _GuardedServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -389,9 +482,10 @@ class _GuardedHandler(RequestHandler):
         self._head_timer: asyncio.TimerHandle | None = None
         self._body: StreamReader | None = None  # a body still arriving
         self._body_timer: asyncio.TimerHandle | None = None
-        self._head_done = False
+        self._send_timer: asyncio.TimerHandle | None = None
         # the parser is aiohttp's (C or Python): wrapped, not replaced
-        self._parser = cast("HttpParser[Any]", _ParserTap(self._parser, self._heads_parsed))
+        self._tap = _ParserTap(self._parser, self._heads_parsed)
+        self._parser = cast("HttpParser[Any]", self._tap)
 
     # ------------------------------------------------------------------ caps
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -421,14 +515,13 @@ class _GuardedHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if self._refused is not None:
             return  # discarded: the 503 is all this connection gets
-        in_head = self._body is None
-        self._head_done = False
         super().data_received(data)
-        if data and in_head and not self._head_done and self._head_timer is None:
+        # a head begun, in this read or before: from its first read, whether a request is being
+        # served or the connection waits (a head pipelined behind the end of the last one)
+        if self._tap.partial and self._head_timer is None and self.transport is not None:
             self._arm_head()
 
     def _heads_parsed(self, messages: list[Any]) -> None:
-        self._head_done = True
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
@@ -449,7 +542,7 @@ class _GuardedHandler(RequestHandler):
         self._head_timer = None
         if self.transport is None:
             return
-        if self._request_in_progress:
+        if self._request_in_progress or self._messages:
             # a head pipelined behind a request still being served: judged once that is done
             self._arm_head()
             return
@@ -475,11 +568,35 @@ class _GuardedHandler(RequestHandler):
             )
         )
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._address is not None:  # a served connection (a refused one lingers 1 s at most)
+            self._send_timer = self._loop.call_later(
+                self._guard.limits.send_timeout, self._send_overdue
+            )
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_overdue(self) -> None:
+        """The send buffer stayed full: its client reads nothing. Aborted (a close would wait
+        for the buffer to drain): the handler writing gets its connection lost, or is cancelled,
+        and gives back what it holds."""
+        self._send_timer = None
+        if self.transport is None or not self.writing_paused:
+            return
+        log.debug("aborting a connection from %s: it read nothing for a while", self._address)
+        self._guard.timed_out("send")
+        self.transport.abort()
+
     def _cancel_timers(self) -> None:
-        for timer in (self._head_timer, self._body_timer):
+        for timer in (self._head_timer, self._body_timer, self._send_timer):
             if timer is not None:
                 timer.cancel()
-        self._head_timer = self._body_timer = None
+        self._head_timer = self._body_timer = self._send_timer = None
         self._body = None
 
     # ------------------------------------------------------------------ errors outside the app
@@ -535,8 +652,18 @@ class _GuardedServer(web.Server):
         self.guard.close_refusals()
 
 
-def open_files_limit() -> int:
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+def raised_open_files_limit() -> int:
+    """The process's open-file limit, its soft limit raised to the hard one first (the soft
+    one is often 1,024, which would hold a server to 480 connections); -1: unlimited."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft not in (hard, resource.RLIM_INFINITY):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:  # e.g. an unlimited hard limit over nr_open
+            log.warning("the open-file limit stays %d (raising it to %d: %s)", soft, hard, exc)
+        else:
+            soft = hard
+    return soft
 
 
 async def start(
@@ -549,13 +676,22 @@ async def start(
     """Set ``runner`` up and serve it on ``host:port`` under ``limits`` (fitted to the open-file
     limit), whatever else the runner was made with (``handler_cancellation``, ...); the caller
     stops it with ``runner.cleanup()``. Raises ``OSError`` if the address cannot be bound."""
-    fitted = limits.within_open_files(open_files_limit())
+    open_files = raised_open_files_limit()
+    fitted = limits.within_open_files(open_files)
     if fitted != limits:
         log.warning(
-            "at most %d connections (%d per client): the open-file limit allows no more",
+            "at most %d connections (%d per client): the open-file limit (%d) allows no more",
             fitted.max_connections,
             fitted.max_connections_per_client,
+            open_files,
         )
+    log.info(
+        "serving %s:%d with %s (open-file limit %d)",
+        host,
+        port,
+        ", ".join(f"{f.name} {getattr(fitted, f.name)}" for f in fields(fitted)),
+        open_files,
+    )
     await runner.setup()
     assert runner.server is not None  # set by setup()
     guard = ConnectionGuard(fitted, registry)

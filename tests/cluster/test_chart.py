@@ -190,9 +190,9 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
         kubeconfig = _service_account_kubeconfig(
             cluster, core, namespace, account, tmp_path / "operator.kubeconfig"
         )
-        # The chart's name for the engines' ZooKeeper credential: its Secret is there already
-        # (the chart's own), so the operator patches it by name.
-        secret = f"{release}-matrixserve-zookeeper-auth"
+        # The chart's name for the engines' ZooKeeper credential (not the chart's own Secret:
+        # the operator writes its copy under a name of its own, the one its RBAC names).
+        secret = f"{release}-matrixserve-engine-zookeeper-auth"
         operator = serving_group(
             webhook=False,
             extra=("--kubeconfig", str(kubeconfig), "--engine-zookeeper-auth-secret", secret),

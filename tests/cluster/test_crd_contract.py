@@ -14,6 +14,7 @@ from kubernetes import client
 from helpers import CRDS, load
 from matrixserve.api import kinds
 from matrixserve.api.resources import SPECS
+from matrixserve.domain.pdgroup.validation import parse_spec
 
 
 @pytest.mark.parametrize("sample", sorted((CRDS / "samples").glob("*.yaml")), ids=lambda p: p.stem)
@@ -63,3 +64,34 @@ def test_schema_rejects_bad_pdgroups_with_the_api_servers_message(
         custom.create_namespaced_custom_object(pd.group, pd.version, namespace, pd.plural, body)
     assert rejected.value.status == 422
     assert message in json.loads(rejected.value.body)["message"]
+
+
+def test_engine_resources_are_stored_as_written_for_the_models_to_judge(
+    api_client: client.ApiClient, crds_installed: list[str], namespace: str
+) -> None:
+    """Issue 16 finding 8: quantities as numbers (``cpu: 0.5``, as a Pod takes them) pass the
+    API server, and resource names the schema does not list are stored, not pruned without a
+    word, so that the operator refuses them by name; a string that is no quantity is the API
+    server's to refuse."""
+    custom, pd = client.CustomObjectsApi(api_client), kinds.PDGROUP
+    body = load(CRDS / "samples" / "pdgroup-2p1d.yaml")
+    resources = {
+        "requests": {"cpu": 0.5, "memory": 536870912, "ephemeral-storage": "1Gi"},
+        "limits": {"cpu": 2, "nvidia.com/gpu": 1},
+    }
+    body["spec"]["decode"]["resources"] = resources
+    created = custom.create_namespaced_custom_object(
+        pd.group, pd.version, namespace, pd.plural, body
+    )
+    assert created["spec"]["decode"]["resources"] == resources
+    _, errors = parse_spec(created["spec"], "chat-g0")
+    assert [e.split(" is not a resource")[0] for e in errors] == [
+        "spec.decode.resources.requests: ephemeral-storage",
+        "spec.decode.resources.limits: nvidia.com/gpu",
+    ]
+    body["metadata"]["name"] = "words"
+    body["spec"]["decode"]["resources"] = {"requests": {"cpu": "half"}}
+    with pytest.raises(client.ApiException) as rejected:
+        custom.create_namespaced_custom_object(pd.group, pd.version, namespace, pd.plural, body)
+    assert rejected.value.status == 422
+    assert "spec.decode.resources.requests.cpu" in json.loads(rejected.value.body)["message"]

@@ -41,7 +41,7 @@ from kubernetes import client
 from helpers import Groups, absent, explain_namespace, pdgroup_body, wait_for
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.kinds import LABEL_ROLE
-from matrixserve.devcluster import tools
+from matrixserve.devcluster import demo, tools
 from matrixserve.devcluster.cluster import ClusterInfo
 from matrixserve.domain.enginepod import ENGINE_PORT, engine_container
 from matrixserve.domain.pdgroup.pods import pod_labels, role_label
@@ -163,6 +163,68 @@ def test_the_policies_admit_matrixserve_and_refuse_the_rest_wherever_engines_run
     # Egress is not restricted for the gateway and the operator (the API server is no pod).
     for source in (gateway, operator):
         assert cluster.allows(Endpoint.of(source), Endpoint("10.96.0.1"), 6443)
+
+
+def notes(release: str, namespace: str, *values: str) -> str:
+    """What ``helm install`` prints after installing (NOTES.txt), from a client-side dry run."""
+    done = subprocess.run(
+        [
+            str(tools.helm_path()), "install", release, str(CHART), "-n", namespace,
+            "--dry-run=client", *values,
+        ],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split("\nNOTES:\n", 1)[1]
+
+
+UNCOVERED = "engines in any other namespace are open to every pod"
+
+
+def test_with_every_namespace_served_the_listed_engine_namespaces_are_covered_too() -> None:
+    """The default, ``watchNamespaces: []`` (the operator serves every namespace): the engines'
+    policy is in the release namespace and in each of ``networkPolicy.engineNamespaces``; the
+    install notes warn only when that list is empty, since engines elsewhere are then open."""
+    values = ("--set", "networkPolicy.engineNamespaces={extra}")
+    rendered = policies(helm_template("r", RELEASE_NS, *values))
+    engines = [p for p in rendered if p["metadata"]["name"] == "r-matrixserve-engines"]
+    assert sorted(p["metadata"]["namespace"] for p in engines) == sorted([RELEASE_NS, "extra"])
+    cluster = Cluster(rendered, NAMESPACE_LABELS, default_namespace=RELEASE_NS)
+    gateway, operator = chart_pod("gateway"), chart_pod("operator")
+    for ns in (RELEASE_NS, "extra"):
+        prefill = engine_pod(ns)
+        for source in (gateway, operator, engine_pod("other", zl.Role.DECODE)):
+            assert verdict(cluster, source, prefill, ENGINE_PORT), (source, ns)
+        for intruder in (Pod(ns, "intruder", {"app": "curl"}, "10.3.0.1"),
+                         Pod("other", "intruder", {"app": "curl"}, "10.3.0.2")):  # fmt: skip
+            assert not verdict(cluster, intruder, prefill, ENGINE_PORT), (intruder, ns)
+    stranger = Pod("other", "intruder", {"app": "curl"}, "10.3.0.2")
+    assert verdict(cluster, stranger, engine_pod("other"), ENGINE_PORT)  # not listed: open
+    assert UNCOVERED not in notes("r", RELEASE_NS, *values)
+    warned = notes("r", RELEASE_NS)
+    assert UNCOVERED in warned
+    assert "networkPolicy.engineNamespaces" in warned
+    for quiet in (("--set", "watchNamespaces={serve}"), ("--set", "networkPolicy.enabled=false")):
+        assert UNCOVERED not in notes("r", RELEASE_NS, *quiet), quiet
+
+
+def test_the_demo_covers_the_namespace_its_group_runs_in() -> None:
+    """``make demo`` installs in one namespace and runs its group in another, with the
+    operator serving every namespace: its values list the group's namespace."""
+    values = [arg for value in demo.LOCAL_VALUES for arg in ("--set", value)]
+    rendered = policies(helm_template(demo.RELEASE, demo.SYSTEM, *values))
+    engines = {
+        p["metadata"]["namespace"] for p in rendered if p["metadata"]["name"].endswith("-engines")
+    }
+    assert engines == {demo.SYSTEM, demo.NAMESPACE}
+    labels = {ns: {"kubernetes.io/metadata.name": ns} for ns in (demo.SYSTEM, demo.NAMESPACE)}
+    cluster = Cluster(rendered, labels, default_namespace=demo.SYSTEM)
+    prefill = engine_pod(demo.NAMESPACE)
+    gateway = chart_pod("gateway", namespace=demo.SYSTEM, release=demo.RELEASE)
+    assert verdict(cluster, gateway, prefill, ENGINE_PORT)
+    intruder = Pod(demo.NAMESPACE, "intruder", {"app": "curl"}, "10.3.0.1")
+    assert not verdict(cluster, intruder, prefill, ENGINE_PORT)
+    assert UNCOVERED not in notes(demo.RELEASE, demo.SYSTEM, *values)
 
 
 def test_values_narrow_who_reaches_the_gateway_the_webhook_metrics_and_engine_egress() -> None:

@@ -367,6 +367,61 @@ def test_missing_secret_reference_is_a_config_error(
     assert 'Secret "absent" not found' in state.message
 
 
+def test_a_secret_volume_is_a_read_only_file_and_a_missing_secret_waits_like_a_kubelet(
+    core: client.CoreV1Api, namespace: str, emulator: Any
+) -> None:
+    """Issue 16 finding 7: ZooKeeper's identity reaches pods as a mounted Secret. Missing, the
+    pod waits in ContainerCreating with the kubelet's FailedMount Event (nothing runs, nothing
+    crashes); once it exists the mount is tried again: the process reads the key at the path
+    its container names, with the volume's mode; the pod's deletion takes the files away."""
+    container = {
+        "name": "main",
+        "image": "busybox",
+        "command": ["sh", "-c", 'cat "$AUTH"; echo; stat -c %a "$AUTH"; sleep 60'],
+        "env": [{"name": "AUTH", "value": "/etc/matrixserve/auth"}],
+        "volumeMounts": [{"name": "zk", "mountPath": "/etc/matrixserve", "readOnly": True}],
+    }
+    volume = {"name": "zk", "secret": {"secretName": "zk-auth", "defaultMode": 0o440}}
+    core.create_namespaced_pod(
+        namespace, pod_body("mounts", emulator.nodes[0], [container], volumes=[volume])
+    )
+    state = wait_for(lambda: waiting_state(core, namespace, "mounts"), what="a waiting reason")
+    assert state.reason == "ContainerCreating"
+    failed = wait_for(
+        lambda: [e for e in events_of(core, namespace, "mounts") if e.reason == "FailedMount"],
+        what="a FailedMount Event",
+    )
+    assert failed[0].type == "Warning"
+    assert failed[0].message == (
+        'MountVolume.SetUp failed for volume "zk" : secret "zk-auth" not found'
+    )
+    assert core.read_namespaced_pod("mounts", namespace).status.phase == "Pending"
+    assert not next(p for p in emulator.pods() if p["name"] == "mounts")["pids"]
+    core.create_namespaced_secret(
+        namespace,
+        client.V1Secret(metadata=client.V1ObjectMeta(name="zk-auth"), string_data={"auth": "u:p"}),
+    )
+    ready_pod(core, namespace, "mounts", "the pod running once its Secret exists")
+    (folder,) = Path(emulator.state_dir, "pods").glob(f"{namespace}_mounts_*")
+    log = folder / "main.log"
+    lines = wait_for(
+        lambda: (
+            (out := [ln for ln in log.read_text().splitlines() if not ln.startswith("===")])
+            and len(out) >= 2
+            and out
+        ),
+        what="what the process read",
+    )
+    assert lines[:2] == ["u:p", "440"]
+    assert (folder / "volumes" / "zk" / "auth").read_text() == "u:p"
+    core.delete_namespaced_pod("mounts", namespace, grace_period_seconds=0)
+    wait_for(
+        lambda: not (folder / "volumes").exists(),
+        timeout=15,
+        what="a deleted pod's Secret files removed from disk",
+    )
+
+
 @pytest.mark.parametrize(
     ("body", "status", "message"),
     [

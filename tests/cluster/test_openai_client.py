@@ -1,7 +1,8 @@
 """The gateway judged by the official ``openai`` Python client (issue 16, finding 6): chat and
 completions, streamed and not, ``n``, lists of prompts and token ids, ``stop``,
 ``stream_options.include_usage``, ``models.retrieve``, and the typed errors it raises for
-the gateway's 400, 401, 404, 429 and 503 answers (with ``.code`` and ``.param``)."""
+the gateway's 400, 401, 404, 429 and 503 answers (with ``.code`` and ``.param``), a prompt
+longer than the engines take among the 400s (``context_length_exceeded``)."""
 
 from __future__ import annotations
 
@@ -183,6 +184,20 @@ def check_refusals(oa: openai.OpenAI) -> None:
             ),
             "top_k",
             "unknown_parameter",
+        ),
+        # within the gateway's --max-prompt-chars, over the engines' maxContextTokens (8192
+        # tokens in the sample): the prefill's 413, final, in OpenAI's words
+        (
+            lambda: oa.chat.completions.create(
+                model="general", messages=[{"role": "user", "content": "x" * 40_000}]
+            ),
+            "messages",
+            "context_length_exceeded",
+        ),
+        (
+            lambda: oa.completions.create(model="general", prompt="x" * 40_000, stream=True),
+            "prompt",
+            "context_length_exceeded",
         ),
     ]
     for call, param, code in refusals:

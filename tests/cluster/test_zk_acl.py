@@ -1,10 +1,11 @@
 """Issue 16 finding 7 on the real ZooKeeper: digest ACLs on MatrixServe's subtrees. The dev
 cluster gives the session an identity ($MATRIXSERVE_ZK_AUTH, set by the cluster fixture): the
-operator and gateway the tests start use it, engines read it from the Secret the operator writes
+operator and gateway the tests start use it, engines mount it from the Secret the operator writes
 into their namespace. A client without it can neither read, write nor delete under
 ``/matrixserve`` (ZooKeeper answers ``NoAuth``), while the group gets Ready and serves; a znode
-made before (an upgrade) is closed by the operator at start; a session renewed after the server
-lost its data keeps the identity."""
+made before (an upgrade) is closed by the operator at start, but a group's subtree only once
+every pod of the group carries the credential (engines started before must survive their next
+fault); a session renewed after the server lost its data keeps the identity."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import base64
 import json
 import os
 import secrets
+import signal
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +26,13 @@ import pytest
 from kazoo.exceptions import NoAuthError
 from kubernetes import client
 
-from helpers import serves, wait_for, zookeeper
+from helpers import Groups, events_of, pdgroup_body, serves, wait_for, zookeeper
 from matrixserve.api import zk_layout as zl
 from matrixserve.coordination import Session
 from matrixserve.devcluster.cluster import ClusterInfo
 from matrixserve.devcluster.procs import Supervisor
+
+ENGINE_SECRET = "matrixserve-engine-zookeeper-auth"  # the operator's default
 
 
 def refused(call: Callable[[], Any]) -> bool:
@@ -62,7 +67,14 @@ def test_only_matrixserve_reads_writes_or_deletes_its_znodes(
     with zookeeper(cluster.zookeeper, auth="") as anon:
         wait_for(lambda: refused(lambda: anon.get(legacy)), timeout=30, what="legacy closed")
         attempts: dict[str, Callable[[], Any]] = {
+            # what the operator writes ...
             "read the map": lambda: anon.get(paths.roce_map),
+            "read the init order": lambda: anon.get(paths.init_order),
+            "read an entrance": lambda: anon.get(paths.entrance("g-p-0")),
+            # ... and what each engine writes
+            "read a report": lambda: anon.get(paths.report("g-p-0")),
+            "read a health": lambda: anon.get(paths.health_of("g-d-0")),
+            "read a link": lambda: anon.get(paths.link("g-p-1", "g-d-0")),
             "list the members": lambda: anon.get_children(paths.reports),
             "list the groups": lambda: anon.get_children(zl.groups_root(namespace)),
             "list the top": lambda: anon.get_children(zl.TOP),
@@ -81,16 +93,17 @@ def test_only_matrixserve_reads_writes_or_deletes_its_znodes(
         assert sorted(zk.get_children(paths.entrances)) == ["g-p-0", "g-p-1"]
         zk.delete(f"{zl.ROOT}/expertpools/{namespace}", recursive=True)
 
-    # Engines read the identity from the Secret the operator wrote; no pod spec holds it.
+    # Engines mount the identity from the Secret the operator wrote; no pod spec holds it.
     core = client.CoreV1Api(api_client)
-    secret = core.read_namespaced_secret("matrixserve-zookeeper-auth", namespace)
+    secret = core.read_namespaced_secret(ENGINE_SECRET, namespace)
     assert secret.metadata.labels["app.kubernetes.io/component"] == "zookeeper-auth"
     pods = core.list_namespaced_pod(namespace).items
     assert len(pods) == 3
     for pod in pods:
-        (env,) = [e for e in pod.spec.containers[0].env if e.name == "MATRIXSERVE_ZK_AUTH"]
-        assert env.value is None
-        assert env.value_from.secret_key_ref.name == "matrixserve-zookeeper-auth"
+        assert ENGINE_SECRET in {v.secret.secret_name for v in pod.spec.volumes if v.secret}
+        env = {e.name: e.value for e in pod.spec.containers[0].env}
+        assert env["MATRIXSERVE_ZK_AUTH_FILE"].endswith("/auth")
+        assert "MATRIXSERVE_ZK_AUTH" not in env
         assert auth.split(":", 1)[1] not in json.dumps(api_client.sanitize_for_serialization(pod))
 
     # The gateway with the identity routes by ZooKeeper's entrances and serves ...
@@ -107,6 +120,75 @@ def test_only_matrixserve_reads_writes_or_deletes_its_znodes(
         what="the gateway without the identity refused its entrance watch",
     )
     assert "not armed" not in logs.log_path("gateway-0").read_text()
+
+
+def _engine_pid(cluster: ClusterInfo, namespace: str, pod: str) -> int:
+    """The engine process of ``pod``, from the dev cluster's node emulator."""
+    runs = httpx.get(f"{cluster.node_emulator}/pods", timeout=10, trust_env=False).json()
+    (run,) = [r for r in runs if (r["namespace"], r["name"]) == (namespace, pod)]
+    (pid,) = run["pids"].values()
+    return int(pid)
+
+
+def _recreated(groups: Groups, pod: str, uid: str) -> bool:
+    found = groups.pods("g").get(pod)
+    return found is not None and found.metadata.uid != uid
+
+
+def test_an_upgrade_into_auth_keeps_running_engines_working_until_they_are_replaced(
+    cluster: ClusterInfo,
+    api_client: client.ApiClient,
+    namespace: str,
+    groups: Groups,
+    start_operator: Callable[..., Any],
+    start_zookeeper: Callable[[], Any],
+) -> None:
+    """Finding 2: a group made by an operator without the identity, then the operator restarted
+    with it. Its engines have no credential: their subtree stays open (a Warning Event says
+    until when), so an engine killed now restarts, registers and links again and the group is
+    Ready again; once its pods are recreated with the credential, the subtree is closed. (A
+    ZooKeeper of its own: the cluster's tree is closed already by the other tests' operators.)"""
+    core = client.CoreV1Api(api_client)
+    server = start_zookeeper().address
+    before = ("--zookeeper", server, "--zookeeper-auth=")  # the last --zookeeper counts
+    operator = start_operator(namespace, webhook=False, extra=before)
+    groups.create(pdgroup_body("g", 1, 1))
+    groups.wait_ready("g", "the group Ready without ZooKeeper auth")
+    paths = zl.GroupPaths(namespace, "g")
+    operator.stop()
+    operator.args.remove("--zookeeper-auth=")  # the upgrade: the same operator, with it
+    operator.start()
+
+    def warned() -> list[Any]:
+        return [e for e in events_of(core, namespace, "g") if e.reason == "ZooKeeperAccessOpen"]
+
+    (warning,) = wait_for(warned, timeout=60, what="the group's access said open")
+    assert warning.type == "Warning"
+    with zookeeper(server, auth="") as anon:
+        assert anon.get(paths.report("g-p-0"))[0], "the engines' subtree closed under them"
+        assert refused(lambda: anon.get_children(zl.groups_root(namespace))), "the rest is closed"
+
+    pid = _engine_pid(cluster, namespace, "g-p-0")
+    os.kill(pid, signal.SIGKILL)  # the first fault since the upgrade
+    wait_for(lambda: not groups.ready("g"), timeout=30, what="the group not Ready after a kill")
+    groups.wait_ready("g", "the killed engine back: registered and linked again")
+    assert _engine_pid(cluster, namespace, "g-p-0") != pid
+    assert len(warned()) == 1, "one Warning Event, not one a pass"
+
+    for pod in ("g-p-0", "g-d-0"):  # replaced one at a time, as the Event says
+        old = core.read_namespaced_pod(pod, namespace).metadata.uid
+        core.delete_namespaced_pod(pod, namespace)
+        wait_for(partial(_recreated, groups, pod, old), what=f"{pod} recreated")
+        groups.wait_ready("g", f"the group Ready with {pod} recreated")
+    closed = wait_for(
+        lambda: [e for e in events_of(core, namespace, "g") if e.reason == "ZooKeeperAccessClosed"],
+        what="the group's subtree closed",
+    )
+    assert closed[0].type == "Normal"
+    with zookeeper(server, auth="") as anon:
+        for path in (paths.report("g-p-0"), paths.health_of("g-d-0"), paths.roce_map):
+            assert refused(partial(anon.get, path)), path
+    assert groups.ready("g")
 
 
 async def test_a_renewed_session_keeps_the_identity(
@@ -169,8 +251,14 @@ def test_the_charts_password_survives_upgrades_and_reinstalls(
     assert zl.Credentials.parse(base64.b64decode(first).decode()).user == zl.USER
     run_tool("helm", "upgrade", release, str(CHART), *values, "--set", "operator.logLevel=DEBUG")
     assert password() == first, "an upgrade made a new password"
+    off = ("--set", "zookeeper.auth.enabled=false")
+    refused_off = run_tool("helm", "upgrade", release, str(CHART), *values, *off, check=False)
+    assert refused_off.returncode != 0, "turning the identity off would lock everyone out"
+    assert "Keep zookeeper.auth.enabled=true" in refused_off.stderr
     run_tool("helm", "uninstall", release, "-n", namespace, "--wait")
     assert password() == first, "the uninstall took the password (resource-policy keep)"
+    reinstalled_off = run_tool("helm", "install", release, str(CHART), *values, *off, check=False)
+    assert reinstalled_off.returncode != 0, "a reinstall without it over the kept identity"
     run_tool("helm", "install", release, str(CHART), *values)
     assert password() == first, "a reinstall made a new password"
     run_tool("helm", "uninstall", release, "-n", namespace, "--wait")

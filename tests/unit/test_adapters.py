@@ -384,7 +384,10 @@ async def test_status_patches_omit_empty_strings_and_tolerate_a_deleted_object()
     custom.objects[key] = {}
     status = {"instances": [{"name": "a", "pod": "", "node": "n"}], "message": "", "n": 0}
     await adapter.patch_status(kinds.PDGROUP, "ns", "g", status)
-    assert custom.patches[-1] == (key, {"status": {"instances": [{"name": "a", "node": "n"}], "n": 0}})
+    assert custom.patches[-1] == (
+        key,
+        {"status": {"instances": [{"name": "a", "node": "n"}], "n": 0}},
+    )
 
 
 async def test_pods_are_listed_by_labels_and_each_nodes_superpod_read_once() -> None:
@@ -404,8 +407,42 @@ async def test_pods_are_listed_by_labels_and_each_nodes_superpod_read_once() -> 
     assert (d0.ready, d0.deleting) == (False, True)
     assert p0.label(kinds.LABEL_INSTANCE) == "g-p-0"
     assert p0.created_at == datetime(2026, 1, 1, tzinfo=UTC).timestamp()
+    assert (p0.running_since, p0.ready_changed_at) == (None, None)
     await adapter.list_pods("ns", {kinds.LABEL_GROUP: "g"})
     assert core.node_reads == 1  # a node's SuperPod is fixed by its hardware
+
+
+async def test_a_pods_container_start_and_its_last_ready_flip_are_read() -> None:
+    """What tells a pod not probed yet since its engine started from one that failed its
+    probe (:meth:`PodView.awaiting_first_probe`)."""
+    adapter, core, _ = kube()
+    flipped, started = (
+        datetime(2026, 1, 1, 0, 0, 5, tzinfo=UTC),
+        datetime(2026, 1, 1, 0, 0, 7, tzinfo=UTC),
+    )
+    body = _pod(
+        "g-p-0",
+        "u0",
+        conditions=[{"type": "Ready", "status": "False", "lastTransitionTime": flipped}],
+    )
+    # the kubelet lists containers by name: a sidecar may come before the engine
+    body["status"]["containerStatuses"] = [
+        {"name": "a-sidecar", "startedAt": flipped},
+        {"name": "engine", "startedAt": started},
+    ]
+    core.pods[("ns", "g-p-0")] = body
+    pod = (await adapter.list_pods("ns", {kinds.LABEL_GROUP: "g"}))["g-p-0"]
+    assert (pod.ready, pod.running_since, pod.ready_changed_at) == (
+        False,
+        started.timestamp(),
+        flipped.timestamp(),
+    )
+    assert pod.awaiting_first_probe(started.timestamp() + 0.5)
+    assert not pod.awaiting_first_probe(started.timestamp() - 0.5)  # an earlier engine's report
+    body["status"]["containerStatuses"] = [{"name": "engine"}]  # exited: not running
+    pod = (await adapter.list_pods("ns", {kinds.LABEL_GROUP: "g"}))["g-p-0"]
+    assert pod.running_since is None
+    assert not pod.awaiting_first_probe(started.timestamp() + 0.5)
 
 
 def test_the_fake_kazoo_keeps_zookeepers_rules() -> None:

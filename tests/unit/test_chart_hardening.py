@@ -50,13 +50,21 @@ JUDGED_WRONG = {
     "CKV_K8S_43": {"Deployment", "StatefulSet", "DaemonSet"},  # image digest: the registry's
     "CKV_K8S_15": {"Deployment", "StatefulSet", "DaemonSet"},  # pull Always: needs a registry
     "CKV_K8S_38": {"Deployment", "DaemonSet"},  # a token: the operator, gateway and node emulator
-    "CKV_K8S_35": {"Deployment"},  # ZooKeeper identity by secretKeyRef (templates/zookeeper-auth)
 }
 
 
 def helm_template(tmp_path: Path, *values: str, kube_version: str | None = None) -> str:
     """``helm template`` of the chart as release ``r`` in namespace ``ms`` with ``--set``
     ``values`` (helm's caches kept in ``tmp_path``)."""
+    done = render(tmp_path, *values, kube_version=kube_version)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def render(
+    tmp_path: Path, *values: str, kube_version: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """:func:`helm_template`'s run, whatever its outcome."""
     helm = tools.helm_path()
     if not os.access(helm, os.X_OK):
         pytest.fail(f"helm is not in the tool cache ({helm}): run `make helm` (or `make setup`)")
@@ -72,9 +80,7 @@ def helm_template(tmp_path: Path, *values: str, kube_version: str | None = None)
             for d in ("CACHE", "CONFIG", "DATA")
         },
     }
-    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60, check=False)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=60, check=False)
 
 
 def documents(rendered: str) -> list[Doc]:
@@ -139,19 +145,47 @@ def test_zookeeper_runs_on_a_read_only_root_with_what_it_writes_on_volumes(
         (server,) = pod["containers"]
         assert server["securityContext"]["readOnlyRootFilesystem"] is True
         mounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
-        # The image's data, transaction log, log and config directories, and the JVM's /tmp.
-        assert set(mounts) == {"/data", "/datalog", "/logs", "/conf", "/tmp"}
+        # The image's data (transaction log included), log and config directories, and the
+        # JVM's /tmp; nothing at the image's own /datalog, which the root would not let it write.
+        assert set(mounts) == {"/data", "/logs", "/conf", "/tmp"}
         volumes = {v["name"]: v for v in pod["volumes"]}
         claims = {c["metadata"]["name"] for c in zk["spec"].get("volumeClaimTemplates", [])}
         for name in mounts.values():
             assert name in claims or "emptyDir" in volumes[name], name
         assert ("data" in claims) == (persistence == "true")
+        # The transaction log is on the data volume: with persistence, the claim, so a pod moved
+        # keeps every transaction since the last snapshot (an emptyDir would lose them).
+        env = {e["name"]: e.get("value") for e in server["env"]}
+        log_dir = env["ZOO_DATA_LOG_DIR"]
+        (log_mount,) = [m for m in mounts if log_dir == m or log_dir.startswith(m + "/")]
+        assert mounts[log_mount] == "data"
+        assert log_dir != log_mount  # its own directory: ZooKeeper keeps snapshots and logs apart
+        assert ("data" in claims) == (persistence == "true")
+        assert ("data" not in volumes) == (persistence == "true")
         assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
         # /conf (the entrypoint writes zoo.cfg there) is seeded with the image's own /conf.
         (seed,) = pod["initContainers"]
         assert seed["image"] == server["image"]
         assert seed["command"] == ["cp", "-R", "/conf/.", "/seed/"]
         assert seed["volumeMounts"] == [{"name": mounts["/conf"], "mountPath": "/seed"}]
+
+
+def test_zookeeper_keeps_its_old_uid_when_asked(tmp_path: Path) -> None:
+    """10002 by default (checkov's CKV_K8S_40 wants a UID above 10000); ``zookeeper.runAsUser``
+    sets the image's own 1000 back for a data volume written by an older chart whose driver
+    ignores fsGroup (charts/README.md, upgrade notes). Root is refused by the schema."""
+    default = workload(documents(helm_template(tmp_path)), "StatefulSet", "-zookeeper")
+    ctx = default["spec"]["template"]["spec"]["securityContext"]
+    assert (ctx["runAsUser"], ctx["runAsGroup"], ctx["fsGroup"]) == (10002, 10002, 10002)
+    kept = workload(
+        documents(helm_template(tmp_path, "zookeeper.runAsUser=1000")), "StatefulSet", "-zookeeper"
+    )
+    ctx = kept["spec"]["template"]["spec"]["securityContext"]
+    assert (ctx["runAsUser"], ctx["runAsGroup"], ctx["fsGroup"]) == (1000, 1000, 1000)
+    assert ctx["runAsNonRoot"] is True
+    refused = render(tmp_path, "zookeeper.runAsUser=0")
+    assert refused.returncode != 0
+    assert "runAsUser" in refused.stderr
 
 
 @pytest.mark.parametrize("replicas", [0, 1, 2, 5])
@@ -188,6 +222,53 @@ def test_an_image_digest_pins_the_operator_and_the_gateway(tmp_path: Path) -> No
             "containers"
         ]
         assert container["image"] == f"matrixserve/matrixserve:0.1.0@{digest}"
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_the_zookeeper_identity_reaches_the_operator_and_gateway_as_a_read_only_file(
+    tmp_path: Path, variant: str
+) -> None:
+    """Issue 16 finding 7 with checkov's CKV_K8S_35: the Secret mounted (read-only, readable by
+    the pod's group only), its path in the environment, its value nowhere in a manifest; the
+    operator writes the engines' copies under a name of their own, and may read or change only
+    that name."""
+    docs = documents(helm_template(tmp_path, *VARIANTS[variant]))
+    assert "secretKeyRef" not in json.dumps(docs)
+    (secret,) = [d for d in by_kind(docs, "Secret") if d["metadata"]["name"].endswith("-auth")]
+    for suffix in ("-operator", "-gateway"):
+        pod = workload(docs, "Deployment", suffix)["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if "secret" in v]
+        assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+        assert volume["secret"]["defaultMode"] == 0o440
+        assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+        (container,) = pod["containers"]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+        assert mount["readOnly"] is True
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["MATRIXSERVE_ZK_AUTH_FILE"] == f"{mount['mountPath']}/{zl.CREDENTIALS_KEY}"
+        assert "MATRIXSERVE_ZK_AUTH" not in env
+    operator = workload(docs, "Deployment", "-operator")["spec"]["template"]["spec"]
+    (flag,) = [a for a in operator["containers"][0]["args"] if "auth-secret" in a]
+    engines = flag.split("=", 1)[1]
+    assert engines != secret["metadata"]["name"], "the operator would write the chart's Secret"
+    rules = [
+        rule
+        for role in by_kind(docs, "ClusterRole") + by_kind(docs, "Role")
+        if role["metadata"]["name"].endswith("-operator")
+        for rule in role["rules"]
+        if "secrets" in rule["resources"]
+    ]
+    assert rules, "the operator may not write the engines' Secret"
+    for rule in rules:
+        assert rule["verbs"] == ["create"] or rule.get("resourceNames") == [engines], rule
+
+
+def test_without_the_identity_nothing_is_mounted(tmp_path: Path) -> None:
+    docs = documents(helm_template(tmp_path, "zookeeper.auth.enabled=false"))
+    for suffix in ("-operator", "-gateway"):
+        pod = workload(docs, "Deployment", suffix)["spec"]["template"]["spec"]
+        assert all("secret" not in v for v in pod.get("volumes", []))
+        assert "MATRIXSERVE_ZK_AUTH_FILE" not in json.dumps(pod)
 
 
 # --------------------------------------------------------------------------- checkov
@@ -249,7 +330,7 @@ def test_the_rendered_chart_passes_checkov(tmp_path: Path) -> None:
 
 def engine_pods(image: str) -> list[Doc]:
     """The pods the operator creates for a group in ``team-a``: each role, default resources
-    and the spec's own."""
+    and the spec's own, with ZooKeeper's identity (the chart's default: a mounted Secret)."""
     pods = []
     for name, resources in (
         ("g", None),
@@ -259,7 +340,7 @@ def engine_pods(image: str) -> list[Doc]:
         raw = {"service": "chat", "scenario": "general", "model": {"name": "llama3-8b"}}
         spec, errors = parse_spec({**raw, "prefill": role, "decode": role}, name)
         assert spec is not None, errors
-        settings = EngineSettings(zookeeper="zk:2181")
+        settings = EngineSettings(zookeeper="zk:2181", zookeeper_auth=zl.Credentials(zl.USER, "pw"))
         for ordinal, role_of in enumerate((zl.Role.PREFILL, zl.Role.DECODE)):
             pod = f"{name}-{ordinal}"
             pods.append(pod_manifest("team-a", name, "uid", pod, role_of, spec, settings))
@@ -281,6 +362,10 @@ def test_the_engine_pods_pass_checkov_beside_the_charts_network_policies(
     failed = failures(report)
     assert not failed, "\n".join(failed)
     assert report["results"]["skipped_checks"] == []
+    secrets_as_files = {
+        p["resource"] for p in report["results"]["passed_checks"] if p["check_id"] == "CKV_K8S_35"
+    }
+    assert secrets_as_files == {f"Pod.team-a.{n}" for n in ("g-0", "g-1", "h-0", "h-1")}
     pods = {
         p["resource"] for p in report["results"]["passed_checks"] if p["check_id"] == "CKV_K8S_31"
     }
@@ -295,6 +380,12 @@ def _pod(doc: Doc) -> Doc:
 def _container(doc: Doc) -> Doc:
     container: Doc = _pod(doc)["containers"][0]
     return container
+
+
+def _secret_in_env(doc: Doc) -> None:
+    """The ZooKeeper identity as an env variable from the Secret, as before (CKV_K8S_35)."""
+    ref = {"secretKeyRef": {"name": "zookeeper-auth", "key": "auth"}}
+    _container(doc)["env"].append({"name": "MATRIXSERVE_ZK_AUTH", "valueFrom": ref})
 
 
 def _as_root(doc: Doc) -> None:
@@ -325,6 +416,8 @@ REMOVED: list[tuple[str, str, str, Mutation, str]] = [
     ("memory limits", "Deployment", "-gateway",
      lambda d: _container(d)["resources"]["limits"].pop("memory"), "CKV_K8S_13"),
     ("the namespace", "Service", "-gateway", lambda d: d["metadata"].pop("namespace"), "CKV_K8S_21"),
+    ("the identity as a file", "Deployment", "-operator", _secret_in_env, "CKV_K8S_35"),
+    ("engine: the identity as a file", "Pod", "g-1", _secret_in_env, "CKV_K8S_35"),
     ("engine: non-root", "Pod", "g-0", _as_root, "CKV_K8S_23"),
     ("engine: CPU requests", "Pod", "g-1",
      lambda d: _container(d)["resources"]["requests"].pop("cpu"), "CKV_K8S_10"),

@@ -23,12 +23,14 @@ from matrixserve.domain.enginepod import (
     DEFAULT_LIMITS,
     DEFAULT_REQUESTS,
     ENGINE_UID,
+    TMP_SIZE_LIMIT,
     EngineSettings,
 )
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.pdgroup.pods import pod_labels, pod_manifest, role_label
 from matrixserve.domain.pdgroup.validation import (
     ANNOTATION_TEMPLATE,
+    NOT_ROLLED_OUT,
     admit,
     parse_spec,
     running_template_changes,
@@ -79,6 +81,7 @@ def test_engine_pods_run_unprivileged_as_the_images_non_root_user(role: zl.Role)
         "runAsNonRoot": True,
         "runAsUser": ENGINE_UID,
         "runAsGroup": ENGINE_UID,
+        "fsGroup": ENGINE_UID,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
     ctx = container["securityContext"]
@@ -87,10 +90,11 @@ def test_engine_pods_run_unprivileged_as_the_images_non_root_user(role: zl.Role)
     assert ctx["readOnlyRootFilesystem"] is True
     assert ctx["capabilities"] == {"drop": ["ALL"]}
     assert ctx["runAsNonRoot"] is True
-    # Engines never call the Kubernetes API, and write no file (no volume to write to).
+    # Engines never call the Kubernetes API, and write only their /tmp, a small emptyDir.
     assert pod["automountServiceAccountToken"] is False
-    assert "volumes" not in pod
-    assert "volumeMounts" not in container
+    assert pod["volumes"] == [{"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}}]
+    assert container["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    assert quantity_value(TMP_SIZE_LIMIT) == 64 * 2**20
     for host_namespace in ("hostNetwork", "hostPID", "hostIPC"):
         assert not pod.get(host_namespace)
 
@@ -186,8 +190,26 @@ def test_what_is_left_out_is_defaulted_to_fit_what_is_given(
          "spec.decode.resources.requests.cpu: '0.0001' is finer than 1m"),
         ({"limits": {"memory": "1.5"}},
          "spec.decode.resources.limits.memory: '1.5' is not a whole number of bytes"),
-        ({"limits": {"cpu": 1.5}}, "spec.decode.resources.limits.cpu: a quantity is a string"),
-        ({"limits": {"gpu": "1"}}, "spec.decode.resources.limits.gpu: Extra inputs are not permitted"),
+        ({"limits": {"cpu": True}}, "spec.decode.resources.limits.cpu: a quantity is a string"),
+        ({"limits": {"cpu": [1]}}, "spec.decode.resources.limits.cpu: a quantity is a string"),
+        ({"limits": {"cpu": -0.5}},
+         "spec.decode.resources.limits.cpu: '-0.5' is not a Kubernetes quantity"),
+        # Only CPU and memory: any other name is refused by name (the CRD keeps it for that).
+        ({"limits": {"nvidia.com/gpu": "1"}},
+         "spec.decode.resources.limits: nvidia.com/gpu is not a resource set here: only cpu and "
+         "memory (NPUs come from devicesPerInstance)"),
+        ({"requests": {"ephemeral-storage": "1Gi", "cpu": "1"}},
+         "spec.decode.resources.requests: ephemeral-storage is not a resource set here"),
+        ({"claims": [{"name": "x"}]}, "spec.decode.resources.claims: Extra inputs are not permitted"),
+        # Bounded: more than one server has is a typo (the pod would stay Pending for ever), and
+        # Kubernetes would silently cap what its quantities cannot hold.
+        ({"limits": {"memory": "99999999999999999999E"}},
+         "spec.decode.resources.limits.memory: '99999999999999999999E' is more than 16Ti"),
+        ({"requests": {"memory": "17Ti"}}, "spec.decode.resources.requests.memory: '17Ti' is more than 16Ti"),
+        ({"requests": {"cpu": "1025"}}, "spec.decode.resources.requests.cpu: '1025' is more than 1024"),
+        ({"limits": {"cpu": 2048.0}}, "spec.decode.resources.limits.cpu: '2048.0' is more than 1024"),
+        ({"limits": {"cpu": 1e20}},
+         "spec.decode.resources.limits.cpu: '1e+20' is out of a Kubernetes quantity's range"),
         ({"requests": {"cpu": "2"}, "limits": {"cpu": "1500m"}},
          "spec.decode.resources.limits.cpu: 1500m is below the request 2 (requests.cpu); "
          "a limit must be at least its request"),
@@ -203,6 +225,26 @@ def test_bad_resources_are_refused_with_the_field_named(
     assert errors[0].startswith(message), errors
     # The webhook refuses the create with the same message, and nothing else.
     assert admit("CREATE", None, raw(decode=resources), False, "g") == errors
+
+
+@pytest.mark.parametrize(
+    ("given", "written"),
+    [
+        # YAML and JSON numbers, as a Pod's resources take them (0.5 CPU is 500m).
+        ({"cpu": 0.5, "memory": 1073741824}, {"cpu": "0.5", "memory": "1073741824"}),
+        ({"cpu": 2, "memory": "1.5Gi"}, {"cpu": "2", "memory": "1.5Gi"}),
+        # The bounds themselves: one server's worth at most.
+        ({"cpu": "1024", "memory": "16Ti"}, {"cpu": "1024", "memory": "16Ti"}),
+        ({"cpu": "1024000m", "memory": "17592186044416"},
+         {"cpu": "1024000m", "memory": "17592186044416"}),
+    ],
+)  # fmt: skip
+def test_quantities_as_numbers_and_up_to_the_bounds_are_valid(
+    given: dict[str, Any], written: dict[str, str]
+) -> None:
+    _, container = engine(spec_of(raw(decode={"requests": given, "limits": given})), D)
+    for kind in ("requests", "limits"):
+        assert {k: v for k, v in container["resources"][kind].items() if k in written} == written
 
 
 def test_equal_limits_and_requests_in_other_units_are_valid() -> None:
@@ -227,15 +269,26 @@ def test_quantities_have_their_kubernetes_values(text: str, value: Decimal) -> N
 
 
 def test_the_crd_refuses_the_quantities_the_model_cannot_parse() -> None:
-    """The API server (the CRD's pattern) and the models agree on what a quantity is."""
+    """The API server (the CRD's pattern) and the models agree on what a quantity is. The CRD
+    types no quantity: a number with a fraction (``cpu: 0.5``, which a Pod takes) passes, where
+    int-or-string would refuse it; a string must match the pattern. ``resources`` and its
+    ``requests`` and ``limits`` keep the keys they do not list, so that the operator refuses
+    ``nvidia.com/gpu`` or ``ephemeral-storage`` by name rather than the API server pruning them
+    without a word (tests/cluster/test_crd_contract.py: what the API server stores)."""
     crd = load(CRDS / "matrixserve.io_pdgroups.yaml")
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     for role in ("prefill", "decode"):
         resources = spec["properties"][role]["properties"]["resources"]
+        assert resources["x-kubernetes-preserve-unknown-fields"] is True
         for kind in ("requests", "limits"):
+            cpu_memory = resources["properties"][kind]
+            assert cpu_memory["x-kubernetes-preserve-unknown-fields"] is True
+            assert set(cpu_memory["properties"]) == {"cpu", "memory"}
             for name in ("cpu", "memory"):
-                field = resources["properties"][kind]["properties"][name]
-                assert field["x-kubernetes-int-or-string"] is True
+                field = cpu_memory["properties"][name]
+                assert "type" not in field
+                assert "x-kubernetes-int-or-string" not in field
+                assert field["x-kubernetes-preserve-unknown-fields"] is True
                 assert field["pattern"] == QUANTITY_PATTERN
     pattern = re.compile(QUANTITY_PATTERN)
     for good in ("1", "500m", "1.5Gi", "1e3", "1E", ".5", "1.", "64Mi"):
@@ -293,13 +346,30 @@ def test_the_pods_template_carries_the_resources_as_written() -> None:
     }
 
 
-def test_pods_of_an_operator_without_resources_do_not_refuse_them() -> None:
-    """A pod made before ``resources`` existed has no such field in its template: not a change
-    (what it does not name is not compared), so an upgraded operator keeps its groups."""
+def test_a_group_made_before_resources_existed_refuses_adding_them() -> None:
+    """A pod made before ``resources`` existed has no such field in its template, so the pod
+    cannot say; the webhook compares the old spec with the new there instead (as without any
+    template): adding ``resources`` is refused like any template change, not accepted and never
+    applied. What the pods do name is still compared with them, and a spec that leaves the
+    field as it was (a scale, a mutable field) still passes."""
     old = spec_of(raw())
     made_before = json.loads(stamp(old, "decode"))
     del made_before["decode"]["resources"]
     pods = [running_pod("g-d-0", D, json.dumps(made_before))]
-    assert running_template_changes(spec_of(raw(decode=BIGGER)), pods) == []
-    new_raw = copy.deepcopy(raw(decode=BIGGER))
-    assert admit("UPDATE", raw(), new_raw, False, "g", pods) == []
+    (refused,) = admit("UPDATE", raw(), raw(decode=BIGGER), False, "g", pods)
+    assert refused.startswith(
+        'spec.decode.resources: cannot change from null to {"limits": {"cpu": null, '
+    ), refused
+    assert refused.endswith(NOT_ROLLED_OUT)
+    # Nothing else changed: admitted, and a spec that kept resources as they were too.
+    scaled = copy.deepcopy(raw())
+    scaled["decode"]["replicas"] = 3
+    assert admit("UPDATE", raw(), scaled, False, "g", pods) == []
+    kept = copy.deepcopy(raw(decode=BIGGER))
+    kept["service"] = "other"
+    assert admit("UPDATE", raw(decode=BIGGER), kept, False, "g", pods) == []
+    # What the pod's template names is compared with the pod, not with the old spec.
+    image = copy.deepcopy(raw())
+    image["decode"]["image"] = "x:2"
+    (changed,) = admit("UPDATE", image, image | {"scenario": "other"}, False, "g", pods)
+    assert changed.startswith('spec.decode.image: cannot change from "matrixserve/engine-stub')

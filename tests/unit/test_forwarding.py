@@ -100,7 +100,7 @@ def test_completion_and_chat_bodies_parse() -> None:
         (ok(max_tokens=10**9), False, "max_tokens", 400),
         (ok(max_tokens="3"), False, "max_tokens", 400),
         (ok(stream="yes"), False, "stream", 400),
-        (ok(prompt="x" * 2000), False, "prompt", 413),
+        (ok(prompt="x" * 2000), False, "prompt", 400),
         ({"model": "m", "messages": []}, True, "messages", 400),
         ({"model": "m", "messages": [{"role": "user"}]}, True, "messages[0].content", 400),
     ],
@@ -125,6 +125,89 @@ def test_token_bucket_limits_a_key_and_refills() -> None:
     assert bucket.retry_after() == pytest.approx(0.5)
     assert bucket.take(0.5) is True
     assert bucket.take(0.5) is False
+    # the header in whole seconds, rounded up, at least 1 (RFC 9110 §10.2.3)
+    assert bucket.retry_after_header() == "1"
+    slow = TokenBucket(rate=0.01, burst=1.0, tokens=0.25, updated=0.0)
+    assert slow.retry_after_header() == "75"
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "chat", "param", "code", "said"),
+    [
+        (
+            413,
+            b'{"error": {"code": "prompt_too_long", "message": "at most 8192"}}',
+            True,
+            "messages",
+            "context_length_exceeded",
+            "at most 8192",
+        ),
+        (413, b"not json", False, "prompt", "context_length_exceeded", "no reason given"),
+        (
+            400,
+            b'{"error": {"code": "invalid_request", "message": "maxTokens must be in 1..9"}}',
+            False,
+            "max_tokens",
+            "invalid_request",
+            "maxTokens must be in 1..9",
+        ),
+        (
+            400,
+            b'{"error": {"message": "promptTokens must be a positive integer"}}',
+            True,
+            "messages",
+            "invalid_request",
+            "promptTokens",
+        ),
+        (
+            422,
+            b'{"error": {"message": 5, "param": ["x"]}}',
+            False,
+            None,
+            "invalid_request",
+            "no reason given",
+        ),
+        (400, b"[" * 100_000, False, None, "invalid_request", "no reason given"),
+    ],
+)
+def test_a_prefills_refusal_of_the_request_itself_is_worded_as_openai(
+    status: int, body: bytes, chat: bool, param: str | None, code: str, said: str
+) -> None:
+    from matrixserve.domain.forwarding import engine_refusal
+
+    refused = engine_refusal(status, body, chat)
+    assert refused is not None
+    assert (refused.status, refused.param, refused.code) == (400, param, code)
+    assert said in refused.message
+
+
+@pytest.mark.parametrize("status", [404, 405, 408, 415, 429, 500, 503])
+def test_other_answers_are_the_prefills_not_the_requests(status: int) -> None:
+    from matrixserve.domain.forwarding import engine_refusal
+
+    assert engine_refusal(status, b'{"error": {"message": "x"}}', False) is None
+
+
+@pytest.mark.parametrize(
+    ("header", "seconds"),
+    [
+        ("1", 1.0),
+        (" 0 ", 0.0),
+        ("5", 2.0),
+        ("3600", 2.0),
+        (None, 2.0),
+        ("", 2.0),
+        ("-1", 2.0),
+        ("1.5", 2.0),
+        ("Wed, 21 Oct 2015 07:28:00 GMT", 2.0),
+        ("9" * 5000, 2.0),
+        ("٣", 2.0),
+    ],
+)
+def test_a_503s_retry_after_is_honoured_up_to_a_bound(header: str | None, seconds: float) -> None:
+    from matrixserve.domain.forwarding import retry_after_seconds
+
+    assert retry_after_seconds(header, 2.0) == seconds
 
 
 def test_api_keys_and_bearer_parsing() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from matrixserve.domain import forwarding as fw
@@ -104,12 +104,12 @@ def test_malformed_prompts_are_refused_naming_the_prompt(prompt: Any, param: str
 def test_a_token_prompt_is_bounded_as_a_text_of_the_size_limit_is() -> None:
     assert parse(completion(prompt=[1] * 250), is_chat=False).prompts == (Prompt(None, 250),)
     error = refused(completion(prompt=[[1], [1] * 251]), is_chat=False)
-    assert (error.status, error.param, error.code) == (413, "prompt[1]", "prompt_too_long")
+    assert (error.status, error.param, error.code) == (400, "prompt[1]", "context_length_exceeded")
 
 
 def test_a_conversation_over_the_size_limit_names_the_messages() -> None:
     error = refused(chat(messages=[{"role": "user", "content": "x" * 1000}]))
-    assert (error.status, error.param, error.code) == (413, "messages", "prompt_too_long")
+    assert (error.status, error.param, error.code) == (400, "messages", "context_length_exceeded")
 
 
 def test_message_content_as_text_parts_null_for_an_assistant_and_tool_messages() -> None:
@@ -347,16 +347,24 @@ def test_any_json_value_parses_or_is_a_bad_request(value: Any) -> None:
 
 
 # --------------------------------------------------------------------------- stop strings
-def cut(text: str, stops: list[str]) -> tuple[str, bool]:
-    """What OpenAI returns: the text before the first stop string."""
-    found = [at for at in (text.find(s) for s in stops) if at >= 0]
-    return (text[: min(found)], True) if found else (text, False)
+def cut(tokens: list[str], stops: list[str]) -> tuple[str, bool]:
+    """What OpenAI returns: generation stops at the first token after which the text holds a
+    stop string (a longer one begun earlier but not complete by then does not count: the text
+    after that token is never generated), and the text is cut before it."""
+    text = ""
+    for token in tokens:
+        text += token
+        found = [at for at in (text.find(s) for s in stops) if at >= 0]
+        if found:
+            return text[: min(found)], True
+    return text, False
 
 
 @given(
     st.lists(st.text("ab\n", max_size=4), max_size=12),
     st.lists(st.text("ab\n", min_size=1, max_size=3), min_size=1, max_size=4),
 )
+@example(["b", "\n", "b"], ["\n", "b\nb"])  # "\n" ends first: "b\nb" is never generated
 def test_a_stop_string_is_found_across_tokens(tokens: list[str], stops: list[str]) -> None:
     scanner = StopScanner(stops)
     passed, stopped = "", False
@@ -367,7 +375,7 @@ def test_a_stop_string_is_found_across_tokens(tokens: list[str], stops: list[str
             break
     if not stopped:
         passed += scanner.flush()
-    assert (passed, stopped) == cut("".join(tokens), stops)
+    assert (passed, stopped) == cut(tokens, stops)
 
 
 def test_text_that_may_begin_a_stop_string_is_held_until_the_next_token_tells() -> None:

@@ -1,14 +1,17 @@
-"""The gateway's request semantics (issue 16, findings 2, 3, 5, 6), served as ``__main__`` serves
-it (``Gateway.runner()``) on 127.0.0.1, in front of a scripted engine on 127.0.0.1: hostile names
-and engine codes never reach ``/metrics``; malformed bodies get OpenAI-shaped 4xx; a client that
-leaves closes its engine streams; stop strings, ``n``, lists of prompts, token-id prompts,
-``include_usage`` and ``GET /v1/models/{id}`` as OpenAI."""
+"""The gateway's request semantics (issue 16, findings 2, 3, 5, 6, and its review), served as
+``__main__`` serves it (``Gateway.runner()`` through ``httpserving.start``: the guarded
+protocol) on 127.0.0.1, in front of a scripted engine on 127.0.0.1: hostile names and engine
+codes never reach ``/metrics``; malformed bodies get OpenAI-shaped 4xx; a client that leaves, or
+stops reading, closes its engine streams; a prefill's refusal of the request itself is the
+client's 400 at once; stop strings (across tokens too), ``n``, lists of prompts, token-id
+prompts, ``include_usage`` and ``GET /v1/models/{id}`` as OpenAI."""
 
 from __future__ import annotations
 
 import asyncio
 import gzip
 import json
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -20,6 +23,7 @@ from aiohttp import web
 from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
+from matrixserve import httpserving
 from matrixserve.api.engine_protocol import (
     Timings,
     done_event,
@@ -30,6 +34,7 @@ from matrixserve.api.engine_protocol import (
 from matrixserve.coordination import Session
 from matrixserve.gateway.app import Gateway, GatewayConfig
 from matrixserve.gateway.discovery import Discovery
+from matrixserve.httpserving import ConnectionLimits
 
 
 class _Zk:
@@ -37,6 +42,13 @@ class _Zk:
 
     def add_listener(self, listener: Callable[[str], None]) -> None:
         pass
+
+
+# the engine stub's refusals of a request itself (api.engine_protocol.GenerateRequest.parse)
+REFUSALS = {
+    413: ("prompt_too_long", "prompt has 9000 tokens; this engine takes at most 8192"),
+    400: ("invalid_request", "maxTokens must be an integer in 1..4096"),
+}
 
 
 @dataclass
@@ -60,7 +72,9 @@ class FakeEngine:
         self.bodies.append(body)
         answer = self.answer(len(self.bodies))
         if isinstance(answer, int):
-            return web.json_response({"error": {"code": "x", "message": "no"}}, status=answer)
+            code, message = REFUSALS.get(answer, ("x", "no"))
+            error = {"code": code, "message": message, "type": "x", "param": None}
+            return web.json_response({"error": error}, status=answer)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         self.open += 1
@@ -111,6 +125,23 @@ class Served:
         f = self.gateway.forwarder
         return sum(f.open.values()), sum(f.prefilling.values()), sum(f.holding.values())
 
+    async def scrape(self) -> str:
+        async with self.http.get(self.url + "/metrics") as r:
+            assert r.status == 200
+            return await r.text()
+
+    async def released(self, outcome: str) -> str:
+        """After the one request of a test whose engine stream the gateway cut: the stream cut,
+        not finished; every count back to 0; the request counted with ``outcome``. The scrape."""
+        assert (self.engine.cut, self.engine.finished) == (1, 0)
+        await asyncio.sleep(0.05)
+        assert self.counters() == (0, 0, 0)
+        text = await self.scrape()
+        assert series(text, "matrixserve_gateway_requests") == [
+            {"scenario": "general", "outcome": outcome}
+        ]
+        return text
+
 
 async def _site(runner: web.AppRunner) -> str:
     await runner.setup()
@@ -121,11 +152,13 @@ async def _site(runner: web.AppRunner) -> str:
 
 
 @asynccontextmanager
-async def served(engine: FakeEngine, **config: Any) -> AsyncIterator[Served]:
+async def served(
+    engine: FakeEngine, limits: ConnectionLimits | None = None, **config: Any
+) -> AsyncIterator[Served]:
     app = web.Application()
     app.router.add_post("/v1/generate", engine.generate)
     engine_runner = web.AppRunner(app, handler_cancellation=True)
-    address = await _site(engine_runner)
+    address = await _site(engine_runner)  # a scripted engine: aiohttp's plain serving
     discovery = Discovery(client.ApiClient(), cast(Session, _Zk()), "ns")
     discovery._upsert(
         {
@@ -146,8 +179,10 @@ async def served(engine: FakeEngine, **config: Any) -> AsyncIterator[Served]:
     discovery.synced.set()
     gateway = Gateway(discovery, GatewayConfig(**config))
     await gateway.start()
-    runner = gateway.runner()  # as __main__ serves it
-    url = "http://" + await _site(runner)
+    runner = gateway.runner()  # as __main__ serves it: guarded, its metrics on the gateway's
+    limits = limits or ConnectionLimits()
+    await httpserving.start(runner, "127.0.0.1", 0, limits, gateway.metrics.registry)
+    url = "http://{}:{}".format(*runner.addresses[0][:2])
     try:
         async with aiohttp.ClientSession() as http:
             yield Served(url, gateway, engine, http)
@@ -292,14 +327,7 @@ async def test_a_client_that_leaves_closes_its_engine_stream(stream: bool) -> No
         await asyncio.sleep(0.05)  # a few tokens relayed (or collected)
         writer.close()
         await asyncio.wait_for(engine.closed.wait(), 2)  # not the stream's 10 s
-        assert (engine.cut, engine.finished) == (1, 0)
-        await asyncio.sleep(0.05)
-        assert s.counters() == (0, 0, 0)
-        async with s.http.get(s.url + "/metrics") as r:
-            text = await r.text()
-        assert series(text, "matrixserve_gateway_requests") == [
-            {"scenario": "general", "outcome": "client_gone"}
-        ]
+        text = await s.released("client_gone")
         assert "matrixserve_gateway_open_streams 0.0" in text
         assert "matrixserve_gateway_prefill_slots_held 0.0" in text
         del reader
@@ -334,6 +362,27 @@ async def test_a_stop_string_cuts_the_text_and_ends_the_engine_stream(stream: bo
         status, answer = await s.post("/v1/completions", {**body, "max_tokens": 3})
         assert answer["choices"][0]["finish_reason"] == "length"
         assert answer["choices"][0]["text"] == "t0 t1 t2 "
+        assert s.counters() == (0, 0, 0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_stop_string_spanning_two_tokens_is_cut_where_it_begins(stream: bool) -> None:
+    """Through the relay's legs and reader, not only the scanner: "1 t2" begins in token 1
+    ("t1 ") and ends in token 2 ("t2 "); the text before it is held until token 2 tells."""
+    engine = FakeEngine(delay=0.005)
+    async with served(engine) as s:
+        body = {"model": "general", "prompt": "x", "max_tokens": 1000, "stop": "1 t2"}
+        if stream:
+            chunks = await s.stream("/v1/completions", {**body, "stream": True})
+            text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
+            finish = chunks[-2]["choices"][0]["finish_reason"]
+        else:
+            status, answer = await s.post("/v1/completions", body)
+            assert status == 200, answer
+            text, finish = answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]
+        assert (text, finish) == ("t0 t", "stop")
+        await asyncio.wait_for(engine.closed.wait(), 2)  # the engine stream ended there
+        assert (engine.cut, engine.finished) == (1, 0)
         assert s.counters() == (0, 0, 0)
 
 
@@ -376,6 +425,12 @@ async def test_n_and_a_list_of_prompts_give_one_choice_each_in_openai_order() ->
         assert [(r["index"], r["delta"]) for r in roles] == [
             (i, {"role": "assistant"}) for i in range(3)
         ]
+        # ids as OpenAI's: chatcmpl- for a chat, cmpl- for a completion
+        assert all(c["id"].startswith("chatcmpl-") for c in chunks[:-1])
+        status, answer = await s.post("/v1/chat/completions", chat)
+        assert (status, answer["id"][:9]) == (200, "chatcmpl-")
+        status, answer = await s.post("/v1/completions", {"model": "general", "prompt": "x"})
+        assert (status, answer["id"][:5]) == (200, "cmpl-")
         assert s.counters() == (0, 0, 0)
 
 
@@ -401,6 +456,83 @@ async def test_an_engine_error_in_one_choice_fails_the_request_and_drops_the_oth
         assert answer["error"]["code"] == "engine_error"
         await asyncio.wait_for(engine.closed.wait(), 2)
         assert s.counters() == (0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("status", "path", "param", "code"),
+    [
+        (413, "/v1/chat/completions", "messages", "context_length_exceeded"),
+        (413, "/v1/completions", "prompt", "context_length_exceeded"),
+        (400, "/v1/completions", "max_tokens", "invalid_request"),
+    ],
+)
+async def test_a_prefill_refusing_the_request_itself_is_the_clients_400_at_once(
+    status: int, path: str, param: str, code: str
+) -> None:
+    """Review of issue 16, finding 2: an engine's 413 (a prompt over its limit or its HBM) or 400
+    (max_tokens over its output limit) is final: one try, a 400 in OpenAI's words at once, not
+    tries until the TTFT budget is spent and a 503 the client would retry."""
+    engine = FakeEngine(answer=lambda n: status)
+    async with served(engine, default_ttft_ms=5000) as s:
+        chat = path.endswith("chat/completions")
+        body: dict[str, Any] = {"model": "general", "max_tokens": 5000, "n": 2}
+        body |= {"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"}
+        started = asyncio.get_running_loop().time()
+        got, answer = await s.post(path, body)
+        took = asyncio.get_running_loop().time() - started
+        assert_openai_error(got, answer, 400, param)
+        assert answer["error"]["code"] == code
+        assert answer["error"]["type"] == "invalid_request_error"
+        assert REFUSALS[status][1] in answer["error"]["message"]  # what the engine said
+        assert took < 1, f"answered after {took:.2f} s"
+        assert len(engine.bodies) <= 2  # one try per choice, none again
+        await asyncio.sleep(0.05)
+        assert s.counters() == (0, 0, 0)
+        async with s.http.get(s.url + "/metrics") as r:
+            text = await r.text()
+        assert series(text, "matrixserve_gateway_requests") == [
+            {"scenario": "general", "outcome": "bad_request"}
+        ]
+
+
+async def test_a_client_that_reads_nothing_is_cut_and_its_engine_stream_closed() -> None:
+    """Review of issue 16, finding 6: a client that stops reading a stream is cut after the
+    send timeout, and the engine stream behind it closed (the engine frees its work)."""
+    engine = FakeEngine(word=lambda i: "w" * 2000)  # 16 MB over 8,000 tokens: buffers fill
+    async with served(engine, ConnectionLimits(send_timeout=0.5)) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        _, writer = await asyncio.open_connection(sock=sock)
+        try:
+            body = {"model": "general", "prompt": "x", "max_tokens": 8000, "stream": True}
+            writer.write(post("/v1/completions", json.dumps(body).encode()))
+            await asyncio.wait_for(engine.started.wait(), 5)
+            await asyncio.wait_for(engine.closed.wait(), 10)  # not never
+        finally:
+            writer.transport.abort()
+        text = await s.released("client_gone")
+        assert 'matrixserve_http_connections_timed_out_total{phase="send"} 1.0' in text
+
+
+async def test_an_unexpected_failure_is_a_500_counted_as_internal_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with served(FakeEngine()) as s:
+
+        async def broken(*_: Any) -> Any:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(s.gateway.forwarder, "forward_all", broken)
+        status, answer = await s.post("/v1/completions", {"model": "general", "prompt": "x"})
+        assert_openai_error(status, answer, 500, None)
+        async with s.http.get(s.url + "/metrics") as r:
+            text = await r.text()
+        assert series(text, "matrixserve_gateway_requests") == [
+            {"scenario": "general", "outcome": "internal_error"}
+        ]
 
 
 async def test_models_are_listed_and_retrieved_and_an_unknown_one_is_not_found() -> None:

@@ -428,3 +428,126 @@ async def test_a_prefill_that_cannot_be_reached_is_passed_over_for_a_while() -> 
             await forwarder.close()
     finally:
         dead.close()
+
+
+# --------------------------------------------------------------------------- forwarding
+class _Stream:
+    """An accepted try's stream, as ``forward_all`` holds it: released once, or leaked."""
+
+    def __init__(self) -> None:
+        self.released = 0
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def _forwarder(**config: Any) -> Any:
+    from matrixserve.gateway.app import GatewayConfig, GatewayMetrics
+    from matrixserve.gateway.forwarder import Forwarder
+
+    return Forwarder(cast(Any, None), GatewayConfig(**config), GatewayMetrics())
+
+
+@pytest.mark.parametrize("refusal", ["refused", "raised"])
+async def test_a_try_accepted_in_the_round_another_was_refused_gives_its_stream_back(
+    refusal: str,
+) -> None:
+    """Review of issue 16, finding 1: tries that end in the same round of ``asyncio.wait`` —
+    one refused (or failed), the other accepted — in whichever order the round lists them."""
+    from matrixserve.domain.forwarding import BadRequest, Completion, Entrance, Prompt
+
+    forwarder = _forwarder()
+    refused, accepted = Prompt.of_text("refused"), Prompt.of_text("accepted")
+    completion = Completion("general", (refused, accepted), 1, stream=True, chat=False)
+    streams: list[_Stream] = []
+
+    async def forward(scenario: str, routes: Any, c: Completion, prompt: Prompt) -> Any:
+        if prompt is refused:  # both end without awaiting: in one round
+            if refusal == "raised":
+                raise BadRequest("the prompt is too long", "prompt")
+            return "no prefill accepted"
+        streams.append(_Stream())
+        return Entrance("g-p-0", "127.0.0.1:1"), streams[-1]
+
+    forwarder.forward = forward
+    for _ in range(40):  # the round's order is a set's: each order comes up
+        if refusal == "raised":
+            with pytest.raises(BadRequest):
+                await forwarder.forward_all("general", [], completion)
+        else:
+            assert await forwarder.forward_all("general", [], completion) == "no prefill accepted"
+    assert len(streams) == 40
+    assert [s.released for s in streams] == [1] * 40
+
+
+async def test_a_try_accepted_as_its_request_is_cancelled_gives_its_stream_back() -> None:
+    """The request cancelled (its client left) between a try's end and the round's return."""
+    from matrixserve.domain.forwarding import Completion, Entrance, Prompt
+
+    forwarder = _forwarder()
+    completion = Completion("general", (Prompt.of_text("x"),), 1, stream=True, chat=False, n=2)
+    stream, hung = _Stream(), asyncio.Event()
+    request: asyncio.Task[Any] | None = None
+
+    async def forward(scenario: str, routes: Any, c: Completion, prompt: Prompt) -> Any:
+        if hung.is_set():  # the second try: never answered
+            await asyncio.Event().wait()
+        hung.set()
+        await asyncio.sleep(0)
+        assert request is not None
+        request.cancel()  # the client leaves as this try ends
+        return Entrance("g-p-0", "127.0.0.1:1"), stream
+
+    forwarder.forward = forward
+    request = asyncio.create_task(forwarder.forward_all("general", [], completion))
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    assert stream.released == 1
+
+
+async def test_a_prefill_that_answers_503_is_passed_over_for_its_retry_after() -> None:
+    """Review of issue 16, finding 5: an engine's 503 (``too_many_connections`` with
+    ``Connection: close``, or not serving) is not tried again before its Retry-After (at most
+    2 s), by any request, even when it is the only entrance: no reconnection every 20 ms; a
+    request whose budget ends first is answered at once."""
+    from matrixserve.domain.forwarding import Completion, Entrance, Prompt
+    from matrixserve.gateway.discovery import GroupRoute
+
+    async def busy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        body = b'{"error": {"code": "too_many_connections", "message": "retry later"}}'
+        writer.write(
+            b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 5\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await writer.drain()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        while await read_request(reader) is not None:
+            writer.write(stream_bytes(["a"]))
+            await writer.drain()
+
+    forwarder = _forwarder(default_ttft_ms=1000)
+    await forwarder.start()
+    completion = Completion("general", (Prompt.of_text("hi"),), 1, stream=True, chat=False)
+    async with engine(busy) as (refusing, full), engine(answer) as (_, alive):
+        route = GroupRoute("ns", "g", "general", 1000, 0, 8)
+        route.entrances = [Entrance("g-p-0", full), Entrance("g-p-1", alive)]
+        for i in range(3):  # a scenario each: no batch-forwarding stickiness
+            chosen = await forwarder.forward(f"s{i}", [route], completion)
+            assert not isinstance(chosen, str), chosen
+            assert chosen[0].instance == "g-p-1"
+            await drain(chosen[1])
+            chosen[1].release()
+        route.entrances = [Entrance("g-p-0", full)]  # the only one, answering 503
+        started = asyncio.get_running_loop().time()
+        reason = await forwarder.forward("s9", [route], completion)
+        took = asyncio.get_running_loop().time() - started
+    assert isinstance(reason, str)
+    assert "unavailable (503)" in reason, reason
+    assert took < 0.5, f"waited {took:.2f} s for a prefill back after the budget"
+    assert refusing.connections == 1, "tried again before its Retry-After"
+    tries = forwarder.metrics.registry.get_sample_value(
+        "matrixserve_gateway_forward_attempts_total", {"answer": "http_503"}
+    )
+    assert tries == 1
+    await forwarder.close()

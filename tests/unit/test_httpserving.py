@@ -9,17 +9,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import logging
+import resource
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import replace
 from typing import Any
+from unittest import mock
 
 import httpx
 import pytest
 from aiohttp import web
+from aiohttp.http_parser import HttpRequestParser
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from enginestub.engine import config as engine_config
@@ -37,6 +44,13 @@ STREAM_PAUSE = 1.0  # s: a stream's silence, longer than every deadline of its t
 
 
 # --------------------------------------------------------------------------- the served app
+class FLOOD:
+    """The flood handler's last run: it started writing; it ended (its client gone)."""
+
+    started: asyncio.Event
+    ended: asyncio.Event
+
+
 def make_app() -> web.Application:
     async def ok(_: web.Request) -> web.Response:
         return web.json_response({"ok": True})
@@ -68,6 +82,19 @@ def make_app() -> web.Application:
         await response.write_eof()
         return response
 
+    async def flood(request: web.Request) -> web.StreamResponse:
+        """64 KiB writes, for ever or ``megabytes``, until the client is gone."""
+        FLOOD.started.set()
+        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        await response.prepare(request)
+        try:
+            for _ in range(int(request.query.get("megabytes", 1 << 20)) * 16):
+                await response.write(b"x" * (1 << 16))
+            await response.write_eof()
+        finally:
+            FLOOD.ended.set()
+        return response
+
     async def broken_stream(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
@@ -75,7 +102,9 @@ def make_app() -> web.Application:
         raise RuntimeError("failed mid-stream")
 
     app = httpserving.application(client_max_size=1024)
-    for path, handler in {"/ok": ok, "/boom": boom, "/broken-stream": broken_stream}.items():
+    FLOOD.started, FLOOD.ended = asyncio.Event(), asyncio.Event()
+    gets = {"/ok": ok, "/boom": boom, "/broken-stream": broken_stream, "/flood": flood}
+    for path, handler in gets.items():
         app.router.add_get(path, handler)
     for path, handler in {"/echo": echo, "/stream": stream, "/generate": generate}.items():
         app.router.add_post(path, handler)
@@ -164,6 +193,88 @@ async def test_a_head_that_does_not_arrive_in_time_is_closed_within_the_header_t
         assert took <= SLOW + MARGIN, f"a slow head kept its connection {took:.2f} s"
         assert time.monotonic() - started >= SLOW * 0.9
         assert server.metric("matrixserve_http_connections_timed_out_total", phase="header") == 1
+
+
+GET_OK = b"GET /ok HTTP/1.1\r\nHost: t\r\n\r\n"
+POST_ECHO = b'POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 8\r\n\r\n{"a": 1}'
+POST_CHUNKED = (
+    b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b'3\r\n{"a\r\n5\r\n": 1}\r\n0\r\n\r\n'
+)
+WHOLE_REQUESTS = {"get": GET_OK, "post": POST_ECHO, "chunked post": POST_CHUNKED}
+
+
+@pytest.mark.parametrize("first", WHOLE_REQUESTS)
+async def test_a_head_begun_in_the_read_that_ended_a_request_is_held_to_the_header_timeout(
+    first: str,
+) -> None:
+    """Beside "slow head after a request": the next head's first bytes come in the same read as
+    the end of the request before it (pipelined), and nothing more."""
+    async with served(header_timeout=SLOW, body_timeout=LONG, idle_timeout=LONG) as server:
+        reader, writer = await connect(server)
+        writer.write(WHOLE_REQUESTS[first] + b"GET /ok HT")
+        status, _, _ = await read_response(reader)
+        assert status == 200
+        took = await seconds_until_closed(reader, limit=SLOW + 10)
+        writer.close()
+        assert took <= SLOW + MARGIN, f"a head begun with a request's end held {took:.2f} s"
+        assert server.metric("matrixserve_http_connections_timed_out_total", phase="header") == 1
+
+
+@pytest.mark.parametrize("first", WHOLE_REQUESTS)
+async def test_a_connection_waiting_after_a_whole_request_is_held_to_the_idle_limit_only(
+    first: str,
+) -> None:
+    """The other side: a request that ended its read leaves no head begun, whatever its body's
+    framing, so the connection waits for its next request as long as the idle limit allows."""
+    async with served(header_timeout=SLOW, body_timeout=LONG, idle_timeout=LONG) as server:
+        reader, writer = await connect(server)
+        writer.write(WHOLE_REQUESTS[first])
+        assert (await read_response(reader))[0] == 200
+        await asyncio.sleep(SLOW * 3)
+        assert await get_ok(reader, writer) == 200
+        writer.close()
+        assert server.metric("matrixserve_http_connections_timed_out_total", phase="header") == 0
+
+
+_PARTIAL_HEADS = st.sampled_from([b"", b"\r\n", b"G", b"GET /ok HT", b"GET /ok HTTP/1.1\r\nHo"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    requests=st.lists(st.sampled_from(list(WHOLE_REQUESTS.values())), max_size=4),
+    partial=_PARTIAL_HEADS,
+    cuts=st.lists(st.integers(0, 1000), max_size=6),
+    queue=st.sampled_from([0, 2]),
+)
+def test_the_parser_tap_knows_whether_a_head_has_begun_after_the_last_whole_message(
+    requests: list[bytes], partial: bytes, cuts: list[int], queue: int
+) -> None:
+    """Whatever the reads' boundaries: every message reaches the connection as the parser
+    alone gives it, and after the last read a head has begun exactly when bytes of one (not
+    only empty lines) follow the last whole message; a parser holding messages back (its queue
+    full: ``queue``) may hide that, never a message."""
+
+    async def run() -> tuple[list[bytes], bool, bool]:
+        parser = HttpRequestParser(
+            mock.Mock(), asyncio.get_running_loop(), 2**16, max_msg_queue_size=queue
+        )
+        tap = httpserving._ParserTap(parser, lambda _: None)
+        stream = b"".join(requests) + partial
+        paths: list[bytes] = []
+        bounds = sorted({0, len(stream), *(c % (len(stream) + 1) for c in cuts)})
+        for start, end in itertools.pairwise(bounds):
+            for read in (stream[start:end], b""):  # b"": as a handler drains its queue
+                for message, _ in tap.feed_data(read)[0]:
+                    paths.append(message.method.encode())
+                    parser.message_consumed()
+        return paths, tap.partial, tap._lost
+
+    paths, began, lost = asyncio.run(run())
+    assert paths == [r.split(b" ", 1)[0] for r in requests]
+    if not lost:
+        assert began == bool(partial.strip(b"\r\n")), (requests, partial)
+    assert queue or not lost
 
 
 @pytest.mark.parametrize("sender", ["stalls", "trickles"])
@@ -262,10 +373,47 @@ async def _served_again(server: Served) -> bool:
     return False
 
 
+async def test_a_client_that_reads_nothing_is_cut_after_the_send_timeout() -> None:
+    """A response written to a client that stops reading: once the send buffers are full, its
+    write stalls; past the send timeout the connection is aborted and the handler's write
+    fails (or it is cancelled), so it gives back what it holds."""
+    async with served(send_timeout=SLOW, idle_timeout=LONG) as server:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+        _, writer = await asyncio.open_connection(sock=sock)
+        try:
+            writer.write(b"GET /flood HTTP/1.1\r\nHost: t\r\n\r\n")
+            await asyncio.wait_for(FLOOD.started.wait(), 5)
+            started = time.monotonic()
+            await asyncio.wait_for(FLOOD.ended.wait(), SLOW + 10)  # never read: buffers fill
+            took = time.monotonic() - started
+        finally:
+            writer.transport.abort()
+        assert took <= SLOW + MARGIN + 1, f"a client reading nothing held its stream {took:.2f} s"
+        assert server.metric("matrixserve_http_connections_timed_out_total", phase="send") == 1
+
+
+async def test_a_client_that_reads_slowly_is_not_cut_by_the_send_timeout() -> None:
+    async with served(send_timeout=SLOW, idle_timeout=LONG) as server:
+        reader, writer = await connect(server)
+        writer.write(b"GET /flood?megabytes=4 HTTP/1.1\r\nHost: t\r\n\r\n")
+        received = 0
+        while chunk := await asyncio.wait_for(reader.read(1 << 16), 10):
+            received += len(chunk)
+            await asyncio.sleep(0.02)  # ~3 MB/s: each write drains well within the deadline
+            if received > 4 << 20:
+                break
+        writer.close()
+        assert received > 4 << 20, received
+        assert server.metric("matrixserve_http_connections_timed_out_total", phase="send") == 0
+
+
 async def test_a_stream_longer_than_every_limit_is_not_cut_and_its_connection_stays_usable() -> (
     None
 ):
-    tight = {"header_timeout": 0.3, "body_timeout": 0.3, "idle_timeout": 0.5}
+    tight = {"header_timeout": 0.3, "body_timeout": 0.3, "idle_timeout": 0.5, "send_timeout": 0.3}
     assert all(t < STREAM_PAUSE for t in tight.values())
     async with (
         served(**tight) as server,
@@ -463,6 +611,23 @@ def test_the_engine_takes_the_limit_flags(
         engine_parse([])
     assert exit_.value.code == 2
     assert "--max-connections-per-client" in capsys.readouterr().err
+
+
+async def test_start_raises_the_soft_open_file_limit_before_fitting_the_caps() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = 1024 if hard == resource.RLIM_INFINITY else min(1024, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    runner = web.AppRunner(make_app(), access_log=None)
+    try:
+        guard = await httpserving.start(runner, "127.0.0.1", 0, ConnectionLimits())
+        raised = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        await runner.cleanup()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if hard != resource.RLIM_INFINITY:  # Linux refuses an unlimited soft limit for files
+        assert raised == hard
+        assert guard.limits == ConnectionLimits().within_open_files(hard)
+    assert guard.limits.max_connections > (low - httpserving.RESERVED_FDS) // 2 or low == hard
 
 
 def test_the_caps_fit_within_the_open_file_limit() -> None:

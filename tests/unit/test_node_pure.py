@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from enginestub.node import allocator, devicestatus, podspec, podstatus
 from enginestub.node.command import node_names, run_argv
 from enginestub.node.network import AddressExhausted, NodeAddresses, choose_cidrs
-from enginestub.node.runner import ContainerState, Terminated
+from enginestub.node.runner import ContainerState, Terminated, rfc3339
 from enginestub.node.topology import (
     SuperPodSpec,
     TopologySpec,
@@ -390,6 +390,87 @@ def test_device_status_render_inject_heal(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".status.json.*")), "no temp files left behind"
 
 
+# ----------------------------------------------------------------------------- Secret volumes
+def _secret_pod(items: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A pod mounting Secret ``zk`` at /etc/zk (and the service-account token, handled apart)."""
+    secret: dict[str, Any] = {"secretName": "zk", "defaultMode": 0o440}
+    if items is not None:
+        secret["items"] = items
+    return {
+        "metadata": {"name": "p", "namespace": "ns"},
+        "spec": {
+            "containers": [
+                {
+                    "name": "c",
+                    "image": "busybox",
+                    "command": ["run", "--auth-file=/etc/zk/auth", "/etc/zk"],
+                    "args": ["/etc/zkx/auth", "x=/etc/zk/auth"],
+                    "workingDir": "/etc/zk",
+                    "env": [
+                        {"name": "AUTH_FILE", "value": "/etc/zk/auth"},
+                        {"name": "NOT_A_PATH", "value": "see /etc/zk/auth"},
+                    ],
+                    "volumeMounts": [
+                        {"name": "zk", "mountPath": "/etc/zk", "readOnly": True},
+                        {"name": "sa", "mountPath": podspec.SERVICE_ACCOUNT_MOUNT},
+                    ],
+                }
+            ],
+            "volumes": [
+                {"name": "zk", "secret": secret},
+                {"name": "sa", "secret": {"secretName": "sa-token"}},
+                {"name": "unmounted", "secret": {"secretName": "other"}},
+            ],
+        },
+    }
+
+
+def test_secret_volumes_are_projected_as_the_kubelet_does() -> None:
+    (volume,) = podspec.secret_volumes(_secret_pod([{"key": "auth", "path": "auth"}]))
+    assert (volume.name, volume.secret, volume.default_mode) == ("zk", "zk", 0o440)
+    data = {"auth": b"u:p", "other": b"x"}
+    assert podspec.secret_files("ns", volume, data) == {"auth": (b"u:p", 0o440)}
+    (every_key,) = podspec.secret_volumes(_secret_pod())
+    assert set(podspec.secret_files("ns", every_key, data)) == {"auth", "other"}
+    with pytest.raises(podspec.MountError) as missing:
+        podspec.secret_files("ns", volume, None)
+    assert str(missing.value) == (
+        'MountVolume.SetUp failed for volume "zk" : secret "zk" not found'
+    )
+    with pytest.raises(podspec.MountError, match="couldn't find key auth in Secret ns/zk"):
+        podspec.secret_files("ns", volume, {"other": b"x"})
+    (escaping,) = podspec.secret_volumes(_secret_pod([{"key": "auth", "path": "../../etc/x"}]))
+    with pytest.raises(podspec.MountError, match="invalid path"):
+        podspec.secret_files("ns", escaping, data)
+    optional = podspec.SecretVolume("zk", "zk", optional=True)
+    assert podspec.secret_files("ns", optional, None) == {}
+
+
+def test_a_containers_mount_path_is_moved_to_the_folder_the_emulator_wrote() -> None:
+    pod = _secret_pod()
+    pod["status"] = {"podIP": "127.1.0.2"}
+    (plan,) = podspec.plan_containers(pod, {"busybox": []}, lambda k, n: None, {}, {"zk": "/w/zk"})
+    assert plan.argv == ("run", "--auth-file=/w/zk/auth", "/w/zk", "/etc/zkx/auth", "x=/w/zk/auth")
+    assert plan.env["AUTH_FILE"] == "/w/zk/auth"
+    assert plan.env["NOT_A_PATH"] == "see /etc/zk/auth"  # not a path value: left
+    assert plan.working_dir == "/w/zk"
+    assert podspec.translate("/etc/zk/a", {"/etc/zk": "/w", "/etc/zk/a": "/v"}) == "/v"
+
+
+def test_secret_files_are_written_with_their_modes_and_nothing_else(tmp_path: Path) -> None:
+    from enginestub.node.podenv import remove_volumes, write_files
+
+    folder = tmp_path / "volumes" / "zk"
+    write_files(folder, {"auth": (b"old", 0o440), "gone": (b"x", 0o400)})
+    write_files(folder, {"auth": (b"u:p", 0o440), "sub/key": (b"k", 0o400)})  # a retry
+    assert sorted(p.name for p in folder.rglob("*") if p.is_file()) == ["auth", "key"]
+    assert (folder / "auth").read_bytes() == b"u:p"
+    assert (folder / "auth").stat().st_mode & 0o777 == 0o440
+    assert (folder / "sub" / "key").stat().st_mode & 0o777 == 0o400
+    remove_volumes(tmp_path)
+    assert not (tmp_path / "volumes").exists()
+
+
 def test_the_service_account_token_secret_is_the_volume_mounted_at_the_service_account_path() -> (
     None
 ):
@@ -449,3 +530,32 @@ def test_service_variables_selectors_and_target_ports_follow_the_kubelet() -> No
     assert services.target_port({"port": 80, "targetPort": 8090}, backend) == 8090
     assert services.target_port({"port": 80}, backend) == 80
     assert services.target_port({"port": 80, "targetPort": "missing"}, backend) is None
+
+
+def test_a_pods_first_status_holds_since_the_pod_started_and_a_true_condition_has_no_reason() -> (
+    None
+):
+    """A kubelet's first status stamps the conditions at the pod's start, before its containers
+    run: a pod not Ready since then was never Ready in its container (the operator reads it so,
+    PodView.awaiting_first_probe), even if this first write comes a second after the start.
+    A condition that holds carries no reason: null, since the status is a merge patch that
+    would otherwise keep "ContainersNotReady" beside "True"."""
+    common: dict[str, Any] = {
+        "restart_policy": "Always",
+        "pod_ip": "127.64.0.2",
+        "host_ip": "127.64.0.1",
+        "started_at": 1_000,
+    }
+    first = podstatus.render([_state("running", ready=False)], now=1_001.5, **common)
+    ready = {c["type"]: c for c in first["conditions"]}["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "ContainersNotReady")
+    assert ready["lastTransitionTime"] == rfc3339(1_000)
+    later = podstatus.render(
+        [_state("running", ready=True)],
+        now=1_003,
+        previous_conditions=first["conditions"],
+        **common,
+    )
+    ready = {c["type"]: c for c in later["conditions"]}["Ready"]
+    assert (ready["status"], ready["reason"]) == ("True", None)
+    assert ready["lastTransitionTime"] == rfc3339(1_003)

@@ -14,7 +14,7 @@ from fakes import engine_report
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain import conditions, pdgroup
-from matrixserve.domain.enginepod import EngineSettings
+from matrixserve.domain.enginepod import FIRST_PROBE_GRACE_SECONDS, EngineSettings
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.pdgroup import GroupView, ZkView
 from matrixserve.domain.pdgroup.actions import (
@@ -595,3 +595,85 @@ def test_an_engine_of_an_older_image_without_a_pod_uid_is_known_by_name() -> Non
     plan = pdgroup.plan(view(spec(), pods, dataclasses.replace(zk, reports=legacy)))
     assert plan.ready
     assert plan.actions == []
+
+
+def test_a_group_in_its_first_setup_is_setting_up_not_degraded() -> None:
+    """Decode meta pushed, no instance serving yet, no entrance ever opened: the group is
+    SettingUp (a new group is not Degraded, nor without a decode); once it has served, losing
+    its decode is NoServingDecode, and it stays Degraded while its entrances are closed."""
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    formed = serving_group(pods)
+    setting_up = dataclasses.replace(formed, health={}, entrances=frozenset())
+    cond = {c.type: c for c in pdgroup.plan(view(spec(), pods, setting_up)).conditions}
+    assert (cond["Ready"].status, cond["Ready"].reason) == (False, "SettingUp")
+    assert cond["Degraded"].status is False
+    # the same world after the group had served: its last status named its entrances
+    had_served = dataclasses.replace(
+        group_view(spec(), view(spec(), pods, setting_up).pods, setting_up, 10.0),
+        previous={"entrances": ["g-p-0", "g-p-1"]},
+    )
+    no_decode = dataclasses.replace(
+        had_served,
+        zk=dataclasses.replace(
+            setting_up, health={n: h for n, h in formed.health.items() if n != "g-d-0"}
+        ),
+    )
+    plan = pdgroup.plan(no_decode)
+    cond = {c.type: c for c in plan.conditions}
+    assert (cond["Degraded"].status, cond["Degraded"].reason) == (True, "NoServingDecode")
+    # next pass: entrances closed and listed nowhere, but Degraded is in the last status
+    degraded = {"type": "Degraded", "status": "True", "reason": "NoServingDecode"}
+    later = dataclasses.replace(no_decode, previous={"conditions": [degraded]})
+    cond = {c.type: c for c in pdgroup.plan(later).conditions}
+    assert (cond["Degraded"].status, cond["Degraded"].reason) == (True, "NoServingDecode")
+
+
+def test_a_pod_not_yet_probed_since_its_engine_started_does_not_hold_the_group_back() -> None:
+    """The kubelet probes each pod every ``periodSeconds``: at setup the group would wait for
+    the slowest phase of all (~1 s for 8 pods) although every engine serves. A pod whose Ready
+    condition has not flipped since its container started, and whose engine reported after
+    that, counts as serving; a pod that was Ready and failed its probe, or whose report is an
+    earlier container's (a killed engine, restarted), does not."""
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    zk = serving_group(pods)
+    zk = dataclasses.replace(
+        zk,
+        reports={n: r.model_copy(update={"ts": 100.5}) for n, r in zk.reports.items()},
+        # serving since 9.0, the view's now is 10.0: within the first probe's grace
+        health={n: h.model_copy(update={"ts": 9.0}) for n, h in zk.health.items()},
+    )
+
+    def with_d0(**fields: Any) -> GroupView:
+        v = view(spec(), pods, zk)
+        return group_view(
+            v.spec, {**v.pods, "g-d-0": dataclasses.replace(v.pods["g-d-0"], **fields)}, zk, 10.0
+        )
+
+    def state(v: GroupView) -> str:
+        return str({r["name"]: r["state"] for r in pdgroup.plan(v).status["instances"]}["g-d-0"])
+
+    not_probed = with_d0(ready=False, running_since=100.0, ready_changed_at=99.0)
+    assert state(not_probed) == "Serving"
+    assert pdgroup.plan(not_probed).ready
+    # the same second (the API's times are whole seconds) is still "not flipped since"
+    assert state(with_d0(ready=False, running_since=100.0, ready_changed_at=100.0)) == "Serving"
+    # Ready in this container, then its probe failed: the kubelet's word counts
+    failed = with_d0(ready=False, running_since=100.0, ready_changed_at=101.0)
+    assert state(failed) == "Initializing"
+    assert not pdgroup.plan(failed).ready
+    # killed and restarted: the report is the earlier container's
+    restarted = with_d0(ready=False, running_since=102.0, ready_changed_at=101.0)
+    assert state(restarted) == "Initializing"
+    # not running at all (the container exited), or nothing known of it
+    assert state(with_d0(ready=False, running_since=None, ready_changed_at=99.0)) == "Initializing"
+    assert state(with_d0(ready=False)) == "Initializing"
+    # still not Ready longer after its engine began serving than a first probe takes: its
+    # probe fails (a hang before it), whatever the engine's health says
+    late = dataclasses.replace(not_probed, now=9.0 + FIRST_PROBE_GRACE_SECONDS + 0.1)
+    assert state(late) == "Initializing"
+    # the health is written once an interval (20 s here): its 3rd write means serving since
+    # two intervals before it
+    third = {n: h.model_copy(update={"ts": 9.0, "seq": 3}) for n, h in zk.health.items()}
+    assert state(dataclasses.replace(not_probed, zk=dataclasses.replace(zk, health=third))) == (
+        "Initializing"
+    )

@@ -19,7 +19,7 @@ from matrixserve import httpserving
 from matrixserve.api import catalog
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.catalog import HBM_USABLE_FRACTION, PRESETS, ModelShape
-from matrixserve.coordination import add_auth_flag
+from matrixserve.coordination import add_auth_flags, auth_from
 
 Role = Literal["prefill", "decode", "colocated", "expert", "attention", "auto"]
 
@@ -164,7 +164,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
     )
     parser.add_argument("--group", default=env.get("MATRIXSERVE_GROUP"))
     parser.add_argument("--zookeeper", default=env.get("MATRIXSERVE_ZK"))
-    add_auth_flag(parser, " (in a pod: from a Secret)")
+    add_auth_flags(parser)
     parser.add_argument(
         "--fault-injection",
         action=argparse.BooleanOptionalAction,
@@ -235,7 +235,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
             pod_namespace=env.get("POD_NAMESPACE", "default"),
             group=args.group,
             zookeeper=args.zookeeper,
-            zookeeper_auth=args.zookeeper_auth,
+            zookeeper_auth=auth_from(parser, args),
             fault_injection=(
                 _switch("ENGINE_FAULT_INJECTION")
                 if args.fault_injection is None

@@ -1,8 +1,8 @@
 """What a pod's processes get from their node besides their own spec (SYSTEM.md §5): the Ascend
 device plugin's variables (granted NPUs, their dies' RoCE IPs and UB addresses, the node's device
 status file: CloudMatrix-Infer §3, P/D-Serve §3.2 and §3.4), the API server's address, the
-service-account credentials a kubelet would mount, and the Secrets and ConfigMaps the pod's env
-refers to (fetched here so that :mod:`.podspec` stays pure).
+service-account credentials a kubelet would mount, its Secret volumes' files, and the Secrets
+and ConfigMaps the pod's env refers to (fetched here so that :mod:`.podspec` stays pure).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +97,30 @@ class PodEnvironment:
         )
         return {"KUBECONFIG": str(kubeconfig)}
 
+    async def secret_volumes(
+        self, namespace: str, pod: dict[str, Any], workdir: Path
+    ) -> dict[str, str]:
+        """The pod's Secret volumes as a kubelet sets them up: each Secret read at pod start,
+        its keys written as files with their modes into ``<pod dir>/volumes/<volume>/`` (the
+        container's mount path is moved there: :func:`.podspec.translate`); volume name ->
+        folder. :class:`.podspec.MountError` while a Secret (or a key) is missing or cannot be
+        read: the pod waits and the caller tries again."""
+        folders = {}
+        for volume in podspec.secret_volumes(pod):
+            try:
+                data: dict[str, bytes] | None = await self._read_secret(namespace, volume.secret)
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    raise podspec.MountError(
+                        f'MountVolume.SetUp failed for volume "{volume.name}" : '
+                        f"{exc.status} {exc.reason}"
+                    ) from exc
+                data = None
+            folder = workdir / "volumes" / volume.name
+            write_files(folder, podspec.secret_files(namespace, volume, data))
+            folders[volume.name] = str(folder)
+        return folders
+
     async def _read_secret(self, namespace: str, name: str) -> dict[str, bytes]:
         secret = await asyncio.to_thread(self.core.read_namespaced_secret, name, namespace)
         return {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
@@ -129,3 +155,23 @@ class PodEnvironment:
                 if exc.status != 404:
                     raise
         return lambda kind, name: found.get((kind, name))
+
+
+def write_files(folder: Path, files: Mapping[str, tuple[bytes, int]]) -> None:
+    """``folder`` holding exactly ``files`` (relative path -> content, mode), written afresh
+    (a retried mount or a restarted emulator; files of mode 0440 cannot be opened for writing
+    again), the folder readable by the pod's user only."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for relative, (content, mode) in files.items():
+        path = folder / relative
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(content)
+        os.chmod(path, mode)  # exactly the mode asked (not narrowed by the umask)
+
+
+def remove_volumes(workdir: Path) -> None:
+    """A pod's volumes go with it (the kubelet unmounts them): no Secret is left on disk."""
+    shutil.rmtree(workdir / "volumes", ignore_errors=True)

@@ -6,6 +6,10 @@ would, and on deletion stop them within the grace period and finalise the delete
 Pods are handled concurrently, as a kubelet admits them in parallel, but each pod's watch events
 strictly in order. Status writes are coalesced: a change marks the pod dirty and one writer
 patches the dirty pods' status every few tens of milliseconds.
+
+A pod whose Secret volume cannot be set up yet (its Secret missing) waits in ContainerCreating
+with the kubelet's ``FailedMount`` Warning Event, and the mount is tried again with a growing
+pause (``MOUNT_RETRY``), in the pod's order of events (a deletion meanwhile wins).
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from kubernetes import client, watch
 from enginestub.node import allocator, podspec, podstatus, services
 from enginestub.node.events import Events
 from enginestub.node.listwatch import watch_events
-from enginestub.node.podenv import PodEnvironment
+from enginestub.node.podenv import PodEnvironment, remove_volumes
 from enginestub.node.runner import PodRunner, Zygote
 from enginestub.node.state import EmulatorState, NodeState, PodRecord
 
 log = logging.getLogger("enginestub.node")
+MOUNT_RETRY = (0.5, 8.0)  # the first pause before a failed mount is tried again, and the longest
 
 
 class PodLifecycle:
@@ -108,6 +113,10 @@ class PodLifecycle:
             if record is not None:
                 await self._terminate(record, grace=0.0, finalize=False)
             return
+        if kind == "MOUNT":  # a failed mount tried again (see _mount_failed)
+            if record is not None and record.mounting and not record.terminating:
+                await self._start(record, self.shared.nodes[node])
+            return
         if record is not None:
             record.pod = pod
         if meta.get("deletionTimestamp"):
@@ -141,7 +150,11 @@ class PodLifecycle:
             await self._cannot_run(record, failed, "UnexpectedAdmissionError", str(exc))
             return
         record.ip = state.addresses.claim((pod.get("status") or {}).get("podIP"))
-        # --- containers ----------------------------------------------------------------
+        await self._start(record, state)
+
+    async def _start(self, record: PodRecord, state: NodeState) -> None:
+        """Set up the pod's volumes and environment and run its containers."""
+        pod = record.pod
         base_env = self.env.base(state, record)
         if self.proxy is not None:
             try:
@@ -151,15 +164,21 @@ class PodLifecycle:
             base_env.update(self.proxy.namespace_env(record.namespace))
         config = self.shared.config
         workdir = config.state_dir / "pods" / f"{record.namespace}_{record.name}_{record.uid}"
+        record.workdir = workdir
         try:
             base_env.update(await self.env.service_account(record.namespace, pod, workdir))
+            volumes = await self.env.secret_volumes(record.namespace, pod, workdir)
             lookup = await self.env.lookup(record.namespace, pod)
             plans = podspec.plan_containers(
-                _with_status(pod, record.ip, state.addresses.host_ip),
+                _with_status(pod, record.ip or "", state.addresses.host_ip),
                 config.image_map,
                 lookup,
                 base_env,
+                volumes,
             )
+        except podspec.MountError as exc:
+            await self._mount_failed(record, state, str(exc))
+            return
         except podspec.UnknownImageError as exc:
             waiting = _waiting(record, state, "ErrImagePull", str(exc))
             await self._cannot_run(record, waiting, "Failed", f"Failed to pull image: {exc}")
@@ -168,11 +187,15 @@ class PodLifecycle:
             waiting = _waiting(record, state, "CreateContainerConfigError", str(exc))
             await self._cannot_run(record, waiting, "Failed", f"Error: {exc}")
             return
+        if record.terminating or self.shared.pods.get(record.uid) is not record:
+            remove_volumes(workdir)  # deleted while its volumes were set up
+            return
+        record.mounting, record.fixed_status = 0.0, None
         runner = PodRunner(
             namespace=record.namespace,
             name=record.name,
             uid=record.uid,
-            pod_ip=record.ip,
+            pod_ip=record.ip or "",
             plans=plans,
             restart_policy=pod["spec"].get("restartPolicy", "Always"),
             workdir=workdir,
@@ -185,6 +208,24 @@ class PodLifecycle:
         if state.down:
             runner.kill()
         runner.start()
+
+    async def _mount_failed(self, record: PodRecord, state: NodeState, message: str) -> None:
+        """The kubelet's way: the pod stays in ContainerCreating, a FailedMount Warning Event
+        (once per message), the mount tried again after a pause that doubles up to a bound."""
+        pause = MOUNT_RETRY[0] if not record.mounting else min(2 * record.mounting, MOUNT_RETRY[1])
+        record.mounting = pause
+        record.fixed_status = _waiting(record, state, "ContainerCreating", "")
+        self.mark_dirty(record.uid)
+        if f"mount-{message}" not in record.events_sent:
+            record.events_sent.add(f"mount-{message}")
+            await self.events.pod(record, "FailedMount", message, "Warning")
+
+        async def again() -> None:
+            await asyncio.sleep(pause)
+            if self.shared.pods.get(record.uid) is record and not record.terminating:
+                self._dispatch("MOUNT", record.pod)  # in the pod's order of events
+
+        self._spawn(again())
 
     async def _grant_npus(self, state: NodeState, record: PodRecord, wanted: int) -> None:
         """The device plugin's part: which NPUs. A grant already on the pod (an emulator
@@ -295,6 +336,8 @@ class PodLifecycle:
             if finalize:
                 await self.events.pod(record, "Killing", "Stopping container(s)", "Normal")
             await record.runner.stop(grace)
+        if record.workdir is not None:
+            remove_volumes(record.workdir)
         state = self.shared.nodes[record.node]
         state.allocator.release(record.uid)
         if record.ip:

@@ -1,6 +1,13 @@
 """From a Pod (its JSON as the API server returns it) to the processes that stand in for its
 containers: image → local command, command/args with ``$(VAR)`` expansion, env with the downward
-API, probes. Pure: secrets and config maps come through a lookup callable.
+API, probes, Secret volumes. Pure: secrets and config maps come through a lookup callable.
+
+Secret volumes (issue 16 finding 7: the engines', operator's and gateway's ZooKeeper identity
+comes as a file): the kubelet's projection of a Secret's keys into files with their modes
+(:func:`secret_files`), and, since a process here cannot see the container's mount path, the
+path a container names moved to the folder the emulator wrote them in (:func:`translate`: in
+its env, command, args and working directory, where the mount path starts a value or follows
+``=``), as the service-account token's kubeconfig is pointed at by ``KUBECONFIG``.
 
 Docker semantics: ``command`` replaces the image's entrypoint; ``args`` replace its default
 arguments. The image map names, per image repository (tag ignored), the local entrypoint; the
@@ -27,6 +34,11 @@ class ContainerConfigError(Exception):
 
 class UnknownImageError(Exception):
     """No local command is mapped for the image (reported like ErrImagePull)."""
+
+
+class MountError(Exception):
+    """A volume cannot be set up yet (the kubelet's FailedMount): the pod waits in
+    ContainerCreating and the mount is tried again."""
 
 
 @dataclass(frozen=True)
@@ -245,6 +257,97 @@ def service_account_secret(pod: Mapping[str, Any]) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class SecretVolume:
+    """A ``secret`` volume a container mounts: which Secret, which keys as which files."""
+
+    name: str
+    secret: str
+    items: tuple[tuple[str, str, int | None], ...] = ()  # (key, path, mode); none: every key
+    default_mode: int = 0o644  # the API server's default
+    optional: bool = False
+
+
+def secret_volumes(pod: Mapping[str, Any]) -> list[SecretVolume]:
+    """The pod's Secret volumes that a container mounts, but the service-account token's
+    (:func:`service_account_secret`: written as a kubeconfig instead)."""
+    spec = pod.get("spec") or {}
+    mounts = [m for c in spec.get("containers") or [] for m in c.get("volumeMounts") or []]
+    token = {m.get("name") for m in mounts if m.get("mountPath") == SERVICE_ACCOUNT_MOUNT}
+    mounted = {m.get("name") for m in mounts} - token
+    found = []
+    for volume in spec.get("volumes") or []:
+        source = volume.get("secret")
+        if source is None or volume.get("name") not in mounted:
+            continue
+        items = tuple(
+            (str(i["key"]), str(i["path"]), i.get("mode")) for i in source.get("items") or []
+        )
+        found.append(
+            SecretVolume(
+                name=str(volume["name"]),
+                secret=str(source.get("secretName", "")),
+                items=items,
+                default_mode=int(source.get("defaultMode", 0o644)),
+                optional=bool(source.get("optional")),
+            )
+        )
+    return found
+
+
+def secret_files(
+    namespace: str, volume: SecretVolume, data: Mapping[str, bytes] | None
+) -> dict[str, tuple[bytes, int]]:
+    """The volume's files as the kubelet projects the Secret's ``data`` (None: no such Secret):
+    relative path -> (content, mode); :class:`MountError` in the kubelet's words where it
+    cannot (the pod waits and the mount is tried again)."""
+    failed = f'MountVolume.SetUp failed for volume "{volume.name}" : '
+    if data is None:
+        if volume.optional:
+            return {}
+        raise MountError(f'{failed}secret "{volume.secret}" not found')
+    if not volume.items:
+        return {key: (value, volume.default_mode) for key, value in data.items()}
+    files = {}
+    for key, path, mode in volume.items:
+        if key not in data:
+            if volume.optional:
+                continue
+            raise MountError(
+                f"{failed}couldn't find key {key} in Secret {namespace}/{volume.secret}"
+            )
+        if path.startswith("/") or ".." in path.split("/"):
+            raise MountError(f"{failed}invalid path {path!r} for key {key}")
+        files[path] = (data[key], volume.default_mode if mode is None else int(mode))
+    return files
+
+
+def translate(text: str, mounts: Mapping[str, str]) -> str:
+    """``text`` with each mount path (container path -> host folder) that starts it or follows
+    ``=`` (``--flag=/path``, ``VAR=/path``) and ends at ``/`` or the end, moved to its folder."""
+    for container_path in sorted(mounts, key=len, reverse=True):  # the deepest mount first
+        where = container_path.rstrip("/") or "/"
+        pattern = re.compile(rf"(^|=){re.escape(where)}(?=/|$)")
+        host = mounts[container_path].replace("\\", "\\\\")  # literal in the replacement
+        text = pattern.sub(rf"\g<1>{host}", text)
+    return text
+
+
+def container_mounts(
+    container: Mapping[str, Any], volume_dirs: Mapping[str, str]
+) -> dict[str, str]:
+    """The container's mount paths of the volumes written to host folders (volume name ->
+    folder), each to its folder (``subPath`` within it)."""
+    mounts = {}
+    for mount in container.get("volumeMounts") or []:
+        folder = volume_dirs.get(mount.get("name", ""))
+        if folder is None:
+            continue
+        sub = str(mount.get("subPath") or "")
+        mounts[str(mount["mountPath"])] = f"{folder}/{sub}" if sub else folder
+    return mounts
+
+
 def token_kubeconfig(
     server: str,
     ca_file: str | None,
@@ -276,14 +379,22 @@ def plan_containers(
     image_map: Mapping[str, list[str]],
     lookup: SecretLookup,
     base_env: Mapping[str, str],
+    volume_dirs: Mapping[str, str] | None = None,
 ) -> list[ContainerPlan]:
-    """Plans for every container of the pod; raises UnknownImageError/ContainerConfigError."""
+    """Plans for every container of the pod; raises UnknownImageError/ContainerConfigError.
+    ``volume_dirs``: the host folder of each volume the emulator wrote (its Secret volumes)."""
     plans = []
     for container in (pod.get("spec") or {}).get("containers") or []:
         entrypoint = resolve_entrypoint(container.get("image", ""), image_map)
-        env = container_env(pod, container, lookup, base_env)
-        command = [expand(c, env) for c in container.get("command") or []]
-        args = [expand(a, env) for a in container.get("args") or []]
+        mounts = container_mounts(container, volume_dirs or {})
+        # The pod's own values (not what the node adds: PATH, the device plugin's, ...).
+        own = {e["name"] for e in container.get("env") or []}
+        env = {
+            name: translate(value, mounts) if name in own or name not in base_env else value
+            for name, value in container_env(pod, container, lookup, base_env).items()
+        }
+        command = [translate(expand(c, env), mounts) for c in container.get("command") or []]
+        args = [translate(expand(a, env), mounts) for a in container.get("args") or []]
         argv = (command or entrypoint) + args
         if not argv:
             raise ContainerConfigError(
@@ -300,7 +411,11 @@ def plan_containers(
                 image=container.get("image", ""),
                 argv=tuple(argv),
                 env=env,
-                working_dir=container.get("workingDir"),
+                working_dir=(
+                    translate(container["workingDir"], mounts)
+                    if container.get("workingDir")
+                    else None
+                ),
                 readiness=probe(container.get("readinessProbe"), ports),
                 liveness=probe(container.get("livenessProbe"), ports),
                 ports=ports,

@@ -78,8 +78,10 @@ def _condition(kind: str, ok: bool, now: str, reason: str = "") -> dict[str, Any
         "lastProbeTime": None,
         "lastTransitionTime": now,
     }
-    if reason and not ok:
-        out["reason"] = reason
+    if reason:
+        # null when it holds: the status is written as a merge patch, which would otherwise
+        # keep a reason that no longer applies ("True, ContainersNotReady")
+        out["reason"] = None if ok else reason
     return out
 
 
@@ -96,14 +98,17 @@ def render(
 ) -> dict[str, Any]:
     """The pod's ``status``; ``lastTransitionTime`` only moves when a condition flips."""
     all_ready = bool(states) and all(s.ready for s in states) and node_ready
-    stamp = rfc3339(now)
+    before = {c.get("type"): c for c in previous_conditions}
+    # A condition flips now; one written for the first time holds since the pod started, as
+    # a kubelet's first status says (not since this write, which may come after the
+    # containers started: a pod not Ready since then has never been Ready).
+    stamp = rfc3339(now) if before else rfc3339(started_at)
     wanted = [
         _condition("Initialized", True, stamp),
         _condition("Ready", all_ready, stamp, "ContainersNotReady"),
         _condition("ContainersReady", all_ready, stamp, "ContainersNotReady"),
         _condition("PodScheduled", True, stamp),
     ]
-    before = {c.get("type"): c for c in previous_conditions}
     for cond in wanted:
         old = before.get(cond["type"])
         if (
@@ -164,7 +169,10 @@ def waiting(
                 "ready": False,
                 "started": False,
                 "restartCount": 0,
-                "state": {"waiting": {"reason": reason, "message": message}},
+                # the kubelet leaves the message out where it has none (ContainerCreating)
+                "state": {
+                    "waiting": {"reason": reason, **({"message": message} if message else {})}
+                },
                 "lastState": {},
             }
             for c in pod["spec"].get("containers") or []

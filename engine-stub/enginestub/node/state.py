@@ -70,6 +70,8 @@ class PodRecord:
     npus: list[int] = field(default_factory=list)
     runner: PodRunner | None = None
     fixed_status: dict[str, Any] | None = None  # pods we cannot run (image, config, admission)
+    mounting: float = 0.0  # waiting for a volume: the pause before the next try (0: not waiting)
+    workdir: Path | None = None  # its folder: logs, credentials, volumes
     conditions: list[dict[str, Any]] = field(default_factory=list)
     terminating: bool = False
     events_sent: set[str] = field(default_factory=set)

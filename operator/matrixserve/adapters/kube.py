@@ -5,19 +5,28 @@ never a method name).
 The synchronous ``kubernetes`` client runs in worker threads (``asyncio.to_thread``). Creates
 are idempotent (409 is success), deletes carry a UID precondition so a recreated pod of the same
 name is never deleted by mistake, status is written with a merge patch of the status subresource.
+
+The Secrets pods read (the engines' ZooKeeper identity, issue 16 finding 7) are written into a
+namespace before a pod there, then taken as in place for ``SECRET_RECHECK_SECONDS`` (a pass
+costs no call); after that one read finds a deleted copy (made again) or a changed one (our
+data put back). A Secret of that name that is not ours (without our labels) is never touched.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from kubernetes import client, config
 
 from matrixserve.api.kinds import LABEL_SUPERPOD, Kind
+from matrixserve.domain.enginepod import ENGINE_CONTAINER
 from matrixserve.domain.observed import PodView
+
+SECRET_RECHECK_SECONDS = 60.0
 
 
 def _configuration(kubeconfig: str | None) -> client.Configuration:
@@ -57,17 +66,30 @@ def credentials(kubeconfig: str | None = None) -> dict[str, Any]:
     }
 
 
+class SecretTaken(Exception):
+    """A Secret our pods read is, in that namespace, someone else's: no pod is created there."""
+
+    def __init__(self, namespace: str, names: Sequence[str]) -> None:
+        super().__init__(f"Secrets {', '.join(names)} in {namespace} are not ours")
+        self.namespace = namespace
+        self.names = list(names)
+
+
 class KubeAdapter:
     def __init__(
-        self, api: client.ApiClient, pod_secrets: Sequence[Mapping[str, Any]] = ()
+        self,
+        api: client.ApiClient,
+        pod_secrets: Sequence[Mapping[str, Any]] = (),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.api = api
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         # Secrets every pod we create reads (the engines' ZooKeeper credential), written into
-        # the pod's namespace before it: created if absent, else patched once per namespace.
+        # the pod's namespace before it (:meth:`pod_secrets_taken`).
         self.pod_secrets = list(pod_secrets)
-        self._secrets_written: set[tuple[str, str]] = set()
+        self._secrets_checked: dict[tuple[str, str], float] = {}  # -> when found as we wrote it
+        self._clock = clock
         # A node's SuperPod is fixed by its hardware: read each node once, not every pass.
         self._superpods: dict[str, str] = {}
 
@@ -123,6 +145,10 @@ class KubeAdapter:
             if node and node not in nodes:
                 nodes[node] = await self._superpod_of(node)
             conditions = {c.type: c.status for c in pod.status.conditions or []}
+            ready_flip = next(
+                (c.last_transition_time for c in pod.status.conditions or [] if c.type == "Ready"),
+                None,
+            )
             created: datetime | None = pod.metadata.creation_timestamp
             out[pod.metadata.name] = PodView(
                 name=pod.metadata.name,
@@ -136,6 +162,11 @@ class KubeAdapter:
                 created_at=created.timestamp() if created else 0.0,
                 annotations=dict(pod.metadata.annotations or {}),
                 trouble=_trouble(pod),
+                running_since=_running_since(pod),
+                ready_changed_at=ready_flip.timestamp() if ready_flip else None,
+                secret_volumes=frozenset(
+                    v.secret.secret_name for v in pod.spec.volumes or [] if v.secret is not None
+                ),
             )
         return out
 
@@ -164,9 +195,11 @@ class KubeAdapter:
         return ", ".join(f"{o.kind} {o.name}" for o in owners) or "no owner"
 
     async def create_pod(self, namespace: str, body: Mapping[str, Any]) -> bool:
-        """True if created, False if it already existed."""
-        for secret in self.pod_secrets:
-            await self._write_secret(namespace, secret)
+        """True if created, False if it already existed. The Secrets it reads first
+        (:class:`SecretTaken` if one of them is someone else's there)."""
+        taken = await self.pod_secrets_taken(namespace)
+        if taken:
+            raise SecretTaken(namespace, taken)
         try:
             await asyncio.to_thread(self.core.create_namespaced_pod, namespace, body)
         except client.ApiException as exc:
@@ -175,21 +208,54 @@ class KubeAdapter:
             raise
         return True
 
-    async def _write_secret(self, namespace: str, secret: Mapping[str, Any]) -> None:
-        """Create the Secret; one already there gets our data (its labels are left: it may be
-        the chart's own, in the release namespace), once per namespace. A deleted one is created
-        again with the next pod."""
-        key = (namespace, str(secret["metadata"]["name"]))
+    async def pod_secrets_taken(self, namespace: str) -> list[str]:
+        """Put the Secrets our pods read in place in ``namespace``: created if absent, our data
+        put back if it differs. One found in place is not asked about again for
+        ``SECRET_RECHECK_SECONDS``. Returns the names held there by a Secret that is not ours
+        (without our labels: a tenant's, left as it is)."""
+        taken = []
+        for secret in self.pod_secrets:
+            key = (namespace, str(secret["metadata"]["name"]))
+            checked = self._secrets_checked.get(key)
+            if checked is not None and self._clock() - checked < SECRET_RECHECK_SECONDS:
+                continue
+            if await self._write_secret(namespace, secret):
+                self._secrets_checked[key] = self._clock()
+            else:
+                self._secrets_checked.pop(key, None)
+                taken.append(key[1])
+        return taken
+
+    async def _write_secret(self, namespace: str, secret: Mapping[str, Any]) -> bool:
+        """Create the Secret, or give ours our data; False if the one there is not ours."""
+        name = str(secret["metadata"]["name"])
+        found = await self._read_secret(namespace, name)
+        if found is None:
+            try:
+                await asyncio.to_thread(self.core.create_namespaced_secret, namespace, secret)
+                return True
+            except client.ApiException as exc:
+                if exc.status != 409:
+                    raise
+            found = await self._read_secret(namespace, name)  # made meanwhile: whose is it?
+            if found is None:  # and deleted meanwhile: the pass fails, the next one retries
+                raise RuntimeError(f"Secret {namespace}/{name} came and went meanwhile")
+        labels: Mapping[str, str] = found.metadata.labels or {}
+        if any(labels.get(k) != v for k, v in secret["metadata"]["labels"].items()):
+            return False
+        if dict(found.data or {}) != secret["data"]:
+            await asyncio.to_thread(
+                self.core.patch_namespaced_secret, name, namespace, {"data": secret["data"]}
+            )
+        return True
+
+    async def _read_secret(self, namespace: str, name: str) -> Any:
         try:
-            await asyncio.to_thread(self.core.create_namespaced_secret, namespace, secret)
+            return await asyncio.to_thread(self.core.read_namespaced_secret, name, namespace)
         except client.ApiException as exc:
-            if exc.status != 409:
-                raise
-            if key in self._secrets_written:
-                return
-            data = {k: secret[k] for k in ("data", "stringData") if k in secret}
-            await asyncio.to_thread(self.core.patch_namespaced_secret, key[1], namespace, data)
-        self._secrets_written.add(key)
+            if exc.status == 404:
+                return None
+            raise
 
     async def delete_pod(self, namespace: str, name: str, uid: str) -> bool:
         try:
@@ -246,6 +312,17 @@ BLOCKING_WAITS = frozenset(
         "CrashLoopBackOff",
     }
 )
+
+
+def _running_since(pod: client.V1Pod) -> float | None:
+    """When the pod's engine container started running (the kubelet lists containers by name:
+    a sidecar may come first); None while it does not run."""
+    statuses = pod.status.container_statuses or []
+    engine = next((s for s in statuses if s.name == ENGINE_CONTAINER), None)
+    if engine is None or engine.state is None or engine.state.running is None:
+        return None
+    started: datetime | None = engine.state.running.started_at
+    return started.timestamp() if started else None
 
 
 def _trouble(pod: Any) -> tuple[str, str] | None:

@@ -7,6 +7,10 @@ Built on the shared session (:mod:`matrixserve.coordination`): while it is not c
 destructive. The operator owns no ephemeral znodes, so LOST needs no re-registration here;
 watches are re-armed by kazoo on reconnection. ExpertPool gets a store of its own beside this
 one.
+
+With ZooKeeper's identity configured, a group's subtree made before it stays open until the
+handler closes it (:meth:`GroupStore.close`, issue 16 finding 7: once every pod of the group
+carries the credential).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from matrixserve.api import zk_layout as zl
-from matrixserve.coordination import NotEmptyError, Session
+from matrixserve.coordination import NotEmptyError, Restricted, Session
 from matrixserve.domain.effects import ZnodeChange
 from matrixserve.domain.pdgroup import ZkView
 
@@ -88,17 +92,25 @@ class GroupStore:
         return view if self.connected else ZkView(connected=False)
 
     # ------------------------------------------------------------------ writes
-    async def apply(
-        self, namespace: str, group: str, action: ZnodeChange[zl.GroupPaths]
-    ) -> None:
+    async def apply(self, namespace: str, group: str, action: ZnodeChange[zl.GroupPaths]) -> None:
         if not self.connected:
             raise ConnectionError("ZooKeeper is not connected")
         ops = action.znodes(zl.GroupPaths(namespace, group))
         await self.session.run(self.session.apply, ops)
 
-    async def ensure(self, namespace: str, group: str) -> None:
+    async def ensure(self, namespace: str, group: str, open_acl: bool = False) -> None:
+        """The group's folders, made again where missing (the server lost its data).
+        ``open_acl``: the group is still open to pods without the credential (an upgrade):
+        its folders are made open, its namespace's folder above them ours."""
         paths = zl.GroupPaths(namespace, group)
-        await self.session.run(self.session.ensure, *paths.all_folders())
+        if open_acl:
+            await self.session.run(self.session.ensure, zl.groups_root(namespace))
+        await self.session.run(self.session.ensure, *paths.all_folders(), open_acl=open_acl)
+
+    async def close(self, namespace: str, group: str) -> Restricted:
+        """Give the group's whole subtree MatrixServe's ACL (what was open: made before the
+        identity was configured, or by engines without it); what it found and changed."""
+        return await self.session.run(self.session.close, zl.group_path(namespace, group))
 
     async def groups(self, namespaces: Sequence[str] = ()) -> list[tuple[str, str]]:
         """(namespace, name) of every group with a subtree, in ``namespaces`` (all if none)."""

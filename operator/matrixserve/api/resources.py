@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -54,8 +55,9 @@ class Parallelism(_Spec):
 
 
 # --------------------------------------------------------------------------- quantities
-# CPU and memory of engine pods (issue 16, finding 8). A Kubernetes resource quantity (k8s.io/apimachinery's resource.Quantity) without a sign; the
-# CRD carries this pattern, so the API server and the models agree on what parses.
+# CPU and memory of engine pods (issue 16, finding 8). A Kubernetes resource quantity
+# (k8s.io/apimachinery's resource.Quantity) without a sign; the CRD carries this pattern, so the
+# API server and the models agree on what parses.
 QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[eE][-+]?[0-9]+|[numkMGTPE])?$"
 _QUANTITY = re.compile(QUANTITY_PATTERN)
 _BINARY_EXPONENT = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
@@ -81,11 +83,12 @@ def quantity_value(text: str) -> Decimal:
 
 
 def _quantity_text(value: Any) -> str:
-    """A quantity as written, checked to parse and to be more than 0. YAML gives ``cpu: 2`` as a
-    number; the model keeps the text, so a pod's stamped template is what the spec says."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
+    """A quantity as written, checked to parse and to be more than 0. YAML gives ``cpu: 2`` and
+    ``cpu: 0.5`` as numbers, which a Pod's resources take too; the model keeps them as text (a
+    float as Python writes it: ``0.5``, ``1e+20``), so a pod's stamped template is the spec's."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise PydanticCustomError(
-            "quantity_type", "a quantity is a string (500m, 1Gi) or an integer"
+            "quantity_type", "a quantity is a string (500m, 1Gi) or a number (2, 0.5)"
         )
     text = str(value)
     try:
@@ -104,36 +107,76 @@ def _quantity_text(value: Any) -> str:
 Quantity = Annotated[str, BeforeValidator(_quantity_text)]
 
 
+# Upper bounds. An instance is one pod on one server (at most 8 NPUs: the validation), and no
+# such server has 1024 CPUs or 16 TiB of memory, so more is a typo, which would leave the pod
+# Pending for ever (Unschedulable) instead of refused; far beyond them, Kubernetes would cap
+# silently what its quantities cannot hold (2^63-1 of a unit: ``99999999999999999999E``).
+MAX_CPU, MAX_CPU_TEXT = Decimal(1024), "1024"
+MAX_MEMORY, MAX_MEMORY_TEXT = Decimal(16 * 2**40), "16Ti"
+RESOURCE_NAMES = ("cpu", "memory")
+
+
 class CpuMemory(_Spec):
-    """CPU (cores: ``2``, ``500m``) and memory (bytes: ``512Mi``, ``4Gi``) of a container."""
+    """CPU (cores: ``2``, ``500m``, ``0.5``) and memory (bytes: ``512Mi``, ``4Gi``) of a
+    container: nothing else (NPUs come from ``devicesPerInstance``; other resources, such as
+    ``ephemeral-storage``, are not set by a spec)."""
 
     cpu: Quantity | None = None
     memory: Quantity | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _only_cpu_and_memory(cls, data: Any) -> Any:
+        # The CRD keeps other names (rather than prune them without a word) for this refusal.
+        others = sorted(set(data) - set(RESOURCE_NAMES)) if isinstance(data, dict) else []
+        if others:
+            raise PydanticCustomError(
+                "resource_name",
+                "{names} is not a resource set here: only cpu and memory (NPUs come from "
+                "devicesPerInstance)",
+                {"names": ", ".join(map(str, others))},
+            )
+        return data
+
     @field_validator("cpu")
     @classmethod
     def _whole_millicores(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
         # Kubernetes rounds a finer CPU amount up to 1m without a word: refuse it instead.
-        if value is not None and not _whole(quantity_value(value) * 1000):
+        if not _whole(quantity_value(value) * 1000):
             raise PydanticCustomError(
                 "cpu_precision",
                 "{text} is finer than 1m (a thousandth of a CPU), the smallest amount Kubernetes counts",
                 {"text": repr(value)},
             )
-        return value
+        return _at_most(value, MAX_CPU, MAX_CPU_TEXT + " CPUs")
 
     @field_validator("memory")
     @classmethod
     def _whole_bytes(cls, value: str | None) -> str | None:
-        if value is not None and not _whole(quantity_value(value)):
+        if value is None:
+            return value
+        if not _whole(quantity_value(value)):
             raise PydanticCustomError(
                 "memory_bytes", "{text} is not a whole number of bytes", {"text": repr(value)}
             )
-        return value
+        return _at_most(value, MAX_MEMORY, MAX_MEMORY_TEXT)
 
 
 def _whole(amount: Decimal) -> bool:
     return amount == amount.to_integral_value()
+
+
+def _at_most(value: str, bound: Decimal, bound_text: str) -> str:
+    if quantity_value(value) > bound:
+        raise PydanticCustomError(
+            "quantity_bound",
+            "{text} is more than {bound}, more than one server has (an instance is one pod on "
+            "one server)",
+            {"text": repr(value), "bound": bound_text},
+        )
+    return value
 
 
 class EngineResources(_Spec):

@@ -22,7 +22,9 @@ JSON payloads (pydantic), no client. ``docs/zookeeper.md`` has the table of who 
 
 Who may touch it (issue 16 finding 7): with :class:`Credentials` configured, every znode under
 ``/matrixserve`` belongs to one digest identity that the operator, the gateway and the engines
-share; nobody else may read, write or delete them.
+share; nobody else may read, write or delete them. A group's subtree (:func:`group_root_of`) is
+the unit of an upgrade: it stays open, and what is made in it open too, until every pod of the
+group carries the credential.
 """
 
 from __future__ import annotations
@@ -60,6 +62,22 @@ def groups_root(namespace: str | None = None) -> str:
 
 def group_path(namespace: str, group: str) -> str:
     return f"{groups_root(namespace)}/{_check(group, 'group')}"
+
+
+def group_root_of(path: str) -> str | None:
+    """The root of the group subtree ``path`` is in (``path`` itself if it is a group's root),
+    or None outside every group's subtree."""
+    prefix = groups_root() + "/"
+    if not path.startswith(prefix):
+        return None
+    parts = path[len(prefix) :].split("/")
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        return None
+    return f"{prefix}{parts[0]}/{parts[1]}"
+
+
+def is_group_root(path: str) -> bool:
+    return group_root_of(path) == path
 
 
 class GroupPaths:

@@ -55,12 +55,14 @@ def _until(what: str, timeout: float, attempt: Any, every: float = 0.2) -> Any:
 RELEASE = "matrixserve"
 SYSTEM = "matrixserve-system"
 # The chart's values for the local cluster: no storage provisioner, no root needed for ports;
-# engines take injected faults (POST /v1/faults), to try recovery on the demo.
+# engines take injected faults (POST /v1/faults), to try recovery on the demo. The group runs
+# outside the release namespace: the engines' NetworkPolicy goes there too.
 LOCAL_VALUES = (
     "zookeeper.persistence=false",
     "gateway.service.port=8080",
     f"operator.engine.timeScale={TIME_SCALE}",
     "operator.engine.faultInjection=true",
+    f"networkPolicy.engineNamespaces={{{NAMESPACE}}}",
 )
 
 
@@ -83,13 +85,19 @@ def service_address(api: client.ApiClient, name: str, port: int) -> str:
     return f"{svc.spec.cluster_ip}:{port}"
 
 
-def apply_group(api: client.ApiClient) -> None:
-    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+def create_group_namespace(api: client.ApiClient) -> None:
+    """The group's namespace, before the release: the chart puts the engines' NetworkPolicy
+    there (``networkPolicy.engineNamespaces``), which needs the namespace to exist."""
     try:
-        core.create_namespace({"metadata": {"name": NAMESPACE}})
+        client.CoreV1Api(api).create_namespace({"metadata": {"name": NAMESPACE}})
     except client.ApiException as exc:
         if exc.status != 409:
             raise
+
+
+def apply_group(api: client.ApiClient) -> None:
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    create_group_namespace(api)
     wait_for_service_account(core, NAMESPACE)
     body = yaml.safe_load((REPO / "crds" / "samples" / "pdgroup-2p1d.yaml").read_text())
     try:
@@ -236,6 +244,7 @@ def ask_gateway(url: str) -> None:
 def run(info: ClusterInfo) -> int:
     with config.new_client_from_config(config_file=info.kubeconfig) as api:
         print("\nInstalling MatrixServe with its Helm chart ...")
+        create_group_namespace(api)
         install_release(info)
         print(
             f"Applying crds/samples/pdgroup-2p1d.yaml as {NAMESPACE}/{GROUP} (2 prefill + 1 decode, 4 dies each):"

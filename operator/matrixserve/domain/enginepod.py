@@ -7,21 +7,37 @@ group); a PDGroup instance, a warm pod and an expert server all run this contain
 
 Least privilege (issue 16, finding 8): an engine runs as the engine image's non-root user, with
 no privilege escalation, no capabilities, the runtime's default seccomp profile and a read-only
-root filesystem (the engine writes no file), and without a service-account token (engines talk
-to ZooKeeper and their peers, never to the Kubernetes API). It requests CPU and memory, so it is
-not BestEffort (the first evicted under node pressure).
+root filesystem (its one writable place a small /tmp: :func:`scratch_volumes`), and without a
+service-account token (engines talk to ZooKeeper and their peers, never to the Kubernetes API).
+It requests CPU and memory, so it is not BestEffort (the first evicted under node pressure).
+
+ZooKeeper's identity (issue 16 finding 7): an engine reads it from a file, its namespace's
+Secret mounted read-only (:func:`credential_volumes`), never from its environment or its spec.
+A group's znodes stay open until every pod of the group carries that volume
+(:func:`without_credential`): pods made before the identity existed have none and still write
+there (an upgrade); :class:`EngineNotice` says so on the group.
 """
 
 from __future__ import annotations
 
+import base64
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from matrixserve.api import zk_layout as zl
-from matrixserve.api.kinds import NPU_RESOURCE
+from matrixserve.api.kinds import MANAGED_BY_LABEL, NPU_RESOURCE, OPERATOR_MANAGER
 from matrixserve.api.resources import EngineResources, quantity_value
+from matrixserve.domain.effects import Event, Notice
+from matrixserve.domain.observed import PodView
 
 ENGINE_PORT = 8000
+ENGINE_CONTAINER = "engine"
+READINESS_PERIOD_SECONDS = 1
+# An engine serving is seen Ready by the kubelet at its next readiness probe, at most a period
+# later (plus the probe's 1 s timeout and a second for the status to reach the API): a pod not
+# Ready that long after its engine began serving fails its probe, whatever the engine says.
+FIRST_PROBE_GRACE_SECONDS = 2.0 * READINESS_PERIOD_SECONDS + 1.0
 # The engine image's user and group (Dockerfile: useradd --uid 10001); numeric, so the kubelet
 # can check runAsNonRoot without reading the image's /etc/passwd.
 ENGINE_UID = 10001
@@ -30,6 +46,25 @@ ENGINE_GID = 10001
 # resident, well under a CPU; a real engine states its own in the PDGroup's resources).
 DEFAULT_REQUESTS = {"cpu": "250m", "memory": "256Mi"}
 DEFAULT_LIMITS = {"cpu": "2", "memory": "1Gi"}
+# Where an engine finds ZooKeeper's identity: its Secret's key, as a file (mode 0440, group
+# ENGINE_GID by the pod's fsGroup: the kubelet writes Secret files as root).
+CREDENTIALS_DIR = "/var/run/secrets/matrixserve.io/zookeeper"
+CREDENTIALS_FILE = f"{CREDENTIALS_DIR}/{zl.CREDENTIALS_KEY}"
+CREDENTIALS_VOLUME = "zookeeper-auth"
+CREDENTIALS_MODE = 0o440
+# The engine's one writable place, on a read-only root: /tmp (Python's, or a real engine's,
+# temporary files; without it an engine that writes one crashes), an emptyDir of at most
+# TMP_SIZE_LIMIT: the kubelet evicts a pod that writes more rather than let it fill the node's
+# disk. 64Mi: scratch files, not model weights or caches, which belong on volumes of their own.
+TMP_VOLUME = "tmp"
+TMP_SIZE_LIMIT = "64Mi"
+# The engines' Secret is owned by nothing (engines of several groups read it): these labels say
+# it is ours (a Secret of that name without them is a tenant's, never overwritten) and find it
+# for a clean-up after an uninstall.
+SECRET_LABELS = {
+    MANAGED_BY_LABEL: OPERATOR_MANAGER,
+    "app.kubernetes.io/component": "zookeeper-auth",
+}
 
 
 @dataclass(frozen=True)
@@ -45,30 +80,24 @@ class EngineSettings:
     # POST/DELETE /v1/faults answered (tests, the demo) or refused with 403 (issue 16 finding 7)
     fault_injection: bool = False
     # ZooKeeper's digest identity (None: open znodes). Engines read it from a Secret of this name
-    # in their own namespace (a secretKeyRef: pod readers do not see it), which the operator
-    # writes there before it creates an engine pod.
+    # in their own namespace, mounted as a file (pod readers see the name, never the value),
+    # which the operator writes there before it creates an engine pod. A distinctive name: a
+    # tenant's Secret of the same name is left alone (and no engine pod created there).
     zookeeper_auth: zl.Credentials | None = None
-    zookeeper_auth_secret: str = "matrixserve-zookeeper-auth"
+    zookeeper_auth_secret: str = "matrixserve-engine-zookeeper-auth"
 
     def secrets(self) -> list[dict[str, Any]]:
         """The Secrets every engine pod's namespace must hold before the pod is created."""
         if self.zookeeper_auth is None:
             return []
+        value = base64.b64encode(self.zookeeper_auth.text().encode()).decode()
         return [
             {
                 "apiVersion": "v1",
                 "kind": "Secret",
                 "type": "Opaque",
-                "metadata": {
-                    "name": self.zookeeper_auth_secret,
-                    # Owned by nothing (engines of several groups use it): found by these
-                    # labels to clean up after MatrixServe is uninstalled.
-                    "labels": {
-                        "app.kubernetes.io/managed-by": "matrixserve-operator",
-                        "app.kubernetes.io/component": "zookeeper-auth",
-                    },
-                },
-                "stringData": {zl.CREDENTIALS_KEY: self.zookeeper_auth.text()},
+                "metadata": {"name": self.zookeeper_auth_secret, "labels": dict(SECRET_LABELS)},
+                "data": {zl.CREDENTIALS_KEY: value},
             }
         ]
 
@@ -99,10 +128,87 @@ def platform_env(settings: EngineSettings) -> list[dict[str, Any]]:
         {"name": "ENGINE_ADMISSION", "value": settings.admission},
         {"name": "ENGINE_FAULT_INJECTION", "value": "1" if settings.fault_injection else "0"},
     ]
-    if settings.zookeeper_auth is not None:
-        secret = {"name": settings.zookeeper_auth_secret, "key": zl.CREDENTIALS_KEY}
-        env.append({"name": "MATRIXSERVE_ZK_AUTH", "valueFrom": {"secretKeyRef": secret}})
+    if settings.zookeeper_auth is not None:  # the file the credential volume holds
+        env.append({"name": "MATRIXSERVE_ZK_AUTH_FILE", "value": CREDENTIALS_FILE})
     return env
+
+
+def credential_volumes(settings: EngineSettings) -> list[dict[str, Any]]:
+    """The pod's volume with ZooKeeper's identity (its namespace's Secret), if there is one."""
+    if settings.zookeeper_auth is None:
+        return []
+    secret = {
+        "secretName": settings.zookeeper_auth_secret,
+        "items": [{"key": zl.CREDENTIALS_KEY, "path": zl.CREDENTIALS_KEY}],
+        "defaultMode": CREDENTIALS_MODE,
+    }
+    return [{"name": CREDENTIALS_VOLUME, "secret": secret}]
+
+
+def scratch_volumes() -> list[dict[str, Any]]:
+    """The pod's /tmp volume (:data:`TMP_SIZE_LIMIT`), which :func:`engine_container` mounts."""
+    return [{"name": TMP_VOLUME, "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}}]
+
+
+def credential_mounts(settings: EngineSettings) -> list[dict[str, Any]]:
+    """Where the engine container sees :func:`credential_volumes` (read-only)."""
+    if settings.zookeeper_auth is None:
+        return []
+    return [{"name": CREDENTIALS_VOLUME, "mountPath": CREDENTIALS_DIR, "readOnly": True}]
+
+
+def without_credential(pods: Iterable[PodView], settings: EngineSettings) -> list[str]:
+    """The pods (terminating ones too: they still write) that do not mount the engines' Secret:
+    made before the identity was configured. While there is one, its group's znodes stay open."""
+    if settings.zookeeper_auth is None:
+        return []
+    secret = settings.zookeeper_auth_secret
+    return sorted(p.name for p in pods if secret not in p.secret_volumes)
+
+
+@dataclass(frozen=True)
+class EngineNotice(Notice):
+    """Something about a kind's engine pods that its owner must act on (a Warning Event,
+    posted once while it holds)."""
+
+    reason: str
+    message: str
+
+    def describe(self) -> Event:
+        return Event(self.reason, self.message, warning=True)
+
+
+# The group's znodes are kept open for pods without the credential: one message for as long as
+# any is left (one Event, not one per pod replaced; the operator logs their names).
+ACCESS_OPEN = EngineNotice(
+    "ZooKeeperAccessOpen",
+    "ZooKeeper access is open for this group until its pods are recreated with the credential: "
+    "pods made before ZooKeeper auth was turned on cannot use closed znodes. Delete them one at "
+    "a time (the operator recreates each with the credential; the group serves from the others "
+    "meanwhile); once the last is replaced, the group's znodes are closed to everyone but "
+    "MatrixServe",
+)
+
+
+def access_closed(changed: int) -> Event:
+    """The group's last pod without the credential is gone: its subtree is closed now."""
+    return Event(
+        "ZooKeeperAccessClosed",
+        f"Every pod of the group carries the ZooKeeper credential: {changed} znode(s) of the "
+        "group made open before are closed to everyone but MatrixServe now",
+    )
+
+
+def secret_taken(namespace: str, name: str) -> EngineNotice:
+    """A Secret of the engines' Secret's name that is not ours: left alone, no engine pod made."""
+    labels = ", ".join(f"{k}={v}" for k, v in SECRET_LABELS.items())
+    return EngineNotice(
+        "EngineSecretTaken",
+        f"Secret {namespace}/{name} is not MatrixServe's (it lacks the labels {labels}): engine "
+        "pods read their ZooKeeper credential from a Secret of that name, so none is created "
+        "here and that Secret is left as it is; rename or delete it, or start the operator "
+        "with another --engine-zookeeper-auth-secret",
+    )
 
 
 def engine_resources(given: EngineResources | None) -> dict[str, dict[str, str]]:
@@ -129,18 +235,20 @@ def engine_resources(given: EngineResources | None) -> dict[str, dict[str, str]]
 
 
 def pod_security_context() -> dict[str, Any]:
-    """The engine pod's: the image's non-root user and group, the runtime's seccomp profile."""
+    """The engine pod's: the image's non-root user and group, the runtime's seccomp profile,
+    and the group its volumes' files belong to (the credential's, readable by the group)."""
     return {
         "runAsNonRoot": True,
         "runAsUser": ENGINE_UID,
         "runAsGroup": ENGINE_GID,
+        "fsGroup": ENGINE_GID,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 
 
 def container_security_context() -> dict[str, Any]:
     """The engine container's: nothing beyond an unprivileged process, nothing written to the
-    image (it writes no file: no volume is needed)."""
+    image (it writes only its /tmp volume; the credential's is read-only)."""
     return {
         "runAsNonRoot": True,
         "allowPrivilegeEscalation": False,
@@ -155,19 +263,22 @@ def engine_container(
     env: list[dict[str, Any]],
     npus: int,
     resources: EngineResources | None = None,
+    mounts: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The ``engine`` container: its port, readiness (``/readyz``: serving) and liveness
     (``/healthz``) probes, its NPUs (extended resource, limits = requests) beside its CPU and
-    memory (:func:`engine_resources`), and its security context."""
+    memory (:func:`engine_resources`), its security context, its /tmp
+    (:func:`scratch_volumes`) and ``mounts`` if any."""
     cpu_memory = engine_resources(resources)
+    extra = {"volumeMounts": [{"name": TMP_VOLUME, "mountPath": "/tmp"}, *(mounts or [])]}
     return {
-        "name": "engine",
+        "name": ENGINE_CONTAINER,
         "image": image,
         "env": env,
         "ports": [{"name": "engine", "containerPort": ENGINE_PORT}],
         "readinessProbe": {
             "httpGet": {"path": "/readyz", "port": ENGINE_PORT},
-            "periodSeconds": 1,
+            "periodSeconds": READINESS_PERIOD_SECONDS,
         },
         "livenessProbe": {
             "httpGet": {"path": "/healthz", "port": ENGINE_PORT},
@@ -180,4 +291,5 @@ def engine_container(
             "requests": {**cpu_memory["requests"], NPU_RESOURCE: str(npus)},
         },
         "securityContext": container_security_context(),
+        **extra,
     }

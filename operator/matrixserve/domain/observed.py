@@ -27,9 +27,28 @@ class PodView:
     # Why it cannot run, as the scheduler or the kubelet says: (reason, message), e.g.
     # ("Unschedulable", "0/4 nodes are available: ...") or ("ImagePullBackOff", ...).
     trouble: tuple[str, str] | None = None
+    # The Secrets its volumes mount (a pod's spec never changes: what it was created with).
+    secret_volumes: frozenset[str] = frozenset()
+    # When its (first) container started running, None while it does not run; and when its
+    # Ready condition last flipped (the API's times, whole seconds).
+    running_since: float | None = None
+    ready_changed_at: float | None = None
 
     def label(self, key: str) -> str | None:
         return self.labels.get(key)
+
+    def awaiting_first_probe(self, reported_at: float) -> bool:
+        """Not Ready only because the kubelet has not yet seen its container's readiness probe
+        pass: the container runs, its Ready condition has not flipped since it started (it was
+        never Ready in it), and the engine that reported at ``reported_at`` runs in it (reported
+        after it started). A container that was Ready and then failed its probe, or an engine
+        of an earlier container (killed, restarted), is not this."""
+        return (
+            not self.ready
+            and self.running_since is not None
+            and self.ready_changed_at is not None
+            and self.ready_changed_at <= self.running_since <= reported_at
+        )
 
 
 @dataclass(frozen=True)
@@ -51,6 +70,15 @@ class InstanceView:
     @property
     def ready(self) -> bool:
         return bool(self.pods) and all(p.ready for p in self.pods)
+
+    def serving(self, reported_at: float) -> bool:
+        """Its pods Ready, or waiting only for their first readiness probe while the engine
+        that reported at ``reported_at`` (which runs in them) says it serves: a group whose
+        engines serve is not held back by the kubelet's probe period (up to ``periodSeconds``
+        per pod, the slowest of all of them at setup)."""
+        return bool(self.pods) and all(
+            p.ready or p.awaiting_first_probe(reported_at) for p in self.pods
+        )
 
 
 def group_instances(

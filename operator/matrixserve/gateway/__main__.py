@@ -12,7 +12,7 @@ import sys
 
 from matrixserve import httpserving
 from matrixserve.adapters.kube import api_client
-from matrixserve.coordination import Session, add_auth_flag
+from matrixserve.coordination import Session, add_auth_flags, auth_from
 from matrixserve.domain.forwarding import Policy
 from matrixserve.gateway.app import Gateway, GatewayConfig
 from matrixserve.gateway.auth import keep_keys
@@ -30,7 +30,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--kubeconfig", default=env.get("KUBECONFIG"))
     p.add_argument("--zookeeper", default=env.get("MATRIXSERVE_ZK"))
-    add_auth_flag(p)
+    add_auth_flags(p)
     p.add_argument(
         "--namespace", default=None, help="serve only this namespace's PDGroups (default: all)"
     )
@@ -65,6 +65,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate-burst", type=float, default=10.0, help="burst allowed per API key")
     httpserving.add_arguments(p, "GATEWAY_", CONNECTION_LIMITS)
     args = p.parse_args(argv)
+    args.zookeeper_auth = auth_from(p, args)  # the file's or the variable's
     if not args.zookeeper:
         p.error("--zookeeper (or $MATRIXSERVE_ZK) is required")
     if not args.host.startswith("127.") and args.host != env.get("POD_IP"):

@@ -12,13 +12,15 @@ get an OpenAI-shaped 4xx, never a 500 (finding 3); metric labels take known valu
 request can break ``/metrics`` or grow its series (finding 2); a request whose client leaves is
 cancelled (``handler_cancellation``, set where the server is run) and its legs give their engine
 streams back, so the engines stop working on it, streamed or not (finding 5); ``n``, lists of
-prompts, ``stop`` and ``stream_options.include_usage`` are honoured (finding 6).
+prompts, ``stop`` and ``stream_options.include_usage`` are honoured (finding 6). Its review: a
+prefill's refusal of the request itself is the client's 400 (``context_length_exceeded`` for a
+prompt the engines do not take), never a 503; an unexpected failure is counted
+``internal_error``, not ``client_gone``; chat answers' ids start ``chatcmpl-``.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +102,12 @@ class GatewayMetrics:
             "Prefill slots this gateway's choices hold (until their second token or end)",
             registry=r,
         )
+        self.engine_connections = Gauge(
+            "matrixserve_gateway_engine_connections",
+            "Connections to engines: idle (pooled) or in use (a try, a stream, a linger)",
+            ["state"],
+            registry=r,
+        )
         self.zookeeper_connected = Gauge(
             "matrixserve_gateway_zookeeper_connected",
             "1 while entrances come from ZooKeeper, 0 while they come from PDGroup status",
@@ -122,6 +130,13 @@ class Gateway:
         self.forwarder = forwarder = Forwarder(discovery, config, self.metrics)
         self.metrics.in_prefill.set_function(lambda: float(sum(forwarder.prefilling.values())))
         self.metrics.slots_held.set_function(lambda: float(sum(forwarder.holding.values())))
+        connections = self.metrics.engine_connections
+        connections.labels(state="idle").set_function(
+            lambda: float(forwarder.engine_connections()["idle"])
+        )
+        connections.labels(state="in_use").set_function(
+            lambda: float(forwarder.engine_connections()["in_use"])
+        )
         self.keys = ApiKeys(config, self.metrics)
 
     async def start(self) -> None:
@@ -153,7 +168,11 @@ class Gateway:
         # from here the scenario is one this gateway routes: a known label value
         outcome = "client_gone"  # unless it gets further: a cancellation is its client leaving
         try:
-            legs = await self.forwarder.forward_all(scenario, routes, completion)
+            try:
+                legs = await self.forwarder.forward_all(scenario, routes, completion)
+            except BadRequest as refused:  # a prefill refused the request itself: final
+                outcome = "bad_request"
+                return openai.error_response(refused)
             if isinstance(legs, str):
                 outcome = "rejected"
                 return openai.failure(503, legs, "server_busy", "no_capacity", retry_after="1")
@@ -166,6 +185,11 @@ class Gateway:
                 return answered
             finally:  # every leg's stream and prefill share back, whatever happened
                 reader.close()
+        except ConnectionError:
+            raise  # the client went away: client_gone
+        except Exception:
+            outcome = "internal_error"  # answered 500 by the serving's middleware
+            raise
         finally:
             self.metrics.requests.labels(scenario=scenario, outcome=outcome).inc()
 
@@ -207,7 +231,7 @@ class Gateway:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        ident, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        ident, created = openai.completion_id(c), int(time.time())
         token_frames = {
             leg.index: openai.TokenFrame(
                 openai.chunk(ident, created, c, openai.PIECE, None, leg.index)

@@ -64,7 +64,7 @@ class ApiKeys:
                     f"rate limit of {self.config.rate_limit:g} requests/s for key {name!r} exceeded",
                     "rate_limit_exceeded",
                     "rate_limited",
-                    retry_after=f"{max(bucket.retry_after(), 0.001):.3f}",
+                    retry_after=bucket.retry_after_header(),
                 )
         return None
 

@@ -13,8 +13,17 @@ prefill's feedback; a :class:`Flight` is one request's share of it.
 A request has one choice per prompt and ``n`` (issue 16, finding 6); each is forwarded on its
 own, together, and is a :class:`Leg`: its prefill's stream, its flight, its text up to a stop
 string. A request goes ahead only when every choice was accepted; else the accepted ones are
-dropped at once. A leg that ends (its last event, a stop string, a failure) gives its stream
-back, so a stop string ends the upstream work there and then.
+dropped at once — every try's stream that was not handed out as a leg, whether its try ended
+before, with or after the refusal (the review of issue 16, finding 1). A leg that ends (its last
+event, a stop string, a failure) gives its stream back, so a stop string ends the upstream work
+there and then.
+
+A prefill's answer other than accepted or busy (the review, findings 2 and 5): a refusal of the
+request itself (400, 413, 422: every prefill would refuse it) is final, the client's 400
+(:class:`BadRequest`, raised); a 503 passes the prefill over for its ``Retry-After``, at most
+:data:`PASSED_OVER_SECONDS` (it is not tried again before, even when it is the only one); a
+prefill that could not be reached, did not answer in time or answered another status is passed
+over for a while, while another is open.
 """
 
 from __future__ import annotations
@@ -39,8 +48,10 @@ from matrixserve.domain.forwarding import (
     Prompt,
     StopScanner,
     answer_label,
+    engine_refusal,
     finish_reason,
     request_budget,
+    retry_after_seconds,
 )
 from matrixserve.gateway.discovery import Discovery, GroupRoute
 from matrixserve.gateway.upstream import EnginePool, EngineStream, UpstreamError
@@ -55,6 +66,9 @@ RETRY_PAUSE_SECONDS = 0.02
 # for this long (wall s), while another entrance is open; its routes may be stale (ZooKeeper out
 # of reach, the group's status the last known one).
 PASSED_OVER_SECONDS = 2.0
+# A refusal's body (an engine's JSON error) is waited for at most this long (wall s) after its
+# head: it comes in the same packet but for a broken engine.
+REFUSAL_BODY_SECONDS = 1.0
 _REFUSAL = {"rejected": "rejected", "timeout": "not answered in time", "unreachable": "unreachable"}
 
 
@@ -73,6 +87,7 @@ class Forwarder:
         self.last_accepted: dict[str, str] = {}  # per scenario
         self.reported: dict[str, int] = {}  # the prefills' last queue reports
         self.failing: dict[str, float] = {}  # passed over until (monotonic s), per prefill
+        self.resting: dict[str, float] = {}  # answered 503: not tried until (monotonic s)
         self.turns = itertools.count()
         self.engines: EnginePool | None = None  # the relay's connections (the hot path)
         self.session: aiohttp.ClientSession | None = None  # the queue reports' polls
@@ -112,6 +127,13 @@ class Forwarder:
                     continue
             await asyncio.sleep(self.config.report_interval / self.config.time_scale)
 
+    def engine_connections(self) -> dict[str, int]:
+        """The relay's connections to engines: ``idle`` (pooled) and ``in_use``."""
+        if self.engines is None:
+            return {"idle": 0, "in_use": 0}
+        idle = self.engines.idle_total()
+        return {"idle": idle, "in_use": self.engines.open_count() - idle}
+
     def _budget(self, routes: list[GroupRoute], prompt: Prompt) -> TtftBudget:
         """The request's TTFT threshold: the tightest of its groups' for a prompt of this length."""
         return request_budget(
@@ -120,11 +142,15 @@ class Forwarder:
             self.config.default_ttft_ms,
         )
 
-    async def _try(self, entrance: Entrance, body: bytes, remaining: float) -> EngineStream | str:
-        """One prefill's answer: its stream if it accepted, else why not (the metric's label).
-        The answer is waited for at most the ``remaining`` budget (wall s): a prefill that
-        neither accepts nor rejects in time (hung, overloaded) is passed over, never waited on
-        past the budget."""
+    async def _try(
+        self, entrance: Entrance, body: bytes, remaining: float, chat: bool
+    ) -> EngineStream | str:
+        """One prefill's answer: its stream if it accepted, else why not (the metric's label);
+        raises :class:`BadRequest` if it refused the request itself (final: every prefill
+        would). The answer is waited for at most the ``remaining`` budget (wall s): a prefill
+        that neither accepts nor rejects in time (hung, overloaded) is passed over, never waited
+        on past the budget; so is one that cannot be reached or answers an unexpected status
+        (for :data:`PASSED_OVER_SECONDS`), and one that answers 503 (for its Retry-After)."""
         assert self.engines is not None
         try:
             async with asyncio.timeout(remaining):
@@ -134,19 +160,36 @@ class Forwarder:
         except TimeoutError:
             answer = "timeout"
         else:
-            if response.status == 200:
+            status = response.status
+            if status == 200:
                 self.metrics.attempts.labels(answer="accepted").inc()
                 return response
-            answer = "rejected" if response.status == 429 else answer_label(response.status)
-            response.release()
+            answer = "rejected" if status == 429 else answer_label(status)
+            try:
+                refused = engine_refusal(status, await response.refusal(REFUSAL_BODY_SECONDS), chat)
+            finally:  # read whole: pooled (or dropped if it never ended)
+                response.release()
+            self.metrics.attempts.labels(answer=answer).inc()
+            if refused is not None:
+                raise refused
+            if status == 503:  # "not now": honoured (up to 2 s), even if it is the only one
+                pause = retry_after_seconds(
+                    response.headers.get("retry-after"), PASSED_OVER_SECONDS
+                )
+                self.resting[entrance.instance] = time.monotonic() + pause
+            elif status != 429:  # the prefill failed (5xx) or is not an engine: as unreachable
+                self.failing[entrance.instance] = time.monotonic() + PASSED_OVER_SECONDS
+            return answer
         self.metrics.attempts.labels(answer=answer).inc()
+        self.failing[entrance.instance] = time.monotonic() + PASSED_OVER_SECONDS
         return answer
 
     async def forward_all(
         self, scenario: str, routes: list[GroupRoute], completion: Completion
     ) -> list[Leg] | str:
         """Every choice of the request accepted by a prefill, in choice order, or why not (the
-        first refusal: the choices accepted are dropped at once, the others no longer tried)."""
+        first refusal: the choices accepted are dropped at once, the others no longer tried).
+        Raises :class:`BadRequest` if a prefill refused the request itself."""
         started = time.monotonic()
         if completion.choices == 1:  # the common case: no task
             chosen = await self.forward(scenario, routes, completion, completion.prompts[0])
@@ -159,27 +202,34 @@ class Forwarder:
             )
             for i in range(completion.choices)
         ]
-        accepted: dict[int, tuple[Entrance, EngineStream]] = {}
+        legs: list[Leg] = []  # handed out: the tries before len(legs) are the legs' now
         try:
             waiting = set(tries)
             while waiting:
                 finished, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 for task in finished:
-                    answer = task.result()
+                    answer = task.result()  # raises a try's BadRequest
                     if isinstance(answer, str):
                         return answer
-                    accepted[tries.index(task)] = answer
-            return [
-                self._leg(i, completion, scenario, started, *accepted.pop(i))
-                for i in range(len(tries))
-            ]
-        finally:  # refused, failed or cancelled (the client left): nothing stays taken
             for task in tries:
-                if not task.done():
+                accepted = task.result()
+                assert not isinstance(accepted, str)  # every try accepted: the loop ended
+                legs.append(self._leg(len(legs), completion, scenario, started, *accepted))
+            return legs
+        except BaseException:  # a leg made before a failure is given back too
+            for leg in legs:
+                leg.close()
+            raise
+        finally:
+            # refused, failed or cancelled (the client left): every try's stream not handed
+            # out as a leg goes, whether its try is done (several end in one round: one refused
+            # and others accepted) or not yet (its stream goes when it ends)
+            for task in tries[len(legs) :]:
+                if task.done():
+                    _drop_accepted(task)
+                else:
                     task.cancel()
                     task.add_done_callback(_drop_accepted)
-            for _, stream in accepted.values():
-                stream.release()
 
     def _leg(
         self,
@@ -225,9 +275,17 @@ class Forwarder:
             if not entrances:
                 return f"scenario {scenario!r} has no prefill entrance open"
             now = time.monotonic()
-            entrances = [
-                e for e in entrances if self.failing.get(e.instance, 0.0) <= now
-            ] or entrances
+            awake = [e for e in entrances if self.resting.get(e.instance, 0.0) <= now]
+            if not awake:  # every one answered 503: wait for the first back, if in the budget
+                back = min(self.resting[e.instance] for e in entrances) - now
+                if back >= wall_budget - (now - started):
+                    return (
+                        f"every prefill of scenario {scenario!r} is unavailable (503) for "
+                        f"{back:.1f} s more"
+                    )
+                await asyncio.sleep(back)
+                continue
+            entrances = [e for e in awake if self.failing.get(e.instance, 0.0) <= now] or awake
             loads = Loads(
                 self.open,
                 self.prefilling,
@@ -252,14 +310,14 @@ class Forwarder:
                     policy.admission,
                 )
                 tried += 1
-                response = await self._try(entrance, json.dumps(body).encode(), remaining)
+                response = await self._try(
+                    entrance, json.dumps(body).encode(), remaining, completion.chat
+                )
                 if not isinstance(response, str):
                     self.last_accepted[scenario] = entrance.instance
                     self.failing.pop(entrance.instance, None)
                     return entrance, response
                 refusals[response] += 1
-                if response in ("unreachable", "timeout"):
-                    self.failing[entrance.instance] = time.monotonic() + PASSED_OVER_SECONDS
                 if self.last_accepted.get(scenario) == entrance.instance:
                     del self.last_accepted[scenario]  # it is busy: batch forwarding moves on
             remaining = wall_budget - (time.monotonic() - started)

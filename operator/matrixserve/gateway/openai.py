@@ -112,13 +112,18 @@ def completion(c: Completion, answers: Sequence[Answer], totals: dict[str, int])
         for a in answers
     ]
     return {
-        "id": f"cmpl-{uuid.uuid4().hex[:24]}",
+        "id": completion_id(c),
         "object": "chat.completion" if c.chat else "text_completion",
         "created": int(time.time()),
         "model": c.model,
         "choices": choices,
         "usage": totals,
     }
+
+
+def completion_id(c: Completion) -> str:
+    """An answer's id, prefixed as OpenAI's: ``chatcmpl-`` for a chat, ``cmpl-`` otherwise."""
+    return f"{'chatcmpl' if c.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
 
 
 def model(name: str) -> dict[str, Any]:

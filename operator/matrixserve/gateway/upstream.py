@@ -12,16 +12,20 @@ measures the difference: docs/gateway.md).
 
 It speaks what engines answer, nothing more: a status line and headers, then a body framed by
 ``Transfer-Encoding: chunked`` (streams) or ``Content-Length`` (refusals), or ended by the
-connection's close. Anything else (an oversize head or event, bad chunk framing, an event that
-is not a JSON object with a type, a connection lost mid-body, a minute of silence) is a broken
-upstream: the stream's events end with one ``error`` event (``upstream_failed``), never a hang,
-and the connection is dropped, not pooled. A stream released at its last event waits briefly
-for its body's end (the engine writes it separately) and is then pooled.
+connection's close. A refusal's body is kept (its first :data:`MAX_REFUSAL_BYTES`), so the
+gateway can tell its client what an engine refused (:meth:`EngineStream.refusal`); reading it
+whole keeps the connection's framing, so it is pooled afterwards. Anything else (an oversize
+head or event, bad chunk framing, an event that is not a JSON object with a type, a connection
+lost mid-body, a minute of silence) is a broken upstream: the stream's events end with one
+``error`` event (``upstream_failed``), never a hang, and the connection is dropped, not pooled.
+A stream released at its last event waits briefly for its body's end (the engine writes it
+separately) and is then pooled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 
@@ -30,6 +34,7 @@ from matrixserve.api.engine_protocol import LAST_EVENTS, Event, error_event, eve
 MAX_HEAD_BYTES = 64 * 1024  # an engine's status line and headers
 MAX_EVENT_BYTES = 1 << 20  # one SSE line from an engine; longer is a broken upstream
 MAX_CHUNK_LINE_BYTES = 1024  # a chunk-size line (hex size and extensions)
+MAX_REFUSAL_BYTES = 8192  # of a refusal's body kept (an engine's JSON error is a few hundred)
 # Events read but not yet taken by a handler (its client is slow): past this many the
 # connection stops reading, so a slow client holds the engine back instead of the gateway's memory.
 MAX_PENDING_EVENTS = 256
@@ -62,12 +67,14 @@ class EngineStream(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.status = 0
+        self.headers: dict[str, str] = {}  # the answer's (names and values in lower case)
         self.reused = False
         self._state = _IDLE
         self._buffer = b""
         self._left = 0  # bytes left in this chunk (or in a Content-Length body)
         self._partial = b""  # an SSE line not yet ended
-        self._sse = False  # the body is the stream's events (a 200), else it is skipped
+        self._sse = False  # the body is the stream's events (a 200), else a refusal's (kept)
+        self._refusal = bytearray()  # a refusal's body, up to MAX_REFUSAL_BYTES
         self._keep_alive = True
         self._paused = False  # reading paused: too many events wait for the handler
         self._ended = False  # the stream's last event (or a refusal's head) has been read
@@ -124,6 +131,7 @@ class EngineStream(asyncio.Protocol):
         self._state, self.status = _HEAD, 0
         self._sse, self._keep_alive, self._events = False, True, []
         self._buffer, self._partial, self._left = b"", b"", 0
+        self._refusal = bytearray()
         self._ended = self._lingering = False
         self._resume()
         self._last = self.loop.time()
@@ -148,6 +156,19 @@ class EngineStream(asyncio.Protocol):
         events, self._events = self._events, []
         self._resume()
         return events
+
+    async def refusal(self, timeout: float) -> bytes:
+        """A refusal's body (its first :data:`MAX_REFUSAL_BYTES`), waiting at most ``timeout``
+        s for its end; what has arrived by then, if it does not end in time."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                while self._state != _DONE:
+                    self._waiter = self.loop.create_future()
+                    try:
+                        await self._waiter
+                    finally:
+                        self._waiter = None
+        return bytes(self._refusal)
 
     def _resume(self) -> None:
         """Read again after a pause (not the engine's silence: the clock restarts)."""
@@ -208,6 +229,7 @@ class EngineStream(asyncio.Protocol):
             if not sep:
                 raise UpstreamError(f"a malformed response header: {line[:80]!r}")
             headers[name.strip().lower()] = value.strip().lower()
+        self.headers = headers
         self._keep_alive = version == "HTTP/1.1" and headers.get("connection") != "close"
         self._sse = self.status == 200
         self._ended = not self._sse  # a refusal's head is all its caller reads
@@ -237,6 +259,9 @@ class EngineStream(asyncio.Protocol):
                         self._left -= end - at
                     if self._sse:
                         self._parse_events(buffer[at:end])
+                    elif len(self._refusal) < MAX_REFUSAL_BYTES:
+                        room = MAX_REFUSAL_BYTES - len(self._refusal)
+                        self._refusal += buffer[at : min(end, at + room)]
                     at = end
                     if self._left == 0 and state == _DATA:
                         self._state = _DATA_END
@@ -400,6 +425,13 @@ class EnginePool:
 
     def idle_count(self, address: str) -> int:
         return len(self._idle.get(address, ()))
+
+    def idle_total(self) -> int:
+        return sum(len(idle) for idle in self._idle.values())
+
+    def open_count(self) -> int:
+        """Connections open, pooled or in use."""
+        return len(self._open)
 
     def close(self) -> None:
         """Drop every connection, pooled or in use."""

@@ -19,6 +19,7 @@ from prometheus_client import start_http_server
 
 from matrixserve.adapters.kube import KubeAdapter, api_client, credentials
 from matrixserve.api import kinds
+from matrixserve.api import zk_layout as zl
 from matrixserve.api.zk_layout import Credentials
 from matrixserve.coordination import Session, SessionState
 from matrixserve.domain.enginepod import EngineSettings
@@ -151,8 +152,11 @@ async def startup(
 async def _connect(session: Session, logger: logging.Logger) -> None:
     await session.connect(attempt_timeout=5, pause=2)
     logger.info("connected to ZooKeeper %s", session.hosts)
-    if session.auth is not None:  # znodes made before credentials were configured: ours now
-        await session.restrict_existing()
+    # Znodes made before the identity was configured (an upgrade) are ours now, except the
+    # groups' subtrees: their engines, started before, have no credential and still write there.
+    # Each group's is closed once its pods carry the credential (its reconciler's business).
+    if session.auth is not None:
+        await session.restrict_existing(skip=zl.is_group_root)
 
 
 @kopf.on.cleanup()

@@ -5,7 +5,7 @@ Every pod starts role-less (``ENGINE_ROLE=auto``): its role is bound in the RoCE
 instances are tightly coupled and stay inside one SuperPod (required pod affinity on the SuperPod
 label, 001 §6.1.2); prefill prefers the same SuperPod but may go elsewhere over RoCE. Each pod
 runs the hardened engine container (:mod:`matrixserve.domain.enginepod`, issue 16 finding 8)
-with its role's ``resources``.
+with its role's ``resources``, and ZooKeeper's identity as a read-only file (finding 7).
 
 An instance is an ordered list of pods (:func:`pod_names`); today every instance is one pod,
 named as the instance.
@@ -20,10 +20,13 @@ from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain.enginepod import (
     EngineSettings,
+    credential_mounts,
+    credential_volumes,
     downward_env,
     engine_container,
     platform_env,
     pod_security_context,
+    scratch_volumes,
 )
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.pdgroup.validation import ANNOTATION_TEMPLATE, stamp
@@ -95,6 +98,10 @@ def pod_manifest(
         env.append({"name": "ENGINE_TP", "value": str(r.parallelism.tp)})
     if r.parallelism.ep:
         env.append({"name": "ENGINE_EP", "value": str(r.parallelism.ep)})
+    volumes = [*scratch_volumes(), *credential_volumes(settings)]
+    container = engine_container(
+        r.image, env, r.devices_per_instance, r.resources, credential_mounts(settings)
+    )
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -127,6 +134,7 @@ def pod_manifest(
             "nodeSelector": {kinds.LABEL_NPU_TYPE: r.npu_type},
             "affinity": _affinity(group, role),
             "securityContext": pod_security_context(),
-            "containers": [engine_container(r.image, env, r.devices_per_instance, r.resources)],
+            "containers": [container],
+            "volumes": volumes,
         },
     }

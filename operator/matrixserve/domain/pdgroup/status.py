@@ -17,6 +17,7 @@ from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.domain.conditions import Condition
 from matrixserve.domain.conditions import find as conditions_find
+from matrixserve.domain.enginepod import FIRST_PROBE_GRACE_SECONDS
 from matrixserve.domain.pdgroup.actions import (
     Action,
     CreatePod,
@@ -72,8 +73,20 @@ def instance_state(view: GroupView, name: str, roce_map: zl.RoceMap | None) -> s
         return "Initializing"
     if health.state is not zl.HealthState.SERVING:
         return "Degraded"
-    # what kubectl shows agrees with the group
-    return "Serving" if instance.ready else "Initializing"
+    # What kubectl shows agrees with the group: a pod the kubelet found unready is not serving
+    # (a killed engine is seen there first); one not probed yet since its engine started is,
+    # for as long as its first readiness probe may take once the engine serves.
+    if instance.ready:
+        return "Serving"
+    probe_due = serving_since(view, health) + FIRST_PROBE_GRACE_SECONDS
+    return "Serving" if view.now <= probe_due and instance.serving(report.ts) else "Initializing"
+
+
+def serving_since(view: GroupView, health: zl.Health) -> float:
+    """When the engine began serving, at the latest: it writes its health once it serves, then
+    once a health interval (and on changes: more often, so this errs early, never late)."""
+    interval = float(view.engine.health_interval_seconds) / float(view.engine.time_scale)
+    return health.ts - (health.seq - 1) * interval
 
 
 def instance_rows(
@@ -253,8 +266,13 @@ def derive(
     stuck_reason = stuck[min(stuck)][0] if stuck else None
     reported = sum(1 for n in desired if n in view.reports)
     linked = roce_map is not None and expected_links > 0 and verified == expected_links
-    # The group has served (its decode meta was pushed) and now cannot as it should.
-    opened = zk.decode_meta is not None
+    # The group has served (its entrances opened, now or in its last status, or it is degraded
+    # already) and now cannot as it should; during the first setup it is only SettingUp.
+    opened = zk.decode_meta is not None and (
+        bool(zk.entrances)
+        or bool(view.previous.get("entrances"))
+        or conditions_find(view.previous, "Degraded").get("status") == "True"
+    )
     no_decode = opened and bool(members_d) and not (serving & set(members_d))
     degraded = opened and (bool(unhealthy) or no_decode)
     if no_decode:

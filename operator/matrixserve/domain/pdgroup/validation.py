@@ -14,7 +14,10 @@ construction, P/D-Serve §3.3), and ``service``, ``scenario``, ``slo``, ``ratioP
 ``recovery`` (the gateway and the status follow them at once). The instance template (the model,
 each role's fields but its replicas, its ``resources`` included, ``moe``, ``warmPoolRef``)
 reaches a pod only when the pod is made; the operator does not roll a changed template out to
-running instances yet, so it is immutable until it does, rather than accepted and ignored.
+running instances yet, so it is immutable until it does, rather than accepted and ignored. A
+pod's stamped template names the fields its operator knew: one it does not name (``resources``
+on a pod made before they existed) is held to the old spec by the webhook, so adding it is
+refused too (the reconciler, with no old spec, cannot tell it from a default).
 """
 
 from __future__ import annotations
@@ -219,13 +222,27 @@ def stamp(spec: PDGroupSpec, role: str) -> str:
     return json.dumps(instance_template(spec, role), sort_keys=True, separators=(",", ":"))
 
 
-def _changes(made_from: Any, now: Any, path: str) -> list[tuple[str, Any, Any]]:
-    """Each leaf of ``made_from`` that ``now`` differs in: (spec path, was, now). A field the
-    template it was made from does not name (a pod of an older operator) is not a change."""
+# What a pod's template cannot say: a field it does not name (made by an operator older than
+# the field), compared with the old spec when there is one (:func:`admit`), else not at all.
+_UNKNOWN: Any = object()
+
+
+def _changes(
+    made_from: Any, now: Any, path: str, before: Any = _UNKNOWN
+) -> list[tuple[str, Any, Any]]:
+    """Each leaf ``now`` differs in from the template ``made_from``: (spec path, was, now). A
+    field ``made_from`` does not name (a pod of an older operator) is compared with the same
+    field of ``before``, the old spec's template, when given: otherwise adding it (``resources``
+    to a group made before they existed) would be accepted and never applied."""
     if isinstance(made_from, dict) and isinstance(now, dict):
+        old = before if isinstance(before, dict) else {}
         found = []
-        for key, was in made_from.items():
-            found += _changes(was, now.get(key), f"{path}.{key}")
+        for key in sorted(made_from.keys() | now.keys()):
+            where = f"{path}.{key}"
+            if key in made_from:
+                found += _changes(made_from[key], now.get(key), where, old.get(key, _UNKNOWN))
+            elif key in old:
+                found += _changes(old[key], now.get(key), where)
         return found
     return [] if made_from == now else [(path, made_from, now)]
 
@@ -256,13 +273,15 @@ def validate_update(old: PDGroupSpec, new: PDGroupSpec) -> list[str]:
 
 
 def _running_changes(
-    spec: PDGroupSpec, pods: Iterable[PodView]
+    spec: PDGroupSpec, pods: Iterable[PodView], old: PDGroupSpec | None = None
 ) -> list[tuple[str, Any, Any, PodView]]:
     """(spec path, the pod's value, the spec's, the first pod in name order that differs) for
-    each template field ``spec`` differs in from a running pod's stamped template."""
+    each template field ``spec`` differs in from a running pod's stamped template (or, for a
+    field that template does not name, from the ``old`` spec's, when given)."""
     found: dict[str, tuple[str, Any, Any, PodView]] = {}
     for pod, role, made_from in _stamped(pods):
-        for path, was, now in _changes(made_from, instance_template(spec, role), "spec"):
+        before = _UNKNOWN if old is None else instance_template(old, role)
+        for path, was, now in _changes(made_from, instance_template(spec, role), "spec", before):
             found.setdefault(path, (path, was, now, pod))
     return list(found.values())
 
@@ -320,21 +339,22 @@ def admit(
     Never refused: an update of metadata only, and anything on an object being deleted (an
     invalid object can always be fixed or deleted). A new spec must pass :func:`parse_spec`; an
     update must keep the instance template of what runs: the ``running`` pods' (the group's pods,
-    when they carry their template), else the old spec's (when it was valid: a spec that never
-    was is not what runs)."""
+    when they carry their template; a field their template does not name, the old spec's), else
+    the old spec's (when it was valid: a spec that never was is not what runs)."""
     if deleting or not spec_changes(operation, old_raw, new_raw):
         return []
     new, errors = parse_spec(new_raw or {}, name)
     if operation != "UPDATE" or new is None:
         return errors
+    old, old_errors = parse_spec(old_raw or {}, name)
+    valid_old = old if old is not None and not old_errors else None
     running = tuple(running)
     if _stamped(running):
         return errors + [
-            _immutable(p, was, now) for p, was, now, _ in _running_changes(new, running)
+            _immutable(p, was, now) for p, was, now, _ in _running_changes(new, running, valid_old)
         ]
-    old, old_errors = parse_spec(old_raw or {}, name)
-    if old is not None and not old_errors:
-        errors += validate_update(old, new)
+    if valid_old is not None:
+        errors += validate_update(valid_old, new)
     return errors
 
 

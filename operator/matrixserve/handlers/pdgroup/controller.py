@@ -57,6 +57,8 @@ class PDGroups:
     store: GroupStore
     metrics: PDGroupMetrics
     ready: set[Key] = field(default_factory=set)
+    # Groups whose ZooKeeper subtree this run has closed (or found closed): not walked again.
+    closed: set[Key] = field(default_factory=set)
     kind: kinds.Kind = KIND
     sweeps: set[asyncio.Task[None]] = field(default_factory=set)  # running (kept from the GC)
 
@@ -68,6 +70,7 @@ class PDGroups:
     def forget(self, key: Key) -> None:
         self.metrics.setup.forget(key)
         self.ready.discard(key)
+        self.closed.discard(key)
         self.metrics.groups_ready.set(len(self.ready))
 
 
@@ -108,5 +111,3 @@ async def sweep(groups: PDGroups) -> None:
 def groups_of(memo: kopf.Memo) -> PDGroups:
     groups: PDGroups = memo.runtime.controllers[KIND.kind]
     return groups
-
-

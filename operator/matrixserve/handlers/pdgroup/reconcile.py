@@ -1,11 +1,14 @@
 """PDGroup's kopf handlers (P/D-Serve §3.2-3.4): wake-ups, the per-group daemon running
-``reconcile`` (parse -> validate -> observe -> plan -> apply -> status), and the finalizer."""
+``reconcile`` (parse -> validate -> observe -> plan -> apply -> status), and the finalizer.
+Beside the plan, each pass keeps the engines' ZooKeeper access (issue 16 finding 7): their
+Secret in the namespace, and the group's znodes closed once every pod carries the credential."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import kopf
@@ -13,7 +16,13 @@ import kopf
 from matrixserve import coordination
 from matrixserve.api import kinds
 from matrixserve.domain import pdgroup as pd
-from matrixserve.domain.effects import ZnodeChange
+from matrixserve.domain.effects import Effect, PodCreation, ZnodeChange
+from matrixserve.domain.enginepod import (
+    ACCESS_OPEN,
+    access_closed,
+    secret_taken,
+    without_credential,
+)
 from matrixserve.domain.pdgroup import cleanup
 from matrixserve.domain.pdgroup.validation import parse_spec, running_template_changes
 from matrixserve.handlers.pdgroup.controller import API, KIND, PDGroups, groups_of
@@ -95,19 +104,64 @@ async def reconcile(groups: PDGroups, namespace: str, name: str, logger: logging
         foreign=foreign,
     )
     if view.zk.connected and not view.zk.present:  # a server that lost the group's data
-        await groups.store.ensure(namespace, name)  # where the engines report again
+        # where the engines report again: open while some of them have no credential
+        still_open = rt.engine.zookeeper_auth is not None and bool(
+            without_credential(view.pods.values(), rt.engine)
+        )
+        await groups.store.ensure(namespace, name, open_acl=still_open)
     plan = pd.plan(view)
+    actions = await _engine_access(groups, body, view, plan.actions, logger)
 
     async def znodes(action: ZnodeChange[Any]) -> None:
         await groups.store.apply(namespace, name, action)
 
-    busy = await groups.loop.apply(body, plan.actions, znodes)
+    busy = await groups.loop.apply(body, actions, znodes)
     await groups.loop.write_status(body, plan.status, plan.conditions)
     _track_setup(groups, (namespace, name), plan)
     groups.metrics.links_verified.labels(namespace=namespace, group=name).set(
         plan.status["links"]["verified"]
     )
     return busy
+
+
+async def _engine_access(
+    groups: PDGroups,
+    body: Mapping[str, Any],
+    view: pd.GroupView,
+    planned: Sequence[Effect],
+    logger: logging.Logger,
+) -> list[Effect]:
+    """The plan's actions, with what ZooKeeper's identity asks of this pass: the engines'
+    Secret in place before any pod is created (a tenant's Secret of that name: no pod, a
+    notice), and the group's znodes closed once every pod mounts the credential; until then
+    they stay open for the pods made before it (an upgrade), and a notice says so."""
+    rt = groups.rt
+    taken: list[str] = []
+    if any(isinstance(a, PodCreation) for a in planned):  # a pass creating no pod asks nothing
+        try:
+            taken = await rt.kube.pod_secrets_taken(view.namespace)
+        except Exception as exc:  # the API's trouble must not stall the rest of the pass
+            logger.warning(
+                "the engines' Secrets in %s not checked (%s): no pod created this pass",
+                view.namespace,
+                exc,
+            )
+            return [a for a in planned if not isinstance(a, PodCreation)]
+    actions: list[Effect] = [a for a in planned if not (taken and isinstance(a, PodCreation))]
+    actions += [secret_taken(view.namespace, secret) for secret in taken]
+    key = (view.namespace, view.name)
+    if rt.engine.zookeeper_auth is None or not view.zk.connected or key in groups.closed:
+        return actions
+    if without_credential(view.pods.values(), rt.engine):
+        return [*actions, ACCESS_OPEN]
+    done = await groups.store.close(*key)
+    if done.refused:  # another identity's znodes in the subtree: logged, tried again
+        logger.warning("%d znodes of the group are not ours: %s", done.refused, done.examples)
+        return actions
+    groups.closed.add(key)
+    if done.changed:
+        groups.loop.post(body, access_closed(done.changed))
+    return actions
 
 
 def _track_setup(groups: PDGroups, key: Key, plan: pd.Plan) -> None:
