@@ -18,15 +18,18 @@ connections but has no read deadlines and no connection caps. :func:`start` serv
 - a **header deadline**: a request head (line and headers) must arrive whole within
   ``header_timeout`` of its first byte — of the connection's opening for its first request — or
   the connection is closed (a slowloris sends a header a byte at a time). A head begun in the
-  read that ended the request before it (pipelined) is held to it too: the parser is fed up to
-  each place a message can end and asked whether one did (:class:`_ParserTap`);
+  read that ended a body-less request before it (pipelined) is held to it too; one begun in the
+  read that ended a request with a body has the idle limit (where that body ends in the read is
+  not looked for: each read is fed to the parser whole, whatever its bytes);
 - a **body deadline**: the body must arrive whole within ``body_timeout`` of its head; past it
   the handler reading it gets a 408 ``request_timeout`` and the connection is closed;
 - an **idle limit**: aiohttp's keep-alive timeout, ``idle_timeout`` between requests;
 - a **send deadline**: a response's write that stalls — the connection's send buffer full,
   its client reading nothing — for ``send_timeout`` is given up and the connection aborted, so
   a client that stops reading does not hold its stream (and the engine work behind it) for
-  ever; a client that reads, however slowly, is never cut;
+  ever. Progress is what the client has not taken yet (transport buffer and kernel queue)
+  going down; with the kernel's buffers (MBs on a fast link) a client reading far below
+  buffer / ``send_timeout`` (about 30 KB/s at 60 s) can look stalled and be cut;
 - **connection caps**: at most ``max_connections`` open at once, and ``max_connections_per_client``
   from one client address. A connection over a cap is answered at once with 503
   ``too_many_connections`` and ``Retry-After`` and closed, never read.
@@ -52,12 +55,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
 import functools
 import json
 import logging
 import math
 import os
 import resource
+import sys
+import termios
 from collections import Counter as Tally
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -376,98 +383,35 @@ def _refusal(reason: str, limits: ConnectionLimits) -> bytes:
 
 
 class _ParserTap:
-    """aiohttp's request parser, with the heads it completes reported to the connection, and
-    whether the bytes after the last whole message begin another head (:attr:`partial`: the
-    header deadline runs). The parser (aiohttp's C parser: its state is not readable) is fed up
-    to each place a message can end — a blank line (a head's end, a chunked body's end) and a
-    Content-Length body's last byte — and asked whether one did. Should the parser's own
-    buffering (flow control, an upgrade) hide where messages end, :attr:`partial` stays False
-    for the connection: its idle limit still bounds it."""
+    """aiohttp's request parser, with the heads it completes reported to the connection. Each
+    read is fed whole (one call into the parser: its cost stays the parser's, whatever the
+    bytes — a body of blank lines included)."""
 
     def __init__(self, parser: Any, on_messages: Callable[[list[Any]], None]) -> None:
         self._parser = parser
         self._on_messages = on_messages
-        self._left = 0  # bytes of a Content-Length body still to come
-        self._chunked: StreamReader | None = None  # a chunked body, until its end
-        self._carry = b""  # the last bytes fed outside a Content-Length body (a blank line
-        # may straddle two reads)
-        self._lost = False  # where messages end is no longer known
-        self.partial = False  # a head has begun (a byte other than CR or LF) and not ended
 
     def feed_data(self, data: bytes) -> Any:
-        if self._lost or not data:  # nothing new (flow control resumed): the parser's buffer
-            parsed = self._parser.feed_data(data)
-            if parsed[0] or parsed[1]:  # heads it had buffered: where they ended is unknown
-                self._lost, self.partial = True, False
-        else:
-            parsed = self._feed_pieces(data)
+        parsed = self._parser.feed_data(data)
         if parsed[0]:
             self._on_messages(parsed[0])
         return parsed
 
-    def _feed_pieces(self, data: bytes) -> tuple[list[Any], bool, bytes]:
-        messages: list[Any] = []
-        at, size = 0, len(data)
-        while at < size:
-            end = self._piece_end(data, at)
-            piece = data if end - at == size else data[at:end]
-            in_body = self._left > 0
-            got, upgraded, tail = self._parser.feed_data(piece)
-            messages += got
-            at = end
-            if upgraded or (got and in_body) or len(got) > 1:
-                # an upgrade, or heads the parser had buffered: positions are lost, and the
-                # rest goes as aiohttp would send it (an upgrade's tail is the connection's)
-                self._lost, self.partial = True, False
-                if upgraded:
-                    return messages, upgraded, tail + data[at:]
-                if at < size:
-                    more, upgraded, tail = self._parser.feed_data(data[at:])
-                    messages += more
-                return messages, upgraded, tail
-            if in_body:
-                self._left -= len(piece)
-                if not self._left:
-                    self._at_message_end()
-            elif got:
-                self._head_ended(*got[0])
-            elif self._chunked is not None and self._chunked.is_eof():
-                self._at_message_end()
-            else:  # a head's bytes, or a chunked body's
-                self.partial = self.partial or (
-                    self._chunked is None and bool(piece.strip(b"\r\n"))
-                )
-                self._carry = (self._carry + piece)[-3:]
-        return messages, False, b""
-
-    def _piece_end(self, data: bytes, at: int) -> int:
-        """Where the next piece to feed ends: a Content-Length body's end, else a blank line's."""
-        if self._left:
-            return min(len(data), at + self._left)
-        if self._carry:
-            found = (self._carry + data[at : at + 3]).find(b"\r\n\r\n")
-            if found >= 0:
-                return at + found + 4 - len(self._carry)
-        found = data.find(b"\r\n\r\n", at)
-        return len(data) if found < 0 else found + 4
-
-    def _head_ended(self, message: Any, payload: StreamReader) -> None:
-        self.partial, self._carry = False, b""
-        if payload.is_eof():  # no body
-            self._at_message_end()
-        elif message.chunked:
-            self._chunked = payload
-        else:
-            try:
-                self._left = int(message.headers.get("Content-Length", ""))
-            except ValueError:
-                self._lost = True
-
-    def _at_message_end(self) -> None:
-        self._left, self._chunked, self._carry, self.partial = 0, None, b"", False
-
     def __getattr__(self, name: str) -> Any:
         return getattr(self._parser, name)
+
+
+def _unsent(transport: asyncio.Transport) -> int:
+    """Bytes written to the connection its client has not taken yet: the transport's buffer and
+    the kernel's send queue (which, several MB on a fast link, absorbs a slow client's reads:
+    the transport's buffer alone would not move for them)."""
+    queued = 0
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError, ValueError):
+            out = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+            queued = int.from_bytes(out, sys.byteorder)
+    return transport.get_write_buffer_size() + queued
 
 
 class _GuardedHandler(RequestHandler):
@@ -483,9 +427,11 @@ class _GuardedHandler(RequestHandler):
         self._body: StreamReader | None = None  # a body still arriving
         self._body_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
+        self._send_buffered = 0  # the write buffer's size when the send deadline was armed
+        self._head_done = False  # a head ended in the read being handled
+        self._last_bodiless = False  # ... and the last one has no body
         # the parser is aiohttp's (C or Python): wrapped, not replaced
-        self._tap = _ParserTap(self._parser, self._heads_parsed)
-        self._parser = cast("HttpParser[Any]", self._tap)
+        self._parser = cast("HttpParser[Any]", _ParserTap(self._parser, self._heads_parsed))
 
     # ------------------------------------------------------------------ caps
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -515,13 +461,27 @@ class _GuardedHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if self._refused is not None:
             return  # discarded: the 503 is all this connection gets
+        in_head = self._body is None
+        self._head_done = self._last_bodiless = False
         super().data_received(data)
-        # a head begun, in this read or before: from its first read, whether a request is being
-        # served or the connection waits (a head pipelined behind the end of the last one)
-        if self._tap.partial and self._head_timer is None and self.transport is not None:
-            self._arm_head()
+        if not data or self._head_timer is not None or self.transport is None:
+            return
+        if in_head and not self._head_done:
+            self._arm_head()  # a head's bytes, not ended in this read
+        elif self._last_bodiless:
+            # a body-less request ended in this read: the bytes after its blank line begin the
+            # next head (pipelined). After a request with a body, where it ends in the read is
+            # not looked for (a scan per read): such a head has the idle limit.
+            end = data.rfind(b"\r\n\r\n")
+            if end >= 0 and data[end + 4 :].strip(b"\r\n"):
+                self._arm_head()
 
     def _heads_parsed(self, messages: list[Any]) -> None:
+        self._head_done = True
+        message = messages[-1][0]
+        self._last_bodiless = not message.chunked and message.headers.get(
+            "Content-Length", "0"
+        ) in ("", "0")
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
@@ -570,7 +530,9 @@ class _GuardedHandler(RequestHandler):
 
     def pause_writing(self) -> None:
         super().pause_writing()
-        if self._address is not None:  # a served connection (a refused one lingers 1 s at most)
+        if self._address is not None and self.transport is not None:
+            # a served connection (a refused one lingers 1 s at most)
+            self._send_buffered = _unsent(self.transport)
             self._send_timer = self._loop.call_later(
                 self._guard.limits.send_timeout, self._send_overdue
             )
@@ -587,6 +549,13 @@ class _GuardedHandler(RequestHandler):
         and gives back what it holds."""
         self._send_timer = None
         if self.transport is None or not self.writing_paused:
+            return
+        buffered = _unsent(self.transport)
+        if buffered < self._send_buffered:  # the client took some meanwhile: slow, not stalled
+            self._send_buffered = buffered
+            self._send_timer = self._loop.call_later(
+                self._guard.limits.send_timeout, self._send_overdue
+            )
             return
         log.debug("aborting a connection from %s: it read nothing for a while", self._address)
         self._guard.timed_out("send")
