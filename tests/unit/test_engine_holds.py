@@ -234,3 +234,31 @@ async def test_the_gauges_read_zero_once_the_batch_and_slots_empty() -> None:
         assert _sample(engine, "matrixserve_engine_hbm_used_bytes") == weights
     finally:
         await engine.close()
+
+
+@pytest.mark.parametrize(
+    ("variable", "flag"),
+    [
+        ("ENGINE_PORT", "--port"),
+        ("ENGINE_TP", "--tp"),
+        ("ENGINE_MAX_BATCH", "--max-batch"),
+        ("ENGINE_LINK_TIMEOUT", "--link-timeout"),
+        ("ENGINE_HEALTH_INTERVAL", "--health-interval"),
+    ],
+)
+def test_a_bad_number_in_the_environment_exits_2_naming_its_flag(
+    variable: str, flag: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 16 (bad input gets a clear error): it crashed with a traceback before argparse."""
+    monkeypatch.setenv(variable, "abc")
+    with pytest.raises(SystemExit) as exited:
+        _config()
+    assert exited.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_numbers_from_the_environment_still_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ENGINE_PORT", "8123")
+    monkeypatch.setenv("ENGINE_MAX_BATCH", "3")
+    config = _config()
+    assert (config.port, config.max_batch) == (8123, 3)

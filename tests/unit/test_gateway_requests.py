@@ -60,6 +60,7 @@ class FakeEngine:
     delay: float = 0.0
     word: Callable[[int], str] = lambda i: f"t{i} "
     answer: Callable[[int], int | str | None] = lambda n: None
+    refusal_delay: float = 0.0  # s between a refusal's head and its body
     bodies: list[dict[str, Any]] = field(default_factory=list)
     open: int = 0  # streams under way
     cut: int = 0  # streams the gateway closed before their end
@@ -74,7 +75,14 @@ class FakeEngine:
         if isinstance(answer, int):
             code, message = REFUSALS.get(answer, ("x", "no"))
             error = {"code": code, "message": message, "type": "x", "param": None}
-            return web.json_response({"error": error}, status=answer)
+            if not self.refusal_delay:
+                return web.json_response({"error": error}, status=answer)
+            late = web.StreamResponse(status=answer, headers={"Content-Type": "application/json"})
+            await late.prepare(request)  # the head now, the body later
+            await asyncio.sleep(self.refusal_delay)
+            await late.write(json.dumps({"error": error}).encode())
+            await late.write_eof()
+            return late
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         self.open += 1
@@ -493,6 +501,19 @@ async def test_a_prefill_refusing_the_request_itself_is_the_clients_400_at_once(
         assert series(text, "matrixserve_gateway_requests") == [
             {"scenario": "general", "outcome": "bad_request"}
         ]
+
+
+async def test_a_refusals_late_body_is_waited_for_within_the_requests_budget_only() -> None:
+    """Second review of issue 16: the wait for a refusal's body (up to 1 s) was not bounded by
+    the request's TTFT budget: a prefill sending its 400's head at once and its body late made
+    the client wait past the budget."""
+    engine = FakeEngine(answer=lambda n: 400, refusal_delay=3.0)
+    async with served(engine, default_ttft_ms=300) as s:
+        started = asyncio.get_running_loop().time()
+        got, answer = await s.post("/v1/completions", {"model": "general", "prompt": "x"})
+        took = asyncio.get_running_loop().time() - started
+        assert got == 400, answer  # final, with what had arrived of the body (nothing)
+        assert took < 0.3 + 0.5, f"answered after {took:.2f} s, past the 0.3 s budget"
 
 
 async def test_a_client_that_reads_nothing_is_cut_and_its_engine_stream_closed() -> None:

@@ -128,7 +128,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
     parser.add_argument(
         "--host", default=env.get("MATRIXSERVE_POD_IP") or env.get("POD_IP") or "127.0.0.1"
     )
-    parser.add_argument("--port", type=int, default=int(env.get("ENGINE_PORT", "8000")))
+    parser.add_argument("--port", type=int, default=env.get("ENGINE_PORT", "8000"))
     parser.add_argument(
         "--model",
         default=env.get("ENGINE_MODEL", "llama3-8b"),
@@ -137,30 +137,28 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
     parser.add_argument(
         "--tp",
         type=int,
-        default=int(env.get("ENGINE_TP", "0")) or None,
+        default=env.get("ENGINE_TP", "0"),
         help="tensor parallel degree (default: all dies)",
     )
-    parser.add_argument("--ep", type=int, default=int(env.get("ENGINE_EP", "1")))
+    parser.add_argument("--ep", type=int, default=env.get("ENGINE_EP", "1"))
     parser.add_argument("--mtp", action="store_true", default=env.get("ENGINE_MTP") == "1")
     parser.add_argument(
         "--max-batch",
         type=int,
-        default=int(env.get("ENGINE_MAX_BATCH", "0")) or None,
+        default=env.get("ENGINE_MAX_BATCH", "0"),
         help="prefill slots (default 8) or decode batch (default 64)",
     )
     parser.add_argument(
-        "--max-prompt-tokens", type=int, default=int(env.get("ENGINE_MAX_PROMPT_TOKENS", "32768"))
+        "--max-prompt-tokens", type=int, default=env.get("ENGINE_MAX_PROMPT_TOKENS", "32768")
     )
     parser.add_argument(
-        "--max-output-tokens", type=int, default=int(env.get("ENGINE_MAX_OUTPUT_TOKENS", "8192"))
+        "--max-output-tokens", type=int, default=env.get("ENGINE_MAX_OUTPUT_TOKENS", "8192")
     )
-    parser.add_argument(
-        "--time-scale", type=float, default=float(env.get("MATRIXSERVE_TIME_SCALE", "1"))
-    )
+    parser.add_argument("--time-scale", type=float, default=env.get("MATRIXSERVE_TIME_SCALE", "1"))
     parser.add_argument("--kv-plane", default=env.get("ENGINE_KV_PLANE", "RoCE"))
     parser.add_argument("--load-source", default=env.get("ENGINE_LOAD_SOURCE", "SharedFileService"))
     parser.add_argument(
-        "--concurrent-loaders", type=int, default=int(env.get("ENGINE_CONCURRENT_LOADERS", "1"))
+        "--concurrent-loaders", type=int, default=env.get("ENGINE_CONCURRENT_LOADERS", "1")
     )
     parser.add_argument("--group", default=env.get("MATRIXSERVE_GROUP"))
     parser.add_argument("--zookeeper", default=env.get("MATRIXSERVE_ZK"))
@@ -174,11 +172,9 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
     parser.add_argument(
         "--health-interval",
         type=float,
-        default=float(env.get("ENGINE_HEALTH_INTERVAL", str(cal.HEALTH_REPORT_INTERVAL_SECONDS))),
+        default=env.get("ENGINE_HEALTH_INTERVAL", str(cal.HEALTH_REPORT_INTERVAL_SECONDS)),
     )
-    parser.add_argument(
-        "--link-timeout", type=float, default=float(env.get("ENGINE_LINK_TIMEOUT", "60"))
-    )
+    parser.add_argument("--link-timeout", type=float, default=env.get("ENGINE_LINK_TIMEOUT", "60"))
     parser.add_argument(
         "--decode-peer",
         action="append",

@@ -152,6 +152,7 @@ class Forwarder:
         on past the budget; so is one that cannot be reached or answers an unexpected status
         (for :data:`PASSED_OVER_SECONDS`), and one that answers 503 (for its Retry-After)."""
         assert self.engines is not None
+        began = time.monotonic()
         try:
             async with asyncio.timeout(remaining):
                 response = await self.engines.post(entrance.address, "/v1/generate", body)
@@ -166,7 +167,10 @@ class Forwarder:
                 return response
             answer = "rejected" if status == 429 else answer_label(status)
             try:
-                refused = engine_refusal(status, await response.refusal(REFUSAL_BODY_SECONDS), chat)
+                # its body (if late) waited for within the request's budget too
+                left = remaining - (time.monotonic() - began)
+                said = await response.refusal(max(0.0, min(REFUSAL_BODY_SECONDS, left)))
+                refused = engine_refusal(status, said, chat)
             finally:  # read whole: pooled (or dropped if it never ended)
                 response.release()
             self.metrics.attempts.labels(answer=answer).inc()
