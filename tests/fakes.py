@@ -305,6 +305,7 @@ class FakeCore:
 
     pods: dict[tuple[str, str], Any] = field(default_factory=dict)
     nodes: dict[str, dict[str, str]] = field(default_factory=dict)
+    nodes_down: dict[str, Any] = field(default_factory=dict)  # name -> not Ready since when
     node_reads: int = 0
     selectors: list[str] = field(default_factory=list)
     deletes: list[tuple[str, str, str | None]] = field(default_factory=list)
@@ -386,6 +387,30 @@ class FakeCore:
             raise api_error(404)
         return client.V1Node(metadata=client.V1ObjectMeta(name=name, labels=self.nodes[name]))
 
+    def list_node(self) -> Any:
+        """Each fake node with 8 NPUs allocatable, schedulable, and Ready unless listed in
+        ``nodes_down`` (name -> since when)."""
+        down = self.nodes_down
+        return client.V1NodeList(
+            items=[
+                client.V1Node(
+                    metadata=client.V1ObjectMeta(name=name, labels=labels),
+                    spec=client.V1NodeSpec(),
+                    status=client.V1NodeStatus(
+                        allocatable={"huawei.com/Ascend910": "8"},
+                        conditions=[
+                            client.V1NodeCondition(
+                                type="Ready",
+                                status="True" if name not in down else "Unknown",
+                                last_transition_time=down.get(name),
+                            )
+                        ],
+                    ),
+                )
+                for name, labels in self.nodes.items()
+            ]
+        )
+
 
 def _v1_pod(body: dict[str, Any]) -> client.V1Pod:
     """The parts of a pod the adapter reads, as the client's model."""
@@ -428,12 +453,22 @@ def _v1_pod(body: dict[str, Any]) -> client.V1Pod:
                     image="engine",
                     image_id="",
                     ready=bool(cs.get("ready")),
-                    restart_count=0,
+                    restart_count=int(cs.get("restartCount", 0)),
                     state=client.V1ContainerState(
                         running=client.V1ContainerStateRunning(started_at=cs["startedAt"])
                         if cs.get("startedAt")
-                        else None
+                        else None,
+                        waiting=client.V1ContainerStateWaiting(**cs["waiting"])
+                        if cs.get("waiting")
+                        else None,
                     ),
+                    last_state=client.V1ContainerState(
+                        terminated=client.V1ContainerStateTerminated(
+                            exit_code=137, finished_at=cs["finishedAt"]
+                        )
+                    )
+                    if cs.get("finishedAt")
+                    else None,
                 )
                 for cs in status.get("containerStatuses") or []
             ]

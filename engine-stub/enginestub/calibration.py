@@ -100,3 +100,24 @@ FAILURES_PER_WEEK_PER_4096 = 8.8  # 003
 
 # --------------------------------------------------------------------------- P/D-Serve (004)
 HEALTH_REPORT_INTERVAL_SECONDS = 20.0  # 004 §3.2 "tens of seconds per followup reports"
+
+# --------------------------------------------------------------------------- fault detection (issue 17)
+# xDeepServe §6.1 gives no interval, timeout or probe period ("How fast: NOT STATED", notes/000.md
+# §2.12); these are ours, stated with their reasons (docs/engine-stub.md, "Detection").
+# The serving loop's heartbeat: notes/000.md B28's [I] T2 = 1 s between beats, a fault after 3
+# missed beats (emulated s).
+LOOP_BEAT_INTERVAL_SECONDS = 1.0
+HANG_MISSED_BEATS = 3
+# [design] A hang is never declared in under this much wall time, whatever the time scale: the
+# watchdog shares the event loop with the beat, and on a loaded 2-core machine a loop can pause
+# for a second or so (collections, other processes) without anything being hung.
+HANG_WALL_FLOOR_SECONDS = 2.0
+# [design] Link probing (000 §6.1, B30): a prefill sends each decode one dummy payload every
+# interval (emulated s, floored in wall time so a large time scale does not flood the loopback);
+# a probe not answered within the timeout (wall s: a loopback round trip under load) was never
+# delivered; one delivered later than PROBE_DELAY_FACTOR times its transfer alone was delayed.
+LINK_PROBE_INTERVAL_SECONDS = 2.0
+LINK_PROBE_WALL_FLOOR_SECONDS = 0.5
+LINK_PROBE_TIMEOUT_WALL_SECONDS = 2.0
+LINK_PROBE_BYTES = 1 << 20  # 1 MiB: "dummy payloads", small beside any prompt's KV
+PROBE_DELAY_FACTOR = 2.0

@@ -26,15 +26,17 @@ And per fault:
   keeps its last known state and says ``Coordinated=False``; after data loss the subtree is
   rebuilt (the RoCE map's version continued, not restarted) within 30 s of ZooKeeper being back,
   with no engine restarted;
-- with its only decode's die down the group says ``Degraded`` (``NoServingDecode``) and closes
-  its entrances within ``NO_DECODE_BOUND`` s; requests begun later are refused up front (an HTTP
-  error before the stream), never failed mid-stream; healed, it serves again.
+- with its only decode's die down the group says ``Degraded`` within ``NO_DECODE_BOUND`` s
+  (``NoServingDecode``, or ``Recovering`` once issue 17's recovery has planned), the decode is
+  replaced on healthy NPUs without waiting for the die to heal, and requests begun
+  ``NO_DECODE_BOUND`` s after the fault are served or refused up front (an HTTP error before the
+  stream), never failed mid-stream.
 
 "Serving again" is the first token of the first request that succeeded through the instance
-the fault hit and started after that instance was back (drain: the new pod's engine reported;
-kill: the kill; die down: the heal); for ZooKeeper restarts, of the first request started after
-ZooKeeper was back. Seconds until serving again count from the fault (die down: from the heal;
-ZooKeeper: from its restart). Seconds until Ready likewise, to the last time Ready became True
+the fault hit and started after that instance was back (drain and die down: the new pod's
+engine reported; kill: the kill); for ZooKeeper restarts, of the first request started after
+ZooKeeper was back. Seconds until serving again count from the fault (ZooKeeper: from its
+restart). Seconds until Ready likewise, to the last time Ready became True
 (ZooKeeper: Coordinated and Ready again, after data loss with the subtree rebuilt).
 
 The figures of each fault are printed as one table at the end (``pytest -s``); tests assert,
@@ -52,40 +54,25 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+from chaoskit import CLIENTS, GROUP, SAMPLE_EVERY, Request, Stage, Traffic
 from kubernetes import client, config
 
-from helpers import (
-    Groups,
-    absent,
-    events_of,
-    explain_namespace,
-    pdgroup_body,
-    wait_for,
-    zookeeper,
-)
+from helpers import Groups, absent, events_of, pdgroup_body, zookeeper
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo
-from matrixserve.devcluster.errors import tail
 from matrixserve.devcluster.procs import process_start_time
 
-GROUP = "g"
 TIME_SCALE = "50"
-CLIENTS = 3
-MAX_TOKENS = 8
-SAMPLE_EVERY = 0.5  # s between Ready samples
 DETECTION = 2.0  # s: a fault may go unseen this long (Ready still True, a probe failing)
 NO_DECODE_BOUND = 2.0  # s: after a decode-less fault, no request may fail for want of a decode
 WARM_UP = 2.0  # s of traffic before the first fault (every request must succeed)
@@ -93,263 +80,8 @@ SETTLE = 2.0  # s of traffic after the group is back (Ready must keep telling th
 ENGINE_READY_SLACK = 2.0  # s: after a drain, serving resumes within start + link + load + this
 ZOOKEEPER_DOWN = 3.0  # s from stopping ZooKeeper to starting it again
 
-
-# --------------------------------------------------------------------------- traffic
-
-
-@dataclass(frozen=True)
-class Request:
-    """One streamed completion as the client saw it (wall clock, ``time.time()``)."""
-
-    start: float
-    end: float
-    outcome: str  # "ok"; an error chunk's code; "http <status> <code>"; the client's exception
-    first_token: float | None = None
-    prefill: str = ""
-    decode: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.outcome == "ok"
-
-    @property
-    def refused_up_front(self) -> bool:
-        """Failed before its stream began (an HTTP error status, e.g. 503 no_capacity)."""
-        return self.outcome.startswith("http ")
-
-
-def complete(http: httpx.Client, gateway: str, prompt: str) -> Request:
-    """A streamed completion through the gateway, with its outcome."""
-    body = {"model": "general", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True}
-    start = time.time()
-    first: float | None = None
-    final: dict[str, Any] | None = None
-    error = ""
-    done = False
-    try:
-        with http.stream("POST", f"{gateway}/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                try:
-                    code = json.loads(response.read())["error"]["code"]
-                except (ValueError, KeyError, TypeError):
-                    code = "?"
-                return Request(start, time.time(), f"http {response.status_code} {code}")
-            for line in response.iter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                    break
-                if not line.startswith("data: "):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    error = str(chunk["error"].get("code") or "error")
-                elif "matrixserve" in chunk:
-                    final = chunk
-                elif first is None:
-                    first = time.time()
-    except httpx.HTTPError as exc:
-        return Request(start, time.time(), type(exc).__name__, first)
-    end = time.time()
-    if error or final is None or not done:
-        return Request(start, end, error or "incomplete", first)
-    served = final["matrixserve"]["instances"]
-    return Request(start, end, "ok", first, served["prefill"], served["decode"])
-
-
-@dataclass(frozen=True)
-class Sample:
-    at: float
-    ready: bool
-    probe: Request | None  # sent when Ready was True
-
-
-class Traffic:
-    """Steady streamed completions from ``CLIENTS`` threads (back to back, each recording start,
-    first token, end and outcome), and a sampler reading Ready every ``SAMPLE_EVERY`` s that
-    sends a probe request at each True."""
-
-    def __init__(self, gateway: str, ready: Callable[[], bool]) -> None:
-        self.gateway = gateway
-        self.ready = ready
-        self.requests: list[Request] = []
-        self.samples: list[Sample] = []
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.threads = [
-            threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(CLIENTS)
-        ]
-        self.threads.append(threading.Thread(target=self._sampler, daemon=True))
-
-    def __enter__(self) -> Traffic:
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stopping.set()
-        for thread in self.threads:
-            thread.join(60)
-
-    def _client(self, index: int) -> None:
-        with httpx.Client(timeout=20, trust_env=False) as http:
-            n = 0
-            while not self.stopping.is_set():
-                request = complete(http, self.gateway, f"client {index} request {n} " * 8)
-                with self.lock:
-                    self.requests.append(request)
-                n += 1
-                if not request.ok:
-                    time.sleep(0.05)  # a failing group is not hammered (a client backs off)
-
-    def _sampler(self) -> None:
-        with httpx.Client(timeout=20, trust_env=False) as http:
-            while not self.stopping.is_set():
-                began = time.monotonic()
-                at = time.time()
-                try:
-                    ready = self.ready()
-                except Exception:  # the API server's hiccup is no sample
-                    ready = None
-                if ready is not None:
-                    probe = complete(http, self.gateway, "probe " * 8) if ready else None
-                    with self.lock:
-                        self.samples.append(Sample(at, ready, probe))
-                self.stopping.wait(max(0.0, SAMPLE_EVERY - (time.monotonic() - began)))
-
-    # ------------------------------------------------------------------ queries
-    def snapshot(self) -> list[Request]:
-        with self.lock:
-            return list(self.requests)
-
-    def served(self, after: float, instance: str | None = None) -> Request | None:
-        """The request that started after ``after``, succeeded (through ``instance``, as prefill
-        or decode, if given) and got its first token first."""
-        found = [
-            r
-            for r in self.snapshot()
-            if r.ok
-            and r.start >= after
-            and r.first_token is not None
-            and (instance is None or instance in (r.prefill, r.decode))
-        ]
-        return min(found, key=lambda r: r.first_token or 0.0, default=None)
-
-
-# --------------------------------------------------------------------------- the stage
-
-
-@dataclass(frozen=True)
-class PodRun:
-    """A pod as the node emulator runs it."""
-
-    name: str
-    uid: str
-    node: str
-    npus: tuple[int, ...]
-    restarts: int
-    pids: tuple[int, ...]
-
-
-@dataclass
-class Stage:
-    """Everything one scenario runs on."""
-
-    namespace: str
-    groups: Groups
-    zookeeper: Any  # conftest's ZooKeeperHandle
-    emulator: Any  # conftest's EmulatorHandle
-    operator: Any  # conftest's OperatorHandle
-    gateway: str
-    ready: Callable[[], bool]  # Ready=True, read on the sampler's own API client
-    gateway_log: Path
-    seen_pids: dict[int, int | None] = field(default_factory=dict)  # pid -> its start time
-
-    @property
-    def core(self) -> client.CoreV1Api:
-        return self.groups.core
-
-    def pods(self) -> dict[str, PodRun]:
-        """The namespace's pods the node emulator runs (their engine pids remembered, so the end
-        of the test can check none is left)."""
-        runs = {}
-        for p in self.emulator.pods():
-            if p["namespace"] != self.namespace:
-                continue
-            pids = tuple(int(pid) for pid in dict(p["pids"]).values())
-            for pid in pids:
-                self.seen_pids.setdefault(pid, process_start_time(pid))
-            containers = dict(p["containers"])
-            runs[str(p["name"])] = PodRun(
-                str(p["name"]),
-                str(p["uid"]),
-                str(p["node"]),
-                tuple(p["npus"]),
-                sum(int(c["restarts"]) for c in containers.values()),
-                pids,
-            )
-        return runs
-
-    def status(self) -> dict[str, Any]:
-        return dict(self.groups.get(GROUP).get("status") or {})
-
-    def is_ready(self) -> bool:
-        return bool(self.groups.ready(GROUP))
-
-    def znode(self, path: str) -> tuple[bytes, Any] | None:
-        """A znode's data and stat from the private ZooKeeper, None if absent."""
-        with zookeeper(self.zookeeper.address) as zk:
-            if not zk.exists(path):
-                return None
-            data, stat = zk.get(path)
-            return data, stat
-
-    def engine_ready(self, instance: str) -> dict[str, float]:
-        """When the instance's current engine reported, finished its links and its health
-        (load) in ZooKeeper (wall s, from the znodes' ctime/mtime)."""
-        paths = zl.GroupPaths(self.namespace, GROUP)
-        with zookeeper(self.zookeeper.address) as zk:
-            raw, stat = zk.get(paths.report(instance))
-            report = zl.Report.parse(raw)
-            times = {"reported": stat.ctime / 1000}
-            linked = 0.0
-            for child in zk.get_children(paths.links):
-                raw, stat = zk.get(f"{paths.links}/{child}")
-                link = zl.Link.parse(raw)
-                if report.incarnation in (link.prefill_incarnation, link.decode_incarnation):
-                    linked = max(linked, stat.mtime / 1000)
-            times["linked"] = linked
-            raw, stat = zk.get(paths.health_of(instance))
-            health = zl.Health.parse(raw)
-            assert health.incarnation == report.incarnation, "health of another incarnation"
-            times["healthy"] = stat.ctime / 1000
-        return times
-
-    def explain(self) -> str:
-        """The namespace (group conditions, pods), the group's status, and the tails of the
-        operator's, the gateway's and every engine container's log."""
-        # (no log tails from explain_namespace: it reads the session emulator's; ours follow)
-        lines = [explain_namespace("/nonexistent", self.groups.core.api_client, self.namespace)]
-        with contextlib.suppress(Exception):
-            status = self.status()
-            lines.append(
-                f"status: map v{status.get('roceMapVersion')} links {status.get('links')} "
-                f"entrances {status.get('entrances')}"
-            )
-            lines += [f"  {row}" for row in status.get("instances", [])]
-        lines.append("--- operator log")
-        lines.append(self.operator.log()[-4000:])
-        lines.append("--- gateway log")
-        lines.append(tail(self.gateway_log, 20))
-        for log in sorted((self.emulator.state_dir / "pods").glob(f"{self.namespace}_*/*.log")):
-            lines.append(f"--- {log.parent.name.split('_')[1]}/{log.name}")
-            lines.append(tail(log, 15))
-        return "\n".join(lines)
-
-    def wait(self, predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-        return wait_for(predicate, timeout=timeout, what=what, explain=self.explain)
-
-    def cordon(self, node: str, unschedulable: bool = True) -> None:
-        self.core.patch_node(node, {"spec": {"unschedulable": unschedulable}})
+# (the traffic, the pods and the stage are chaoskit's: the recovery chaos test and benchmark of
+# issue 17 share them)
 
 
 @pytest.fixture
@@ -628,9 +360,10 @@ def rebuilt(stage: Stage, version: int) -> Callable[[], bool]:
 
 
 def die_down_on_the_decode(stage: Stage, traffic: Traffic, chaos: Chaos) -> None:
-    """A die fault on the only decode: the group stops admitting (Degraded, NoServingDecode);
-    no request whose prefill began ``NO_DECODE_BOUND`` s after the fault fails after its stream
-    began; healed, it serves again."""
+    """A die fault on the only decode: the group stops admitting while no decode serves
+    (Degraded: ``NoServingDecode``, or ``Recovering`` once recovery has planned), and issue 17's
+    recovery replaces the decode on healthy NPUs without waiting for the die to heal; no request
+    whose prefill began ``NO_DECODE_BOUND`` s after the fault fails after its stream began."""
     decode = stage.pods()[f"{GROUP}-d-0"]
     with stage.emulator.http() as http:
         device = http.get(f"/nodes/{decode.node}/device-status").json()
@@ -639,36 +372,46 @@ def die_down_on_the_decode(stage: Stage, traffic: Traffic, chaos: Chaos) -> None
     fault = time.time()
     chaos.faults.append(fault)
     stage.emulator.fault(**fault_body)
-    unready = wait_unready(stage, fault, "die down")
+    try:
+        unready = wait_unready(stage, fault, "die down")
 
-    def degraded() -> bool:
-        conditions = {c["type"]: c for c in stage.status().get("conditions", [])}
-        return bool(conditions.get("Degraded", {}).get("reason") == "NoServingDecode")
+        def degraded() -> bool:
+            conditions = {c["type"]: c for c in stage.status().get("conditions", [])}
+            reason = conditions.get("Degraded", {}).get("reason")
+            return reason in ("NoServingDecode", "Recovering")
 
-    stage.wait(degraded, NO_DECODE_BOUND, "Degraded=True, NoServingDecode")
-    said = time.time() - fault
-    entrances = zl.GroupPaths(stage.namespace, GROUP).entrances
+        stage.wait(degraded, NO_DECODE_BOUND, "Degraded=True, NoServingDecode or Recovering")
+        said = time.time() - fault
 
-    def closed() -> bool:
-        with zookeeper(stage.zookeeper.address) as zk:
-            return not zk.exists(entrances) or not zk.get_children(entrances)
+        def replaced() -> float | None:
+            """When the new decode pod's engine reported."""
+            found = stage.znode(zl.GroupPaths(stage.namespace, GROUP).report(decode.name))
+            if found is None or zl.Report.parse(found[0]).pod_uid == decode.uid:
+                return None
+            return float(found[1].ctime / 1000)
 
-    stage.wait(closed, NO_DECODE_BOUND - (time.time() - fault), "the entrances closed")
-    shut = time.time() - fault
-    time.sleep(max(0.0, fault + NO_DECODE_BOUND + 3.0 - time.time()))  # traffic meets it
-    healed = time.time()
-    stage.emulator.fault(heal=True, **fault_body)
-    to_ready, served = recover(stage, traffic, healed, decode.name, at(healed), 30, "die healed")
+        to_ready, served = recover(stage, traffic, fault, decode.name, replaced, 30, "replaced")
+    finally:
+        stage.emulator.fault(heal=True, **fault_body)
     chaos.to_ready.append(to_ready)
-    chaos.to_serving.append((served.first_token or 0.0) - healed)
-    during = [r for r in traffic.snapshot() if fault <= r.start < healed]
+    chaos.to_serving.append((served.first_token or 0.0) - fault)
+    new = stage.pods()[decode.name]
+    assert new.uid != decode.uid, "the decode with a die down was not replaced"
+    assert (new.node, new.npus[0]) != (decode.node, decode.npus[0]), "replaced on the faulty NPU"
+    chaos.hit[decode.name] = "replaced"
+    last = stage.status().get("lastRecovery") or {}
+    assert (last.get("fault", {}).get("kind"), last.get("plan", {}).get("action")) == (
+        "die",
+        "Replace",
+    ), last
+    during = [r for r in traffic.snapshot() if r.start >= fault]
     late = [r for r in during if r.start > fault + NO_DECODE_BOUND]
     want = [r for r in during if r.outcome == "no_decode"]
-    last = max((r.start - fault for r in want), default=None)
+    last_no_decode = max((r.start - fault for r in want), default=None)
     chaos.notes.append(
-        f"not Ready after {unready:.1f}s, NoServingDecode after {said:.1f}s, entrances closed "
-        f"after {shut:.1f}s; last no_decode failure began "
-        + (f"+{last:.2f}s" if last is not None else "never")
+        f"not Ready after {unready:.1f}s, Degraded after {said:.1f}s; replaced by recovery, "
+        f"serving again +{(served.first_token or 0.0) - fault:.1f}s; last no_decode failure "
+        "began " + (f"+{last_no_decode:.2f}s" if last_no_decode is not None else "never")
     )
     failed_in_stream = [r for r in late if not r.ok and not r.refused_up_front]
     assert not failed_in_stream, (

@@ -218,18 +218,23 @@ def test_prefill_and_decode_register_link_load_and_serve_a_streamed_request(
         done["timings"]["ttft"], rel=1e-6
     )
 
-    # A die fault on the decode's node reaches its health promptly (its znode is dropped:
-    # typically ~0.2 s, printed; the wait allows 3 s on a loaded machine).
+    # A die fault on the decode's node reaches its health promptly (issue 17: Faulty with the
+    # typed fault, never a silence; typically ~0.2 s, printed; the wait allows 3 s on a loaded
+    # machine).
     die = gathered["g1-d-0"].dies[0]
     injected = time.monotonic()
     emulator.fault(kind="die-down", node=decode_pod.spec.node_name, die=die)
-    wait_for(
-        lambda: not zk.exists(paths.health_of("g1-d-0")),
-        timeout=3.0,
-        what="the decode's health to drop",
-    )
-    print(f"\ndie fault -> health znode dropped in {(time.monotonic() - injected) * 1000:.0f} ms")
-    assert zk.exists(paths.health_of("g1-p-0")), "the prefill's health must not change"
+
+    def faulty() -> zl.Health | None:
+        raw = zk.get(paths.health_of("g1-d-0"))[0]
+        health = zl.Health.parse(raw)
+        return health if health.state is zl.HealthState.FAULTY else None
+
+    health = wait_for(faulty, timeout=3.0, what="the decode's health Faulty")
+    print(f"\ndie fault -> health Faulty in {(time.monotonic() - injected) * 1000:.0f} ms")
+    assert [(f.kind, f.dies) for f in health.faults] == [(zl.EngineFaultKind.DIE, [die])]
+    prefill_health = zl.Health.parse(zk.get(paths.health_of("g1-p-0"))[0])
+    assert prefill_health.state is zl.HealthState.SERVING, "the prefill's health must not change"
     readyz = httpx.get(f"http://{decode_pod.status.pod_ip}:8000/readyz", trust_env=False)
     assert readyz.status_code == 503
     assert readyz.json()["unhealthyDies"] == {str(die): "DIE_DOWN"}

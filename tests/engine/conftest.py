@@ -1,4 +1,5 @@
-"""Engine processes on loopback addresses, started per test and stopped after it."""
+"""Engine processes on loopback addresses, started per test and stopped after it; a private
+ZooKeeper for the tests of the resident process (the cluster tests' ``start_zookeeper``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from cluster.conftest import start_zookeeper  # noqa: F401  (a private ZooKeeper, as fixture)
 from matrixserve.devcluster.procs import Supervisor
 
 _hosts = itertools.count(1)

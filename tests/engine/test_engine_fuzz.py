@@ -52,7 +52,7 @@ POST_PATHS = (
     "/v1/kv/r1/pull",
     "/v1/kv/r1/release",
     "/v1/link/handshake",
-    "/v1/probe",
+    "/v1/link/probe",
     "/v1/expert/forward",
     "/v1/attention/step",
     "/v1/faults",
@@ -65,6 +65,7 @@ _FIELDS = {
     "tokens": 1,
     "batch": 1,
     "instance": "x",
+    "roceIps": ["198.19.255.1", "198.19.255.2"],  # a probe's: its numbers are then what is wrong
     "kind": "not-a-fault",
 }
 
@@ -125,7 +126,7 @@ FRAMING = [  # (name, what is sent, then: "close" | "reset" | "read")
     (
         "Content-Length under the body",
         [
-            b"POST /v1/probe HTTP/1.1\r\nHost: e\r\nContent-Length: 5\r\n\r\n"
+            b"POST /v1/link/probe HTTP/1.1\r\nHost: e\r\nContent-Length: 5\r\n\r\n"
             b'{"peer": "127.0.0.1:1"}GARBAGE\r\n\r\n'
         ],
         "read",
@@ -144,13 +145,13 @@ FRAMING = [  # (name, what is sent, then: "close" | "reset" | "read")
     ("garbage request line", [b"\x00\xffGARBAGE\r\n\r\n"], "read"),
     (
         "bad chunk size",
-        [b"POST /v1/probe HTTP/1.1\r\nHost: e\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"],
+        [b"POST /v1/link/probe HTTP/1.1\r\nHost: e\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"],
         "read",
     ),
     (
         "both Content-Length and chunked",
         [
-            b"POST /v1/probe HTTP/1.1\r\nHost: e\r\nContent-Length: 4\r\n"
+            b"POST /v1/link/probe HTTP/1.1\r\nHost: e\r\nContent-Length: 4\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
         ],
         "read",
@@ -158,7 +159,7 @@ FRAMING = [  # (name, what is sent, then: "close" | "reset" | "read")
     (
         "deflate said, plain sent",
         [
-            b"POST /v1/probe HTTP/1.1\r\nHost: e\r\nContent-Encoding: deflate\r\n"
+            b"POST /v1/link/probe HTTP/1.1\r\nHost: e\r\nContent-Encoding: deflate\r\n"
             b"Content-Length: 2\r\nConnection: close\r\n\r\n{}"
         ],
         "read",
@@ -312,12 +313,14 @@ def _bodies(peers: st.SearchStrategy[str]) -> st.SearchStrategy[tuple[str, dict[
         "/v1/link/handshake": st.fixed_dictionaries(
             {}, optional={"instance": _maybe(st.text()), "role": _HOSTILE, "roceIps": _HOSTILE}
         ),
-        "/v1/probe": st.fixed_dictionaries(
+        "/v1/link/probe": st.fixed_dictionaries(
             {},
             optional={
-                "peer": st.one_of(peers, _HOSTILE),
+                "instance": _maybe(st.text(max_size=10)),
+                "roceIps": _maybe(st.lists(st.text(max_size=15), max_size=3)),
+                "devices": _maybe(st.lists(st.integers(-1, 3), max_size=3)),
                 "bytes": _maybe(st.floats(1, 1e9)),
-                "peerRoceIps": _maybe(st.lists(st.text(max_size=15), max_size=3)),
+                "egressFlows": _maybe(st.integers(0, 10)),
             },
         ),
         "/v1/expert/forward": st.fixed_dictionaries({}, optional={"tokens": _HOSTILE}),
@@ -431,9 +434,17 @@ def test_hostile_requests_get_clear_answers_and_leave_the_engines_as_they_were(
     @given(_bodies(peers))
     def fuzz(case: tuple[str, dict[str, Any]]) -> None:
         path, body = case
-        engine = decode if path in ("/v1/decode", "/v1/kv/r1/release") else colocated
+        engine = (
+            decode if path in ("/v1/decode", "/v1/kv/r1/release", "/v1/link/probe") else colocated
+        )
+        # Sent as JSON text with its NaN and Infinity (httpx's own encoder refuses them): the
+        # engine must answer those too.
+        text = json.dumps(body)
         with httpx.Client(trust_env=False, timeout=30) as client:
-            answer(engine, path, json.dumps(body)[:200], client.post(engine.url + path, json=body))
+            sent = client.post(
+                engine.url + path, content=text, headers={"Content-Type": "application/json"}
+            )
+            answer(engine, path, text[:200], sent)
 
     def run() -> None:
         with httpx.Client(trust_env=False, timeout=30) as client:
@@ -483,7 +494,6 @@ def test_hostile_requests_get_clear_answers_and_leave_the_engines_as_they_were(
                 decode.url + "/v1/decode",
                 json={"requestId": "w", "promptTokens": 9, "prefill": {"address": engine.address}},
             )
-            client.post(colocated.url + "/v1/probe", json={"peer": engine.address})
     for engine in engines:
         _settled(f"{engine.name} not idle after the warm-up", partial(_idle, engine.url))
     time.sleep(0.5)

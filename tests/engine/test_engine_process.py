@@ -354,8 +354,10 @@ def test_injected_faults_slow_hang_and_bad_fault_requests(start_engine: Any, str
         httpx.post(f"{engine.url}/v1/faults", json={"kind": "hang"}, trust_env=False).status_code
         == 201
     )
+    # Hung: alive (liveness answers), producing nothing (a request waits on the loop).
+    assert httpx.get(f"{engine.url}/healthz", timeout=2, trust_env=False).text == "ok"
     with pytest.raises(httpx.TimeoutException):
-        httpx.get(f"{engine.url}/healthz", timeout=0.5, trust_env=False)
+        stream(f"{engine.url}/v1/generate", {"requestId": "h", "promptTokens": 8}, timeout=0.5)
     healed = httpx.request(
         "DELETE", f"{engine.url}/v1/faults", json={"kind": "hang"}, trust_env=False
     )
@@ -441,18 +443,20 @@ def test_hbm_limits_the_decode_batch(start_engine: Any, stream: Any) -> None:
         assert "does not fit" in body[0]["error"]["message"]
 
 
-def test_link_probe_tells_a_working_link_from_a_saturated_and_a_broken_one(
+def test_link_probe_tells_a_working_sub_link_from_a_delayed_and_a_blocked_one(
     start_engine: Any, stream: Any
 ) -> None:
-    """xDeepServe §6.1: a dummy transfer to the peer; busy transfers make it 'saturated', a
-    link-down fault 'broken'."""
+    """xDeepServe §6.1: a prefill's dummy payload to a decode (``/v1/link/probe``); busy KV
+    pulls into the decode make it late (delayed), a link-down fault on a sub-link blocks that
+    sub-link only."""
     prefill, decode = _pd_pair(start_engine, "RoCE", "probe")
     prefill_ips = httpx.get(f"{prefill.url}/v1/info", trust_env=False).json()["roceIps"]
-    body = {"peer": prefill.address, "peerRoceIps": prefill_ips}
-    healthy = httpx.post(f"{decode.url}/v1/probe", json=body, trust_env=False).json()
-    assert healthy["state"] == "ok"
+    body = {"instance": "probe-p", "roceIps": prefill_ips, "bytes": 1 << 20}
+    healthy = httpx.post(f"{decode.url}/v1/link/probe", json=body, trust_env=False).json()
+    assert healthy["blocked"] == {}
     assert healthy["shareOfLink"] == 1.0
-    assert healthy["seconds"] >= healthy["aloneSeconds"]
+    assert healthy["seconds"] == pytest.approx(healthy["aloneSeconds"])
+    assert healthy["backpressure"] == ""
     # Two KV pulls from this prefill into this decode under way: the probe's share is a third.
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         pulls = _streams(pool, stream, prefill.url, "busy", 2, promptTokens=2048, maxTokens=2)
@@ -460,25 +464,25 @@ def test_link_probe_tells_a_working_link_from_a_saturated_and_a_broken_one(
         while _health(prefill.url)["kvEgressFlows"] < 2:
             assert time.monotonic() < deadline, "the two KV pulls never ran together"
             time.sleep(0.005)
-        busy = httpx.post(f"{decode.url}/v1/probe", json=body, trust_env=False).json()
+        busy = httpx.post(
+            f"{decode.url}/v1/link/probe", json={**body, "egressFlows": 2}, trust_env=False
+        ).json()
         assert all(f.result()[1][-1]["type"] == "done" for f in pulls)
-    assert busy["state"] == "saturated", busy
-    assert busy["shareOfLink"] <= 1 / 3 + 1e-9
+    assert busy["shareOfLink"] <= 1 / 3 + 1e-9, busy
+    transfer, alone = (busy[k] - busy["latencySeconds"] for k in ("seconds", "aloneSeconds"))
+    assert transfer > cal.PROBE_DELAY_FACTOR * alone, "late: the prober reads it Delayed"
     httpx.post(
         f"{decode.url}/v1/faults",
         json={"kind": "link-down", "peerRoceIp": prefill_ips[2]},
         trust_env=False,
     )
-    broken = httpx.post(f"{decode.url}/v1/probe", json=body, trust_env=False).json()
-    assert broken["state"] == "broken"
-    assert prefill_ips[2] in broken["reason"]
-    unreachable = httpx.post(
-        f"{decode.url}/v1/probe",
-        json={"peer": "127.77.250.250:9", "peerRoceIps": []},
-        trust_env=False,
-    ).json()
-    assert unreachable["state"] == "broken"
-    assert "unreachable" in unreachable["reason"]
+    broken = httpx.post(f"{decode.url}/v1/link/probe", json=body, trust_env=False).json()
+    assert broken["blocked"] == {"2": f"RoCE link down to {prefill_ips[2]}"}
+    mismatch = httpx.post(
+        f"{decode.url}/v1/link/probe", json={**body, "roceIps": prefill_ips[:2]}, trust_env=False
+    )
+    assert mismatch.status_code == 409
+    assert mismatch.json()["error"]["code"] == "device_mismatch"
 
 
 def test_a_prefill_slot_frees_once_the_decode_has_pulled_the_kv(

@@ -41,7 +41,10 @@ def test_an_engine_refuses_faults_unless_started_with_the_switch(
 
     opened = start_engine("opened", *ENGINE, env={"ENGINE_FAULT_INJECTION": "1"})
     assert _request("POST", f"{opened.url}/v1/faults", HANG).status_code == 201
-    with pytest.raises(httpx.TimeoutException):  # hung: liveness blocks
-        httpx.get(f"{opened.url}/healthz", timeout=0.5, trust_env=False)
+    with pytest.raises(httpx.TimeoutException):  # hung: a request waits on the serving loop
+        stream(f"{opened.url}/v1/generate", {"requestId": "h", "promptTokens": 8}, timeout=0.5)
     assert _request("DELETE", f"{opened.url}/v1/faults", HANG).status_code == 200
-    assert httpx.get(f"{opened.url}/healthz", timeout=2, trust_env=False).text == "ok"
+    status, events = stream(
+        f"{opened.url}/v1/generate", {"requestId": "h2", "promptTokens": 8, "maxTokens": 2}
+    )
+    assert (status, events[-1]["type"]) == (200, "done")

@@ -16,12 +16,13 @@ from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import RetryFailedError
 from kubernetes import client
 
-from fakes import FakeCore, FakeCustom, FakeKazoo
-from matrixserve.adapters.kube import KubeAdapter
+from fakes import FakeCore, FakeCustom, FakeKazoo, merge_patch
+from matrixserve.adapters.kube import KubeAdapter, status_patch
 from matrixserve.adapters.zk_groups import GroupStore
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.coordination import Session, SessionState
+from matrixserve.domain.observed import on_nodes
 from matrixserve.domain.pdgroup.actions import DeleteEntrance, SetEntrance, WriteRoceMap
 
 PATHS = zl.GroupPaths("ns", "g")
@@ -313,7 +314,7 @@ def test_watches_end_at_unwatch_even_when_the_group_is_watched_again(
     woken: list[str] = []
     store.watch("ns", "g", lambda: woken.append("first"))
     first = list(armed)
-    assert len(first) == 6  # five folders and the map
+    assert len(first) == 6  # five folders (health's own callback) and the map
     store.unwatch("ns", "g")
     armed.clear()
     store.watch("ns", "g", lambda: woken.append("second"))
@@ -321,6 +322,47 @@ def test_watches_end_at_unwatch_even_when_the_group_is_watched_again(
     assert woken == []
     assert armed[0]() is True
     assert woken == ["second"]
+
+
+def test_a_health_turning_faulty_wakes_the_group_and_a_mere_refresh_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 17: a fault an engine reports in its health (a die down, a hang, a blocked link)
+    must wake the operator at once, not at the next resync; a refresh (seq, ts) must not."""
+    _, store = _connected_store()
+    armed: dict[str, Any] = {}
+    cancelled: list[str] = []
+
+    def watch(path: str, fn: Any, send_event: bool = False) -> str:
+        armed[path] = fn
+        return path
+
+    monkeypatch.setattr(store.session, "watch_children", watch)
+    monkeypatch.setattr(store.session, "watch_data", watch)
+    monkeypatch.setattr(store.session, "cancel", cancelled.append)
+    woken: list[int] = []
+    store.watch("ns", "g", lambda: woken.append(1))
+    paths = zl.GroupPaths("ns", "g")
+    assert armed[paths.health](["g-d-0"]) is True  # a member came: watched, and the group woken
+    assert len(woken) == 1
+    data = armed[paths.health_of("g-d-0")]
+
+    def health(seq: int, state: zl.HealthState, **extra: Any) -> bytes:
+        return zl.Health(
+            instance="g-d-0", role=zl.Role.DECODE, state=state, seq=seq, ts=float(seq),
+            podIP="127.0.0.2", port=8000, incarnation="i1", **extra,
+        ).dump()  # fmt: skip
+
+    assert data(health(1, zl.HealthState.SERVING), None) is True  # its first read
+    assert data(health(2, zl.HealthState.SERVING), None) is True  # a refresh
+    assert len(woken) == 1
+    fault = zl.EngineFault(kind=zl.EngineFaultKind.DIE, since=3.0, dies=[1])
+    assert data(health(3, zl.HealthState.FAULTY, faults=[fault]), None) is True
+    assert len(woken) == 2
+    assert armed[paths.health]([]) is True  # it left: its data watch ends
+    assert cancelled == [paths.health_of("g-d-0")]
+    store.unwatch("ns", "g")
+    assert data(health(4, zl.HealthState.SERVING), None) is False  # kazoo drops it
 
 
 # --------------------------------------------------------------------------- Kubernetes
@@ -390,6 +432,33 @@ async def test_status_patches_omit_empty_strings_and_tolerate_a_deleted_object()
     )
 
 
+def test_a_status_patch_carries_only_what_changed_and_deletes_what_a_record_no_longer_has() -> None:
+    """A record rewritten with fewer keys (a relink's plan after a replacement's) must not keep
+    the old keys: a plain merge patch of the new status would (issue 17's lastRecovery did)."""
+    old = {
+        "observedGeneration": 1,
+        "kept": "as is",
+        "lastRecovery": {"plan": {"action": "Replace", "terms": {"podStart": 1, "relink": 0}}},
+        "entrances": ["g-p-0"],
+    }
+    new = {
+        "observedGeneration": 1,
+        "lastRecovery": {"plan": {"action": "Relink", "terms": {"relink": 0.5}}},
+        "entrances": ["g-p-0"],
+        "message": "",
+    }
+    patch = status_patch(old, new)
+    assert patch == {
+        "lastRecovery": {"plan": {"action": "Relink", "terms": {"podStart": None, "relink": 0.5}}}
+    }
+    stored = merge_patch(old, patch)
+    assert stored["lastRecovery"] == new["lastRecovery"]
+    assert stored["kept"] == "as is"  # a top-level key the status does not name is left alone
+    assert status_patch(stored, new) == {}  # settled: nothing to patch
+    assert status_patch(stored, {"kept": None}) == {"kept": None}  # None at the top deletes
+    assert status_patch({"a": {"b": 1}}, {"a": {"b": 1, "c": ""}}) == {}  # "" is absent
+
+
 async def test_pods_are_listed_by_labels_and_each_nodes_superpod_read_once() -> None:
     adapter, core, _ = kube()
     core.nodes["n1"] = {kinds.LABEL_SUPERPOD: "sp3"}
@@ -443,6 +512,62 @@ async def test_a_pods_container_start_and_its_last_ready_flip_are_read() -> None
     pod = (await adapter.list_pods("ns", {kinds.LABEL_GROUP: "g"}))["g-p-0"]
     assert pod.running_since is None
     assert not pod.awaiting_first_probe(started.timestamp() + 0.5)
+
+
+@pytest.mark.parametrize(
+    ("message", "backoff"),
+    [
+        ("back-off 10s restarting failed container=engine pod=g-d-0_ns(u0)", 10.0),
+        ("back-off 2m40s restarting failed container=engine pod=g-d-0_ns(u0)", 160.0),
+        ("back-off 0.5s restarting failed container=engine pod=g-d-0_ns(u0)", 0.5),
+        ("something the kubelet never says", None),
+    ],
+)
+async def test_an_exited_engine_is_seen_with_its_restarts_exit_and_the_kubelets_back_off(
+    message: str, backoff: float | None
+) -> None:
+    """Issue 17's pod tier: the engine container's restarts, when it last ended, and the
+    back-off the kubelet says it waits (a Go duration in its CrashLoopBackOff message): what
+    a restart in place would cost."""
+    adapter, core, _ = kube()
+    finished = datetime(2026, 1, 1, 0, 0, 9, tzinfo=UTC)
+    body = _pod("g-d-0", "u0")
+    body["status"]["containerStatuses"] = [
+        {
+            "name": "engine",
+            "restartCount": 2,
+            "finishedAt": finished,
+            "waiting": {"reason": "CrashLoopBackOff", "message": message},
+        }
+    ]
+    core.pods[("ns", "g-d-0")] = body
+    pod = (await adapter.list_pods("ns", {kinds.LABEL_GROUP: "g"}))["g-d-0"]
+    assert (pod.restarts, pod.last_exit_at, pod.restart_backoff) == (
+        2,
+        finished.timestamp(),
+        backoff,
+    )
+
+
+async def test_nodes_say_which_server_is_down_since_when_and_pods_are_seen_on_them() -> None:
+    """Issue 17's node tier, read with the ``list`` the operator's ClusterRole grants (never
+    ``nodes/status``): a server not Ready is down since its Ready condition flipped, and one
+    list serves every group's pass while it is fresh enough."""
+    adapter, core, _ = kube()
+    core.nodes = {"n1": {}, "n2": {}}
+    down_at = datetime(2026, 1, 1, 0, 0, 3, tzinfo=UTC)
+    core.nodes_down = {"n2": down_at}
+    core.pods[("ns", "g-p-0")] = _pod("g-p-0", "u0", node="n1")
+    core.pods[("ns", "g-d-0")] = _pod("g-d-0", "u1", node="n2")
+    nodes = await adapter.nodes()
+    assert (nodes["n1"].ready, nodes["n1"].down_since) == (True, None)
+    assert (nodes["n2"].ready, nodes["n2"].down_since) == (False, down_at.timestamp())
+    pods = on_nodes(await adapter.list_pods("ns", {kinds.LABEL_GROUP: "g"}), nodes)
+    assert pods["g-d-0"].node_down_since == down_at.timestamp()
+    assert pods["g-p-0"].node_down_since is None
+    core.nodes_down = {}
+    assert (await adapter.nodes())["n2"].down_since is not None  # the shared list, still fresh
+    assert (await adapter.nodes(max_age=0.0))["n2"].down_since is None  # read afresh
 
 
 def test_the_fake_kazoo_keeps_zookeepers_rules() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from enginestub.node import allocator, devicestatus, podspec, podstatus
+from enginestub.node import allocator, devicestatus, nodestatus, podspec, podstatus
 from enginestub.node.command import node_names, run_argv
 from enginestub.node.network import AddressExhausted, NodeAddresses, choose_cidrs
 from enginestub.node.runner import ContainerState, Terminated, rfc3339
@@ -22,7 +23,7 @@ from enginestub.node.topology import (
     build,
     server_for_existing_node,
 )
-from matrixserve.api.kinds import NPU_RESOURCE
+from matrixserve.api.kinds import NPU_RESOURCE, TAINT_NPU_FAULT
 
 # ----------------------------------------------------------------------------- topology
 
@@ -145,6 +146,32 @@ def test_allocation_invariants_hold_for_any_sequence(ops: list[tuple[str, int, b
     owners = list(alloc.owners.items())
     assert len({n for n, _ in owners}) == len(owners)
     assert all(0 <= n < 8 for n, _ in owners)
+
+
+def test_a_faulty_npu_is_never_granted_anew_and_its_holder_keeps_it() -> None:
+    """Issue 17: the device plugin grants healthy NPUs only; a pod already holding a faulty one
+    keeps it (recovery replaces that pod)."""
+    alloc = allocator.NodeAllocator(8)
+    assert alloc.allocate("holder", 2) == [0, 1]
+    faulty = {1, 3}
+    assert alloc.allocate("holder", 2, faulty) == [0, 1]
+    assert alloc.free(faulty) == [2, 4, 5, 6, 7]
+    assert alloc.allocate("next", 3, faulty) == [4, 5, 6]  # contiguous, around NPU 3
+    with pytest.raises(allocator.AllocationError, match=r"2 free and healthy of 8 \(faulty"):
+        alloc.allocate("greedy", 3, faulty)
+    assert alloc.free() == [2, 3, 7], "free: granted to nobody, faulty or not"
+
+
+@given(st.sets(st.integers(0, 7)), st.integers(0, 8))
+def test_no_grant_ever_includes_a_faulty_npu(faulty: set[int], count: int) -> None:
+    alloc = allocator.NodeAllocator(8)
+    try:
+        got = alloc.allocate("pod", count, faulty)
+    except allocator.AllocationError:
+        assert count > 8 - len(faulty)
+        return
+    assert len(got) == count
+    assert not set(got) & faulty
 
 
 def test_grant_annotation_round_trips_and_rejects_garbage() -> None:
@@ -390,6 +417,105 @@ def test_device_status_render_inject_heal(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".status.json.*")), "no temp files left behind"
 
 
+@pytest.mark.parametrize(
+    ("kind", "die", "faulty"),
+    [
+        (devicestatus.FaultKind.DIE_DOWN, 7, {3}),
+        (devicestatus.FaultKind.NPU_DOWN, 2, {1}),
+        (devicestatus.FaultKind.HBM_ERROR, 10, {5}),
+        (devicestatus.FaultKind.LINK_DOWN, 4, {2}),  # NetworkUnhealthy: withheld as well
+    ],
+)
+def test_a_die_npu_hbm_or_link_fault_makes_its_npu_faulty(
+    kind: devicestatus.FaultKind, die: int, faulty: set[int]
+) -> None:
+    server = build(TopologySpec(superpods=[SuperPodSpec(name="sp0", servers=1)]))[0]
+    status = devicestatus.DeviceStatus(server)
+    peer = "198.18.1.1" if kind == devicestatus.FaultKind.LINK_DOWN else None
+    status.inject(devicestatus.Fault(kind, die, "t0", peer))
+    assert status.faulty_npus() == faulty
+    assert [f.die for n in faulty for f in status.faults_of_npu(n)] == [die] * len(faulty)
+    assert status.unhealthy_dies() == (set() if peer else {die})  # a link leaves the die up
+    status.heal(kind, die, peer)
+    assert status.faulty_npus() == frozenset()
+
+
+# ----------------------------------------------------------------------------- Node status, taints
+
+LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+
+
+def test_allocatable_drops_by_the_faulty_npus_and_capacity_stays() -> None:
+    server = build(TopologySpec(superpods=[SuperPodSpec(name="sp0", servers=1)]))[0]
+    status = nodestatus.node_status(
+        server, "127.64.0.1", down=False, faulty={3, 5}, boot_id="b", now=0.0
+    )
+    assert status["capacity"][NPU_RESOURCE] == "8"
+    assert status["allocatable"][NPU_RESOURCE] == "6"
+    assert status["allocatable"]["cpu"] == status["capacity"]["cpu"]
+    down = nodestatus.node_status(server, "127.64.0.1", down=True, faulty=(), boot_id="b", now=0)
+    assert next(c for c in down["conditions"] if c["type"] == "Ready")["status"] == "Unknown"
+
+
+@pytest.mark.parametrize(
+    ("npus", "value"),
+    [
+        ({3, 5}, "npu-3.npu-5"),
+        ([5, 3, 3], "npu-3.npu-5"),
+        (set(range(8)), "npu-0.npu-1.npu-2.npu-3.npu-4.npu-5.npu-6.npu-7"),
+        (set(range(16)), "npu-0-15"),  # each by name would pass 63 characters
+        (set(range(16)) - {9}, "npu-0-8.npu-10-15"),
+        (set(range(0, 400, 2)), "npus-200"),  # beyond any catalogue server: the count
+    ],
+)
+def test_the_npu_fault_taint_value_names_the_faulty_npus(
+    npus: list[int] | set[int], value: str
+) -> None:
+    assert nodestatus.npu_fault_taint_value(npus) == value
+
+
+@given(st.sets(st.integers(0, 15), min_size=1) | st.sets(st.integers(0, 999), min_size=1))
+def test_the_npu_fault_taint_value_is_always_a_label_value(npus: set[int]) -> None:
+    value = nodestatus.npu_fault_taint_value(npus)
+    assert len(value) <= 63
+    assert LABEL_VALUE.match(value)
+
+
+def test_the_node_taints_keep_others_and_follow_the_node_state() -> None:
+    """Issue 17: one place computes a node's taints; others' are never touched."""
+    cordon = {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}
+    user = {"key": "example.com/keep", "value": "yes", "effect": "PreferNoSchedule"}
+    admission = {"key": nodestatus.NOT_READY_TAINT, "effect": "NoSchedule"}
+    fresh = nodestatus.node_taints(
+        [admission, cordon, user], full=True, down=False, faulty=(), now=0
+    )
+    assert fresh == [cordon, user], "the not-ready taint lifted, the others kept in order"
+
+    faulty = nodestatus.node_taints(fresh, full=True, down=False, faulty={5, 1}, now=0)
+    npu_fault = {"key": TAINT_NPU_FAULT, "value": "npu-1.npu-5", "effect": "NoSchedule"}
+    assert faulty == [cordon, user, npu_fault]
+
+    down = nodestatus.node_taints(faulty, full=True, down=True, faulty={5, 1}, now=100.0)
+    unreachable = [
+        {"key": nodestatus.UNREACHABLE_TAINT, "effect": "NoSchedule"},
+        {"key": nodestatus.UNREACHABLE_TAINT, "effect": "NoExecute", "timeAdded": rfc3339(100)},
+    ]
+    assert down == [cordon, user, *unreachable, npu_fault]
+    again = nodestatus.node_taints(down, full=True, down=True, faulty={1, 5}, now=200.0)
+    assert again == down, "a taint already there keeps its timeAdded"
+
+    back = nodestatus.node_taints(down, full=True, down=False, faulty={5}, now=300.0)
+    assert back == [cordon, user, {**npu_fault, "value": "npu-5"}]
+    assert nodestatus.node_taints(back, full=True, down=False, faulty=(), now=0) == [cordon, user]
+
+
+def test_in_advertise_mode_only_the_npu_fault_taint_is_the_emulators() -> None:
+    """Under kind a real kubelet owns readiness: its taints are left alone."""
+    admission = {"key": nodestatus.NOT_READY_TAINT, "effect": "NoSchedule"}
+    got = nodestatus.node_taints([admission], full=False, down=True, faulty={2}, now=0)
+    assert got == [admission, {"key": TAINT_NPU_FAULT, "value": "npu-2", "effect": "NoSchedule"}]
+
+
 # ----------------------------------------------------------------------------- Secret volumes
 def _secret_pod(items: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A pod mounting Secret ``zk`` at /etc/zk (and the service-account token, handled apart)."""
@@ -559,3 +685,24 @@ def test_a_pods_first_status_holds_since_the_pod_started_and_a_true_condition_ha
     ready = {c["type"]: c for c in later["conditions"]}["Ready"]
     assert (ready["status"], ready["reason"]) == ("True", None)
     assert ready["lastTransitionTime"] == rfc3339(1_003)
+
+
+def test_a_container_waiting_in_back_off_shows_the_exit_it_waits_after_as_its_last_state() -> None:
+    """As the kubelet: during CrashLoopBackOff, ``lastState.terminated`` is the latest exit
+    (what a controller counts a kill by), and the back-off is in the waiting message."""
+    first = Terminated(137, "Error", 1.0, 2.0, signal=9)
+    latest = Terminated(137, "Error", 3.0, 4.0, signal=9)
+    state = ContainerState(
+        "engine", "img", phase="waiting", waiting_reason="CrashLoopBackOff",
+        waiting_message="back-off 10s restarting failed container=engine pod=p_ns(u)",
+        terminated=latest, last_terminated=first, restart_count=1,
+    )  # fmt: skip
+    status = podstatus.container_status(state, "emulated")
+    assert status["lastState"]["terminated"]["finishedAt"] == rfc3339(4.0)
+    assert status["state"]["waiting"]["message"].startswith("back-off 10s")
+    running = ContainerState(
+        "engine", "img", phase="running", started_at=5.0, last_terminated=latest, restart_count=2
+    )
+    assert podstatus.container_status(running, "emulated")["lastState"]["terminated"][
+        "finishedAt"
+    ] == rfc3339(4.0)

@@ -346,3 +346,44 @@ async def test_a_foreign_pod_holding_a_members_name_is_the_reason_not_a_silent_r
     )
     assert world.reasons().count("PodNameTaken") == 1
     assert world.core.pods[("ns", "g-d-0")]["metadata"]["uid"] == "theirs"
+
+
+def test_recovery_metrics_count_every_step_of_every_recovery_in_a_pass() -> None:
+    """Issue 17's metrics come from each step's own record: two recoveries ending in one pass
+    are both counted (keyed by nothing that two records can share)."""
+    from types import SimpleNamespace
+
+    from matrixserve.domain.pdgroup.actions import ReportRecovery
+    from matrixserve.handlers.pdgroup.reconcile import _track_recovery
+
+    registry = OperatorMetrics().registry
+    metrics = pdgroup.PDGroupMetrics(registry)
+    get = registry.get_sample_value
+
+    def record(kind: str, seconds: float | None = None) -> dict[str, Any]:
+        return {
+            "fault": {"kind": kind, "detectedBy": "device-status"},
+            "plan": {"action": "Replace", "lostFraction": 0.25},
+            "detectedAfterSeconds": 0.4,
+            "restoredAfterSeconds": seconds,
+        }
+
+    groups = cast(pdgroup.PDGroups, SimpleNamespace(metrics=metrics))
+    _track_recovery(groups, [ReportRecovery("RecoveryPlanned", "", record=record("die"))])
+    _track_recovery(
+        groups,
+        [
+            ReportRecovery("Recovered", "", record=record("die", 4.0)),
+            ReportRecovery("Recovered", "", record=record("die", 8.0)),
+            ReportRecovery("FaultDetected", ""),  # no record: nothing counted
+        ],
+    )
+    detected = {"fault": "die", "tier": "device-status"}
+    assert get("matrixserve_operator_fault_detection_seconds_count", detected) == 1
+    labels = {"fault": "die", "action": "Replace"}
+    assert get("matrixserve_operator_recoveries_total", labels | {"outcome": "planned"}) == 1
+    assert get("matrixserve_operator_recovery_restore_seconds_count", labels) == 2
+    assert get("matrixserve_operator_recovery_restore_seconds_sum", labels) == 12.0
+    lost = get("matrixserve_operator_recovery_capacity_lost_seconds_total", {"fault": "die"})
+    assert lost == 0.25 * 12.0
+    assert get("matrixserve_operator_recoveries_total", labels | {"outcome": "restored"}) == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 from typing import Literal
@@ -66,6 +67,10 @@ class EngineConfig(BaseModel):
     connection_limits: httpserving.ConnectionLimits = CONNECTION_LIMITS
     health_interval: float = Field(default=cal.HEALTH_REPORT_INTERVAL_SECONDS, gt=0)
     link_timeout: float = Field(default=60.0, gt=0)
+    # Issue 17's detection tiers (docs/engine-stub.md, "Detection"), emulated seconds.
+    loop_beat_interval: float = Field(default=cal.LOOP_BEAT_INTERVAL_SECONDS, gt=0)
+    hang_bound: float = Field(default=cal.LOOP_BEAT_INTERVAL_SECONDS * cal.HANG_MISSED_BEATS, gt=0)
+    link_probe_interval: float = Field(default=cal.LINK_PROBE_INTERVAL_SECONDS, gt=0)
     device_status_file: Path | None = None
     decode_peers: list[str] = []  # host:port, when there is no ZooKeeper (tests, colocated demos)
     # "absolute": decode steps on absolute deadlines (overhead never accumulates); "relative":
@@ -89,6 +94,11 @@ class EngineConfig(BaseModel):
             raise ValueError(f"group {self.group!r} must be <namespace>/<name>")
         if self.group is not None and self.zookeeper is None:
             raise ValueError("a group needs a ZooKeeper address (MATRIXSERVE_ZK)")
+        if self.hang_bound <= self.loop_beat_interval:
+            raise ValueError(
+                f"--hang-bound {self.hang_bound:g} must be more than --loop-beat-interval "
+                f"{self.loop_beat_interval:g}: a hang is beats missed, not one beat late"
+            )
         if self.kv_capacity_bytes <= 0:
             need = self.weights_bytes / len(self.dies) / cal.GB
             raise ValueError(
@@ -176,6 +186,27 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
     )
     parser.add_argument("--link-timeout", type=float, default=env.get("ENGINE_LINK_TIMEOUT", "60"))
     parser.add_argument(
+        "--loop-beat-interval",
+        type=_positive,
+        default=env.get("ENGINE_LOOP_BEAT_INTERVAL", str(cal.LOOP_BEAT_INTERVAL_SECONDS)),
+        help="emulated s between the serving loop's heartbeats",
+    )
+    parser.add_argument(
+        "--hang-bound",
+        type=_positive,
+        default=env.get(
+            "ENGINE_HANG_BOUND", str(cal.LOOP_BEAT_INTERVAL_SECONDS * cal.HANG_MISSED_BEATS)
+        ),
+        help="emulated s without a beat before the engine says it is hung (at least "
+        f"{cal.HANG_WALL_FLOOR_SECONDS:g} wall s)",
+    )
+    parser.add_argument(
+        "--link-probe-interval",
+        type=_positive,
+        default=env.get("ENGINE_LINK_PROBE_INTERVAL", str(cal.LINK_PROBE_INTERVAL_SECONDS)),
+        help="emulated s between a prefill's probes of its decodes' sub-links",
+    )
+    parser.add_argument(
         "--decode-peer",
         action="append",
         default=_env_list("ENGINE_DECODE_PEERS"),
@@ -240,6 +271,9 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
             connection_limits=httpserving.limits_from(args),
             health_interval=args.health_interval,
             link_timeout=args.link_timeout,
+            loop_beat_interval=args.loop_beat_interval,
+            hang_bound=args.hang_bound,
+            link_probe_interval=args.link_probe_interval,
             device_status_file=Path(status_file) if status_file else None,
             decode_peers=args.decode_peer,
             step_scheduling=args.step_scheduling,
@@ -253,6 +287,17 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
         ) from None
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _positive(text: str) -> float:
+    """A finite number > 0 (argparse names the flag when it is not one)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: a finite number > 0 expected")
+    return value
 
 
 def _switch(name: str) -> bool:

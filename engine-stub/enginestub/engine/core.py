@@ -11,7 +11,16 @@ path through the parts, which live in their own modules:
 - :mod:`.decode` — decode admission and the continuous-batching loop;
 - :mod:`.kvcache` — HBM for KV caches;
 - :mod:`.faults` — the device status file (P/D-Serve §3.4) and injected faults: a die of this
-  instance going unhealthy fails its in-flight requests with a clear error and stops admission.
+  instance going unhealthy fails its in-flight requests with a clear error and stops admission;
+- :mod:`.heartbeat` — the serving loop's heartbeat and the watchdog that declares a hang;
+- :mod:`.linkprobe` — a prefill's probes of its decodes' sub-links (delayed or blocked), and
+  the decode's answer;
+- :mod:`.streams` — the streams served now, ended with a clear error when this instance is
+  logically removed.
+
+Issue 17's detection tiers the engine sees first (a device fault, a hang, a sub-link delayed or
+blocked) are its :meth:`Engine.engine_faults` and :meth:`Engine.link_probes`, which the resident
+process writes into the health at once; a faulty engine answers 503 and is not ready.
 
 What a request takes (a prefill slot or a decode place, and its KV) is a
 :class:`~enginestub.engine.parts.Hold`, given back once on every path; a hold kept without
@@ -27,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
@@ -37,15 +47,19 @@ from enginestub.engine.clock import Clock
 from enginestub.engine.config import EngineConfig
 from enginestub.engine.decode import DecodeBatch, Sequence
 from enginestub.engine.faults import DeviceFaults
+from enginestub.engine.heartbeat import Heartbeat
 from enginestub.engine.kvcache import KvBudget
 from enginestub.engine.kvpull import KvHoldings, KvPuller, kv_wait_bound
+from enginestub.engine.linkprobe import LinkProber, ProbeReceiver, ProbeTarget
 from enginestub.engine.metrics import EngineMetrics
 from enginestub.engine.parts import Hold, Shared
 from enginestub.engine.prefill import Prefill, PrefillTicket
 from enginestub.engine.progress import Progress
 from enginestub.engine.sharing import SharedResource
+from enginestub.engine.streams import OpenStreams
 from enginestub.engine.to_decode import DecodeForwarder
 from enginestub.fabric import link_bandwidth
+from matrixserve.api import zk_layout as zl
 from matrixserve.api.engine_protocol import (
     EngineError,
     Event,
@@ -77,6 +91,9 @@ class Engine:
         self, config: EngineConfig, metrics: EngineMetrics | None = None, clock: Clock | None = None
     ) -> None:
         self.config = config
+        # Wall time the process began serving us (an engine is built first thing after its
+        # start or the zygote's fork): the health's readyAfter counts from it.
+        self.started_wall = time.time()
         self.clock = clock or Clock(config.time_scale)
         self.metrics = metrics or EngineMetrics(config.role)
         self._role: str = config.role  # an "auto" instance's role is set by the resident process
@@ -89,17 +106,31 @@ class Engine:
         self.kv_ingress = SharedResource(self.clock, plane_bw * len(config.dies))
         self.compute = SharedResource(self.clock, 1.0)  # 1 emulated second of work per second
         self.decode_peers: list[str] = list(config.decode_peers)  # host:port (resident sets)
+        self.decode_entries: list[zl.MapEntry] = []  # the decode meta's, when there is one
         self.removed: set[str] = set()  # host:port of logically removed instances
+        self.removal: str | None = None  # why this instance is logically removed, if it is
         self.devices = DeviceFaults(config, self.metrics)
+        self.heartbeat = Heartbeat(config, self.clock, self.devices.not_hung)
+        self.heartbeat.on_change = self._health_changed
         self.kv = KvBudget(config)
-        shared = Shared(config, self.clock, self.metrics, self.devices, self.kv, self.http)
+        shared = Shared(
+            config, self.clock, self.metrics, self.devices, self.kv, self.http, self.heartbeat
+        )
         self.prefill = Prefill(shared, self.compute)
         self.holdings = KvHoldings(shared)
-        self.forwarder = DecodeForwarder(shared, self._open_decodes)
+        self.forwarder = DecodeForwarder(shared, self._open_decodes, lambda: self.decode_entries)
         self.puller = KvPuller(shared, self.kv_ingress)
         self.batch = DecodeBatch(shared)
-        self._decode_task: asyncio.Task[None] | None = None
-        self._watch_task: asyncio.Task[None] | None = None
+        self.prober = LinkProber(
+            shared,
+            self._probe_targets,
+            lambda: self.role == "prefill",
+            lambda: self.holdings.egress_flows,
+        )
+        self.prober.on_change = self._health_changed
+        self.receiver = ProbeReceiver(shared, self.kv_ingress, self._backpressure)
+        self.streams = OpenStreams()
+        self._tasks: list[asyncio.Task[None]] = []
         self.metrics.hbm_capacity.set(config.kv_capacity_bytes + config.weights_bytes)
         # Issue 16 finding 9: the gauges read the state at each scrape, so an emptied batch
         # reads 0, not the last size it was set to.
@@ -125,22 +156,25 @@ class Engine:
 
     # ================================================================ lifecycle
     async def start(self) -> None:
-        self._decode_task = asyncio.create_task(self.batch.loop(), name="decode-loop")
+        loops = {
+            "decode-loop": self.batch.loop(),
+            "loop-beat": self.heartbeat.tick(),
+            "hang-watchdog": self.heartbeat.watch(),
+            "link-probe": self.prober.loop(),
+        }
         if self.config.device_status_file is not None:
-            self._watch_task = asyncio.create_task(
-                self.devices.watch(
-                    self.config.device_status_file, self.batch.fail_all, self._health_changed
-                ),
-                name="device-file",
+            loops["device-file"] = self.devices.watch(
+                self.config.device_status_file, self.batch.fail_all, self._health_changed
             )
+        self._tasks = [asyncio.create_task(loop, name=name) for name, loop in loops.items()]
 
     async def close(self) -> None:
-        for task in (self._decode_task, self._watch_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self.http.aclose()
+        await self.prober.client.aclose()
 
     async def load_model(
         self, source: timing.LoadSource | None = None, concurrent: int | None = None
@@ -166,7 +200,13 @@ class Engine:
     # ================================================================ health
     @property
     def serving(self) -> bool:
-        return self.loaded and self.devices.healthy
+        """Loaded, and neither faulty (a device fault, a hang declared) nor removed."""
+        return (
+            self.loaded
+            and self.devices.healthy
+            and self.heartbeat.hang is None
+            and self.removal is None
+        )
 
     @property
     def ready(self) -> bool:
@@ -202,16 +242,38 @@ class Engine:
             "kvEgressFlows": self.holdings.egress_flows,
             "stuckSlots": self.stuck_holds(),
             "stuckAfterSeconds": self.stuck_bound(),
+            "engineFaults": [f.model_dump(by_alias=True) for f in self.engine_faults()],
+            "loopBeat": self.heartbeat.last_beat_wall,
+            "hangAfterSeconds": self.heartbeat.bound,
+            "links": [p.model_dump(by_alias=True) for p in self.link_probes()],
+            "linkProbeRounds": self.prober.rounds,
+            "removed": self.removal,
+            "streams": len(self.streams),
         }
 
-    async def wait_not_hung(self) -> None:
-        await self.devices.not_hung.wait()
+    def engine_faults(self) -> list[zl.EngineFault]:
+        """What makes this instance Faulty (issue 17): its device faults and a declared hang."""
+        hang = self.heartbeat.hang
+        return [*self.devices.engine_faults(), *([hang] if hang is not None else [])]
+
+    def link_probes(self) -> list[zl.LinkProbe]:
+        """Its sub-links to decodes that probe Delayed or Blocked (a prefill's)."""
+        return self.prober.probes()
+
+    async def wait_serving_loop(self) -> None:
+        """Until the serving loop runs (not hung), or its hang is declared."""
+        await self.heartbeat.until_running_or_declared()
 
     def check_serving(self) -> None:
-        """Raise the 503 of an instance that cannot serve (not loaded, or a device fault)."""
+        """Raise the 503 of an instance that cannot serve: not loaded, logically removed, a
+        device fault, a hang."""
         if not self.loaded:
             raise EngineError(503, "not_ready", "the model is not loaded yet")
+        if self.removal is not None:
+            raise EngineError(503, "instance_removed", self.removal)
         self.devices.check()
+        if self.heartbeat.hang is not None:
+            raise EngineError(503, "engine_hung", self.heartbeat.hang.detail)
 
     def require_role(self, *roles: str) -> None:
         if self.role not in roles:
@@ -257,6 +319,18 @@ class Engine:
         the ticket in a ``with`` block around the whole exchange (it gives the slot back)."""
         self.check_serving()
         self.require_role("prefill", "colocated")
+        if (
+            self.role == "prefill"
+            and req.max_tokens > 1
+            and self.decode_peers
+            and not self._open_decodes()
+        ):
+            # Every decode it knows removed or behind a blocked sub-link (issue 17): refused
+            # now, while the gateway can still try another prefill, rather than failed after the
+            # prompt's prefill (a prefill told of no decode yet serves as it always did).
+            raise EngineError(
+                503, "no_decode", "no decode instance is available to this prefill now"
+            )
         return self.prefill.admit(req)
 
     async def generate(self, ticket: PrefillTicket) -> AsyncGenerator[Event, None]:
@@ -322,10 +396,49 @@ class Engine:
             "ttft_timeout", why.format(seconds=seconds, budget=budget.emulated_seconds)
         )
 
+    # ================================================================ logical removal
+    def withdraw(self, why: str) -> None:
+        """This instance is logically removed (issue 17 item 4): its entrance side closes (new
+        requests get 503 ``instance_removed``) and every stream it serves ends with that error,
+        each giving back what it held."""
+        if self.removal is not None:
+            return
+        self.removal = why
+        ending = self.streams.end_all(error_event("instance_removed", why))
+        log.warning("%s; ending %d stream(s)", why, ending)
+        self._health_changed()
+
+    def readmit(self) -> None:
+        """The removal mark is gone (the operator took this instance back)."""
+        if self.removal is not None:
+            self.removal = None
+            self._health_changed()
+
     # ================================================================ forwarding to decode
+    def _probe_targets(self) -> list[ProbeTarget]:
+        """The decodes to probe: those this prefill may forward to, blocked ones included (to
+        see them come back), by name and RoCE IPs where the decode meta gives them."""
+        known = {f"{e.pod_ip}:{e.port}": e for e in self.decode_entries}
+        return [
+            ProbeTarget(p, known[p].instance, tuple(known[p].roce_ips))
+            if p in known
+            else ProbeTarget(p)
+            for p in self.decode_peers
+            if p not in self.removed
+        ]
+
     def _open_decodes(self) -> list[str]:
-        """The decodes this prefill may forward to now."""
-        return [p for p in self.decode_peers if p not in self.removed]
+        """The decodes this prefill may forward to now: not removed, and no sub-link to them
+        blocked (its KV moves over all of them)."""
+        targets = self._probe_targets()
+        blocked = self.prober.blocked(targets)
+        return [t.address for t in targets if t.address not in blocked]
+
+    def _backpressure(self) -> str:
+        """Why this decode takes no KV now ("" if it does): a full batch pulls nothing until a
+        place frees."""
+        places, limit = len(self.batch.places), self.config.max_batch
+        return f"decode batch full ({places}/{limit})" if places >= limit else ""
 
     # ================================================================ KV pull (prefill side)
     def kv_pull_meta(self, request_id: str) -> dict[str, Any]:

@@ -171,3 +171,4 @@ class DecodeBatch(Part):
                     seq.events.put_nowait(None)
                     seq.hold.release()
             self.running = [s for s in self.running if not s.ended]
+            self.heartbeat.beat()  # an iteration of the serving loop (issue 17: the hang tier)

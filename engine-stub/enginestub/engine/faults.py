@@ -3,7 +3,11 @@ the node's fault detector writes it, the engine reads it) and the faults tests i
 ``POST /v1/faults`` (die down, link down, slow, hang, HBM error).
 
 What a fault does to requests in flight (a die or HBM fault fails them) the engine decides
-(:meth:`enginestub.engine.core.Engine.inject`); here is only what is faulty.
+(:meth:`enginestub.engine.core.Engine.inject`); here is only what is faulty, and, for the
+engine's health (issue 17 item 1: Faulty, not silent), each device fault as the typed
+:class:`~matrixserve.api.zk_layout.EngineFault` the operator plans from: ``npu`` when every die of
+one NPU is down, ``die`` for fewer, ``hbm`` for an HBM error, each with the wall time this
+engine first saw it (detection latency counts from it).
 """
 
 from __future__ import annotations
@@ -11,12 +15,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from enginestub.engine.config import EngineConfig
 from enginestub.engine.metrics import EngineMetrics
+from matrixserve.api import zk_layout as zl
+from matrixserve.api.catalog import DIES_PER_NPU
 from matrixserve.api.engine_protocol import EngineError
 
 log = logging.getLogger("enginestub.engine")
@@ -24,6 +31,7 @@ log = logging.getLogger("enginestub.engine")
 FAULT_KINDS = ("die-down", "link-down", "slow", "hang", "hbm-error")
 _INJECTED_DIE = "DIE_DOWN (injected)"
 STATUS_POLL_SECONDS = 0.1  # wall s
+_HBM_CODE = "HBM"  # the device plugin's HBM codes (HBM_UNCORRECTABLE_ECC) name it
 
 
 def _invalid(message: str) -> EngineError:
@@ -39,6 +47,8 @@ class DeviceFaults:
         self.links_down: set[str] = set()  # peer RoCE IPs our dies lost a link to
         self.not_hung = asyncio.Event()  # cleared while a hang is injected
         self.not_hung.set()
+        self.npu_of: dict[int, int] = {}  # die -> its NPU, as the device status file groups them
+        self.first_seen: dict[str, float] = {}  # fault key -> wall time (epoch s) first seen
 
     @property
     def healthy(self) -> bool:
@@ -58,26 +68,35 @@ class DeviceFaults:
 
     # ------------------------------------------------------------------ injected
     def inject(self, kind: str, params: dict[str, Any]) -> None:
+        """Inject a fault; one of the same kind injected before is replaced (healed first: a
+        die or peer it named must not stay faulty once nothing names it)."""
+        self._check(kind, params)
+        if kind in self.injected:
+            self.heal(kind)
+        if kind == "die-down":
+            self.unhealthy_dies[int(params["die"])] = _INJECTED_DIE
+        if kind == "link-down":
+            self.links_down.add(params["peerRoceIp"])
+        if kind == "hang":
+            self.not_hung.clear()
+        self.injected[kind] = params
+        self.metrics.faults.labels(kind=kind).set(1)
+        self._seen()
+
+    def _check(self, kind: str, params: dict[str, Any]) -> None:
         if kind not in FAULT_KINDS:
             raise _invalid(f"unknown fault {kind!r}; one of {', '.join(FAULT_KINDS)}")
         if kind == "slow":
             factor = params.get("factor")
             if not isinstance(factor, int | float) or not 1 <= factor <= 1000:
                 raise _invalid("slow needs factor in 1..1000")
-        if kind == "die-down":
-            die = params.get("die")
-            if die not in self.config.dies:
-                raise _invalid(f"die must be one of this instance's dies {self.config.dies}")
-            self.unhealthy_dies[int(die)] = _INJECTED_DIE
-        if kind == "link-down":
-            peer = params.get("peerRoceIp")
-            if not isinstance(peer, str):
-                raise _invalid("link-down needs peerRoceIp")
-            self.links_down.add(peer)
-        if kind == "hang":
-            self.not_hung.clear()
-        self.injected[kind] = params
-        self.metrics.faults.labels(kind=kind).set(1)
+        die = params.get("die")
+        if (kind == "die-down" or (kind == "hbm-error" and "die" in params)) and (
+            isinstance(die, bool) or die not in self.config.dies
+        ):
+            raise _invalid(f"die must be one of this instance's dies {self.config.dies}")
+        if kind == "link-down" and not isinstance(params.get("peerRoceIp"), str):
+            raise _invalid("link-down needs peerRoceIp")
 
     def heal(self, kind: str) -> None:
         if kind not in FAULT_KINDS:
@@ -90,6 +109,7 @@ class DeviceFaults:
         if kind == "hang":
             self.not_hung.set()
         self.metrics.faults.labels(kind=kind).set(0)
+        self._seen()
 
     # ------------------------------------------------------------------ the device status file
     def apply_status(self, data: dict[str, Any]) -> str | None:
@@ -99,6 +119,8 @@ class DeviceFaults:
         faulted: dict[int, str] = {}
         for npu in data.get("npus", []):
             for die in npu.get("dies", []):
+                if die["id"] in mine:
+                    self.npu_of[die["id"]] = npu["id"]
                 if die["id"] in mine and die.get("health") != "Healthy":
                     faulted[die["id"]] = (
                         ",".join(f["code"] for f in die.get("faults", [])) or "Unhealthy"
@@ -116,9 +138,63 @@ class DeviceFaults:
         self.links_down = links | {
             p["peerRoceIp"] for k, p in self.injected.items() if k == "link-down"
         }
+        self._seen()
         if not newly:
             return None
         return ", ".join(f"die {d}: {faulted[d]}" for d in sorted(newly))
+
+    # ------------------------------------------------------------------ as the health says them
+    def _seen(self) -> None:
+        """Stamp the faults present now with the wall time first seen; forget the healed ones."""
+        now = time.time()
+        keys = {f"die:{d}" for d in self.unhealthy_dies}
+        keys |= {f"injected:{kind}" for kind in self.injected}
+        self.first_seen = {k: self.first_seen.get(k, now) for k in keys}
+
+    def _since(self, keys: Iterable[str]) -> float:
+        return min((self.first_seen[k] for k in keys if k in self.first_seen), default=time.time())
+
+    def _npu(self, die: int) -> int:
+        return self.npu_of.get(die, die // DIES_PER_NPU)
+
+    def engine_faults(self) -> list[zl.EngineFault]:
+        """The device faults of this instance, one per NPU touched: ``npu`` when all its dies
+        (of this instance) are down, ``die`` otherwise, ``hbm`` for HBM errors."""
+        hbm = {d for d, why in self.unhealthy_dies.items() if _HBM_CODE in why}
+        faults: list[zl.EngineFault] = []
+        down = sorted(set(self.unhealthy_dies) - hbm)
+        for npu in sorted({self._npu(d) for d in down}):
+            dies = [d for d in down if self._npu(d) == npu]
+            whole = [d for d in self.config.dies if self._npu(d) == npu]
+            kind = (
+                zl.EngineFaultKind.NPU
+                if len(whole) > 1 and dies == whole
+                else zl.EngineFaultKind.DIE
+            )
+            why = ", ".join(f"die {d}: {self.unhealthy_dies[d]}" for d in dies)
+            faults.append(
+                zl.EngineFault(
+                    kind=kind,
+                    since=self._since(f"die:{d}" for d in dies),
+                    detail=f"NPU {npu}: {why}" if kind is zl.EngineFaultKind.NPU else why,
+                    dies=dies,
+                )
+            )
+        injected: list[int] = []
+        if "hbm-error" in self.injected:  # on one die if said, else on the instance's HBM
+            params = self.injected["hbm-error"]
+            injected = [int(params["die"])] if "die" in params else list(self.config.dies)
+        if hbm or injected:
+            dies = sorted(hbm | set(injected))
+            faults.append(
+                zl.EngineFault(
+                    kind=zl.EngineFaultKind.HBM,
+                    since=self._since([*(f"die:{d}" for d in hbm), "injected:hbm-error"]),
+                    detail="HBM error on die(s) " + ", ".join(map(str, dies)),
+                    dies=dies,
+                )
+            )
+        return faults
 
     async def watch(
         self, path: Path, on_fault: Callable[[str], None], on_change: Callable[[], None]

@@ -14,6 +14,7 @@ import httpx
 from enginestub.engine.clock import Clock
 from enginestub.engine.config import EngineConfig
 from enginestub.engine.faults import DeviceFaults
+from enginestub.engine.heartbeat import Heartbeat
 from enginestub.engine.kvcache import KvBudget, KvLease
 from enginestub.engine.metrics import EngineMetrics
 
@@ -26,6 +27,7 @@ class Shared:
     faults: DeviceFaults  # the slow factor, hangs, links down
     kv: KvBudget  # HBM for KV caches
     http: httpx.AsyncClient  # to the other engines
+    heartbeat: Heartbeat  # the serving loop's: decode steps and prefill completions beat
 
 
 class Part:
@@ -38,6 +40,7 @@ class Part:
         self.faults = shared.faults
         self.kv = shared.kv
         self.http = shared.http
+        self.heartbeat = shared.heartbeat
 
 
 class Releasable:

@@ -149,7 +149,13 @@ class Prefill(Part):
         assert hold is not None, "prefill without a slot"
         hold.working = True
         try:
-            return await self.compute.consume(self.work(ticket.request), deadline=ticket.deadline)
+            seconds = await self.compute.consume(
+                self.work(ticket.request), deadline=ticket.deadline
+            )
+            # A hung serving loop completes no prefill; a completed one is the loop's beat.
+            await self.faults.not_hung.wait()
+            self.heartbeat.beat()
+            return seconds
         finally:
             hold.working = False
             hold.progressed()

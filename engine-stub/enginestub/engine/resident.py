@@ -11,14 +11,22 @@
    ``LINK_WALL_FLOOR_SECONDS`` of wall time have passed; then the process exits with an error
    (P/D-Serve §3.2: a linking timeout fails the instance), so its container restarts.
 4. **Load** the model (time = bytes / bandwidth of the source).
-5. **Health**: an ephemeral ``health/<instance>``, refreshed every ``health_interval``.
+5. **Health**: an ephemeral ``health/<instance>``, refreshed every ``health_interval``, and
+   written again at once whenever what it says changes.
 6. Keeps watching: a peer added to the map later links to this instance itself (the newcomer
    initiates, Fig. 7; a serving instance only confirms the handshake and never relinks or
-   restarts); ``decode-meta`` tells a prefill where to forward; ``removed/`` stops traffic to
-   logically removed instances.
+   restarts); ``decode-meta`` tells a prefill where to forward (and which decodes' sub-links it
+   probes); ``removed/`` stops traffic to logically removed instances, and when it names this
+   one, closes its entrance side and ends its streams (issue 17 item 4).
 
-Health rule on faults: a die, NPU or HBM fault on this instance deletes its health znode (the
-instance is unusable); a link fault keeps it with ``state: Degraded`` and the message.
+Health rule on faults (issue 17 item 1: Faulty, not silent): a die, NPU or HBM fault on this
+instance, or a hang of its serving loop, makes it ``state: Faulty`` with the typed faults (kind,
+since when, dies); slots held without progress make it ``Degraded``. A sub-link that probes
+Delayed or Blocked (or a RoCE link down) leaves it ``Serving``: it is said in ``links`` (with
+``downAt`` when a device status says the port is down), the prefill keeps off that decode, and
+the operator plans for a blocked one. Every health carries the serving loop's last beat
+(``loopBeat``). The znode is deleted only while
+the model is not loaded, so the operator always reads why, never a silence.
 
 Sessions (:mod:`matrixserve.coordination`, the one session owner): SUSPENDED pauses writes; LOST
 means our ephemerals are gone, so on reconnection the report and health znodes are written
@@ -69,6 +77,7 @@ class Resident:
         self.role: zl.Role | None = None
         self.phase = "Starting"
         self.health_seq = 0
+        self.ready_after = 0.0  # wall s from the process's start to its first Serving health
         self.ready = False
         self.suspended = threading.Event()
         self._map_changed = asyncio.Event()
@@ -242,11 +251,19 @@ class Resident:
         if not data:
             return
         meta = zl.DecodeMeta.parse(data)
+        self.engine.decode_entries = list(meta.decodes)
         self.engine.decode_peers = [f"{d.pod_ip}:{d.port}" for d in meta.decodes]
         self._removed_addresses()
 
     def _set_removed(self, children: list[str]) -> None:
         self._removed_names = set(children)
+        if self.instance in self._removed_names:
+            self.engine.withdraw(
+                f"instance {self.instance} is logically removed from group "
+                f"{self.namespace}/{self.group}"
+            )
+        else:
+            self.engine.readmit()
         self._removed_addresses()
 
     def _removed_addresses(self) -> None:
@@ -407,13 +424,21 @@ class Resident:
 
     # ------------------------------------------------------------------ health
     def _health(self) -> zl.Health | None:
+        """What the health znode says now; None (no znode) only while the model is not loaded."""
         engine = self.engine
-        if engine.unhealthy_dies or "hbm-error" in engine.faults or not engine.loaded:
+        if not engine.loaded:
             return None
+        faults, links = engine.engine_faults(), engine.link_probes()
         state, message = zl.HealthState.SERVING, ""
+        # Issue 17: a sub-link that probes late (the decode saturated) or blocked (a link
+        # fault) is said in ``links`` and leaves the instance serving: a prefill forwards over
+        # its other decodes (and refuses at admission when none is left), the operator plans
+        # for a blocked one. Closing the instance for it would turn one link into a whole
+        # instance out, or, under load, every prefill out as their probes run late.
         if engine.device_links_down:
-            state = zl.HealthState.DEGRADED
             message = "RoCE link down to " + ", ".join(sorted(engine.device_links_down))
+        if links:  # xDeepServe's link probing, saturation told from a link fault
+            message = "sub-link(s) " + ", ".join(f"{p.peer}#{p.device} {p.state}" for p in links)
         stuck = engine.stuck_holds()
         if stuck:  # issue 16 finding 1: slots nothing will free are not capacity
             state = zl.HealthState.DEGRADED
@@ -421,7 +446,12 @@ class Resident:
                 f"{stuck} request(s) held without progress for over "
                 f"{engine.stuck_bound():g} s (emulated)"
             )
+        if faults:  # issue 17 item 1: faulty, and why, never a silence
+            state = zl.HealthState.FAULTY
+            message = "; ".join(f"{f.kind}: {f.detail}" for f in faults)
         assert self.role is not None
+        if state is zl.HealthState.SERVING and not self.ready_after:
+            self.ready_after = round(time.time() - engine.started_wall, 3)
         self.health_seq += 1
         return zl.Health(
             instance=self.instance,
@@ -433,11 +463,15 @@ class Resident:
             podIP=engine.config.host,
             port=engine.config.port,
             incarnation=self.incarnation,
+            faults=faults,
+            links=links,
+            loopBeat=engine.heartbeat.last_beat_wall,
+            readyAfter=self.ready_after,
         )
 
     async def _write_health(self) -> None:
-        """Our health, owned by our session (see :meth:`_write_report`); deleted while a
-        device fault makes this instance unusable."""
+        """Our health, owned by our session (see :meth:`_write_report`); deleted while the
+        model is not loaded."""
         if self.suspended.is_set() or not self.ready:
             return
         path = self.paths.health_of(self.instance)
@@ -449,12 +483,15 @@ class Resident:
             await self.zk.run(self.zk.own, path, health.dump())
 
     async def _keep_health(self) -> None:
+        """The health every interval, and at once when it changed (a fault, a hang, a probe):
+        the change mark is cleared before the write reads the state, so a change during a
+        write is written next, not left for the interval."""
         interval = self.engine.clock.to_wall(self.engine.config.health_interval)
         while True:
-            self._health_dirty.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval):
                     await self._health_dirty.wait()
+            self._health_dirty.clear()
             try:
                 # The report too, if it is not ours: a restarted container converges without
                 # help even if a previous process's session took ours with it

@@ -6,11 +6,12 @@
 ``POST /v1/kv/{id}/pull``       prefill: KV metadata for a decode's pull
 ``POST /v1/kv/{id}/release``    prefill: the decode has the KV; free the slot
 ``POST /v1/link/handshake``     link verification between peers (device k <-> device k)
-``POST /v1/probe``              link probing: dummy transfer, tells saturated from broken
+``POST /v1/link/probe``         decode: a prefill's dummy payload over its sub-links (issue 17)
 ``POST /v1/expert/forward``     expert server role: one expert's FFN for N tokens
 ``POST /v1/attention/step``     attention client role: one decode step with A2E/E2A hops
 ``POST|DELETE /v1/faults``      inject / heal: die-down, link-down, slow, hang, hbm-error
-``GET /healthz`` ``/readyz``    liveness (hangs with the engine), readiness (serving, no stuck slot)
+``GET /healthz`` ``/readyz``    liveness (answers while hung: alive, no tokens), readiness
+                                (serving: not faulty, not removed; no stuck slot)
 ``GET /metrics`` ``/v1/info``   Prometheus; identity and state
 ==============================  =============================================================
 
@@ -24,27 +25,33 @@ wrong type) are 4xx, never 500 (issue 16 finding 3). The bodies and events are
 Every exchange that takes a prefill slot or a decode place holds it in a ``with`` block around
 the whole exchange, response included (issue 16 finding 1), and a caller that goes away cancels
 its handler (``handler_cancellation``), so its slot, KV and any decode it had started are given
-back at once, not at the end of its tokens (finding 5).
+back at once, not at the end of its tokens (finding 5). A stream ended because this instance was
+logically removed ends with its ``error`` event, code ``instance_removed`` (issue 17 item 4).
+
+A hung serving loop (issue 17: the hang tier) holds the requests that need it (generate, decode,
+KV, expert, attention) until it runs again or its hang is declared (then 503 ``engine_hung``);
+health, metrics, info, link handshakes and probes (the transport's, not the loop's) and fault
+injection answer meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import math
-import re
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
-import httpx
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from enginestub import calibration as cal
 from enginestub.engine.core import Engine
-from enginestub.fabric import link_bandwidth
+from enginestub.engine.linkprobe import PROBE_PATH, Probe
+from enginestub.engine.streams import OpenStreams
 from matrixserve import httpserving
 from matrixserve.api.engine_protocol import (
     EngineError,
@@ -62,6 +69,7 @@ HandshakeCheck = Callable[[dict[str, Any]], dict[str, Any]]
 
 MAX_BODY_BYTES = 1 << 20
 PROBE_MAX_BYTES = float(1 << 30)  # a dummy transfer; a larger one would only hog the link
+PROBE_MAX_DEVICES = 64  # sub-links of one pair: an instance's dies
 # Seconds a refused caller should wait: a busy engine (429) frees a slot within a prefill or a
 # few decode steps; one not serving (503) is loading or faulty for longer.
 RETRY_AFTER = {429: "1", 503: "5"}
@@ -147,9 +155,13 @@ def _count(body: dict[str, Any], key: str, limit: int) -> int:
     return value
 
 
-async def _stream(request: web.Request, events: AsyncGenerator[Event, None]) -> web.StreamResponse:
+async def _stream(
+    request: web.Request, events: AsyncGenerator[Event, None], streams: OpenStreams
+) -> web.StreamResponse:
     """The events as an SSE response. The generator is closed on every way out, started or
-    not (the caller's slot is given back by its own ``with`` block around this)."""
+    not (the caller's slot is given back by its own ``with`` block around this); a stream
+    ``streams`` ends (this instance removed) ends with its error event, or, not started yet,
+    as that error's 503."""
     async with contextlib.aclosing(events):
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -161,6 +173,15 @@ async def _stream(request: web.Request, events: AsyncGenerator[Event, None]) -> 
             await response.write_eof()
         except ConnectionError:
             pass  # the caller is gone (aiohttp takes the unfinished response quietly)
+        except asyncio.CancelledError:
+            ending = streams.ended()
+            if ending is None:
+                raise  # the caller gone (handler cancellation), or the server stopping
+            if not response.prepared:
+                raise EngineError(503, ending["code"], ending["message"]) from None
+            with contextlib.suppress(ConnectionError):
+                await response.write(sse_data(ending))
+                await response.write_eof()
         except Exception:
             if not response.prepared:
                 raise  # the middleware answers it
@@ -171,17 +192,6 @@ async def _stream(request: web.Request, events: AsyncGenerator[Event, None]) -> 
         return response
 
 
-_HOST = re.compile(r"[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
-
-
-def _host_port(value: Any) -> str:
-    """``host:port`` of a peer engine (a name, an IPv4 or a bracketed IPv6), or a 400."""
-    host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
-    if not _HOST.fullmatch(host) or not port.isdigit() or not 0 < int(port) < 65536:
-        raise EngineError(400, "invalid_request", "peer must be host:port", param="peer")
-    return f"{host}:{int(port)}"
-
-
 def build_app(
     engine: Engine, handshake: HandshakeCheck | None = None, ready: Callable[[], bool] | None = None
 ) -> web.Application:
@@ -189,12 +199,20 @@ def build_app(
 
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path != "/v1/faults":  # the management path stays usable, to heal a hang
-            await engine.wait_not_hung()
         try:
             return await handler(request)
         except EngineError as exc:
             return _error(exc)
+
+    def loop_bound(handler: Handler) -> Handler:
+        """A handler that needs the serving loop: it waits while the loop is hung (until it
+        runs again, or its hang is declared and admission refuses)."""
+
+        async def bound(request: web.Request) -> web.StreamResponse:
+            await engine.wait_serving_loop()
+            return await handler(request)
+
+        return bound
 
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -242,15 +260,15 @@ def build_app(
         req = GenerateRequest.parse(
             await _json(request), cfg.max_prompt_tokens, cfg.max_output_tokens
         )
-        with engine.admit_prefill(req) as ticket:
-            return await _stream(request, engine.generate(ticket))
+        with engine.admit_prefill(req) as ticket, engine.streams.track():
+            return await _stream(request, engine.generate(ticket), engine.streams)
 
     async def decode(request: web.Request) -> web.StreamResponse:
         req, prefill = parse_decode(
             await _json(request), cfg.max_prompt_tokens, cfg.max_output_tokens
         )
-        with engine.admit_decode(req) as hold:
-            return await _stream(request, engine.decode(hold, req, prefill))
+        with engine.admit_decode(req) as hold, engine.streams.track():
+            return await _stream(request, engine.decode(hold, req, prefill), engine.streams)
 
     async def kv_pull(request: web.Request) -> web.Response:
         await _read(request)  # no body is needed; one there is read, or refused, whole
@@ -271,50 +289,39 @@ def build_app(
             {"instance": cfg.instance, "role": engine.role, "roceIps": cfg.roce_ips}
         )
 
-    async def probe(request: web.Request) -> web.Response:
-        """xDeepServe §6.1: a dummy transfer tells a saturated peer from a broken link."""
+    async def link_probe(request: web.Request) -> web.Response:
+        """Issue 17 (xDeepServe §6.1): a prefill's dummy payload over the sub-links it names;
+        the fabric model says when it lands, or that a sub-link is down."""
         body = await _json(request)
-        peer = _host_port(body.get("peer"))
-        nbytes = _number(body, "bytes", 1, PROBE_MAX_BYTES, 1 << 20)
-        peer_ips = body.get("peerRoceIps", [])
-        if not isinstance(peer_ips, list) or not all(isinstance(ip, str) for ip in peer_ips):
+        ips = body.get("roceIps")
+        if (
+            not isinstance(body.get("instance"), str)
+            or not isinstance(ips, list)
+            or not 0 < len(ips) <= PROBE_MAX_DEVICES
+            or not all(isinstance(ip, str) for ip in ips)
+        ):
             raise EngineError(
-                400, "invalid_request", "peerRoceIps must be a list of strings", "peerRoceIps"
+                400,
+                "invalid_request",
+                f"a probe needs instance and roceIps (1..{PROBE_MAX_DEVICES} strings)",
+                "roceIps",
             )
-        down = [ip for ip in peer_ips if ip in engine.device_links_down]
-        if down:
-            return web.json_response(
-                {"peer": peer, "state": "broken", "reason": f"link down to {', '.join(down)}"}
+        devices = body.get("devices", list(range(len(ips))))
+        if not isinstance(devices, list) or not all(
+            isinstance(k, int) and not isinstance(k, bool) and 0 <= k < len(ips) for k in devices
+        ):
+            raise EngineError(
+                400, "invalid_request", "devices must be indices into roceIps", "devices"
             )
-        try:
-            response = await engine.http.get(f"http://{peer}/v1/info", timeout=2.0)
-            flows = (
-                max(int(response.json()["health"].get("kvEgressFlows", 0)), 0)
-                if response.status_code == 200
-                else 0
-            )
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            return web.json_response(
-                {"peer": peer, "state": "broken", "reason": f"unreachable: {type(exc).__name__}"}
-            )
-        link = link_bandwidth(cfg.kv_plane, same_node=False) * len(cfg.dies)
-        # The dummy transfer is one more flow out of the peer and one more into this instance;
-        # the share it gets from the model (not from the wall clock, whose jitter on a loaded
-        # machine is multiplied by the time scale) tells a saturated peer from a free one.
-        cap = link / (flows + 1)
-        share = engine.kv_ingress.share_for(cap)  # max-min fair beside the running transfers
-        alone = nbytes / link
-        took = await engine.kv_ingress.consume(nbytes, cap=cap)
-        state = "saturated" if share < link / 2 else "ok"
-        return web.json_response(
-            {
-                "peer": peer,
-                "state": state,
-                "seconds": took,
-                "aloneSeconds": alone,
-                "shareOfLink": share / link,
-            }
+        probe = Probe(
+            body["instance"],
+            tuple(ips),
+            tuple(sorted(set(devices))),
+            _number(body, "bytes", 1, PROBE_MAX_BYTES, float(1 << 20)),
+            int(_number(body, "egressFlows", 0, 1_000_000, 0)),
         )
+        engine.require_role("decode")  # the side KV lands on
+        return web.json_response(engine.receiver.receive(probe))
 
     async def expert_forward(request: web.Request) -> web.Response:
         tokens = _count(await _json(request), "tokens", 1_000_000)
@@ -368,14 +375,14 @@ def build_app(
             web.get("/readyz", readyz),
             web.get("/metrics", metrics),
             web.get("/v1/info", info),
-            web.post("/v1/generate", generate),
-            web.post("/v1/decode", decode),
-            web.post("/v1/kv/{rid}/pull", kv_pull),
-            web.post("/v1/kv/{rid}/release", kv_release),
+            web.post("/v1/generate", loop_bound(generate)),
+            web.post("/v1/decode", loop_bound(decode)),
+            web.post("/v1/kv/{rid}/pull", loop_bound(kv_pull)),
+            web.post("/v1/kv/{rid}/release", loop_bound(kv_release)),
             web.post("/v1/link/handshake", link_handshake),
-            web.post("/v1/probe", probe),
-            web.post("/v1/expert/forward", expert_forward),
-            web.post("/v1/attention/step", attention_step),
+            web.post(PROBE_PATH, link_probe),
+            web.post("/v1/expert/forward", loop_bound(expert_forward)),
+            web.post("/v1/attention/step", loop_bound(attention_step)),
             web.post("/v1/faults", faults),
             web.delete("/v1/faults", faults),
         ]

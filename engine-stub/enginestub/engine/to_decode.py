@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import json
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import httpx
@@ -27,6 +27,7 @@ import httpx
 from enginestub.engine.kvpull import PendingKV, kv_wait_bound
 from enginestub.engine.parts import Part, Shared
 from enginestub.engine.progress import Progress
+from matrixserve.api import zk_layout as zl
 from matrixserve.api.engine_protocol import (
     LAST_EVENTS,
     Event,
@@ -42,10 +43,24 @@ _T = TypeVar("_T")
 
 
 class DecodeForwarder(Part):
-    def __init__(self, shared: Shared, decodes: Callable[[], list[str]]) -> None:
+    def __init__(
+        self,
+        shared: Shared,
+        decodes: Callable[[], list[str]],
+        entries: Callable[[], Sequence[zl.MapEntry]] = list,
+    ) -> None:
         super().__init__(shared)
         self._decodes = decodes  # host:port of the decodes open to this prefill now
+        self._entries = entries  # the decode meta's: who is at which host:port
         self._turn = itertools.count()
+
+    def _named(self, event: Event, peer: str) -> Event:
+        """An error of a stream the decode at ``peer`` took, naming that decode (issue 17: the
+        gateway passes the instances on, so a client tells a failure on a faulty instance from
+        one elsewhere)."""
+        names = {f"{e.pod_ip}:{e.port}": e.instance for e in self._entries()}
+        on = {"prefill": self.config.instance, "decode": names.get(peer)}
+        return event | {"instances": on} if event.get("type") == "error" else event
 
     def candidates(self) -> list[str]:
         """The decodes to try, in this request's turn."""
@@ -104,21 +119,29 @@ class DecodeForwarder(Part):
                         self._events(req, progress, pending, response)
                     ) as events:
                         async for event in events:
-                            yield event
+                            yield self._named(event, peer)
                             if event.get("type") in LAST_EVENTS:
                                 return
-                    yield error_event(
-                        "decode_failed", f"decode instance {peer} closed the stream before the end"
+                    yield self._named(
+                        error_event(
+                            "decode_failed",
+                            f"decode instance {peer} closed the stream before the end",
+                        ),
+                        peer,
                     )
                     return
-                except TimeoutError:
-                    yield self._gave_up(pending)
+                except TimeoutError:  # named if the decode had taken it (it never pulled)
+                    gave_up = self._gave_up(pending)
+                    yield self._named(gave_up, peer) if response.status_code == 200 else gave_up
                     return
                 except httpx.HTTPError as exc:
                     if pending.released.is_set():
-                        yield error_event(
-                            "decode_failed",
-                            f"decode instance {peer} failed mid-stream: {type(exc).__name__}",
+                        yield self._named(
+                            error_event(
+                                "decode_failed",
+                                f"decode instance {peer} failed mid-stream: {type(exc).__name__}",
+                            ),
+                            peer,
                         )
                         return
                     log.warning("decode %s failed for %s: %s", peer, req.request_id, exc)

@@ -10,10 +10,10 @@ The node emulator plays three node-side parts, the way KWOK fakes nodes but with
 - the **fault-detection container** (P/D-Serve §3.4, Fig. 8): a per-node device status file,
   readable by every pod on the node, that tests flip to inject faults.
 
-Pure parts: :mod:`.topology`, :mod:`.allocator`, :mod:`.devicestatus`, :mod:`.podspec`,
-:mod:`.podstatus`. I/O: :mod:`.runner` (processes), :mod:`.control` (fault API), and the emulator
-itself, one concern a module: :mod:`.emulator` (composes the parts, starts and stops them),
-:mod:`.state` (config, node and pod records), :mod:`.nodelifecycle` (Nodes, status, Leases),
+Pure parts: :mod:`.topology`, :mod:`.allocator`, :mod:`.devicestatus`, :mod:`.nodestatus`,
+:mod:`.podspec`, :mod:`.podstatus`. I/O: :mod:`.runner` (processes), :mod:`.control` (fault
+API), and the emulator itself, one concern a module: :mod:`.emulator` (composes the parts, starts and stops them),
+:mod:`.state` (config, node and pod records), :mod:`.nodelifecycle` (Nodes, status, taints, Leases),
 :mod:`.podlifecycle` (pods from admission to deletion), :mod:`.podenv` (what a pod gets from its
 node), :mod:`.faults` (device status file, node-down), :mod:`.events` (Events). Its command line,
 for the programs that start one: :mod:`.command`.

@@ -4,10 +4,14 @@ The scheduler only counts (``huawei.com/Ascend910`` requests ≤ allocatable); t
 picks *which* NPUs. We prefer the lowest free ids, contiguous when possible, and never give one
 NPU to two pods. The grant is recorded on the pod (annotation, like the real plugin's
 ``huawei.com/Ascend910: Ascend910-0,Ascend910-1``) so a restarted emulator rebuilds its books.
+
+A faulty NPU (issue 17, xDeepServe §6.2) is never granted to a new pod; a pod already holding
+one keeps it (recovery replaces that pod), so the books only change by grants and releases.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from matrixserve.api.kinds import NPU_RESOURCE
@@ -40,14 +44,16 @@ class NodeAllocator:
     npus: int
     owners: dict[int, str] = field(default_factory=dict)  # npu id -> pod uid
 
-    def free(self) -> list[int]:
-        return [n for n in range(self.npus) if n not in self.owners]
+    def free(self, unhealthy: Collection[int] = ()) -> list[int]:
+        """The NPUs granted to no pod, less the ``unhealthy`` ones."""
+        return [n for n in range(self.npus) if n not in self.owners and n not in unhealthy]
 
     def held_by(self, pod_uid: str) -> list[int]:
         return sorted(n for n, owner in self.owners.items() if owner == pod_uid)
 
-    def allocate(self, pod_uid: str, count: int) -> list[int]:
-        """Grant ``count`` NPUs to the pod (idempotent: a pod keeps what it already holds)."""
+    def allocate(self, pod_uid: str, count: int, unhealthy: Collection[int] = ()) -> list[int]:
+        """Grant ``count`` healthy NPUs to the pod (idempotent: a pod keeps what it already
+        holds, faulty or not)."""
         held = self.held_by(pod_uid)
         if held:
             if len(held) != count:
@@ -55,9 +61,12 @@ class NodeAllocator:
             return held
         if count == 0:
             return []
-        free = self.free()
+        free = self.free(unhealthy)
         if len(free) < count:
-            raise AllocationError(f"asked for {count} NPUs, {len(free)} free of {self.npus}")
+            faulty = f" (faulty: {sorted(unhealthy)})" if unhealthy else ""
+            raise AllocationError(
+                f"asked for {count} NPUs, {len(free)} free and healthy of {self.npus}{faulty}"
+            )
         chosen = _contiguous(free, count) or free[:count]
         for n in chosen:
             self.owners[n] = pod_uid

@@ -3,29 +3,36 @@ status that P/D-Serve's MLOps polls "via a Flask request" (§3.4, Fig. 8 ③).
 
 =========================  ==========================================================
 ``GET /healthz``           ok
-``GET /nodes``             emulated nodes: name, superpod, pod CIDR, down, faults
+``GET /nodes``             emulated nodes: name, superpod, pod CIDR, down, faults, faulty
+                           NPUs, allocatable, the taints the emulator keeps on the Node
 ``GET /nodes/{n}/device-status``  the node's device status file
-``GET /pods``              pods run here: node, IP, NPUs, container pids, phase
+``GET /pods``              pods run here: node, uid, IP, NPUs, phase, restarts, container
+                           pids (what chaos tests count restarts by and kill engines by)
 ``POST /faults``           inject: body ``{"kind": ..., ...}`` (see :class:`FaultRequest`)
 ``DELETE /faults``         heal: the same body
 =========================  ==========================================================
 
-Kinds: ``die-down``/``hbm-error`` (``node``, ``die``), ``npu-down`` (``node``, ``npu``),
-``link-down`` (``node``, ``die`` and ``peerNode`` + ``peerDie``, or ``peerRoceIp``),
-``node-down`` (``node``), ``hang`` (``namespace``, ``pod``). Bad requests get 400/404 with a
-message; nothing is half-applied.
+Kinds and the fields each takes: ``die-down``/``hbm-error`` (``node``, ``die``), ``npu-down``
+(``node``, ``npu``: both its dies), ``link-down`` (``node``, ``die`` and ``peerNode`` +
+``peerDie``, or ``peerRoceIp``: a RoCE IP in 198.18.0.0/15), ``node-down`` (``node``),
+``hang`` (``namespace``, ``pod``). Bad requests (a field the kind does not take included) get
+400/404 with a message; nothing is half-applied.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from enginestub.node import podstatus
 from enginestub.node.devicestatus import Fault, FaultKind
+from enginestub.node.nodestatus import allocatable, node_taints
 from enginestub.node.runner import rfc3339
+from enginestub.node.topology import ROCE_NETWORK
 
 if TYPE_CHECKING:
     from enginestub.node.faults import Faults
@@ -44,6 +51,22 @@ class FaultRequest(BaseModel):
     peer_roce_ip: str | None = Field(default=None, alias="peerRoceIp")
     namespace: str | None = None
     pod: str | None = None
+
+    def unused_fields(self) -> list[str]:
+        """The fields given that this kind of fault does not take (by their JSON names)."""
+        takes = FIELDS_BY_KIND[self.kind]
+        given = self.model_fields_set - {"kind"}
+        return sorted(FaultRequest.model_fields[f].alias or f for f in given - takes)
+
+
+FIELDS_BY_KIND: dict[str, frozenset[str]] = {
+    "die-down": frozenset({"node", "die"}),
+    "hbm-error": frozenset({"node", "die"}),
+    "npu-down": frozenset({"node", "npu"}),
+    "link-down": frozenset({"node", "die", "peer_node", "peer_die", "peer_roce_ip"}),
+    "node-down": frozenset({"node"}),
+    "hang": frozenset({"namespace", "pod"}),
+}
 
 
 class BadRequest(Exception):
@@ -89,6 +112,7 @@ class ControlServer:
     async def list_nodes(self, _: web.Request) -> web.Response:
         out = []
         for name, state in sorted(self.state.nodes.items()):
+            faulty = state.devices.faulty_npus()
             out.append(
                 {
                     "name": name,
@@ -96,7 +120,13 @@ class ControlServer:
                     "podCIDR": state.addresses.cidr,
                     "hostIP": state.addresses.host_ip,
                     "npus": state.server.npus,
-                    "freeNpus": state.allocator.free(),
+                    "freeNpus": state.allocator.free(),  # granted to no pod (faulty or not)
+                    "faultyNpus": sorted(faulty),
+                    "allocatable": allocatable(state.server.capacity, faulty),
+                    # the taints this emulator keeps on the Node (others' are the API's)
+                    "taints": node_taints(
+                        [], full=self.state.full, down=state.down, faulty=faulty, now=time.time()
+                    ),
                     "down": state.down,
                     "deviceStatusFile": str(state.device_file),
                     "faults": [f.to_json() | {"die": f.die} for f in state.devices.faults],
@@ -114,6 +144,11 @@ class ControlServer:
         out = []
         for record in self.state.pods.values():
             runner = record.runner
+            containers = list(runner.containers.values()) if runner else []
+            if runner is not None:
+                phase = podstatus.pod_phase(containers, runner.restart_policy)
+            else:
+                phase = (record.fixed_status or {}).get("phase", "Pending")
             out.append(
                 {
                     "namespace": record.namespace,
@@ -122,10 +157,13 @@ class ControlServer:
                     "node": record.node,
                     "podIP": record.ip,
                     "npus": record.npus,
+                    "phase": phase,
+                    "terminating": record.terminating,
+                    "restarts": sum(c.restart_count for c in containers),
                     "pids": runner.pids() if runner else {},
                     "containers": {
-                        n: {"phase": c.phase, "ready": c.ready, "restarts": c.restart_count}
-                        for n, c in (runner.containers.items() if runner else [])
+                        c.name: {"phase": c.phase, "ready": c.ready, "restarts": c.restart_count}
+                        for c in containers
                     },
                 }
             )
@@ -159,6 +197,12 @@ class ControlServer:
 
     async def _dispatch(self, req: FaultRequest, heal: bool) -> dict[str, Any]:
         faults = self.faults
+        unused = req.unused_fields()
+        if unused:
+            takes = ", ".join(
+                FaultRequest.model_fields[f].alias or f for f in sorted(FIELDS_BY_KIND[req.kind])
+            )
+            raise BadRequest(400, f"{req.kind} takes {takes}; not {', '.join(unused)}")
         if req.kind == "hang":
             if not req.namespace or not req.pod:
                 raise BadRequest(400, "hang needs namespace and pod")
@@ -186,15 +230,15 @@ class ControlServer:
         changed = False
         if kind == FaultKind.LINK_DOWN:
             peer_ip, peer = self._peer(req)
-            changed |= faults.apply_device_fault(node, Fault(kind, dies[0], since, peer_ip), heal)
+            fault = Fault(kind, dies[0], since, peer_ip)
+            changed |= await faults.apply_device_faults(node, [fault], heal)
             if peer is not None:
                 own_ip = server.dies[dies[0]].roce_ip
-                changed |= faults.apply_device_fault(
-                    peer[0], Fault(kind, peer[1], since, own_ip), heal
-                )
+                fault = Fault(kind, peer[1], since, own_ip)
+                changed |= await faults.apply_device_faults(peer[0], [fault], heal)
         else:
-            for die in dies:
-                changed |= faults.apply_device_fault(node, Fault(kind, die, since), heal)
+            batch = [Fault(kind, die, since) for die in dies]
+            changed |= await faults.apply_device_faults(node, batch, heal)
         return {
             "kind": req.kind,
             "node": node,
@@ -212,14 +256,27 @@ class ControlServer:
         return name
 
     def _peer(self, req: FaultRequest) -> tuple[str, tuple[str, int] | None]:
-        if req.peer_node is not None:
+        by_node = req.peer_node is not None or req.peer_die is not None
+        if by_node and req.peer_roce_ip is not None:
+            raise BadRequest(400, "link-down takes peerNode and peerDie, or peerRoceIp: not both")
+        if by_node:
+            if req.peer_node is None:
+                raise BadRequest(400, "link-down needs peerNode with peerDie")
             peer_node = self._node(req.peer_node)
             server = self.state.nodes[peer_node].server
             if req.peer_die is None or req.peer_die >= len(server.dies):
                 raise BadRequest(400, f"link-down needs peerDie in 0..{len(server.dies) - 1}")
             return server.dies[req.peer_die].roce_ip, (peer_node, req.peer_die)
-        if req.peer_roce_ip:
-            return req.peer_roce_ip, None
+        if req.peer_roce_ip is not None:
+            try:
+                address = ipaddress.ip_address(req.peer_roce_ip)
+            except ValueError:
+                address = None
+            if address is None or address not in ROCE_NETWORK:
+                raise BadRequest(
+                    400, f"peerRoceIp {req.peer_roce_ip!r} is not a RoCE IP (in {ROCE_NETWORK})"
+                )
+            return str(address), None
         raise BadRequest(400, "link-down needs peerNode and peerDie, or peerRoceIp")
 
 

@@ -45,7 +45,8 @@ class FaultKind(StrEnum):
 FAULT_CLASS: dict[FaultKind, tuple[str, str, str]] = {
     FaultKind.DIE_DOWN: ("CardUnhealthy", "SeparateNPU", "DIE_DOWN"),
     FaultKind.NPU_DOWN: ("CardUnhealthy", "SeparateNPU", "NPU_DOWN"),
-    FaultKind.LINK_DOWN: ("CardNetworkUnhealthy", "RestartRequest", "LINK_DOWN"),
+    # MindCluster's own example of a chip network fault: CardNetworkUnhealthy, PreSeparateNPU.
+    FaultKind.LINK_DOWN: ("CardNetworkUnhealthy", "PreSeparateNPU", "LINK_DOWN"),
     FaultKind.HBM_ERROR: ("CardUnhealthy", "RestartBusiness", "HBM_UNCORRECTABLE_ECC"),
 }
 
@@ -114,6 +115,19 @@ class DeviceStatus:
 
     def unhealthy_dies(self) -> set[int]:
         return {f.die for f in self.faults if f.kind != FaultKind.LINK_DOWN}
+
+    def faulty_npus(self) -> frozenset[int]:
+        """The NPUs holding a die with any fault (issue 17, xDeepServe §6.2): no longer
+        allocatable. A die whose RoCE link is down makes its NPU faulty too: the Ascend device
+        plugin lists it ``NetworkUnhealthy`` (``PreSeparateNPU``) and the scheduler keeps new
+        work off it, so a replacement never lands on the port that failed."""
+        npu_of = {die.index: die.npu for die in self.server.dies}
+        return frozenset(npu_of[f.die] for f in self.faults if f.die in npu_of)
+
+    def faults_of_npu(self, npu: int) -> list[Fault]:
+        """The faults on the NPU's dies (what makes it faulty)."""
+        dies = {die.index for die in self.server.dies if die.npu == npu}
+        return [f for f in self.faults if f.die in dies]
 
     def render(self, now: str) -> dict[str, Any]:
         die_faults: dict[int, list[dict[str, Any]]] = {}

@@ -61,7 +61,7 @@ class Emulator:
             self.proxy = services.ServiceProxy(
                 api, self._backends, (config.apiserver_host, config.apiserver_port)
             )
-        self.node_lifecycle = NodeLifecycle(self.state)
+        self.node_lifecycle = NodeLifecycle(self.state, self.events)
         self.pod_lifecycle = PodLifecycle(self.state, self.events, self.proxy)
         self.faults = Faults(self.state, self.node_lifecycle, self.pod_lifecycle, self.events)
         self.control_url: str | None = None

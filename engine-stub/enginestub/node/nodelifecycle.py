@@ -7,26 +7,40 @@ on one machine never share pod addresses), and lifts the ``node.kubernetes.io/no
 that admission puts on new nodes. In advertise mode (kind, where real kubelets own the Nodes)
 it only labels existing Nodes and patches the NPU resource into their capacity, as the Ascend
 device plugin would.
+
+Issue 17: :meth:`NodeLifecycle.publish` shows a node's state on its Node in one go: its status
+(allocatable without the faulty NPUs), its taints (computed in one place,
+:func:`.nodestatus.node_taints`: unreachable while down, ``matrixserve.io/npu-fault`` while an
+NPU is faulty, others' kept) and an ``NPUUnhealthy``/``NPUHealthy`` Event per NPU that changed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
-import os
 import time
+from collections import defaultdict
 from typing import Any
 
+import urllib3
 from kubernetes import client
 
 from enginestub.node import allocator, devicestatus
+from enginestub.node.events import Events
 from enginestub.node.network import (
     POD_LOCKS,
     AddressExhausted,
     NodeAddresses,
     candidate_cidrs,
     lock_cidr,
+)
+from enginestub.node.nodestatus import (
+    allocatable,
+    node_status,
+    node_taints,
+    npu_fault_taint_value,
 )
 from enginestub.node.runner import rfc3339
 from enginestub.node.state import EmulatorState, NodeState
@@ -35,22 +49,24 @@ from matrixserve.api.kinds import (
     LABEL_EMULATED,
     LABEL_PREFIX,
     NPU_RESOURCE,
+    TAINT_NPU_FAULT,
 )
 
 log = logging.getLogger("enginestub.node")
 
-NOT_READY_TAINT = "node.kubernetes.io/not-ready"
-UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
 LEASE_NAMESPACE = "kube-node-lease"
-KUBELET_VERSION = "v1.20.2-matrixserve-emulated"
+TAINT_ATTEMPTS = 5  # a taint patch is conditional on the Node's resourceVersion: retried on 409
 
 
 class NodeLifecycle:
     """Registers our Nodes and keeps their status, taints and Leases current."""
 
-    def __init__(self, shared: EmulatorState) -> None:
+    def __init__(self, shared: EmulatorState, events: Events) -> None:
         self.shared = shared
+        self.events = events
         self._cidr_locks: list[Any] = []
+        # one taint patch at a time per node: each computes the whole list from what it read
+        self._taint_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     def _lock_cidr(self, cidr: str) -> bool:
         """Hold a machine-wide lock on a pod /24 for this process's lifetime; False if held elsewhere."""
@@ -121,30 +137,67 @@ class NodeLifecycle:
             await asyncio.to_thread(core.create_node, {"metadata": meta, "spec": spec})
         else:
             await asyncio.to_thread(core.patch_node, server.node_name, {"metadata": meta})
-        await self.post_status(state)
-        await self.set_taints(state)
+        await self.publish(state)
 
     async def _advertise(self, state: NodeState) -> None:
         server = state.server
-        npus = str(server.npus)
         # Labels first: once the NPUs are allocatable the scheduler may place pods that select
         # on the SuperPod/server labels, so those must already be there.
         labels = {k: v for k, v in server.labels.items() if k.startswith(f"{LABEL_PREFIX}/")}
         labels[LABEL_EMULATED] = "advertised"
         core = self.shared.core
         await asyncio.to_thread(core.patch_node, server.node_name, {"metadata": {"labels": labels}})
-        await asyncio.to_thread(
-            core.patch_node_status,
-            server.node_name,
-            {"status": {"capacity": {NPU_RESOURCE: npus}, "allocatable": {NPU_RESOURCE: npus}}},
-        )
+        await self.publish(state)
+
+    async def publish(self, state: NodeState) -> None:
+        """Show the node's state on its Node: status (allocatable without the faulty NPUs; in
+        advertise mode only the NPU resource), taints, and an Event for each NPU that turned
+        faulty or healthy since the last publish. An API failure is logged and left to the
+        heartbeat loop, which publishes again."""
+        faulty = state.devices.faulty_npus()
+        turned_faulty = sorted(faulty - state.advertised_faulty)
+        turned_healthy = sorted(state.advertised_faulty - faulty)
+        state.advertised_faulty = faulty  # before any await: each change is told once
+        state.unpublished = True
+        name = state.server.node_name
+        try:
+            if self.shared.full:
+                await self.post_status(state)
+            else:
+                npus = allocatable(state.server.capacity, faulty)[NPU_RESOURCE]
+                status = {"capacity": {NPU_RESOURCE: str(state.server.npus)}}
+                status["allocatable"] = {NPU_RESOURCE: npus}
+                await asyncio.to_thread(
+                    self.shared.core.patch_node_status, name, {"status": status}
+                )
+            await self.set_taints(state)
+            state.unpublished = False
+        except (client.ApiException, urllib3.exceptions.HTTPError) as exc:
+            log.warning("node %s not published (tried again soon): %s", name, exc)
+        taint = f"{TAINT_NPU_FAULT}={npu_fault_taint_value(faulty)}:NoSchedule"
+        for npu in turned_faulty:
+            why = ", ".join(f"{f.kind} on die {f.die}" for f in state.devices.faults_of_npu(npu))
+            message = f"NPU {npu} is unhealthy ({why}): no longer allocatable; node tainted {taint}"
+            await self.events.node(name, "NPUUnhealthy", message, "Warning")
+        for npu in turned_healthy:
+            message = f"NPU {npu} is healthy again: allocatable" + (
+                f"; node still tainted {taint}" if faulty else "; npu-fault taint removed"
+            )
+            await self.events.node(name, "NPUHealthy", message, "Normal")
 
     async def post_status(self, state: NodeState) -> None:
         """Post the node's status, keeping each condition's transition time unless it flipped."""
         name = state.server.node_name
         core = self.shared.core
         current = await asyncio.to_thread(core.read_node_status, name)
-        status = node_status(state, self.shared.identity, time.time())
+        status = node_status(
+            state.server,
+            state.addresses.host_ip,
+            down=state.down,
+            faulty=state.devices.faulty_npus(),
+            boot_id=self.shared.identity,
+            now=time.time(),
+        )
         before = {c.type: c for c in (current.status.conditions or [])}
         for cond in status["conditions"]:
             old = before.get(cond["type"])
@@ -153,46 +206,49 @@ class NodeLifecycle:
         await asyncio.to_thread(core.patch_node_status, name, {"status": status})
 
     async def set_taints(self, state: NodeState) -> None:
-        """Lift the not-ready taint; put the unreachable taints on a node that is down."""
+        """Put on the Node the taints its state calls for (:func:`.nodestatus.node_taints`),
+        keeping everyone else's. The patch is conditional on the resourceVersion read, so a
+        taint someone adds meanwhile is never dropped (a conflict reads again)."""
         name = state.server.node_name
         core = self.shared.core
-        node = await asyncio.to_thread(core.read_node, name)
-        keep = [
-            t.to_dict()
-            for t in node.spec.taints or []
-            if t.key not in (NOT_READY_TAINT, UNREACHABLE_TAINT)
-        ]
-        wanted = keep
-        if state.down:
-            stamp = rfc3339(time.time())
-            wanted = [
-                *keep,
-                {"key": UNREACHABLE_TAINT, "effect": "NoSchedule"},
-                {"key": UNREACHABLE_TAINT, "effect": "NoExecute", "timeAdded": stamp},
-            ]
-        cleaned = [
-            {
-                k: v
-                for k, v in {
-                    "key": t["key"],
-                    "value": t.get("value"),
-                    "effect": t["effect"],
-                    "timeAdded": t.get("time_added") or t.get("timeAdded"),
-                }.items()
-                if v
-            }
-            for t in wanted
-        ]
-        await asyncio.to_thread(core.patch_node, name, {"spec": {"taints": cleaned or None}})
+        async with self._taint_locks[name]:
+            for attempt in range(TAINT_ATTEMPTS):
+                raw = await asyncio.to_thread(core.read_node, name, _preload_content=False)
+                node = json.loads(raw.data)
+                current = node.get("spec", {}).get("taints") or []
+                wanted = node_taints(
+                    current,
+                    full=self.shared.full,
+                    down=state.down,
+                    faulty=state.devices.faulty_npus(),
+                    now=time.time(),
+                )
+                if wanted == current:
+                    return
+                body = {
+                    "metadata": {"resourceVersion": node["metadata"]["resourceVersion"]},
+                    "spec": {"taints": wanted or None},
+                }
+                try:
+                    await asyncio.to_thread(core.patch_node, name, body)
+                    return
+                except client.ApiException as exc:
+                    if exc.status != 409 or attempt == TAINT_ATTEMPTS - 1:
+                        raise
 
     async def heartbeats(self) -> None:
         """Renew every live node's Lease each ``lease_interval``; re-post node status each
-        ``status_interval`` (a down node sends neither: that is what makes it look down)."""
+        ``status_interval`` (a down node sends neither: that is what makes it look down); a
+        node whose last publish failed is published again."""
         shared = self.shared
         last_status = time.monotonic()
         while True:
             for state in list(shared.nodes.values()):
-                if state.down or not shared.full:
+                if state.down:
+                    continue
+                if state.unpublished:
+                    await self.publish(state)
+                if not shared.full:
                     continue
                 try:
                     await self._renew_lease(state.server.node_name)
@@ -237,53 +293,3 @@ class NodeLifecycle:
                 await asyncio.to_thread(
                     shared.coordination.delete_namespaced_lease, name, LEASE_NAMESPACE
                 )
-
-
-def node_status(state: NodeState, boot_id: str, now: float) -> dict[str, Any]:
-    """The node's ``status`` as a kubelet posts it: Ready (or Unknown while a node-down fault is
-    injected), no pressure, capacity = allocatable, the node's InternalIP."""
-    stamp = rfc3339(now)
-    if state.down:
-        ready = {
-            "type": "Ready",
-            "status": "Unknown",
-            "reason": "NodeStatusUnknown",
-            "message": "Kubelet stopped posting node status (node-down fault injected).",
-        }
-    else:
-        ready = {
-            "type": "Ready",
-            "status": "True",
-            "reason": "KubeletReady",
-            "message": "emulated kubelet is posting ready status",
-        }
-    conditions = [
-        {"type": t, "status": "False", "reason": f"KubeletHasNo{t}", "message": "emulated"}
-        for t in ("MemoryPressure", "DiskPressure", "PIDPressure")
-    ] + [ready]
-    for cond in conditions:
-        cond["lastHeartbeatTime"] = stamp
-        cond.setdefault("lastTransitionTime", stamp)
-    capacity = state.server.capacity
-    return {
-        "capacity": capacity,
-        "allocatable": capacity,
-        "conditions": conditions,
-        "addresses": [
-            {"type": "InternalIP", "address": state.addresses.host_ip},
-            {"type": "Hostname", "address": state.server.node_name},
-        ],
-        "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
-        "nodeInfo": {
-            "machineID": state.server.node_name,
-            "systemUUID": state.server.node_name,
-            "bootID": boot_id,
-            "kernelVersion": os.uname().release,
-            "osImage": "MatrixServe emulated NPU server",
-            "containerRuntimeVersion": "emulated://local-processes",
-            "kubeletVersion": KUBELET_VERSION,
-            "kubeProxyVersion": KUBELET_VERSION,
-            "operatingSystem": "linux",
-            "architecture": "amd64",
-        },
-    }

@@ -173,5 +173,7 @@ def write_files(folder: Path, files: Mapping[str, tuple[bytes, int]]) -> None:
 
 
 def remove_volumes(workdir: Path) -> None:
-    """A pod's volumes go with it (the kubelet unmounts them): no Secret is left on disk."""
+    """A pod's volumes go with it (the kubelet unmounts them): no Secret, and no
+    service-account token, is left on disk. Its logs stay."""
     shutil.rmtree(workdir / "volumes", ignore_errors=True)
+    shutil.rmtree(workdir / "serviceaccount", ignore_errors=True)

@@ -10,6 +10,14 @@ patches the dirty pods' status every few tens of milliseconds.
 A pod whose Secret volume cannot be set up yet (its Secret missing) waits in ContainerCreating
 with the kubelet's ``FailedMount`` Warning Event, and the mount is tried again with a growing
 pause (``MOUNT_RETRY``), in the pod's order of events (a deletion meanwhile wins).
+
+A down node's kubelet (issue 17: the node-down fault) does nothing for its pods: no admission, no
+status write, no finalised delete; a pod deleted meanwhile stays Terminating. Each pod's latest
+event waits ("parked") until the node is back; then the kubelet acts as one returning: it
+replays that event (a pod deleted meanwhile is finalised, one gone is cleaned up: processes,
+NPUs, address, volumes), and restarts the others' containers by their ``restartPolicy``. On
+start, the volumes and credentials of pods gone while the emulator was not running are removed
+(the kubelet's orphaned pod directories).
 """
 
 from __future__ import annotations
@@ -18,7 +26,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 from kubernetes import client, watch
@@ -27,7 +36,7 @@ from enginestub.node import allocator, podspec, podstatus, services
 from enginestub.node.events import Events
 from enginestub.node.listwatch import watch_events
 from enginestub.node.podenv import PodEnvironment, remove_volumes
-from enginestub.node.runner import PodRunner, Zygote
+from enginestub.node.runner import PodRunner, Zygote, rfc3339
 from enginestub.node.state import EmulatorState, NodeState, PodRecord
 
 log = logging.getLogger("enginestub.node")
@@ -50,6 +59,8 @@ class PodLifecycle:
         self._dirty: set[str] = set()
         self._dirty_event = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
+        # uid -> (kind, pod): the latest event of a pod on a down node, for when it is back
+        self._parked: dict[str, tuple[str, dict[str, Any]]] = {}
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run a fire-and-forget coroutine, keeping a reference until it is done."""
@@ -64,17 +75,48 @@ class PodLifecycle:
         def keep(stream: watch.Watch) -> None:
             self._watch = stream  # so that shutdown can stop it
 
+        listed: set[str] | None = set()  # the first listing's pods, until it is complete
         async for kind, pod in watch_events(
             self.shared.core.list_pod_for_all_namespaces,
             stopped=self.shared.stop.is_set,
             key=lambda pod: pod["metadata"]["uid"],
-            known=lambda: ((uid, r.pod) for uid, r in list(self.shared.pods.items())),
+            known=self._known,
             what="pod",
             on_stream=keep,
             field_selector="spec.nodeName!=",
         ):
-            if kind != "SYNCED":
-                self._dispatch(kind, pod)
+            if kind == "SYNCED":
+                if listed is not None:
+                    self._remove_orphans(listed)
+                    listed = None
+                continue
+            if kind == "SYNC" and listed is not None:
+                listed.add(pod["metadata"]["uid"])
+            self._dispatch(kind, pod)
+
+    def _known(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """The pods a relisting must account for: those run here, and those of a down node not
+        admitted yet (a deletion missed while the watch was broken is then still seen)."""
+        for uid, record in list(self.shared.pods.items()):
+            yield uid, record.pod
+        for uid, (kind, pod) in list(self._parked.items()):
+            if kind != "DELETED" and uid not in self.shared.pods:
+                yield uid, pod
+
+    def _workdir(self, namespace: str, name: str, uid: str) -> Path:
+        """The pod's folder: its logs, credentials and volumes."""
+        return self.shared.config.state_dir / "pods" / f"{namespace}_{name}_{uid}"
+
+    def _remove_orphans(self, listed: set[str]) -> None:
+        """The volumes and credentials of pods gone while this emulator was not running (the
+        kubelet's orphaned pod directories); their logs stay, as a kubelet keeps them."""
+        folder = self.shared.config.state_dir / "pods"
+        if not folder.is_dir():
+            return
+        for workdir in folder.iterdir():
+            uid = workdir.name.rsplit("_", 1)[-1]
+            if workdir.is_dir() and uid not in listed and uid not in self.shared.pods:
+                remove_volumes(workdir)
 
     def _dispatch(self, kind: str, pod: dict[str, Any]) -> None:
         """Handle pods concurrently (a kubelet admits pods in parallel), but each pod's events
@@ -108,6 +150,18 @@ class PodLifecycle:
         node = pod.get("spec", {}).get("nodeName")
         if node not in self.shared.nodes:
             return
+        state = self.shared.nodes[node]
+        if state.down:
+            # A down server's kubelet sees nothing; the latest word on the pod waits for it.
+            if kind not in ("MOUNT", "RESUME"):
+                self._parked[uid] = (kind, pod)
+            return
+        if kind == "RESUME":
+            await self._resume(uid, state)
+            return
+        # An event newer than one parked while the node was down (the node is back, the pod's
+        # resume not handled yet): the parked one is stale.
+        self._parked.pop(uid, None)
         record = self.shared.pods.get(uid)
         if kind == "DELETED":
             if record is not None:
@@ -121,8 +175,11 @@ class PodLifecycle:
             record.pod = pod
         if meta.get("deletionTimestamp"):
             if record is None:
+                # run before this emulator's start or its node's fault: its files go too
+                remove_volumes(self._workdir(meta["namespace"], meta["name"], uid))
                 await self._finalize_delete(meta["namespace"], meta["name"], uid)
             elif not record.terminating:
+                record.terminating = True  # now: nothing restarts it while it stops
                 grace = float(meta.get("deletionGracePeriodSeconds") or 0)
                 self._spawn(self._terminate(record, grace=grace, finalize=True))
             return
@@ -131,6 +188,55 @@ class PodLifecycle:
             if phase in ("Succeeded", "Failed"):
                 return
             await self._admit(pod)
+
+    # ------------------------------------------------------------------ node down and back
+    def node_down(self, node: str) -> None:
+        """The node went down: every process of its pods is killed and held down."""
+        for record in list(self.shared.pods.values()):
+            if record.node == node and record.runner is not None:
+                record.runner.kill()
+
+    async def mark_not_ready(self, node: str) -> None:
+        """What the node lifecycle controller does for a node gone NotReady (the dev cluster
+        does not run it): each of its pods' Ready condition turns False, nothing else."""
+        stamp = rfc3339(time.time())
+        for record in list(self.shared.pods.values()):
+            ready = next((c for c in record.conditions if c.get("type") == "Ready"), None)
+            if record.node != node or ready is None or ready.get("status") == "False":
+                continue
+            ready.update(status="False", lastTransitionTime=stamp)
+            with contextlib.suppress(client.ApiException):
+                await asyncio.to_thread(
+                    self.shared.core.patch_namespaced_pod_status,
+                    record.name,
+                    record.namespace,
+                    {"status": {"conditions": [dict(ready)]}},
+                )
+
+    def node_back(self, node: str) -> None:
+        """The node is back: each of its pods is resumed, in the pod's order of events."""
+        pods = {uid: r.pod for uid, r in self.shared.pods.items() if r.node == node}
+        for uid, (_, pod) in list(self._parked.items()):
+            if pod.get("spec", {}).get("nodeName") == node:
+                pods.setdefault(uid, pod)
+        for pod in pods.values():
+            self._dispatch("RESUME", pod)
+
+    async def _resume(self, uid: str, state: NodeState) -> None:
+        """A returning kubelet's sync of one pod: its latest event while the node was down is
+        handled now; if the pod still runs here, its containers start again (by restartPolicy)
+        and its status is written."""
+        parked = self._parked.pop(uid, None)
+        if parked is not None:
+            await self._on_pod(*parked)
+        record = self.shared.pods.get(uid)
+        if record is None or record.terminating:
+            return
+        if record.runner is not None:
+            record.runner.revive()
+        elif record.mounting:
+            await self._start(record, state)
+        self.mark_dirty(uid)
 
     # ------------------------------------------------------------------ admission
     async def _admit(self, pod: dict[str, Any]) -> None:
@@ -163,7 +269,7 @@ class PodLifecycle:
                 log.warning("Services not listed after 30 s: %s starts without them", record.name)
             base_env.update(self.proxy.namespace_env(record.namespace))
         config = self.shared.config
-        workdir = config.state_dir / "pods" / f"{record.namespace}_{record.name}_{record.uid}"
+        workdir = self._workdir(record.namespace, record.name, record.uid)
         record.workdir = workdir
         try:
             base_env.update(await self.env.service_account(record.namespace, pod, workdir))
@@ -228,14 +334,15 @@ class PodLifecycle:
         self._spawn(again())
 
     async def _grant_npus(self, state: NodeState, record: PodRecord, wanted: int) -> None:
-        """The device plugin's part: which NPUs. A grant already on the pod (an emulator
-        restart) is adopted; a new one is recorded on the pod before anything runs."""
+        """The device plugin's part: which NPUs (never a faulty one). A grant already on the pod
+        (an emulator restart) is adopted; a new one is recorded on the pod before anything
+        runs."""
         granted_text = (record.pod["metadata"].get("annotations") or {}).get(allocator.ANNOTATION)
         if granted_text is not None:
             record.npus = allocator.parse_grant(granted_text)
             state.allocator.adopt(record.uid, record.npus)
             return
-        record.npus = state.allocator.allocate(record.uid, wanted)
+        record.npus = state.allocator.allocate(record.uid, wanted, state.devices.faulty_npus())
         grant = {allocator.ANNOTATION: allocator.format_grant(record.npus)}
         await asyncio.to_thread(
             self.shared.core.patch_namespaced_pod,
@@ -293,6 +400,8 @@ class PodLifecycle:
                 record = self.shared.pods.get(uid)
                 if record is None or (record.terminating and record.runner is None):
                     continue
+                if self.shared.nodes[record.node].down:
+                    continue  # a down kubelet writes nothing; the node's return marks it again
                 try:
                     await self._write_status(record)
                 except client.ApiException as exc:
@@ -343,7 +452,10 @@ class PodLifecycle:
         if record.ip:
             state.addresses.release(record.ip)
         self.shared.pods.pop(record.uid, None)
-        if finalize:
+        if finalize and state.down:
+            # The node went down while the pod stopped: the delete is finalised on its return.
+            self._parked.setdefault(record.uid, ("MODIFIED", record.pod))
+        elif finalize:
             await self._finalize_delete(record.namespace, record.name, record.uid)
 
     async def _finalize_delete(self, namespace: str, name: str, uid: str) -> None:

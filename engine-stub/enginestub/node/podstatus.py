@@ -34,6 +34,11 @@ def container_status(state: ContainerState, container_id_prefix: str) -> dict[st
         if state.waiting_message:
             waiting["message"] = state.waiting_message
         current = {"waiting": waiting}
+    # While it waits to restart, its last state is the exit it waits after (as the kubelet
+    # shows a CrashLoopBackOff: lastState.terminated is the latest exit, not the one before).
+    last = state.last_terminated
+    if state.phase == "waiting" and state.terminated is not None:
+        last = state.terminated
     out: dict[str, Any] = {
         "name": state.name,
         "image": state.image,
@@ -42,9 +47,7 @@ def container_status(state: ContainerState, container_id_prefix: str) -> dict[st
         "started": state.phase == "running",
         "restartCount": state.restart_count,
         "state": current,
-        "lastState": (
-            {"terminated": _terminated(state.last_terminated)} if state.last_terminated else {}
-        ),
+        "lastState": {"terminated": _terminated(last)} if last else {},
     }
     if state.pid is not None:
         out["containerID"] = f"{container_id_prefix}://{state.pid}"

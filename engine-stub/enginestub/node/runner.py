@@ -148,6 +148,9 @@ class PodRunner:
     async def _run(self, plan: ContainerPlan) -> None:
         state = self.containers[plan.name]
         backoff = self.backoff_base
+        # The kubelet restarts a container at once the first time it exits, and backs off from
+        # the second (0 s, then 10 s doubling: kubernetes/kubernetes#133472, website#41570).
+        immediate = True
         while not self._stopping:
             if self._held:
                 await self._wait_wake(None)
@@ -178,34 +181,50 @@ class PodRunner:
                     reason, message = "NodeDown", "the node went down (injected fault)"
                 state.terminated = Terminated(code, reason, began, ended, message, sig)
             state.phase, state.ready, state.pid = "terminated", False, None
-            self._notify()
-            if self._stopping:
+            if self._held and not self._stopping:
+                self._notify()
+                # Node down: nothing runs until it is back; then, as a kubelet after a reboot,
+                # the container starts again only if its pod's restartPolicy says so.
+                while self._held and not self._stopping:
+                    await self._wait_wake(None)
+                if not self._stopping and self._restarts(state):
+                    state.last_terminated, state.terminated = state.terminated, None
+                    state.restart_count += 1
+                    continue
                 return
-            if self._held:
-                continue
-            if self.restart_policy == "Never" or (
-                self.restart_policy == "OnFailure"
-                and state.terminated
-                and state.terminated.exit_code == 0
-            ):
+            if self._stopping or not self._restarts(state):
+                self._notify()
                 return
             if ended - began > BACKOFF_RESET_AFTER:
-                backoff = self.backoff_base
-            state.phase = "waiting"
-            state.waiting_reason = "CrashLoopBackOff"
-            code_now = state.terminated.exit_code if state.terminated else -1
-            state.waiting_message = (
-                f"back-off {backoff:g}s restarting failed container={plan.name} "
-                f"pod={self.name}_{self.namespace}({self.uid}) (exit code {code_now})"
-            )
-            self._notify()
-            await self._wait_wake(backoff)
-            backoff = min(backoff * 2, self.backoff_max)
+                backoff, immediate = self.backoff_base, True
+            if not immediate:
+                # The exit and the back-off in one status (the back-off decided before anything
+                # is posted): a reader never has to guess how long the restart will wait.
+                state.phase = "waiting"
+                state.waiting_reason = "CrashLoopBackOff"
+                code_now = state.terminated.exit_code if state.terminated else -1
+                state.waiting_message = (
+                    f"back-off {backoff:g}s restarting failed container={plan.name} "
+                    f"pod={self.name}_{self.namespace}({self.uid}) (exit code {code_now})"
+                )
+                self._notify()
+                await self._wait_wake(backoff)
+                backoff = min(backoff * 2, self.backoff_max)
+            else:
+                self._notify()  # exited; restarted at once
+            immediate = False
             if self._stopping:
                 return
             state.last_terminated = state.terminated
             state.terminated = None
             state.restart_count += 1
+
+    def _restarts(self, state: ContainerState) -> bool:
+        """Whether a container that ended starts again, by the pod's ``restartPolicy``."""
+        if self.restart_policy == "Never":
+            return False
+        clean = state.terminated is not None and state.terminated.exit_code == 0
+        return not (self.restart_policy == "OnFailure" and clean)
 
     async def _spawn(self, plan: ContainerPlan, state: ContainerState) -> Any:
         log = self.workdir / f"{plan.name}.log"
@@ -240,6 +259,8 @@ class PodRunner:
                 )
                 return None
         self._procs[plan.name] = proc
+        if self._held:
+            _signal_group(proc.pid, signal.SIGKILL)  # the node went down while it was starting
         state.phase, state.started_at, state.pid = "running", time.time(), proc.pid
         state.ready = plan.readiness is None
         self._notify()
@@ -346,16 +367,17 @@ class PodRunner:
                 _signal_group(proc.pid, signal.SIGKILL)
 
     def revive(self) -> None:
-        """Node back: start the containers again (each counts a restart)."""
+        """Node back: each container the node's fault killed starts again if the pod's
+        ``restartPolicy`` says so (counting a restart); one never started starts now."""
         if not self._held:
             return
         self._held = False
-        for state in self.containers.values():
-            if state.phase == "terminated":
-                state.last_terminated = state.terminated
-                state.terminated = None
-                state.restart_count += 1
         self._wake.set()
+
+    @property
+    def held(self) -> bool:
+        """Whether the runner is held down by a node-down fault."""
+        return self._held
 
     def hang(self, stopped: bool) -> list[int]:
         """SIGSTOP (hang) or SIGCONT every container's group; returns the pids touched."""

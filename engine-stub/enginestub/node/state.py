@@ -87,6 +87,8 @@ class NodeState:
     devices: devicestatus.DeviceStatus
     device_file: Path
     down: bool = False
+    advertised_faulty: frozenset[int] = frozenset()  # the faulty NPUs its Node shows
+    unpublished: bool = False  # the Node does not show its state yet (an API call failed)
 
     def write_device_file(self) -> None:
         """Rewrite the node's device status file (atomically: pods read it at any moment)."""

@@ -15,6 +15,7 @@ data put back). A Secret of that name that is not ours (without our labels) is n
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -22,11 +23,12 @@ from typing import Any
 
 from kubernetes import client, config
 
-from matrixserve.api.kinds import LABEL_SUPERPOD, Kind
+from matrixserve.api.kinds import LABEL_SUPERPOD, NPU_RESOURCE, Kind
 from matrixserve.domain.enginepod import ENGINE_CONTAINER
-from matrixserve.domain.observed import PodView
+from matrixserve.domain.observed import NodeView, PodView
 
 SECRET_RECHECK_SECONDS = 60.0
+NODES_TTL_SECONDS = 2.0
 
 
 def _configuration(kubeconfig: str | None) -> client.Configuration:
@@ -92,6 +94,7 @@ class KubeAdapter:
         self._clock = clock
         # A node's SuperPod is fixed by its hardware: read each node once, not every pass.
         self._superpods: dict[str, str] = {}
+        self._nodes: tuple[float, dict[str, NodeView]] | None = None
 
     async def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
         """The object as stored, or None once it is gone."""
@@ -167,7 +170,38 @@ class KubeAdapter:
                 secret_volumes=frozenset(
                     v.secret.secret_name for v in pod.spec.volumes or [] if v.secret is not None
                 ),
+                restarts=_engine_status(pod).restart_count if _engine_status(pod) else 0,
+                last_exit_at=_last_exit(pod),
+                restart_backoff=_restart_backoff(pod),
             )
+        return out
+
+    async def nodes(self, max_age: float = NODES_TTL_SECONDS) -> dict[str, NodeView]:
+        """Every server as the scheduler sees it: Ready (and since when not), schedulable, NPUs
+        allocatable (recovery's node tier and free NPUs). One list shared by every group's pass
+        while it is younger than ``max_age`` s (a pass that may recover asks for a fresh one).
+        Listing nodes is what the operator's ClusterRole grants (``nodes``: get, list)."""
+        now = self._clock()
+        if self._nodes is not None and now - self._nodes[0] < max_age:
+            return self._nodes[1]
+        found = await asyncio.to_thread(self.core.list_node)
+        out = {}
+        for node in found.items:
+            allocatable = (node.status.allocatable or {}).get(NPU_RESOURCE)
+            ready = next((c for c in node.status.conditions or [] if c.type == "Ready"), None)
+            down_since = None
+            if ready is None or ready.status != "True":
+                flipped: datetime | None = ready.last_transition_time if ready else None
+                down_since = flipped.timestamp() if flipped else node_created(node)
+            blocked = any(t.effect in ("NoSchedule", "NoExecute") for t in node.spec.taints or [])
+            out[node.metadata.name] = NodeView(
+                node.metadata.name,
+                down_since is None,
+                not node.spec.unschedulable and not blocked,
+                int(allocatable) if allocatable is not None else 0,
+                down_since=down_since,
+            )
+        self._nodes = (now, out)
         return out
 
     async def _superpod_of(self, node: str) -> str | None:
@@ -257,14 +291,14 @@ class KubeAdapter:
                 return None
             raise
 
-    async def delete_pod(self, namespace: str, name: str, uid: str) -> bool:
+    async def delete_pod(self, namespace: str, name: str, uid: str, force: bool = False) -> bool:
+        """Delete the pod of that UID; ``force``: grace period 0 (its server is down: the API
+        server removes it at once, no kubelet is waited for)."""
+        options = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
+        if force:
+            options.grace_period_seconds = 0
         try:
-            await asyncio.to_thread(
-                self.core.delete_namespaced_pod,
-                name,
-                namespace,
-                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
-            )
+            await asyncio.to_thread(self.core.delete_namespaced_pod, name, namespace, body=options)
         except client.ApiException as exc:
             if exc.status in (404, 409):
                 return False
@@ -292,6 +326,48 @@ class KubeAdapter:
                 raise
 
 
+_SAME = object()
+
+
+def status_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns the stored status ``old`` into ``new``: only
+    what differs, compared as the API server stores it (empty strings and ``null`` are absent).
+    A top-level key ``new`` does not name is left as it is (a ``None`` there deletes it); below
+    the top, ``new`` is the whole truth: a key it no longer has is deleted (a merge patch alone
+    would keep it, and a record rewritten with fewer keys would carry stale ones)."""
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        if value is None or value == "":
+            if key in old:
+                patch[key] = None
+            continue
+        diff = _diff(old.get(key, _SAME), as_stored(value))
+        if diff is not _SAME:
+            patch[key] = diff
+    return patch
+
+
+def _diff(old: Any, new: Any) -> Any:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: dict[str, Any] = {k: None for k in old if k not in new}
+        for key, value in new.items():
+            diff = _diff(old.get(key, _SAME), value)
+            if diff is not _SAME:
+                out[key] = diff
+        return out or _SAME
+    return _SAME if old == new else new
+
+
+def as_stored(value: Any) -> Any:
+    """The value as the API server keeps it after our merge patch: empty strings left out, and
+    the keys a ``null`` deletes gone (a ``None`` at the top level compares as an absent key)."""
+    if isinstance(value, dict):
+        return {k: as_stored(v) for k, v in value.items() if v != "" and v is not None}
+    if isinstance(value, list):
+        return [as_stored(v) for v in value]
+    return value
+
+
 def omit_empty(value: Any) -> Any:
     """The value as the API server stores it from our patches: empty strings left out."""
     if isinstance(value, dict):
@@ -314,11 +390,56 @@ BLOCKING_WAITS = frozenset(
 )
 
 
-def _running_since(pod: client.V1Pod) -> float | None:
-    """When the pod's engine container started running (the kubelet lists containers by name:
-    a sidecar may come first); None while it does not run."""
+def _engine_status(pod: client.V1Pod) -> Any:
+    """The engine container's status (the kubelet lists containers by name: a sidecar may
+    come first), or None."""
     statuses = pod.status.container_statuses or []
-    engine = next((s for s in statuses if s.name == ENGINE_CONTAINER), None)
+    return next((s for s in statuses if s.name == ENGINE_CONTAINER), None)
+
+
+def _last_exit(pod: client.V1Pod) -> float | None:
+    """When the engine container last ended (its ``lastState.terminated``, or its state while
+    it waits to be restarted), None if it never did."""
+    engine = _engine_status(pod)
+    if engine is None:
+        return None
+    for state in (engine.state, engine.last_state):
+        terminated = state.terminated if state is not None else None
+        if terminated is not None:
+            finished: datetime | None = terminated.finished_at
+            if finished is not None:
+                return finished.timestamp()
+    return None
+
+
+_BACKOFF = re.compile(r"back-off ((?:\d+(?:\.\d+)?(?:h|ms|m|s))+) restarting")
+_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+
+
+def node_created(node: client.V1Node) -> float:
+    """When the Node object was created (a server that never said Ready: down since then)."""
+    created: datetime | None = node.metadata.creation_timestamp
+    return created.timestamp() if created else 0.0
+
+
+def _restart_backoff(pod: client.V1Pod) -> float | None:
+    """The back-off the kubelet waits before restarting the engine container, from its
+    ``CrashLoopBackOff`` message (a Go duration: ``10s``, ``2m40s``, ``5m0s``); None if it is
+    not waiting in one (or says it otherwise)."""
+    engine = _engine_status(pod)
+    waiting = engine.state.waiting if engine is not None and engine.state is not None else None
+    if waiting is None or waiting.reason != "CrashLoopBackOff":
+        return None
+    found = _BACKOFF.search(waiting.message or "")
+    if found is None:
+        return None
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s)", found.group(1))
+    return sum(float(n) * _UNITS[unit] for n, unit in parts)
+
+
+def _running_since(pod: client.V1Pod) -> float | None:
+    """When the pod's engine container started running; None while it does not run."""
+    engine = _engine_status(pod)
     if engine is None or engine.state is None or engine.state.running is None:
         return None
     started: datetime | None = engine.state.running.started_at

@@ -28,6 +28,24 @@ from matrixserve.domain.pdgroup import ZkView
 
 log = logging.getLogger("matrixserve.zookeeper")
 DELETE_TRIES = 10
+_UNSEEN = object()
+
+
+def _verdict(data: bytes | None) -> Any:
+    """What a health znode says that recovery acts on (state, faults, unhealthy sub-links,
+    incarnation), without what every refresh changes (``seq``, ``ts``, ``loopBeat``)."""
+    if data is None:
+        return None
+    try:
+        health = zl.Health.parse(data)
+    except ValueError:
+        return b"unreadable"
+    return (
+        health.state,
+        health.incarnation,
+        tuple((f.kind, tuple(f.dies)) for f in health.faults),
+        tuple((link.peer, link.device, link.state, link.down_at) for link in health.links),
+    )
 
 
 class GroupStore:
@@ -37,6 +55,10 @@ class GroupStore:
         self._watched: dict[str, list[Callable[[], None]]] = {}
         self._epochs: dict[str, int] = {}  # which watch registration is the live one
         self._handles: dict[str, list[Any]] = {}  # the session's watches, cancelled at unwatch
+        # Issue 17: a data watch per health znode (by group, by instance), and the verdict each
+        # last carried: a health turning Faulty wakes the group at once, a mere refresh does not.
+        self._health: dict[str, dict[str, Any]] = {}
+        self._verdicts: dict[str, dict[str, Any]] = {}
         self._epoch = 0
 
     @property
@@ -165,10 +187,48 @@ class GroupStore:
                 callback()
             return True
 
+        def health_children(children: Sequence[str] = (), *_: Any) -> bool:
+            """Members come and go from health/: watch each one's data, and wake the group."""
+            with self._lock:
+                if self._epochs.get(key) != epoch:
+                    return False
+                watched = self._health.setdefault(key, {})
+                seen = self._verdicts.setdefault(key, {})
+                for name in [n for n in seen if n not in children]:
+                    del seen[name]  # a later member of that name starts afresh
+                gone = [watched.pop(n) for n in list(watched) if n not in children]
+                new = [n for n in children if n not in watched]
+            for handle in gone:
+                self.session.cancel(handle)
+            for name in new:
+                handle = self.session.watch_data(paths.health_of(name), verdict_of(name))
+                with self._lock:
+                    if self._epochs.get(key) != epoch:
+                        self.session.cancel(handle)
+                        return False
+                    self._health.setdefault(key, {})[name] = handle
+            return fire()
+
+        def verdict_of(name: str) -> Callable[[Any, Any], bool]:
+            def changed(data: Any, _stat: Any) -> bool:
+                verdict = _verdict(data)
+                with self._lock:
+                    if self._epochs.get(key) != epoch:
+                        return False
+                    seen = self._verdicts.setdefault(key, {})
+                    before = seen.get(name, _UNSEEN)
+                    seen[name] = verdict
+                if before is _UNSEEN or before == verdict:
+                    return True  # the first read, or a refresh that says nothing new
+                return fire()
+
+            return changed
+
         handles = [
             self.session.watch_children(folder, fire, send_event=True)
-            for folder in (paths.reports, paths.links, paths.health, paths.entrances, paths.removed)
+            for folder in (paths.reports, paths.links, paths.entrances, paths.removed)
         ]
+        handles.append(self.session.watch_children(paths.health, health_children))
         handles.append(self.session.watch_data(paths.roce_map, fire))
         with self._lock:
             self._handles[key] = handles
@@ -179,5 +239,7 @@ class GroupStore:
             self._watched.pop(key, None)
             self._epochs.pop(key, None)
             handles = self._handles.pop(key, [])
+            handles += list(self._health.pop(key, {}).values())
+            self._verdicts.pop(key, None)
         for handle in handles:  # a deleted group's watches are not armed again on a new session
             self.session.cancel(handle)

@@ -239,4 +239,3 @@ LLAMA3_8B = ModelShape(
 )
 
 PRESETS: dict[str, ModelShape] = {m.name: m for m in (DEEPSEEK_V3, GPT3_175B, LLAMA3_8B)}
-

@@ -67,6 +67,12 @@ FINALIZER = f"{GROUP}/cleanup"
 
 # The NPU extended resource the (emulated) Ascend device plugin advertises.
 NPU_RESOURCE = "huawei.com/Ascend910"
+# Issue 17 (xDeepServe §6.2: "Kubernetes marks the node as tainted"): a server with a faulty NPU
+# takes no new pods; NoSchedule, not NoExecute, so the instances still serving on it stay. The
+# value lists the faulty NPUs (e.g. "npu-3.npu-5"); the faulty NPUs also leave ``allocatable``.
+TAINT_NPU_FAULT = f"{LABEL_PREFIX}/npu-fault"
+# The NPUs a pod was granted, as the device plugin records them on the pod (``Ascend910-0,...``).
+ANNOTATION_NPU_GRANT = NPU_RESOURCE
 
 # --------------------------------------------------------------------------- node emulator
 # The annotation on each Node the emulator registers, naming the emulator process that serves it

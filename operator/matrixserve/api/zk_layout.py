@@ -310,7 +310,50 @@ class Link(_Payload):
 
 class HealthState(StrEnum):
     SERVING = "Serving"
-    DEGRADED = "Degraded"
+    DEGRADED = "Degraded"  # serves, short of something (a link delayed or blocked, stuck slots)
+    FAULTY = "Faulty"  # cannot serve: a device fault or a hang (see ``Health.faults``)
+
+
+class EngineFaultKind(StrEnum):
+    """What an engine says is wrong with itself (issue 17's detection tiers it sees first)."""
+
+    DIE = "die"  # a die of this instance down (the node's device status file, or injected)
+    NPU = "npu"  # a whole NPU of this instance down (both its dies)
+    HBM = "hbm"  # an uncorrectable HBM error
+    HANG = (
+        "hang"  # alive, but its serving loop made no progress for the hang bound (xDeepServe §6.1)
+    )
+
+
+class EngineFault(_Payload):
+    kind: EngineFaultKind
+    since: float  # wall time (epoch s) the engine first saw it: detection latency counts from it
+    detail: str = ""
+    dies: list[int] = Field(default_factory=list)  # the faulty dies (die, NPU, HBM faults)
+
+
+class LinkState(StrEnum):
+    """A sub-link's probe outcome (xDeepServe §6.1: a dummy payload delivered late is decode-side
+    saturation, one never delivered is a link fault)."""
+
+    DELAYED = "Delayed"
+    BLOCKED = "Blocked"
+
+
+class LinkProbe(_Payload):
+    peer: str  # the peer instance
+    device: int  # the sub-link's device index k (k <-> k pairing)
+    peer_roce_ip: str = Field(alias="peerRoceIp")
+    state: LinkState
+    since: float  # wall time (epoch s) the probe first saw this state
+    # The instance whose device status says this sub-link's port is down (the prober's own, or
+    # the peer's as its answer says): a physical fault, which relinking over cannot help and
+    # replacing that end can. "" when no device status says so (the probe went unanswered).
+    down_at: str = Field(default="", alias="downAt")
+
+    @property
+    def device_down(self) -> bool:
+        return bool(self.down_at)
 
 
 class Health(_Payload):
@@ -323,6 +366,16 @@ class Health(_Payload):
     pod_ip: str = Field(alias="podIP")
     port: int
     incarnation: str = ""
+    # Issue 17: why the engine is Faulty (empty otherwise), its sub-links that probe unhealthy,
+    # and the wall time of its serving loop's last beat (a heartbeat from the loop, not from the
+    # writer: a hung loop leaves it behind while ``ts`` keeps moving).
+    faults: list[EngineFault] = Field(default_factory=list)
+    links: list[LinkProbe] = Field(default_factory=list)
+    loop_beat: float = Field(default=0.0, alias="loopBeat")
+    # Wall seconds from the engine process's start to its first Serving health (register, link,
+    # load): with the pod's own start, what a cold replacement costs (the recovery planner's
+    # estimate, learned from the group's members). 0: not said (an older engine).
+    ready_after: float = Field(default=0.0, alias="readyAfter")
 
 
 class DecodeMeta(_Payload):

@@ -30,7 +30,7 @@ import ssl
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,8 +163,16 @@ class DevCluster:
         }
 
     # ----------------------------------------------------------------- up/down
-    def up(self, *, timeout: float = 120.0, superpods: int = 1, servers: int = 4) -> ClusterInfo:
-        """Start the cluster (idempotent: a healthy running cluster is returned as it is)."""
+    def up(
+        self,
+        *,
+        timeout: float = 120.0,
+        superpods: int = 1,
+        servers: int = 4,
+        emulator_flags: Sequence[str] = (),
+    ) -> ClusterInfo:
+        """Start the cluster (idempotent: a healthy running cluster is returned as it is);
+        ``emulator_flags`` go to the node emulator (e.g. ``--npus-per-server 2``)."""
         existing = self.info()
         if existing is not None and self.is_running():
             return existing
@@ -239,7 +247,9 @@ class DevCluster:
                 deadline,
                 lambda: _default_service_account_ready(info),
             )
-            info = self._start_node_emulator(info, kubeconfig, superpods, servers, deadline)
+            info = self._start_node_emulator(
+                info, kubeconfig, superpods, servers, deadline, emulator_flags
+            )
             self.info_path.write_text(json.dumps(dataclasses.asdict(info), indent=2))
         except BaseException:
             self.down(keep_logs=True)
@@ -441,7 +451,13 @@ class DevCluster:
         )
 
     def _start_node_emulator(
-        self, info: ClusterInfo, kubeconfig: Path, superpods: int, servers: int, deadline: float
+        self,
+        info: ClusterInfo,
+        kubeconfig: Path,
+        superpods: int,
+        servers: int,
+        deadline: float,
+        flags: Sequence[str] = (),
     ) -> ClusterInfo:
         from enginestub.node.command import node_names, run_argv
 
@@ -452,7 +468,7 @@ class DevCluster:
                 state,
                 superpods=superpods,
                 servers=servers,
-                extra=("--service-proxy", "--service-cidr", info.service_cidr),
+                extra=("--service-proxy", "--service-cidr", info.service_cidr, *flags),
             ),
             env={**os.environ, "KUBECONFIG": str(kubeconfig)},
         )

@@ -46,6 +46,7 @@ class PodDeletion(Effect):
 
     name: str
     uid: str
+    force: bool  # grace period 0: its server is down, no kubelet will finish a graceful one
 
 
 class Notice(Effect):

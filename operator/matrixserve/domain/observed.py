@@ -3,13 +3,15 @@
 Every kind's planner reads these; none of them knows which kind it serves. A pod is seen through
 its labels (which group, role and instance it belongs to is the kind's reading of them); an
 instance is an ordered list of pods (one today; a multi-server instance later), the first of
-which runs its engine's entry point. Engine and device fault views join here (recovery).
+which runs its engine's entry point. A fault (issue 17) is what a detection tier saw, typed; the
+servers the pods run on are seen as :class:`NodeView`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,16 @@ class PodView:
     # Ready condition last flipped (the API's times, whole seconds).
     running_since: float | None = None
     ready_changed_at: float | None = None
+    # Issue 17: how often its engine container restarted, when it last ended (the kubelet's
+    # lastState.terminated.finishedAt), and since when its server is not Ready (None: Ready or
+    # not known; a server that stopped reporting is as down as one that says so).
+    restarts: int = 0
+    last_exit_at: float | None = None
+    node_down_since: float | None = None
+    # The back-off the kubelet says it waits before restarting the engine container (its
+    # CrashLoopBackOff message, "back-off 20s restarting failed container=..."); None when it
+    # is not waiting in one.
+    restart_backoff: float | None = None
 
     def label(self, key: str) -> str | None:
         return self.labels.get(key)
@@ -93,3 +105,66 @@ def group_instances(
         name: InstanceView(name, tuple(sorted(found, key=lambda p: p.name)))
         for name, found in members.items()
     }
+
+
+# --------------------------------------------------------------------------- faults (issue 17)
+class FaultKind(StrEnum):
+    """What failed, as recovery plans for it (P/D-Serve §3.4, xDeepServe §6.1-6.2)."""
+
+    DIE = "die"  # one die of an instance (the node's device status, as its engine reports it)
+    NPU = "npu"  # a whole NPU of an instance
+    HBM = "hbm"  # an uncorrectable HBM error
+    NODE = "node"  # the server is down: every instance on it
+    LINK = "link"  # a sub-link between a prefill and a decode blocked
+    HANG = "hang"  # the engine is alive but its serving loop stopped
+    KILL = "kill"  # the engine process exited (the kubelet restarts its container)
+    SESSION = "session"  # the engine's ZooKeeper session ended while its pod still runs
+    STALE = "stale"  # its health report stopped being refreshed (a frozen process)
+
+
+class Tier(StrEnum):
+    """The detection tier that saw a fault (issue 17, "Detection, every tier")."""
+
+    DEVICE_STATUS = "device-status"  # the node's fault-detection file, via the engine (§3.4)
+    HEARTBEAT = "heartbeat"  # the serving loop's heartbeat (xDeepServe §6.1)
+    LINK_PROBE = "link-probe"  # dummy payloads over the sub-links (xDeepServe §6.1)
+    SESSION = "zookeeper-session"  # ephemeral registration gone (P/D-Serve §3.2)
+    STALENESS = "staleness"  # health not refreshed within its bound
+    POD = "pod"  # the kubelet's container status (process exit)
+    NODE = "node"  # the Node's Ready condition
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One detected fault: what, on which instances (several for a server), seen by which tier,
+    since when (wall epoch s, as best known: the detection latency counts from it)."""
+
+    kind: FaultKind
+    instances: tuple[str, ...]
+    tier: Tier
+    since: float
+    detail: str = ""
+    node: str | None = None
+    peer: str | None = None  # the other end of a link fault
+    on_device: bool = False  # a link fault the device status names (the port is down)
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A server as the scheduler sees it: NPUs it can still give, whether it takes pods."""
+
+    name: str
+    ready: bool
+    schedulable: bool  # not cordoned, no NoSchedule/NoExecute taint
+    allocatable_npus: int
+    down_since: float | None = None  # its Ready condition's last flip, while not Ready
+
+
+def on_nodes(pods: Mapping[str, PodView], nodes: Mapping[str, NodeView]) -> dict[str, PodView]:
+    """The pods with their server's state (since when it is not Ready), as the nodes say."""
+    out = {}
+    for name, pod in pods.items():
+        node = nodes.get(pod.node or "")
+        down = node.down_since if node is not None else None
+        out[name] = pod if down == pod.node_down_since else replace(pod, node_down_since=down)
+    return out

@@ -239,6 +239,7 @@ class Gateway:
             for leg in reader.legs
         }
         failed: Event | None = None
+        failed_on: dict[str, Any] | None = None  # the instances the failed choice was on
         try:
             if c.chat:
                 role = {"role": "assistant"}
@@ -256,6 +257,7 @@ class Gateway:
                     frames += [token_frame(piece) for piece in leg.take(batch)]
                     if leg.error is not None:
                         failed = leg.error
+                        failed_on = openai.failed_on(leg.error, leg.instance)
                         break
                     if leg.finish is not None:
                         account = openai.served(leg.done, leg.instance)
@@ -265,7 +267,8 @@ class Gateway:
                 await response.write(b"".join(frames))
             if failed is not None:
                 outcome = error_code(failed.get("code"))
-                await response.write(openai.frame(openai.error_chunk(_message(failed), outcome)))
+                chunk = openai.error_chunk(_message(failed), outcome, failed_on)
+                await response.write(openai.frame(chunk))
             else:
                 outcome = "ok"
                 if c.include_usage:

@@ -161,6 +161,24 @@ def failure(
     return web.json_response(body, status=status, headers=headers)
 
 
-def error_chunk(message: str, code: str | None) -> dict[str, Any]:
-    """The last SSE chunk of a stream that failed after it started."""
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+def failed_on(error: Event, prefill: str) -> dict[str, Any]:
+    """Where a choice that failed was served (issue 17: a client tells a failure on a faulty
+    instance from one elsewhere): its prefill, and the decode the engines name in their error
+    (one had taken the request; a name only, nothing else of an engine's is passed on)."""
+    said = error.get("instances")
+    decode = said.get("decode") if isinstance(said, dict) else None
+    named = decode if isinstance(decode, str) else None
+    return {"instances": {"prefill": prefill, "decode": named}}
+
+
+def error_chunk(
+    message: str, code: str | None, account: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The last SSE chunk of a stream that failed after it started; with ``account``
+    (:func:`failed_on`), the instances it was on, as a choice's last chunk names them."""
+    chunk: dict[str, Any] = {
+        "error": {"message": message, "type": "server_error", "param": None, "code": code}
+    }
+    if account is not None:
+        chunk[OWNER] = account
+    return chunk

@@ -26,7 +26,7 @@ from typing import Any
 
 import kopf
 
-from matrixserve.adapters.kube import KubeAdapter, omit_empty
+from matrixserve.adapters.kube import KubeAdapter, status_patch
 from matrixserve.api.kinds import Kind
 from matrixserve.domain import conditions as cond
 from matrixserve.domain.effects import (
@@ -207,9 +207,9 @@ class Reconciler:
         conditions: Sequence[cond.Condition],
     ) -> None:
         """Merge the conditions into the object's (``lastTransitionTime`` moves only on a
-        flip) and patch the status subresource only if something changed (compared as the API
-        server stores it: without the empty strings the patch leaves out, or a settled object
-        would be patched on every pass)."""
+        flip) and patch the status subresource with what changed, if anything did (compared as
+        the API server stores it, or a settled object would be patched on every pass; a nested
+        key the new status no longer has is deleted: :func:`~matrixserve.adapters.kube.status_patch`)."""
         meta = body["metadata"]
         old: Mapping[str, Any] = body.get("status") or {}
         # The conditions are as current as the status they come with (a kept status keeps its
@@ -221,8 +221,9 @@ class Reconciler:
                 old.get("conditions") or [], conditions, now_rfc3339(), generation
             ),
         }
-        if any(old.get(k) != v for k, v in omit_empty(new).items()):
-            await self.kube.patch_status(self.kind, meta["namespace"], meta["name"], new)
+        patch = status_patch(old, new)
+        if patch:
+            await self.kube.patch_status(self.kind, meta["namespace"], meta["name"], patch)
 
     # ------------------------------------------------------------------ actions
     async def apply(
@@ -264,7 +265,9 @@ class Reconciler:
             else:
                 taken.add(pod)
         elif isinstance(action, PodDeletion):
-            changed = await self.kube.delete_pod(namespace, action.name, action.uid)
+            changed = await self.kube.delete_pod(
+                namespace, action.name, action.uid, force=action.force
+            )
         elif isinstance(action, ZnodeChange):
             await znodes(action)
             changed = True

@@ -32,6 +32,7 @@ class DeletePod(PodDeletion):
     name: str
     uid: str
     reason: str
+    force: bool = False  # grace period 0: its server is down, no kubelet will finish it
 
     def describe(self) -> Event:
         return Event("DeletedPod", f"Deleted pod {self.name}: {self.reason}")
@@ -47,6 +48,20 @@ class ReportPodTrouble(Notice):
 
     def describe(self) -> Event:
         return Event(self.reason, f"Pod {self.pod} cannot run: {self.message}", warning=True)
+
+
+@dataclass(frozen=True)
+class ReportRecovery(Notice):
+    """A step of a recovery (issue 17): a fault detected, a plan chosen, restored, failed;
+    ``record`` is the recovery's status record (what the handler's metrics count)."""
+
+    reason: str
+    message: str
+    warning: bool = False
+    record: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
+
+    def describe(self) -> Event:
+        return Event(self.reason, self.message, warning=self.warning)
 
 
 # --------------------------------------------------------------------------- ZooKeeper
@@ -70,6 +85,7 @@ class WriteRoceMap(_GroupZnodes):
     removed: tuple[str, ...]
     rejoined: tuple[str, ...] = ()  # members now someone else: new pod, RoCE IPs or engine
     rebuilt: bool = False  # written again after ZooKeeper lost the group's data
+    relinked: tuple[str, ...] = ()  # issue 17: the same members, their sub-links verified again
 
     def znodes(self, paths: zl.GroupPaths) -> list[zl.ZnodeOp]:
         return [zl.Put(paths.roce_map, self.roce_map.dump())]
@@ -81,6 +97,7 @@ class WriteRoceMap(_GroupZnodes):
                 *(f"+{a}" for a in self.added),
                 *(f"-{r}" for r in self.removed),
                 *(f"~{r} rejoined" for r in self.rejoined),
+                *(f"{r}'s sub-links to verify again" for r in self.relinked),
             ]
         )
         if self.rebuilt:
@@ -163,6 +180,20 @@ class EraseInstance(_GroupZnodes):
 
 
 @dataclass(frozen=True)
+class ForgetLink(_GroupZnodes):
+    """Drop a pair's verified link (issue 17's relink): both ends verify it again (a new
+    handshake) on the next map version, instead of taking the old znode as proof."""
+
+    prefill: str
+    decode: str
+    reason = "Relink"
+    message = "Asked {prefill} and {decode} to verify their sub-links again"
+
+    def znodes(self, paths: zl.GroupPaths) -> list[zl.ZnodeOp]:
+        return [zl.Delete(paths.link(self.prefill, self.decode))]
+
+
+@dataclass(frozen=True)
 class ClearRemoved(_GroupZnodes):
     name: str
 
@@ -174,6 +205,7 @@ Action = (
     CreatePod
     | DeletePod
     | ReportPodTrouble
+    | ReportRecovery
     | WriteRoceMap
     | WriteInitOrder
     | WriteDecodeMeta
@@ -181,5 +213,6 @@ Action = (
     | DeleteEntrance
     | MarkRemoved
     | EraseInstance
+    | ForgetLink
     | ClearRemoved
 )

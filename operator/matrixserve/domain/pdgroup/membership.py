@@ -69,7 +69,13 @@ def devices_k(spec: PDGroupSpec) -> int:
 
 
 def release_pods(instance: InstanceView, reason: str) -> list[Action]:
-    return [DeletePod(pod.name, pod.uid, reason) for pod in instance.pods]
+    """Its pods deleted; forced (grace 0) on a server that is down: no kubelet will finish a
+    graceful delete there, and the pod's name is wanted for its replacement."""
+    return [
+        DeletePod(pod.name, pod.uid, reason, force=pod.node_down_since is not None)
+        for pod in instance.pods
+        if not (pod.deleting and pod.node_down_since is None)
+    ]
 
 
 def live_instances(view: GroupView) -> dict[str, InstanceView]:
@@ -171,7 +177,8 @@ def change_map(view: GroupView, roce_map: zl.RoceMap, desired: Mapping[str, zl.R
         for e in (*roce_map.prefill, *roce_map.decode)
         if e.instance in usable and not view.current(e)
     ]
-    leaving = [n for n in members if n not in desired]
+    # Not desired any more, or logically removed for a fault (recovery wrote the marker): out.
+    leaving = [n for n in members if n not in desired or n in zk.removed]
     actions: list[Action] = []
     if joining or rejoining or leaving:
         kept = [
@@ -194,7 +201,10 @@ def change_map(view: GroupView, roce_map: zl.RoceMap, desired: Mapping[str, zl.R
             )
         )
         for name in leaving:
-            actions.append(MarkRemoved(zl.Removal(instance=name, reason="scale-in", at=view.now)))
+            if name not in zk.removed:
+                actions.append(
+                    MarkRemoved(zl.Removal(instance=name, reason="scale-in", at=view.now))
+                )
         for name in (*leaving, *rejoining):
             if name in zk.entrances:
                 actions.append(DeleteEntrance(name))
@@ -210,7 +220,11 @@ def release(view: GroupView, desired: Mapping[str, zl.Role], change: Change) -> 
     recreated."""
     zk = view.zk
     actions: list[Action] = []
-    for name, instance in live_instances(view).items():
+    for name, instance in view.instances.items():
+        # A pod already going is left to its kubelet, unless its server is down (forced).
+        stranded = any(p.node_down_since is not None for p in instance.pods)
+        if instance.deleting and not stranded:
+            continue
         if name in change.observed or (name in desired and name not in zk.removed):
             continue
         mine = tuple(k for k in zk.links if name in k)

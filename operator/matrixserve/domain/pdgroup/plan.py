@@ -12,8 +12,10 @@ The stages, in order (P/D-Serve §3.2-3.4):
    missing pods are obtained; the status keeps what was last known (entrances, map version,
    instances: the gateway routes by it) and says ``Coordinated=False`` since when. The same
    status is kept while a group whose server lost its data is rebuilt (``Rebuilding``).
-4. **Faults** — seam ``Seams.faults``: actions that answer faults observed in the view. Today
-   none; the recovery planner plugs in here.
+4. **Faults** — seam ``Seams.faults``: detection and minimum-cost recovery
+   (:mod:`.recovery`, issue 17): the records of recoveries under way, each new fault's plan, and
+   its first actions (a logical removal, a relink, a group restart). A shrink under way leaves
+   its prefill out of the desired instances.
 5. **Membership** (:mod:`.membership`): gathering, or the map's joins and leaves by dynamic RoCE
    construction, the release of instances out of the map, then the decode meta and entrances.
 6. **Status** (:mod:`.status`): conditions, instance rows, links, ratio.
@@ -28,8 +30,8 @@ from typing import Any
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain.conditions import Condition, find, seconds_since
-from matrixserve.domain.pdgroup import membership, status
-from matrixserve.domain.pdgroup.actions import Action, CreatePod
+from matrixserve.domain.pdgroup import membership, recovery, status
+from matrixserve.domain.pdgroup.actions import Action, CreatePod, DeletePod
 from matrixserve.domain.pdgroup.membership import RoleCounts
 from matrixserve.domain.pdgroup.pods import pod_manifest, pod_names
 from matrixserve.domain.pdgroup.view import GroupView
@@ -86,8 +88,8 @@ def spec_pod_names(group: str, spec: PDGroupSpec) -> list[str]:
     ]
 
 
-def no_faults(view: GroupView) -> list[Action]:
-    return []
+def no_faults(view: GroupView, roce_map: zl.RoceMap | None) -> recovery.RecoveryPass:
+    return recovery.RecoveryPass()
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class Seams:
     # All the instances missing a pod this pass at once, so one source (a warm pod, a fork
     # peer) is never promised to two of them.
     obtain: Callable[[GroupView, Mapping[str, zl.Role]], list[Action]] = cold_start
-    faults: Callable[[GroupView], list[Action]] = no_faults
+    faults: Callable[[GroupView, zl.RoceMap | None], recovery.RecoveryPass] = recovery.recover
 
 
 TODAY = Seams()
@@ -133,20 +135,41 @@ def rebuilding(view: GroupView) -> bool:
 # --------------------------------------------------------------------------- the plan
 def plan(view: GroupView, seams: Seams = TODAY) -> Plan:
     desired = membership.desired_instances(view.name, seams.counts(view))
-    actions, roce_map, blocked = _actions(view, seams, desired)
+    for name in recovery.sacrificed(view):  # a shrink under way gives up its prefill
+        desired.pop(name, None)
+    rebuilding_now = rebuilding(view)
+    healing = (
+        seams.faults(view, view.zk.roce_map)
+        if view.zk.connected and not rebuilding_now
+        else recovery.RecoveryPass()
+    )
+    actions, roce_map, blocked = _actions(view, seams, desired, healing)
     actions += status.trouble_notices(view, desired)
     if blocked:
         held = status.hold(view, desired, blocked)
-    elif rebuilding(view):
+    elif rebuilding_now:
         held = status.hold(view, desired, REBUILDING, reason="Rebuilding")
     else:
         held = None
     derived = held or status.derive(view, actions, desired, roce_map, blocked)
-    return Plan(actions, derived.status, derived.conditions, derived.ready)
+    conditions = derived.conditions
+    out = dict(derived.status)
+    if held is None:
+        # Records in a list are stored as written (no null to delete a key there).
+        out["recovering"] = [
+            {k: v for k, v in r.items() if v is not None} for r in healing.recovering
+        ]
+        out["lastRecovery"] = healing.last
+        out["deferred"] = sorted(healing.deferred)
+        conditions = status.recovering(conditions, healing.recovering)
+    return Plan(actions, out, conditions, derived.ready and not healing.recovering)
 
 
 def _actions(
-    view: GroupView, seams: Seams, desired: dict[str, zl.Role]
+    view: GroupView,
+    seams: Seams,
+    desired: dict[str, zl.Role],
+    healing: recovery.RecoveryPass,
 ) -> tuple[list[Action], zl.RoceMap | None, str | None]:
     """This pass's actions, the RoCE map after them, and why the plan is blocked (if it is)."""
     zk = view.zk
@@ -154,7 +177,9 @@ def _actions(
     actions: list[Action] = seams.obtain(view, missing) if missing else []
     if not zk.connected:
         return actions, zk.roce_map, "ZooKeeper is not connected"
-    actions += seams.faults(view)
+    actions += healing.actions
+    if healing.restarting_group and any(isinstance(a, DeletePod) for a in healing.actions):
+        return actions, zk.roce_map, None  # this pass deletes every pod: nothing else
     if zk.roce_map is None:
         gathered, roce_map = membership.gather(view, desired)
         return actions + gathered, roce_map, None

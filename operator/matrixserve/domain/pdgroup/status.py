@@ -343,3 +343,22 @@ def derive(
         },
     }
     return GroupStatus(status, conditions, ready)
+
+
+def recovering(
+    conditions: Sequence[Condition], records: Sequence[Mapping[str, Any]]
+) -> list[Condition]:
+    """``Degraded`` while a recovery is under way (capacity short: issue 17), saying which."""
+    if not records:
+        return list(conditions)
+    what = "; ".join(
+        f"{r.get('plan', {}).get('action')} of "
+        f"{', '.join(r.get('plan', {}).get('instances') or []) or 'nothing'} for a "
+        f"{r.get('fault', {}).get('kind')} fault (predicted "
+        f"{r.get('plan', {}).get('predictedRestoreSeconds')} s)"
+        for r in records
+    )
+    return [
+        Condition("Degraded", True, "Recovering", what) if c.type == "Degraded" else c
+        for c in conditions
+    ]

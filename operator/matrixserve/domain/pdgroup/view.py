@@ -12,8 +12,11 @@ from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain.enginepod import EngineSettings
-from matrixserve.domain.observed import InstanceView, PodView, group_instances
+from matrixserve.domain.observed import InstanceView, NodeView, PodView, group_instances
 from matrixserve.domain.pdgroup.pods import pod_names, role_of
+
+STALE_INTERVALS = 3.0  # health intervals without a refresh before a frozen engine is assumed
+STALE_GRACE_SECONDS = 10.0  # ... and this much more (a loaded machine's late write)
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ class GroupView:
     previous: Mapping[str, Any] = field(default_factory=dict)
     # Pods that hold one of the group's pod names and are not the group's: name -> whose.
     foreign: Mapping[str, str] = field(default_factory=dict)
+    # The servers the scheduler may place on (read for recovery: free NPUs), by name.
+    nodes: Mapping[str, NodeView] = field(default_factory=dict)
 
     @cached_property
     def instances(self) -> dict[str, InstanceView]:
@@ -84,7 +89,7 @@ class GroupView:
 
     def healthy(self, instance: str) -> bool:
         """Its current engine reports itself serving (ZooKeeper health, P/D-Serve §3.2): a
-        previous incarnation's health is not this one's."""
+        previous incarnation's health is not this one's, nor is one it stopped refreshing."""
         health = self.zk.health.get(instance)
         report = self.reports.get(instance)
         return (
@@ -92,4 +97,16 @@ class GroupView:
             and report is not None
             and health.incarnation == report.incarnation
             and health.state is zl.HealthState.SERVING
+            and not self.stale(health)
         )
+
+    @property
+    def health_interval(self) -> float:
+        """Wall seconds between an engine's health refreshes."""
+        return float(self.engine.health_interval_seconds) / float(self.engine.time_scale)
+
+    def stale(self, health: zl.Health) -> bool:
+        """Not refreshed for ``STALE_INTERVALS`` health intervals and a grace (issue 17's
+        staleness tier: a frozen process whose session lives on)."""
+        bound = STALE_INTERVALS * self.health_interval + STALE_GRACE_SECONDS
+        return self.now - health.ts > bound

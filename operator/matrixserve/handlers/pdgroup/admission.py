@@ -87,5 +87,3 @@ def register_webhook() -> None:
     objects = logging.getLogger("kopf.objects")  # where kopf logs the handlers' outcomes
     if not any(isinstance(f, RefusalsAreWarnings) for f in objects.filters):
         objects.addFilter(RefusalsAreWarnings())
-
-

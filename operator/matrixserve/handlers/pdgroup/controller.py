@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass, field
 
 import kopf
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from matrixserve.adapters.zk_groups import GroupStore
 from matrixserve.api import kinds
@@ -42,6 +42,35 @@ class PDGroupMetrics:
         )
         self.groups_ready = Gauge(
             "matrixserve_operator_groups_ready", "PDGroups with Ready=True", registry=registry
+        )
+        # Issue 17: recovery, by fault type (and by the action taken).
+        recovery_buckets = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+        self.detection_seconds = Histogram(
+            "matrixserve_operator_fault_detection_seconds",
+            "From a fault (as best known) to the operator planning for it (wall seconds)",
+            ["fault", "tier"],
+            buckets=recovery_buckets,
+            registry=registry,
+        )
+        self.restore_seconds = Histogram(
+            "matrixserve_operator_recovery_restore_seconds",
+            "From a fault's detection to its instances serving again (wall seconds)",
+            ["fault", "action"],
+            buckets=recovery_buckets,
+            registry=registry,
+        )
+        self.capacity_lost = Counter(
+            "matrixserve_operator_recovery_capacity_lost_seconds_total",
+            "Capacity-seconds out of service during recoveries (the planner's weighted capacity "
+            "fraction out x seconds until restored)",
+            ["fault"],
+            registry=registry,
+        )
+        self.recoveries = Counter(
+            "matrixserve_operator_recoveries_total",
+            "Recoveries by fault, action and outcome (planned, restored, failed)",
+            ["fault", "action", "outcome"],
+            registry=registry,
         )
         self.setup = Milestones(
             self.setup_phase_seconds, [("mapped", "gather"), ("linked", "link"), ("ready", "serve")]

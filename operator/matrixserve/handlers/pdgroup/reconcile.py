@@ -15,6 +15,7 @@ import kopf
 
 from matrixserve import coordination
 from matrixserve.api import kinds
+from matrixserve.api import zk_layout as zl
 from matrixserve.domain import pdgroup as pd
 from matrixserve.domain.effects import Effect, PodCreation, ZnodeChange
 from matrixserve.domain.enginepod import (
@@ -23,7 +24,9 @@ from matrixserve.domain.enginepod import (
     secret_taken,
     without_credential,
 )
+from matrixserve.domain.observed import on_nodes
 from matrixserve.domain.pdgroup import cleanup
+from matrixserve.domain.pdgroup.actions import ReportRecovery
 from matrixserve.domain.pdgroup.validation import parse_spec, running_template_changes
 from matrixserve.handlers.pdgroup.controller import API, KIND, PDGroups, groups_of
 from matrixserve.handlers.reconciler import Key
@@ -69,6 +72,24 @@ async def reconciler(
         groups.store.unwatch(namespace, name)
 
 
+# A pass that may recover reads the servers afresh unless another group's pass just did.
+NODES_FRESH_SECONDS = 0.25
+
+
+def _may_recover(pods: Mapping[str, Any], zk: pd.ZkView) -> bool:
+    """Whether this pass may detect a fault, and so needs the servers (which are down, how
+    many NPUs are free): a pod not Ready (a process exit, a server down: the node lifecycle
+    controller marks its pods not Ready after the Node), or a member's health saying a fault
+    or a blocked sub-link. The usual pass of a healthy group reads no node."""
+    if any(not p.ready for p in pods.values()):
+        return True
+    return any(
+        h.state is not zl.HealthState.SERVING
+        or any(link.state is zl.LinkState.BLOCKED for link in h.links)
+        for h in zk.health.values()
+    )
+
+
 async def reconcile(groups: PDGroups, namespace: str, name: str, logger: logging.Logger) -> bool:
     """One pass; True if it applied actions (so another pass should follow soon)."""
     rt = groups.rt
@@ -90,18 +111,21 @@ async def reconcile(groups: PDGroups, namespace: str, name: str, logger: logging
     absent = [pod for pod in pd.spec_pod_names(name, spec) if pod not in pods and pod in taken]
     owners = await asyncio.gather(*(rt.kube.owner_of(namespace, pod) for pod in absent))
     foreign = {pod: owner for pod, owner in zip(absent, owners, strict=True) if owner}
+    zk = await groups.store.snapshot(namespace, name)
+    nodes = await rt.kube.nodes(NODES_FRESH_SECONDS) if _may_recover(pods, zk) else {}
     view = pd.GroupView(
         namespace,
         name,
         int(meta.get("generation", 0)),
         spec,
-        pods,
-        await groups.store.snapshot(namespace, name),
+        on_nodes(pods, nodes),
+        zk,
         now=time.time(),
         uid=meta["uid"],
         engine=rt.engine,
         previous=body.get("status") or {},
         foreign=foreign,
+        nodes=nodes,
     )
     if view.zk.connected and not view.zk.present:  # a server that lost the group's data
         # where the engines report again: open while some of them have no credential
@@ -118,6 +142,7 @@ async def reconcile(groups: PDGroups, namespace: str, name: str, logger: logging
     busy = await groups.loop.apply(body, actions, znodes)
     await groups.loop.write_status(body, plan.status, plan.conditions)
     _track_setup(groups, (namespace, name), plan)
+    _track_recovery(groups, plan.actions)
     groups.metrics.links_verified.labels(namespace=namespace, group=name).set(
         plan.status["links"]["verified"]
     )
@@ -162,6 +187,31 @@ async def _engine_access(
     if done.changed:
         groups.loop.post(body, access_closed(done.changed))
     return actions
+
+
+def _track_recovery(groups: PDGroups, actions: Sequence[Effect]) -> None:
+    """Recovery metrics (issue 17), from this pass's recovery steps, each with its record: a
+    plan is a detection, a restore is a time to restore and the capacity lost meanwhile (the
+    plan's weighted capacity fraction out x the seconds until restored), a failure a count."""
+    m = groups.metrics
+    for action in actions:
+        if not isinstance(action, ReportRecovery) or action.record is None:
+            continue
+        record = action.record
+        fault, plan = record["fault"], record["plan"]
+        kind, how = fault["kind"], plan["action"]
+        if action.reason == "RecoveryPlanned":
+            m.detection_seconds.labels(kind, fault["detectedBy"]).observe(
+                record["detectedAfterSeconds"]
+            )
+            m.recoveries.labels(kind, how, "planned").inc()
+        elif action.reason == "Recovered":
+            seconds = float(record.get("restoredAfterSeconds") or 0.0)
+            m.restore_seconds.labels(kind, how).observe(seconds)
+            m.capacity_lost.labels(kind).inc(float(plan.get("lostFraction") or 0.0) * seconds)
+            m.recoveries.labels(kind, how, "restored").inc()
+        elif action.reason == "RecoveryFailed":
+            m.recoveries.labels(kind, how, "failed").inc()
 
 
 def _track_setup(groups: PDGroups, key: Key, plan: pd.Plan) -> None:

@@ -1,0 +1,327 @@
+"""Benchmark: recovery from one fault at a time under steady streamed traffic — our minimum-cost
+planner against a whole-group restart, the LWS / RBG / Grove default (issue 17; P/D-Serve §3.4,
+Fig. 8: "the faulty instance is logically removed ... and one new container is added").
+
+Setup: a private dev cluster whose node emulator has eight 2-NPU servers (one instance fills a
+server, so a server down takes exactly one instance and a faulty NPU leaves its server no room
+for the replacement: it lands on one of the two spares), the operator, the gateway, and a PDGroup
+of **exactly 4 prefill + 2 decode** llama3-8b instances of 2 NPUs (4 dies) each, engines at time
+scale 1 (every engine step, the model load from the shared file service included, takes its
+emulated time in wall time). Clients stream completions through the gateway back to back.
+
+Each fault of issue 17 in turn (``die``, ``npu``, ``node``, ``link``, ``hang``, ``kill``; which
+instance each hits: :data:`FAULTS`), once the group is whole again from the last (and the last
+one's die, NPU, link or server healed). Two runs in one process: ``ours`` (``spec.recovery.policy:
+MinimumCost``) and ``baseline`` (``RestartGroup``: the same detection, every pod of the group
+deleted and recreated), each on a fresh group. Per fault and run:
+
+- ``pods_restarted``: pods replaced (new UID) or restarted (more container restarts), from the
+  node emulator before and after;
+- ``restore_s``: wall seconds from the injection until the operator says the recovery
+  ``Restored`` and the group is Ready with every desired instance serving in ZooKeeper (each
+  reported, Serving and linked in its current incarnation, every prefill an entrance, every decode
+  in the decode meta). At time scale 1 this is the sum of every step in its own clock:
+  ``detect_s`` (fault → plan: control plane, wall) and the plan's terms (pod delete and start:
+  control plane, wall; engine ready = register + link + load + first health: engine, emulated);
+- ``failed_outside``: failed requests that were on neither the faulty instance nor (for a link)
+  its far end (a 503 up front is a refusal, not a failure: nothing was served);
+- ``capacity_lost_s``: ∫ (served tokens/s before the fault - served tokens/s) dt from the
+  injection to the restore + 2 s, in seconds of the group's pre-fault output (served tokens from
+  every stream's token times in 1 s bins, the rate before from the 10 s before the fault);
+- the planner's prediction (``predicted_restore_s``, from the plan's terms) against the restore
+  the operator measured from its own plan (``measured_restore_s``, ``prediction_error``: the
+  issue's check is within 25 %), and the restore bound the issue states for a cold replacement
+  (``restore_bound_s`` = detection + pod start + engine ready (load + relink) + 2 s).
+
+Writes ``bench/results/recovery.json`` (flat keys; issue 17's contract: for each fault ``f``
+``f_pods_restarted``, ``f_restore_s``, ``f_failed_outside``, ``f_capacity_lost_s`` and the
+baseline's ``f_baseline_pods_restarted``, ``f_baseline_restore_s``, ``f_baseline_capacity_lost_s``)
+and prints the table. The warm paths of the next issue (warm pool, NPU-fork) join as more runs
+(:data:`RUNS`), compared in the same table.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from common import REPO, cluster_env, gateway_command, install_crds, make_namespace, run_bench
+from common import zookeeper as zk_client
+from kubernetes import client, config
+
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "cluster")]
+from chaoskit import (  # noqa: E402  (the test kit, shared with the chaos tests)
+    GROUP,
+    Request,
+    Run,
+    Subject,
+    Traffic,
+    capacity_lost,
+    failed_outside,
+    pod_runs,
+    poll,
+    run_fault,
+)
+
+from matrixserve.api.kinds import PDGROUP  # noqa: E402
+from matrixserve.devcluster.cluster import DevCluster, free_ports  # noqa: E402
+from matrixserve.devcluster.procs import Supervisor  # noqa: E402
+from matrixserve.domain.conditions import is_true  # noqa: E402
+
+RESULTS = REPO / "bench" / "results" / "recovery.json"
+SCALE = "1"  # engines' emulated seconds per wall second: the restore is the sum at scale 1
+SERVERS, NPUS_PER_SERVER = 8, 2
+N_P, N_D = 4, 2
+PREFILLS = {f"{GROUP}-p-{i}" for i in range(N_P)}
+DECODES = {f"{GROUP}-d-{i}" for i in range(N_D)}
+CLIENTS, MAX_TOKENS = 6, 16
+BEFORE_S = 10.0  # s of steady traffic before each fault: the pre-fault rate
+AFTER_S = 2.0  # s past the restore counted in the capacity lost (the last bins settle)
+BOUND_S = 180.0  # s a fault may take to restore before the run reports it as not restored
+# (fault, the instance it hits, the far end of a link fault), in the order they run: both roles
+FAULTS: list[tuple[str, str, str]] = [
+    ("die", f"{GROUP}-d-1", ""),
+    ("npu", f"{GROUP}-p-0", ""),
+    ("node", f"{GROUP}-p-1", ""),
+    ("link", f"{GROUP}-p-2", f"{GROUP}-d-0"),
+    ("hang", f"{GROUP}-p-3", ""),
+    ("kill", f"{GROUP}-d-0", ""),
+]
+# (run name, spec.recovery.policy): the JSON's key prefix is "" for ours, "baseline_" for the
+# whole-group restart.
+RUNS: list[tuple[str, str]] = [("ours", "MinimumCost"), ("baseline", "RestartGroup")]
+
+
+@dataclass
+class Env:
+    info: Any
+    api: client.ApiClient
+    namespace: str
+    gateway: str
+    control: str
+
+
+def group_body(policy: str) -> dict[str, Any]:
+    body: dict[str, Any] = yaml.safe_load(
+        (REPO / "crds" / "samples" / "pdgroup-2p1d.yaml").read_text()
+    )
+    body["metadata"] = {"name": GROUP}
+    spec = body["spec"]
+    spec["prefill"]["replicas"], spec["decode"]["replicas"] = N_P, N_D
+    spec["slo"]["ttftMilliseconds"] = 60000  # refusals come from capacity, not from the SLO
+    spec["recovery"] = {"policy": policy, "protect": "Decode"}
+    return body
+
+
+def emulator_pods(control: str) -> list[dict[str, Any]]:
+    with httpx.Client(base_url=control, timeout=10, trust_env=False) as http:
+        pods: list[dict[str, Any]] = http.get("/pods").json()
+        return pods
+
+
+def excused(run: Run, request: Request) -> bool:
+    """A failure on what the fault hit: the faulty instance, or both ends of a link."""
+    hit = {run.injected.instance, *([run.injected.peer] if run.injected.peer else [])}
+    return bool(request.on(hit))
+
+
+def measure(run: Run, requests: list[Request]) -> dict[str, Any]:
+    """One fault's figures (see the module docstring)."""
+    at = run.injected.at
+    last = run.recovery
+    restore = run.restored_s
+    until = at + (restore if restore is not None else BOUND_S) + AFTER_S
+    lost, rate = capacity_lost(requests, at, until, BEFORE_S)
+    failed = [r for r in failed_outside(requests, at, ()) if not excused(run, r)]
+    out: dict[str, Any] = {
+        "pods_restarted": len(run.restarted),
+        "restore_s": round(restore, 2) if restore is not None else None,
+        "failed_outside": len(failed),
+        "capacity_lost_s": round(lost, 2),
+        "tokens_per_s_before": round(rate, 1),
+        "detect_s": round(run.detected_s, 2) if run.detected_s is not None else None,
+        "refused_up_front": sum(1 for r in requests if r.refused_up_front and r.end >= at),
+        "failed_on_faulty": sum(
+            1 for r in requests if r.end >= at and not r.ok and excused(run, r)
+        ),
+    }
+    if last is not None:
+        measured = last.restored_after_s
+        out |= {
+            "action": last.action,
+            "predicted_restore_s": last.predicted_s,
+            "measured_restore_s": measured,
+            "terms": dict(last.terms),
+        }
+        if measured and last.predicted_s:
+            out["prediction_error"] = round(abs(measured - last.predicted_s) / last.predicted_s, 3)
+        if run.detected_s is not None:
+            start = last.terms.get("podStart", 0.0) + last.terms.get("engineReady", 0.0)
+            out["restore_bound_s"] = round(run.detected_s + start + 2.0, 2)
+    if run.not_whole:
+        out["not_whole"] = run.not_whole
+    return out
+
+
+def run_policy(env: Env, name: str, policy: str, work: Path) -> dict[str, dict[str, Any]]:
+    custom = client.CustomObjectsApi(env.api)
+    where = (PDGROUP.group, PDGROUP.version, env.namespace, PDGROUP.plural)
+
+    def status() -> dict[str, Any]:
+        return dict(custom.get_namespaced_custom_object(*where, GROUP).get("status") or {})
+
+    custom.create_namespaced_custom_object(*where, group_body(policy))
+    poll(lambda: is_true(status(), "Ready"), 180, f"{name}: the group Ready", every=0.5)
+    zk = zk_client(env.info)
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        subject = Subject(
+            env.namespace,
+            GROUP,
+            env.control,
+            zk,
+            status,
+            lambda: pod_runs(emulator_pods(env.control), env.namespace, live=True),
+            PREFILLS,
+            DECODES,
+        )
+        with Traffic(env.gateway, clients=CLIENTS, max_tokens=MAX_TOKENS) as traffic:
+            for kind, instance, peer in FAULTS:
+                time.sleep(BEFORE_S)
+                run = run_fault(subject, kind, instance, peer, BOUND_S)
+                time.sleep(AFTER_S)
+                requests = [r for r in traffic.snapshot() if r.end >= run.injected.at - BEFORE_S]
+                results[kind] = measure(run, requests)
+                print(f"  {name} {kind}: {json.dumps(results[kind])}", flush=True)
+                if run.restored_s is None:
+                    print(f"  {name}: {kind} not restored; the remaining faults are skipped")
+                    break
+    finally:
+        zk.stop()
+        custom.delete_namespaced_custom_object(*where, GROUP)
+        core = client.CoreV1Api(env.api)
+        poll(
+            lambda: not core.list_namespaced_pod(env.namespace).items,
+            120,
+            f"{name}: the group's pods gone",
+        )
+    return results
+
+
+def main(work: Path) -> int:
+    dev = DevCluster(work / "cluster")
+    info = dev.up(
+        timeout=240,
+        superpods=1,
+        servers=SERVERS,
+        emulator_flags=("--npus-per-server", str(NPUS_PER_SERVER)),
+    )
+    sup = Supervisor(work / "processes")
+    try:
+        with config.new_client_from_config(config_file=info.kubeconfig) as api:
+            install_crds(api)
+            namespace = "bench-recovery"
+            make_namespace(client.CoreV1Api(api), namespace)
+            metrics, liveness, port = free_ports(3)
+            sup.start(
+                "operator",
+                [
+                    *(sys.executable, "-m", "matrixserve", "--zookeeper", info.zookeeper),
+                    *("--namespace", namespace, "--no-webhook", "--engine-time-scale", SCALE),
+                    "--engine-fault-injection",  # the hang is injected into the engine
+                    *("--metrics-port", str(metrics), "--liveness-port", str(liveness)),
+                    *("--log-level", "WARNING"),
+                ],
+                env=cluster_env(info),
+            )
+            sup.start(
+                "gateway",
+                gateway_command(info.zookeeper, namespace, port, "--time-scale", SCALE),
+                env=cluster_env(info),
+            )
+            gateway = f"http://127.0.0.1:{port}"
+            poll(lambda: _answers(f"{gateway}/healthz"), 30, "the gateway")
+            env = Env(info, api, namespace, gateway, info.node_emulator)
+            runs = {name: run_policy(env, name, policy, work) for name, policy in RUNS}
+    finally:
+        sup.stop("gateway", grace=5)
+        sup.stop("operator", grace=10)
+        dev.down()
+    return report(runs)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def report(runs: dict[str, dict[str, dict[str, Any]]]) -> int:
+    ours, base = runs["ours"], runs["baseline"]
+    results: dict[str, Any] = {
+        "group": f"{N_P}P+{N_D}D llama3-8b, 2 NPUs per instance, one instance per server",
+        "engine_time_scale": float(SCALE),
+        "clients": CLIENTS,
+    }
+    for kind, *_ in FAULTS:
+        for prefix, figures in (("", ours.get(kind, {})), ("baseline_", base.get(kind, {}))):
+            for key, value in figures.items():
+                flat = json.dumps(value) if isinstance(value, dict | list) else value
+                results[f"{kind}_{prefix}{key}"] = flat
+    errors = [ours[k]["prediction_error"] for k in ours if "prediction_error" in ours[k]]
+    results["prediction_error_max"] = max(errors, default=None)
+    results["prediction_error_median"] = statistics.median(errors) if errors else None
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print_table(ours, base)
+    print(f"\nwrote {RESULTS}")
+    done = all(k in ours and k in base for k, *_ in FAULTS)
+    return 0 if done else 1
+
+
+def print_table(ours: dict[str, dict[str, Any]], base: dict[str, dict[str, Any]]) -> None:
+    def cell(figures: dict[str, Any], key: str, fmt: Callable[[Any], str] = str) -> str:
+        value = figures.get(key)
+        return "-" if value is None else fmt(value)
+
+    print(
+        f"\nrecovery under steady streamed traffic ({N_P}P+{N_D}D llama3-8b, engines at time scale "
+        f"{SCALE}; seconds of wall time from the injection)"
+    )
+    print(
+        f"{'fault':<6}{'plan':<16}{'pods':>5}{'restore':>9}{'bound':>7}{'pred':>7}{'err':>6}"
+        f"{'failed':>7}{'lost':>7}   {'baseline: pods':>14}{'restore':>9}{'failed':>7}{'lost':>7}"
+        f"{'lost x':>8}"
+    )
+    for kind, *_ in FAULTS:
+        o, b = ours.get(kind, {}), base.get(kind, {})
+        ratio = "-"
+        if o.get("capacity_lost_s") is not None and b.get("capacity_lost_s") is not None:
+            ratio = f"{b['capacity_lost_s'] / max(o['capacity_lost_s'], 0.01):.0f}"
+        print(
+            f"{kind:<6}{cell(o, 'action'):<16}{cell(o, 'pods_restarted'):>5}"
+            f"{cell(o, 'restore_s'):>9}{cell(o, 'restore_bound_s'):>7}"
+            f"{cell(o, 'predicted_restore_s'):>7}"
+            f"{cell(o, 'prediction_error', lambda v: f'{v:.0%}'):>6}"
+            f"{cell(o, 'failed_outside'):>7}{cell(o, 'capacity_lost_s'):>7}   "
+            f"{cell(b, 'pods_restarted'):>14}{cell(b, 'restore_s'):>9}"
+            f"{cell(b, 'failed_outside'):>7}{cell(b, 'capacity_lost_s'):>7}{ratio:>8}"
+        )
+    print(
+        "pods: restarted; bound: detection + pod start + engine ready + 2 s (issue 17's target "
+        "for a cold replacement); pred/err: the planner's prediction and its error against the "
+        "restore it measured; lost: capacity-seconds lost; lost x: the baseline's over ours"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(run_bench(main, "bench-recovery-"))

@@ -1,0 +1,422 @@
+"""Minimum-cost recovery: a fault, the group's topology, its state and the policy → the
+cheapest plan under an explicit cost (pure; issue 17).
+
+P/D-Serve §3.4 (Fig. 8) recovers at "minimum cost": the faulty instance is logically removed in
+ZooKeeper first (no new traffic), and exactly one new stateless container is linked in by
+dynamic RoCE construction (§3.3, Fig. 7). xDeepServe §6.2 adds the ladder this planner chooses
+on, least disruptive first: mask and retry, restart one instance, kill a prefill to preserve a
+decode, restart the world. Every Kubernetes anchor restarts whole groups by fixed rule (LWS
+``RecreateGroupOnPodRestart``, RBG, Grove); MindIE shrinks prefill to protect decode. Here each
+option is priced and the cheapest feasible one is taken.
+
+**The cost** of an option is the weighted capacity it keeps out of service, integrated over the
+time it takes to restore::
+
+    cost = restore_s * lost  +  horizon_s * lost_after
+
+- ``restore_s``: the option's predicted time from the plan to serving again, the sum of its
+  terms (pod deletion, pod start, engine ready = register + link + load + first health, the
+  kubelet's restart back-off, a retry window), each from :class:`Estimates`;
+- ``lost``: the weighted fraction of the group's capacity out meanwhile, over the instances out
+  (the faulty ones and any the option takes down): ``(w_P·out_P/n_P + w_D·out_D/n_D) /
+  (w_P + w_D)``, with the protected role weighing ``PROTECT_WEIGHT`` (decode by default,
+  xDeepServe §6.2's "kill-P-to-preserve-D"): a whole-group restart loses 1;
+- ``lost_after``: capacity still out once restored (a prefill given up by a shrink, or an
+  instance masked for want of NPUs) for ``horizon_s`` (until capacity returns: a repair).
+
+Ties go to the option restarting fewer pods. Fencing: with ZooKeeper not connected nothing is
+planned (nothing destructive without coordination). A cap on concurrent replacements keeps a
+server fault with several members, or a storm, from taking the group down at once: over the cap
+a faulty instance is masked (no traffic) and waits its turn (the cap counts faulty instances; a
+prefill a shrink gives up is not replaced, so it is not one of them). Flapping is damped by the
+caller: an instance already in recovery is not planned for again. Every plan is feasible on its
+snapshot: under ``spec.recovery.policy: RestartGroup`` too, a restart the group would not fit
+back from is not taken (the faulty instances stay masked).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from matrixserve.api import zk_layout as zl
+from matrixserve.api.resources import Protect, RecoveryPolicy
+from matrixserve.domain.observed import Fault, FaultKind
+
+PROTECT_WEIGHT = 2.0  # the protected role's capacity counts twice (decode by default)
+CRASH_LOOP_RESTARTS = 3  # restarts in place after which a pod is replaced instead
+CONCURRENT_SHARE = 0.25  # at most a quarter of the instances (at least one) out at once
+
+
+class ActionKind(StrEnum):
+    MASK_AND_RETRY = "MaskAndRetry"  # no traffic to it; wait for the fault to clear
+    RELINK = "Relink"  # verify the sub-links again (a new map version), nobody restarts
+    RESTART_IN_PLACE = "RestartInPlace"  # the kubelet restarts its container; it rejoins
+    REPLACE = "Replace"  # logical removal, its pod released, one new pod linked in (cold today)
+    SHRINK = "Shrink"  # give up a prefill so its NPUs restore a protected decode
+    RESTART_GROUP = "RestartGroup"  # every pod of the group recreated (the anchors' default)
+
+
+# What each action restarts, for the tie-break and the plan's promise.
+DESTRUCTIVE = frozenset(
+    {ActionKind.REPLACE, ActionKind.SHRINK, ActionKind.RESTART_GROUP, ActionKind.RELINK}
+)
+
+
+@dataclass(frozen=True)
+class Member:
+    """An instance of the group as recovery sees it."""
+
+    name: str
+    role: zl.Role
+    npus: int
+    node: str | None = None
+    restarts: int = 0  # container restarts of its pods
+    pods: int = 1
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The group's instances and the NPUs the cluster can still give (``None``: not known; the
+    scheduler decides, and a replacement that stays unschedulable is planned for again)."""
+
+    members: Mapping[str, Member]
+    free_npus: int | None = None
+
+    def count(self, role: zl.Role) -> int:
+        return sum(1 for m in self.members.values() if m.role is role)
+
+
+@dataclass(frozen=True)
+class Estimates:
+    """Seconds (wall) each step takes; the caller learns them from the group where it can."""
+
+    pod_delete: float = 1.0  # delete → the old pod gone (a SIGTERM'd engine exits at once)
+    pod_start: float = 1.0  # create → scheduled, container running
+    engine_ready: float = 2.0  # process start → Serving: register, link, load, first health
+    restart_backoff: float = 0.0  # the kubelet's back-off before restarting a container
+    relink: float = 0.5  # a new map version → the sub-links verified again
+    retry_window: float = 10.0  # how long a transient fault is given to clear
+    horizon: float = 600.0  # how long capacity masked for want of NPUs stays out (a repair)
+
+
+@dataclass(frozen=True)
+class Policy:
+    policy: RecoveryPolicy = RecoveryPolicy.MINIMUM_COST
+    protect: Protect = Protect.DECODE
+
+    def weight(self, role: zl.Role) -> float:
+        protected = {Protect.DECODE: zl.Role.DECODE, Protect.PREFILL: zl.Role.PREFILL}.get(
+            self.protect
+        )
+        return PROTECT_WEIGHT if role is protected else 1.0
+
+
+@dataclass(frozen=True)
+class Option:
+    action: ActionKind
+    instances: tuple[str, ...]  # the instances it restarts or takes down (empty: none)
+    terms: Mapping[str, float]  # restore time, term by term (seconds)
+    lost: float  # weighted capacity fraction out while restoring
+    lost_after: float  # ... and still out once restored, for the horizon
+    feasible: bool
+    why: str
+    pods_restarted: int = 0
+    sacrificed: tuple[str, ...] = ()  # a shrink's prefill given up
+    horizon: float = 0.0
+
+    @property
+    def restore_s(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def cost(self) -> float:
+        return self.restore_s * self.lost + self.horizon * self.lost_after
+
+    def as_status(self) -> dict[str, object]:
+        return {
+            "action": str(self.action),
+            "instances": list(self.instances),
+            "predictedRestoreSeconds": round(self.restore_s, 3),
+            "cost": round(self.cost, 3),
+            "lostFraction": round(self.lost, 4),
+            "feasible": self.feasible,
+            "why": self.why,
+            "terms": {k: round(v, 3) for k, v in self.terms.items()},
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    fault: Fault
+    chosen: Option | None  # None: nothing may be done now (fenced)
+    alternatives: tuple[Option, ...] = field(default_factory=tuple)
+    deferred: tuple[str, ...] = ()  # faulty instances over the concurrency cap: masked, waiting
+    why: str = ""
+
+
+def concurrency_cap(instances: int) -> int:
+    """How many instances recovery may take out at once: a quarter of the group, at least one."""
+    return max(1, math.floor(instances * CONCURRENT_SHARE))
+
+
+# --------------------------------------------------------------------------- pricing
+def lost_fraction(topology: Topology, policy: Policy, out: set[str]) -> float:
+    """The weighted capacity fraction the instances ``out`` take away (1 = the whole group)."""
+    total = 0.0
+    weights = 0.0
+    for role in (zl.Role.PREFILL, zl.Role.DECODE):
+        n = topology.count(role)
+        if n == 0:
+            continue
+        w = policy.weight(role)
+        weights += w
+        gone = sum(1 for name in out if topology.members[name].role is role)
+        total += w * gone / n
+    return total / weights if weights else 0.0
+
+
+def withheld(fault: Fault, topology: Topology, faulty: tuple[str, ...]) -> int:
+    """NPUs a replacement of ``faulty`` must find elsewhere, beyond the free ones: all of
+    theirs for a server down (until it returns) or a device fault (the faulty NPU is no longer
+    allocatable and its server is tainted NoSchedule, so nothing there takes a new pod); none
+    for a process, session, hang or a link fault no device reports (their NPUs come back
+    where they are)."""
+    device = fault.kind in (FaultKind.DIE, FaultKind.NPU, FaultKind.HBM) or (
+        fault.kind is FaultKind.LINK and fault.on_device
+    )
+    if fault.kind is FaultKind.NODE or device:
+        return _npus(topology, faulty)
+    return 0
+
+
+def _pods(topology: Topology, names: tuple[str, ...]) -> int:
+    return sum(topology.members[n].pods for n in names)
+
+
+def _npus(topology: Topology, names: tuple[str, ...]) -> int:
+    return sum(topology.members[n].npus for n in names)
+
+
+def _cold(est: Estimates, delete: bool = True) -> dict[str, float]:
+    terms = {"podDelete": est.pod_delete} if delete else {}
+    return terms | {"podStart": est.pod_start, "engineReady": est.engine_ready}
+
+
+def options(
+    fault: Fault, topology: Topology, policy: Policy, est: Estimates, now_out: set[str]
+) -> list[Option]:
+    """Every option for the fault, priced, each saying whether it is feasible and why.
+    ``now_out``: the faulty instances this plan takes on (under the cap)."""
+    faulty = tuple(sorted(now_out))
+    lost_faulty = lost_fraction(topology, policy, set(faulty))
+    everyone = tuple(sorted(topology.members))
+    out: list[Option] = []
+
+    transient = fault.kind in (FaultKind.STALE,)
+    out.append(
+        Option(
+            ActionKind.MASK_AND_RETRY,
+            (),
+            {"retryWindow": est.retry_window},
+            lost_faulty,
+            0.0 if transient else lost_faulty,
+            feasible=True,
+            why=(
+                "a refresh that was late may come"
+                if transient
+                else "the fault does not clear by itself: its capacity stays out until repaired"
+            ),
+            horizon=0.0 if transient else est.horizon,
+        )
+    )
+
+    link_soft = fault.kind is FaultKind.LINK and not fault.on_device
+    out.append(
+        Option(
+            ActionKind.RELINK,
+            (),
+            {"relink": est.relink},
+            lost_faulty,
+            0.0,
+            feasible=link_soft,
+            why=(
+                "the sub-link's ports are up: verifying it again may restore it"
+                if link_soft
+                else "only for a link fault whose ports are up"
+                if fault.kind is not FaultKind.LINK
+                else "the device status says the port is down: relinking over it fails"
+            ),
+        )
+    )
+
+    restarts = max((topology.members[n].restarts for n in faulty), default=0)
+    in_place = fault.kind is FaultKind.KILL and restarts < CRASH_LOOP_RESTARTS
+    out.append(
+        Option(
+            ActionKind.RESTART_IN_PLACE,
+            faulty,
+            {"restartBackoff": est.restart_backoff} | _cold(est, delete=False),
+            lost_faulty,
+            0.0,
+            feasible=in_place,
+            why=(
+                "the kubelet restarts the exited container on its NPUs; it rejoins the map"
+                if in_place
+                else f"crash-looping ({restarts} restarts): replaced instead"
+                if fault.kind is FaultKind.KILL
+                else "only for an engine process that exited (the kubelet restarts it)"
+            ),
+            pods_restarted=_pods(topology, faulty),
+        )
+    )
+
+    need = _npus(topology, faulty)
+    held = withheld(fault, topology, faulty)
+    # The faulty pods' NPUs return to the pool once they go, except those the fault withholds.
+    fits = topology.free_npus is None or topology.free_npus >= held
+    out.append(
+        Option(
+            ActionKind.REPLACE,
+            faulty,
+            _cold(est),
+            lost_faulty,
+            0.0,
+            feasible=fits,
+            why=(
+                f"one new pod per faulty instance ({need} NPUs) linked in by dynamic RoCE "
+                "construction; nobody else restarts"
+                if fits
+                else f"{need} NPUs needed, {need - held} come back where the faulty pods "
+                f"ran, {topology.free_npus} free elsewhere"
+            ),
+            pods_restarted=_pods(topology, faulty),
+        )
+    )
+
+    out.append(_shrink(fault, topology, policy, est, faulty, fits))
+
+    out.append(
+        Option(
+            ActionKind.RESTART_GROUP,
+            everyone,
+            _cold(est),
+            1.0,
+            0.0,
+            feasible=fits,
+            why=(
+                "every pod recreated (LWS RecreateGroupOnPodRestart, RBG, Grove)"
+                if fits
+                else f"the fault withholds {held} NPUs and {topology.free_npus} are free: "
+                "the group would not fit again"
+            ),
+            pods_restarted=_pods(topology, everyone),
+        )
+    )
+    return out
+
+
+def _shrink(
+    fault: Fault,
+    topology: Topology,
+    policy: Policy,
+    est: Estimates,
+    faulty: tuple[str, ...],
+    fits: bool,
+) -> Option:
+    """Give up prefills so their NPUs restore the protected decode(s): a faulty prefill first
+    (not replaced: its NPUs are gone with its server), then healthy ones from the last, as few
+    as cover the decodes' NPUs, never the last prefill."""
+    decodes = tuple(n for n in faulty if topology.members[n].role is zl.Role.DECODE)
+    faulty_prefills = tuple(n for n in faulty if n not in decodes)
+    healthy = sorted(
+        (n for n, m in topology.members.items() if m.role is zl.Role.PREFILL and n not in faulty),
+        key=_ordinal,
+    )
+    need = withheld(fault, topology, decodes)
+    free = topology.free_npus or 0
+    given: list[str] = []
+    while healthy[len(given) + 1 :] and free + _npus(topology, tuple(given)) < need:
+        given.append(healthy[-1 - len(given)])
+    freed = _npus(topology, tuple(given))
+    why = ""
+    if policy.weight(zl.Role.DECODE) <= policy.weight(zl.Role.PREFILL):
+        why = "decode is not the protected role"
+    elif not decodes:
+        why = "no decode is faulty"
+    elif fits:
+        why = "the NPUs to replace the decode are free: nothing needs giving up"
+    elif len(healthy) < 2:
+        why = "the group would keep no prefill"
+    elif free + freed < need:
+        why = f"giving up {', '.join(given)} frees {freed} NPUs; {need - free} are needed"
+    sacrificed = (*faulty_prefills, *given)
+    return Option(
+        ActionKind.SHRINK,
+        tuple(sorted((*faulty, *given))),
+        {"podDelete": est.pod_delete, **_cold(est)},
+        lost_fraction(topology, policy, {*faulty, *given}),
+        lost_fraction(topology, policy, set(sacrificed)),
+        feasible=not why,
+        why=why or f"gives up prefill {', '.join(sacrificed)} to restore the protected decode",
+        pods_restarted=_pods(topology, decodes) + _pods(topology, sacrificed),
+        sacrificed=tuple(sorted(sacrificed)),
+        horizon=est.horizon,
+    )
+
+
+def _ordinal(name: str) -> tuple[int, str]:
+    tail = name.rsplit("-", 1)[-1]
+    return (int(tail), name) if tail.isdigit() else (-1, name)
+
+
+# --------------------------------------------------------------------------- choosing
+def choose(
+    fault: Fault,
+    topology: Topology,
+    policy: Policy,
+    est: Estimates,
+    *,
+    connected: bool,
+    in_recovery: int = 0,
+) -> Plan:
+    """The plan for one fault. ``in_recovery``: instances other recoveries hold out now."""
+    if not connected:
+        return Plan(fault, None, why="ZooKeeper is not connected: nothing destructive is planned")
+    members = [n for n in fault.instances if n in topology.members]
+    room = max(0, concurrency_cap(len(topology.members)) - in_recovery)
+    taken = set(sorted(members, key=lambda n: _priority(topology, policy, n))[:room])
+    deferred = tuple(sorted(set(members) - taken))
+    if not taken:
+        return Plan(
+            fault,
+            None,
+            deferred=deferred,
+            why=f"{in_recovery} instance(s) already in recovery (the cap is "
+            f"{concurrency_cap(len(topology.members))}): masked, waiting their turn",
+        )
+    considered = options(fault, topology, policy, est, taken)
+    if policy.policy is RecoveryPolicy.RESTART_GROUP:
+        # The anchors' rule, but never a restart the group would not fit back from: then the
+        # faulty instances stay masked (nothing destructive that cannot complete).
+        want = ActionKind.RESTART_GROUP
+        if not next(o for o in considered if o.action is want).feasible:
+            want = ActionKind.MASK_AND_RETRY
+        pick = next(o for o in considered if o.action is want)
+    else:
+        feasible = [o for o in considered if o.feasible]
+        pick = min(feasible, key=lambda o: (round(o.cost, 6), o.pods_restarted, o.restore_s))
+    alternatives = tuple(o for o in considered if o is not pick)
+    return Plan(fault, pick, alternatives, deferred)
+
+
+def _priority(topology: Topology, policy: Policy, name: str) -> tuple[float, str]:
+    """Which faulty instance is taken first under the cap: the protected role's."""
+    return (-policy.weight(topology.members[name].role), name)
+
+
+def with_restore(option: Option, **terms: float) -> Option:
+    """The option with some restore terms replaced (a caller that measured them)."""
+    return replace(option, terms=dict(option.terms) | terms)

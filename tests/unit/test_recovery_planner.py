@@ -1,0 +1,772 @@
+"""The recovery planner (issue 17): each fault kind on representative topologies gives the
+cheapest plan the documented cost model predicts; a property test shows every plan is feasible on
+its snapshot; and detection over a group's view types each fault by its tier.
+
+Expected costs are derived from ``domain/recovery.py``'s docstring: ``cost = restore_s * lost +
+horizon_s * lost_after``, ``lost = (w_P*out_P/n_P + w_D*out_D/n_D) / (w_P + w_D)``, the protected
+role weighing 2. With the default estimates a cold replacement takes 1 + 1 + 2 = 4 s, a restart
+in place 0 + 1 + 2 = 3 s, a relink 0.5 s, a retry 10 s, and the horizon is 600 s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fakes import engine_report
+from matrixserve.api import zk_layout as zl
+from matrixserve.api.resources import PDGroupSpec, Protect, RecoveryPolicy
+from matrixserve.domain import pdgroup
+from matrixserve.domain import recovery as rc
+from matrixserve.domain.enginepod import EngineSettings
+from matrixserve.domain.observed import Fault, FaultKind, NodeView, PodView, Tier
+from matrixserve.domain.pdgroup import GroupView, ZkView
+from matrixserve.domain.pdgroup import recovery as pr
+from matrixserve.domain.pdgroup.actions import (
+    DeleteEntrance,
+    DeletePod,
+    ForgetLink,
+    MarkRemoved,
+    ReportRecovery,
+    SetEntrance,
+    WriteDecodeMeta,
+    WriteRoceMap,
+)
+from matrixserve.domain.pdgroup.pods import pod_labels
+
+pytestmark = pytest.mark.unit
+
+P, D = zl.Role.PREFILL, zl.Role.DECODE
+A = rc.ActionKind
+EST = rc.Estimates()
+COLD = 1.0 + 1.0 + 2.0  # podDelete + podStart + engineReady
+IN_PLACE = 0.0 + 1.0 + 2.0  # restartBackoff + podStart + engineReady
+HORIZON = 600.0
+
+
+# --------------------------------------------------------------------------- planner builders
+def group(
+    p: int = 4,
+    d: int = 2,
+    free: int | None = 8,
+    npus: int = 2,
+    on: dict[str, str] | None = None,
+    restarts: dict[str, int] | None = None,
+) -> rc.Topology:
+    members = {}
+    for role, n, tag in ((P, p, "p"), (D, d, "d")):
+        for i in range(n):
+            name = f"g-{tag}-{i}"
+            node = (on or {}).get(name, f"n-{name}")
+            members[name] = rc.Member(name, role, npus, node, (restarts or {}).get(name, 0))
+    return rc.Topology(members, free)
+
+
+def fault(kind: FaultKind, *names: str, on_device: bool = False) -> Fault:
+    return Fault(kind, names, Tier.POD, 0.0, on_device=on_device)
+
+
+def choose(
+    f: Fault,
+    topo: rc.Topology,
+    policy: rc.Policy | None = None,
+    est: rc.Estimates = EST,
+    connected: bool = True,
+    in_recovery: int = 0,
+) -> rc.Plan:
+    return rc.choose(
+        f, topo, policy or rc.Policy(), est, connected=connected, in_recovery=in_recovery
+    )
+
+
+def by_action(plan: rc.Plan) -> dict[rc.ActionKind, rc.Option]:
+    assert plan.chosen is not None
+    considered = (plan.chosen, *plan.alternatives)
+    assert sorted(o.action for o in considered) == sorted(A), "every option is considered once"
+    return {o.action: o for o in considered}
+
+
+def chosen(plan: rc.Plan) -> rc.Option:
+    assert plan.chosen is not None, plan.why
+    return plan.chosen
+
+
+DEVICE_KINDS = [FaultKind.DIE, FaultKind.NPU, FaultKind.HBM]
+
+
+# --------------------------------------------------------------------------- each fault kind
+@pytest.mark.parametrize("kind", DEVICE_KINDS)
+def test_a_device_fault_on_a_decode_with_npus_free_replaces_just_that_decode(
+    kind: FaultKind,
+) -> None:
+    plan = choose(fault(kind, "g-d-0"), group())
+    pick = chosen(plan)
+    assert (pick.action, pick.instances, pick.pods_restarted) == (A.REPLACE, ("g-d-0",), 1)
+    # one decode of two out, decode weighing 2: lost = 2*(1/2)/3 = 1/3
+    assert pick.cost == pytest.approx(COLD / 3)
+    assert pick.restore_s == pytest.approx(COLD)
+    options = by_action(plan)
+    assert options[A.MASK_AND_RETRY].cost == pytest.approx(10 / 3 + HORIZON / 3)
+    assert options[A.RESTART_GROUP].cost == pytest.approx(COLD * 1.0)
+    assert options[A.RESTART_GROUP].pods_restarted == 6
+    assert options[A.RESTART_GROUP].feasible
+    for action in (A.RELINK, A.RESTART_IN_PLACE, A.SHRINK):
+        assert not options[action].feasible
+        assert options[action].why
+    assert "free" in options[A.SHRINK].why
+    status = options[A.RELINK].as_status()
+    assert {"action", "cost", "feasible", "why", "terms", "predictedRestoreSeconds"} <= set(status)
+    assert status["feasible"] is False
+
+
+def test_a_die_fault_on_a_prefill_is_priced_by_the_prefill_s_smaller_weight() -> None:
+    plan = choose(fault(FaultKind.DIE, "g-p-1"), group())
+    pick = chosen(plan)
+    assert (pick.action, pick.instances) == (A.REPLACE, ("g-p-1",))
+    assert pick.cost == pytest.approx(COLD * (1 / 4) / 3)  # one prefill of four, weight 1 of 3
+    assert by_action(plan)[A.SHRINK].why == "no decode is faulty"
+
+
+@pytest.mark.parametrize("kind", DEVICE_KINDS)
+def test_decode_protected_on_a_full_cluster_gives_up_the_last_prefill(kind: FaultKind) -> None:
+    plan = choose(fault(kind, "g-d-0"), group(free=0))
+    pick = chosen(plan)
+    assert pick.action is A.SHRINK
+    assert pick.instances == ("g-d-0", "g-p-3")
+    assert pick.sacrificed == ("g-p-3",)
+    assert pick.pods_restarted == 2
+    # out while restoring: a decode of 2 (weight 2) and a prefill of 4 (weight 1); after: the prefill
+    assert pick.lost == pytest.approx((2 * 1 / 2 + 1 / 4) / 3)
+    assert pick.lost_after == pytest.approx((1 / 4) / 3)
+    assert pick.cost == pytest.approx(COLD * 1.25 / 3 + HORIZON / 12)
+    options = by_action(plan)
+    for action in (A.REPLACE, A.RESTART_GROUP):
+        assert not options[action].feasible
+        assert "0" in options[action].why
+    assert options[A.MASK_AND_RETRY].cost == pytest.approx(10 / 3 + HORIZON / 3)
+    assert options[A.MASK_AND_RETRY].cost > pick.cost
+
+
+@pytest.mark.parametrize(
+    ("protect", "lost"),
+    [(Protect.NONE, (1 / 2) / 2), (Protect.PREFILL, (1 / 2) / 3)],
+)
+def test_without_decode_protected_no_shrink_and_the_decode_stays_masked(
+    protect: Protect, lost: float
+) -> None:
+    plan = choose(fault(FaultKind.DIE, "g-d-0"), group(free=0), rc.Policy(protect=protect))
+    pick = chosen(plan)
+    assert (pick.action, pick.instances) == (A.MASK_AND_RETRY, ())
+    assert pick.cost == pytest.approx(10 * lost + HORIZON * lost)
+    assert by_action(plan)[A.SHRINK].why == "decode is not the protected role"
+
+
+def test_a_shrink_needs_a_second_prefill_and_enough_freed_npus() -> None:
+    lone = choose(fault(FaultKind.DIE, "g-d-0"), group(p=1, free=0))
+    assert chosen(lone).action is A.MASK_AND_RETRY
+    assert by_action(lone)[A.SHRINK].why == "the group would keep no prefill"
+    # A down server withholds all 4 of the decode's NPUs: free + the prefills given up must
+    # cover them, as few prefills as do, from the last, never the last one left.
+    for p, prefill_npus, free, gives_up in (
+        (4, 3, 0, ("g-p-2", "g-p-3")),  # 3 are not enough: the one before goes too
+        (4, 3, 1, ("g-p-3",)),
+        (4, 4, 0, ("g-p-3",)),
+        (2, 3, 0, ()),  # only g-p-1 may go, and its 3 are not enough
+    ):
+        members = dict(group(p=p, free=free).members)
+        last = f"g-p-{p - 1}"
+        members["g-d-0"] = dataclasses.replace(members["g-d-0"], npus=4)
+        members[last] = dataclasses.replace(members[last], npus=prefill_npus)
+        plan = choose(fault(FaultKind.NODE, "g-d-0"), rc.Topology(members, free))
+        shrink = by_action(plan)[A.SHRINK]
+        assert chosen(plan).action is (A.SHRINK if gives_up else A.MASK_AND_RETRY)
+        assert shrink.feasible is bool(gives_up)
+        if gives_up:
+            assert shrink.sacrificed == gives_up
+            assert shrink.instances == ("g-d-0", *gives_up)
+            assert shrink.pods_restarted == 1 + len(gives_up)
+        else:
+            assert shrink.why == "giving up g-p-1 frees 3 NPUs; 4 are needed"
+
+
+def test_a_server_with_two_members_under_a_cap_of_one_takes_the_decode_first() -> None:
+    topo = group(on={"g-p-0": "n1", "g-d-0": "n1"})
+    assert rc.concurrency_cap(len(topo.members)) == 1
+    plan = choose(fault(FaultKind.NODE, "g-p-0", "g-d-0"), topo)
+    pick = chosen(plan)
+    assert (pick.action, pick.instances) == (A.REPLACE, ("g-d-0",))
+    assert plan.deferred == ("g-p-0",)
+    assert pick.cost == pytest.approx(COLD / 3)
+
+
+def test_a_server_with_two_members_under_a_cap_of_two_replaces_both() -> None:
+    topo = group(d=4, on={"g-p-0": "n1", "g-d-0": "n1"})
+    plan = choose(fault(FaultKind.NODE, "g-p-0", "g-d-0"), topo)
+    pick = chosen(plan)
+    assert (pick.action, pick.instances, pick.pods_restarted) == (
+        A.REPLACE,
+        ("g-d-0", "g-p-0"),
+        2,
+    )
+    assert plan.deferred == ()
+    assert pick.cost == pytest.approx(COLD * (1 / 4 + 2 * 1 / 4) / 3)
+    assert by_action(plan)[A.RESTART_GROUP].pods_restarted == 8
+
+
+def test_a_server_down_on_a_full_cluster_shrinks_for_its_decode() -> None:
+    topo = group(d=4, free=0, on={"g-p-0": "n1", "g-d-0": "n1"})
+    plan = choose(fault(FaultKind.NODE, "g-p-0", "g-d-0"), topo)
+    pick = chosen(plan)
+    assert pick.action is A.SHRINK
+    assert pick.instances == ("g-d-0", "g-p-0", "g-p-3")
+    # the faulty prefill is given up (its server is down), and g-p-3's NPUs restore the decode
+    assert pick.sacrificed == ("g-p-0", "g-p-3")
+    assert pick.cost == pytest.approx(COLD * (2 / 4 + 2 * 1 / 4) / 3 + HORIZON * (2 / 4) / 3)
+    replace = by_action(plan)[A.REPLACE]
+    assert not replace.feasible
+    assert replace.why == "4 NPUs needed, 0 come back where the faulty pods ran, 0 free elsewhere"
+
+
+def test_a_blocked_link_with_its_ports_up_is_relinked_and_nobody_restarts() -> None:
+    plan = choose(fault(FaultKind.LINK, "g-p-0"), group())
+    pick = chosen(plan)
+    assert (pick.action, pick.instances, pick.pods_restarted) == (A.RELINK, (), 0)
+    assert pick.cost == pytest.approx(0.5 * (1 / 4) / 3)
+    assert by_action(plan)[A.REPLACE].cost == pytest.approx(COLD * (1 / 4) / 3)
+
+
+@pytest.mark.parametrize(
+    ("free", "action", "instances"),
+    [
+        (8, A.REPLACE, ("g-p-0",)),
+        (None, A.REPLACE, ("g-p-0",)),
+        # its NPU is NetworkUnhealthy and its server tainted: no room, the prefill stays masked
+        (0, A.MASK_AND_RETRY, ()),
+    ],
+)
+def test_a_link_whose_port_is_down_replaces_the_instance_where_there_is_room(
+    free: int | None, action: rc.ActionKind, instances: tuple[str, ...]
+) -> None:
+    plan = choose(fault(FaultKind.LINK, "g-p-0", on_device=True), group(free=free))
+    assert (chosen(plan).action, chosen(plan).instances) == (action, instances)
+    relink = by_action(plan)[A.RELINK]
+    assert not relink.feasible
+    assert "port is down" in relink.why
+
+
+@pytest.mark.parametrize("kind", [FaultKind.HANG, FaultKind.SESSION])
+def test_a_hang_or_a_lost_session_is_replaced_even_on_a_full_cluster(kind: FaultKind) -> None:
+    plan = choose(fault(kind, "g-d-1"), group(free=0))  # its own NPUs come back
+    pick = chosen(plan)
+    assert (pick.action, pick.instances) == (A.REPLACE, ("g-d-1",))
+    assert pick.cost == pytest.approx(COLD / 3)
+    assert by_action(plan)[A.RESTART_GROUP].feasible
+
+
+@pytest.mark.parametrize("restarts", [0, 2])
+def test_a_killed_engine_restarts_in_place(restarts: int) -> None:
+    plan = choose(fault(FaultKind.KILL, "g-d-0"), group(restarts={"g-d-0": restarts}))
+    pick = chosen(plan)
+    assert (pick.action, pick.instances, pick.pods_restarted) == (
+        A.RESTART_IN_PLACE,
+        ("g-d-0",),
+        1,
+    )
+    assert pick.cost == pytest.approx(IN_PLACE / 3)
+    assert by_action(plan)[A.REPLACE].cost == pytest.approx(COLD / 3)
+
+
+@pytest.mark.parametrize("restarts", [3, 7])
+def test_a_crash_looping_engine_is_replaced(restarts: int) -> None:
+    plan = choose(fault(FaultKind.KILL, "g-d-0"), group(restarts={"g-d-0": restarts}))
+    assert (chosen(plan).action, chosen(plan).instances) == (A.REPLACE, ("g-d-0",))
+    in_place = by_action(plan)[A.RESTART_IN_PLACE]
+    assert not in_place.feasible
+    assert f"crash-looping ({restarts} restarts)" in in_place.why
+
+
+def test_a_killed_engine_facing_a_long_back_off_is_replaced() -> None:
+    est = dataclasses.replace(EST, restart_backoff=10.0)  # 13 s in place vs 4 s cold
+    plan = choose(fault(FaultKind.KILL, "g-d-0"), group(), est=est)
+    assert chosen(plan).action is A.REPLACE
+    assert by_action(plan)[A.RESTART_IN_PLACE].cost == pytest.approx((10 + IN_PLACE) / 3)
+
+
+def test_a_stale_report_is_masked_only_when_waiting_is_cheaper_than_replacing() -> None:
+    quick = choose(fault(FaultKind.STALE, "g-d-0"), group())
+    assert chosen(quick).action is A.REPLACE  # 4 s cold < 10 s retry, same capacity out
+    mask = by_action(quick)[A.MASK_AND_RETRY]
+    assert mask.lost_after == 0.0
+    assert mask.cost == pytest.approx(10 / 3)
+    slow = choose(
+        fault(FaultKind.STALE, "g-d-0"), group(), est=dataclasses.replace(EST, engine_ready=20.0)
+    )
+    assert (chosen(slow).action, chosen(slow).instances) == (A.MASK_AND_RETRY, ())
+    assert by_action(slow)[A.REPLACE].cost == pytest.approx(22 / 3)
+
+
+def test_policy_restart_group_never_restarts_a_group_that_would_not_fit_back() -> None:
+    """The anchors' rule, but a die withholds the decode's NPUs and none are free: deleting
+    every pod would leave the group unschedulable, so the decode stays masked instead."""
+    plan = choose(
+        fault(FaultKind.DIE, "g-d-0"),
+        group(free=0),
+        rc.Policy(policy=RecoveryPolicy.RESTART_GROUP),
+    )
+    assert chosen(plan).action is A.MASK_AND_RETRY
+    assert not by_action(plan)[A.RESTART_GROUP].feasible
+
+
+@pytest.mark.parametrize("kind", list(FaultKind))
+def test_policy_restart_group_always_restarts_the_whole_group(kind: FaultKind) -> None:
+    topo = group()
+    plan = choose(fault(kind, "g-d-0"), topo, rc.Policy(policy=RecoveryPolicy.RESTART_GROUP))
+    pick = chosen(plan)
+    assert pick.action is A.RESTART_GROUP
+    assert pick.feasible
+    assert pick.instances == tuple(sorted(topo.members))
+    assert pick.pods_restarted == 6
+    assert min(o.cost for o in plan.alternatives if o.feasible) < pick.cost
+
+
+@pytest.mark.parametrize("kind", list(FaultKind))
+def test_without_zookeeper_nothing_is_planned(kind: FaultKind) -> None:
+    plan = choose(fault(kind, "g-d-0"), group(), connected=False)
+    assert plan.chosen is None
+    assert plan.alternatives == ()
+    assert plan.deferred == ()
+    assert "ZooKeeper" in plan.why
+
+
+def test_the_concurrency_cap_is_a_quarter_of_the_group_at_least_one() -> None:
+    caps = {n: rc.concurrency_cap(n) for n in (1, 2, 3, 4, 7, 8, 11, 12, 100)}
+    assert caps == {1: 1, 2: 1, 3: 1, 4: 1, 7: 1, 8: 2, 11: 2, 12: 3, 100: 25}
+
+
+def test_instances_already_in_recovery_use_up_the_cap() -> None:
+    topo = group(d=4, on={"g-p-0": "n1", "g-d-0": "n1"})  # 8 instances: cap 2
+    node = fault(FaultKind.NODE, "g-p-0", "g-d-0")
+    one = choose(node, topo, in_recovery=1)
+    assert (chosen(one).instances, one.deferred) == (("g-d-0",), ("g-p-0",))
+    prefill_first = choose(node, topo, rc.Policy(protect=Protect.PREFILL), in_recovery=1)
+    assert (chosen(prefill_first).instances, prefill_first.deferred) == (("g-p-0",), ("g-d-0",))
+    full = choose(node, topo, in_recovery=2)
+    assert full.chosen is None
+    assert full.deferred == ("g-d-0", "g-p-0")
+    assert "already in recovery" in full.why
+
+
+def test_equal_costs_go_to_the_option_restarting_fewer_pods() -> None:
+    # A retry window as long as a cold replacement: both keep 1/3 out for 4 s.
+    est = dataclasses.replace(EST, retry_window=COLD)
+    tie = choose(fault(FaultKind.STALE, "g-d-0"), group(), est=est)
+    options = by_action(tie)
+    assert options[A.MASK_AND_RETRY].cost == pytest.approx(options[A.REPLACE].cost)
+    assert chosen(tie).action is A.MASK_AND_RETRY
+    relink = choose(
+        fault(FaultKind.LINK, "g-p-0"), group(), est=dataclasses.replace(EST, relink=COLD)
+    )
+    assert chosen(relink).action is A.RELINK
+    longer = dataclasses.replace(EST, retry_window=COLD + 0.5)
+    assert chosen(choose(fault(FaultKind.STALE, "g-d-0"), group(), est=longer)).action is A.REPLACE
+
+
+# --------------------------------------------------------------------------- the property
+def npus_withheld(f: Fault, topo: rc.Topology, names: set[str]) -> int:
+    """As the module defines it: a down server keeps all its members' NPUs, and so does a
+    device fault (the NPU unallocatable, its server tainted NoSchedule), a link fault a device
+    reports included; any other fault none (the NPUs come back where they were)."""
+    device = f.kind in DEVICE_KINDS or (f.kind is FaultKind.LINK and f.on_device)
+    if f.kind is FaultKind.NODE or device:
+        return sum(topo.members[n].npus for n in names)
+    return 0
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> dict[str, Any]:
+    members = {}
+    for role, tag in ((P, "p"), (D, "d")):
+        for i in range(draw(st.integers(1, 5))):
+            name = f"g-{tag}-{i}"
+            members[name] = rc.Member(
+                name,
+                role,
+                draw(st.sampled_from([1, 2, 4, 8])),
+                draw(st.sampled_from(["n0", "n1", "n2"])),
+                draw(st.integers(0, 5)),
+                draw(st.integers(1, 2)),
+            )
+    kind = draw(st.sampled_from(list(FaultKind)))
+    names = sorted(members)
+    if kind is FaultKind.NODE:
+        node = draw(st.sampled_from(["n0", "n1", "n2"]))
+        faulty = tuple(n for n in names if members[n].node == node) or (names[0],)
+    else:
+        faulty = (draw(st.sampled_from(names)),)
+    seconds = st.floats(0.0, 60.0, allow_nan=False)
+    return {
+        "topo": rc.Topology(members, draw(st.none() | st.integers(0, 24))),
+        "fault": Fault(kind, faulty, Tier.POD, 0.0, on_device=draw(st.booleans())),
+        "policy": rc.Policy(
+            draw(st.sampled_from(list(RecoveryPolicy))), draw(st.sampled_from(list(Protect)))
+        ),
+        "est": rc.Estimates(
+            **{k: draw(seconds) for k in (f.name for f in dataclasses.fields(rc.Estimates))}
+        ),
+        "connected": draw(st.booleans()),
+        "in_recovery": draw(st.integers(0, 3)),
+    }
+
+
+@settings(max_examples=200, deadline=None)
+@given(scenarios())
+def test_every_plan_is_feasible_on_its_snapshot(case: dict[str, Any]) -> None:
+    topo: rc.Topology = case["topo"]
+    f: Fault = case["fault"]
+    policy: rc.Policy = case["policy"]
+    plan = choose(f, topo, policy, case["est"], case["connected"], case["in_recovery"])
+    if not case["connected"]:
+        assert plan.chosen is None
+        assert not plan.alternatives
+        return
+    room = max(0, rc.concurrency_cap(len(topo.members)) - case["in_recovery"])
+    taken = set(f.instances) - set(plan.deferred)
+    assert set(plan.deferred) <= set(f.instances)
+    assert len(taken) == min(room, len(f.instances))
+    if plan.deferred and taken:  # the protected role is taken first under the cap
+        assert min(policy.weight(topo.members[n].role) for n in taken) >= max(
+            policy.weight(topo.members[n].role) for n in plan.deferred
+        )
+    if plan.chosen is None:
+        assert room == 0
+        return
+    pick = plan.chosen
+    assert set(pick.instances) <= set(topo.members)
+    assert pick.feasible
+    if policy.policy is RecoveryPolicy.RESTART_GROUP:  # the rule, or masked if it cannot be
+        restart = next(o for o in (pick, *plan.alternatives) if o.action is A.RESTART_GROUP)
+        assert pick.action is (A.RESTART_GROUP if restart.feasible else A.MASK_AND_RETRY)
+        return
+    feasible = [o for o in (pick, *plan.alternatives) if o.feasible]
+    assert pick.cost == pytest.approx(min(o.cost for o in feasible), abs=1e-6)
+    free = topo.free_npus
+    held = npus_withheld(f, topo, taken)
+    if pick.action in (A.REPLACE, A.RESTART_GROUP):
+        assert free is None or free >= held
+    if pick.action is A.SHRINK:
+        decodes = {n for n in taken if topo.members[n].role is D}
+        assert decodes
+        assert free is not None
+        assert free < held
+        freed = sum(topo.members[n].npus for n in pick.sacrificed)
+        assert free + freed >= npus_withheld(f, topo, decodes)
+        prefills = {n for n, m in topo.members.items() if m.role is P}
+        assert set(pick.sacrificed) <= prefills  # faulty prefills first, then healthy ones
+        assert taken & prefills <= set(pick.sacrificed)
+        assert len(prefills - set(pick.sacrificed)) >= 1
+        assert topo.count(D) >= 1
+    if pick.action is A.RELINK:
+        assert f.kind is FaultKind.LINK
+        assert not f.on_device
+    if pick.action is A.RESTART_IN_PLACE:
+        assert f.kind is FaultKind.KILL
+        assert all(topo.members[n].restarts < rc.CRASH_LOOP_RESTARTS for n in taken)
+    if pick.action is not A.RESTART_GROUP:
+        assert set(pick.instances) - set(pick.sacrificed) <= taken
+        assert len(set(pick.instances) - set(pick.sacrificed)) <= room
+
+
+# --------------------------------------------------------------------------- detection
+NAMES = {f"g-p-{i}": (P, i) for i in range(4)} | {f"g-d-{i}": (D, 4 + i) for i in range(2)}
+NOW = 50.0
+
+
+def spec() -> PDGroupSpec:
+    return PDGroupSpec.model_validate(
+        {
+            "service": "chat",
+            "scenario": "general",
+            "model": {"name": "llama3-8b"},
+            "prefill": {"replicas": 4, "devicesPerInstance": 2},
+            "decode": {"replicas": 2, "devicesPerInstance": 2, "batchSize": 32},
+        }
+    )
+
+
+def pod(name: str, node: str = "n1", running: float | None = 1.0, **extra: Any) -> PodView:
+    role = NAMES[name][0]
+    return PodView(
+        name, f"uid-{name}", pod_labels("g", role, name), "Running", True, False, node, "sp0",
+        0.0, running_since=running, **extra,
+    )  # fmt: skip
+
+
+def health(name: str, state: zl.HealthState = zl.HealthState.SERVING, **extra: Any) -> zl.Health:
+    role, i = NAMES[name]
+    return zl.Health(
+        instance=name, role=role, state=state, seq=1, ts=NOW - 1.0,
+        podIP=f"127.64.0.{i + 2}", port=8000, **extra,
+    )  # fmt: skip
+
+
+def serving(**health_of: zl.Health) -> ZkView:
+    reports = {n: engine_report(n, i) for n, (_, i) in NAMES.items()}
+    roce_map = zl.build_roce_map(reports.values(), {n: r for n, (r, _) in NAMES.items()}, 1)
+    links = {
+        (p.instance, d.instance): zl.Link(
+            prefill=p.instance,
+            decode=d.instance,
+            subLinks=zl.verify_sub_links(p, d),
+            verifiedAt=0.0,
+            initiator=p.instance,
+        )
+        for p in roce_map.prefill
+        for d in roce_map.decode
+    }
+    return ZkView(
+        connected=True,
+        reports=reports,
+        roce_map=roce_map,
+        init_order=zl.InitOrder(epoch=1, roceMapVersion=1),
+        links=links,
+        health={n: health(n) for n in NAMES} | health_of,
+        decode_meta=zl.DecodeMeta(version=1, decodes=roce_map.decode),
+        entrances=frozenset(e.instance for e in roce_map.prefill),
+    )
+
+
+def group_view(zk: ZkView, pods: dict[str, PodView] | None = None, free: int = 8) -> GroupView:
+    pods = {n: pod(n) for n in NAMES} | (pods or {})
+    nodes = {"n1": NodeView("n1", True, True, 12), "n2": NodeView("n2", True, True, free)}
+    return GroupView(
+        "ns", "g", 1, spec(), pods, zk, now=NOW, uid="uid-g",
+        engine=EngineSettings(zookeeper="127.0.0.1:2181"), nodes=nodes,
+    )  # fmt: skip
+
+
+def die(name: str) -> zl.Health:
+    fault = zl.EngineFault(kind=zl.EngineFaultKind.DIE, since=NOW - 0.3, dies=[1])
+    return health(name, state=zl.HealthState.FAULTY, faults=[fault])
+
+
+def test_a_healthy_group_has_no_faults_and_its_free_npus_are_counted() -> None:
+    view = group_view(serving())
+    assert pr.detect(view, view.zk.roce_map) == []
+    assert pr.free_npus(view) == 8  # n1's 12 all granted to the six members, n2's 8 free
+    topo = pr.topology(view, view.zk.roce_map)
+    assert (topo.count(P), topo.count(D), topo.members["g-d-0"].npus) == (4, 2, 2)
+
+
+def test_a_faulty_health_with_a_die_fault_is_a_die_fault_seen_by_the_device_status() -> None:
+    view = group_view(serving(**{"g-d-0": die("g-d-0")}))
+    faults = pr.detect(view, view.zk.roce_map)
+    assert [(f.kind, f.instances, f.tier) for f in faults] == [
+        (FaultKind.DIE, ("g-d-0",), Tier.DEVICE_STATUS)
+    ]
+    assert faults[0].since == NOW - 0.3
+    assert faults[0].node == "n1"
+
+
+def test_a_server_down_is_one_node_fault_naming_every_member_there() -> None:
+    down = {n: pod(n, node="n2", node_down_since=NOW - 2.0) for n in ("g-p-2", "g-d-1")}
+    view = group_view(serving(), down)
+    faults = pr.detect(view, view.zk.roce_map)
+    assert [(f.kind, f.instances, f.tier, f.node) for f in faults] == [
+        (FaultKind.NODE, ("g-d-1", "g-p-2"), Tier.NODE, "n2")
+    ]
+    assert faults[0].since == NOW - 2.0
+
+
+def test_an_exited_engine_container_is_a_kill() -> None:
+    exited = pod("g-p-1", running=None, last_exit_at=NOW - 1.0, restarts=1)
+    view = group_view(serving(), {"g-p-1": exited})
+    faults = pr.detect(view, view.zk.roce_map)
+    assert [(f.kind, f.instances, f.tier) for f in faults] == [
+        (FaultKind.KILL, ("g-p-1",), Tier.POD)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("restarts", "backoff", "action"),
+    [
+        (0, None, "RestartInPlace"),  # the kubelet's first restart is at once
+        (2, 0.5, "RestartInPlace"),  # a short back-off, as the kubelet says it
+        (2, 40.0, "Replace"),  # a long one: a new pod is sooner
+        (2, None, "Replace"),  # not said yet: its default after two restarts, 20 s
+    ],
+)
+def test_a_killed_engine_is_restarted_in_place_unless_the_kubelets_back_off_is_longer(
+    restarts: int, backoff: float | None, action: str
+) -> None:
+    exited = pod(
+        "g-p-1", running=None, last_exit_at=NOW, restarts=restarts, restart_backoff=backoff
+    )
+    plan = pdgroup.plan(group_view(serving(), {"g-p-1": exited}))
+    last = plan.status["lastRecovery"]
+    assert (last["fault"]["kind"], last["plan"]["action"]) == ("kill", action)
+
+
+@pytest.mark.parametrize(
+    ("down_at", "faulty", "peer"),
+    [
+        ("", "g-p-0", "g-d-1"),  # unanswered: the prober's, relinked if its ports are up
+        ("g-p-0", "g-p-0", "g-d-1"),  # the prober's own port down
+        ("g-d-1", "g-d-1", "g-p-0"),  # the decode's port down, as its answer says
+    ],
+)
+def test_a_blocked_sub_link_is_a_link_fault_of_the_end_whose_port_is_down(
+    down_at: str, faulty: str, peer: str
+) -> None:
+    probe = zl.LinkProbe(
+        peer="g-d-1", device=2, peerRoceIp="198.18.0.23", state=zl.LinkState.BLOCKED,
+        since=NOW - 4.0, downAt=down_at,
+    )  # fmt: skip
+    delayed = probe.model_copy(update={"peer": "g-d-0", "state": zl.LinkState.DELAYED})
+    view = group_view(serving(**{"g-p-0": health("g-p-0", links=[delayed, probe])}))
+    faults = pr.detect(view, view.zk.roce_map)
+    assert [(f.kind, f.instances, f.tier, f.peer) for f in faults] == [
+        (FaultKind.LINK, (faulty,), Tier.LINK_PROBE, peer)
+    ]
+    assert faults[0].on_device is bool(down_at)
+    assert faults[0].since == NOW - 4.0
+
+
+def test_the_group_plan_for_a_die_on_a_decode_removes_it_logically_then_releases_its_pod() -> None:
+    zk = serving(**{"g-d-0": die("g-d-0")})
+    first = pdgroup.plan(group_view(zk))
+    actions = first.actions
+    assert [a.reason for a in actions if isinstance(a, ReportRecovery)] == [
+        "FaultDetected",
+        "RecoveryPlanned",
+    ]
+    marks = [a.removal.instance for a in actions if isinstance(a, MarkRemoved)]
+    assert marks == ["g-d-0"]
+    assert not any(isinstance(a, DeletePod) for a in actions), "logical removal comes first"
+    meta = next(a.meta for a in actions if isinstance(a, WriteDecodeMeta))
+    assert [e.instance for e in meta.decodes] == ["g-d-1"]  # out of the decode meta at once
+    last = first.status["lastRecovery"]
+    assert last["plan"]["action"] == "Replace"
+    assert last["plan"]["instances"] == ["g-d-0"]
+    assert last["plan"]["cost"] == pytest.approx(COLD / 3, abs=1e-3)
+    assert last["fault"]["kind"] == "die"
+    assert last["fault"]["detectedBy"] == "device-status"
+    assert last["detectedAfterSeconds"] == pytest.approx(0.3)
+    assert last["phase"] == "InProgress"
+    assert last["podsRestarted"] == 1
+    assert {o["action"] for o in last["alternatives"]} == {str(a) for a in A} - {"Replace"}
+    assert [r["plan"]["action"] for r in first.status["recovering"]] == ["Replace"]
+    degraded = next(c for c in first.conditions if c.type == "Degraded")
+    assert degraded.status is True
+    assert degraded.reason == "Recovering"
+    assert not first.ready
+    # Next pass: the marker is there; the map drops it, and the fault starts nothing new.
+    marked = dataclasses.replace(zk, removed=frozenset({"g-d-0"}), decode_meta=meta)
+    second = pdgroup.plan(dataclasses.replace(group_view(marked), previous=first.status))
+    write = next(a for a in second.actions if isinstance(a, WriteRoceMap))
+    assert write.removed == ("g-d-0",)
+    assert not any(isinstance(a, ReportRecovery | DeletePod) for a in second.actions)
+    # Then, out of the map: only its pod is released.
+    unmapped = dataclasses.replace(marked, roce_map=write.roce_map)
+    third = pdgroup.plan(dataclasses.replace(group_view(unmapped), previous=second.status))
+    assert [a.name for a in third.actions if isinstance(a, DeletePod)] == ["g-d-0"]
+
+
+def test_a_faulty_prefill_leaves_the_entrances_when_it_is_logically_removed() -> None:
+    view = group_view(serving(**{"g-p-1": die("g-p-1")}))
+    [found] = pr.detect(view, view.zk.roce_map)
+    option = rc.Option(A.REPLACE, ("g-p-1",), {}, 0.0, 0.0, feasible=True, why="")
+    executed = pr.execute(view, option, found, view.zk.roce_map)
+    assert [type(a) for a in executed] == [MarkRemoved, DeleteEntrance]
+    plan = pdgroup.plan(view)
+    steps = [
+        (type(a).__name__, a.removal.instance if isinstance(a, MarkRemoved) else a.name)
+        for a in plan.actions
+        if isinstance(a, MarkRemoved | DeleteEntrance | DeletePod)
+    ]
+    assert steps == [("MarkRemoved", "g-p-1"), ("DeleteEntrance", "g-p-1")]
+    assert plan.status["lastRecovery"]["plan"]["instances"] == ["g-p-1"]
+
+
+def blocked_link(down_at: str = "") -> zl.Health:
+    probe = zl.LinkProbe(
+        peer="g-d-1", device=0, peerRoceIp="198.18.0.23", state=zl.LinkState.BLOCKED,
+        since=NOW - 1.0, downAt=down_at,
+    )  # fmt: skip
+    return health("g-p-0", links=[probe])
+
+
+def test_a_blocked_link_is_relinked_first_and_replaced_once_a_relink_did_not_clear_it() -> None:
+    zk = serving(**{"g-p-0": blocked_link()})
+    first = pdgroup.plan(group_view(zk))
+    assert first.status["lastRecovery"]["plan"]["action"] == "Relink"
+    # the pair's link forgotten, then a new map version: both ends verify it again
+    kinds = [type(a) for a in first.actions if isinstance(a, ForgetLink | WriteRoceMap)]
+    assert kinds == [ForgetLink, WriteRoceMap]
+    assert next(a for a in first.actions if isinstance(a, ForgetLink)) == ForgetLink(
+        "g-p-0", "g-d-1"
+    )
+    assert not any(isinstance(a, MarkRemoved | DeletePod) for a in first.actions)
+    # Still blocked past the relink's deadline: failed, and planned anew as a port down.
+    late = dataclasses.replace(
+        group_view(zk), now=NOW + pr.RELINK_DEADLINE_SECONDS + 1, previous=first.status
+    )
+    second = pdgroup.plan(late)
+    reasons = [a.reason for a in second.actions if isinstance(a, ReportRecovery)]
+    assert reasons[0] == "RecoveryFailed"
+    assert second.status["lastRecovery"]["plan"]["action"] == "Replace"
+    assert "a relink did not clear it" in second.status["lastRecovery"]["fault"]["detail"]
+    assert [a.removal.instance for a in second.actions if isinstance(a, MarkRemoved)] == ["g-p-0"]
+
+
+def test_a_port_down_at_the_decode_replaces_the_decode_not_the_prefill_that_saw_it() -> None:
+    plan = pdgroup.plan(group_view(serving(**{"g-p-0": blocked_link(down_at="g-d-1")})))
+    last = plan.status["lastRecovery"]
+    assert (last["fault"]["kind"], last["fault"]["instances"]) == ("link", ["g-d-1"])
+    assert (last["plan"]["action"], last["plan"]["instances"]) == ("Replace", ["g-d-1"])
+    assert [a.removal.instance for a in plan.actions if isinstance(a, MarkRemoved)] == ["g-d-1"]
+
+
+def test_a_stale_member_is_masked_once_and_not_planned_again_until_it_refreshes() -> None:
+    """A frozen engine whose session lives on: its health stops moving. It gets no traffic
+    (not healthy), and when waiting is cheaper than replacing it (a slow cold start) the mask
+    is one recovery, not a new one every pass."""
+    slow = {n: health(n, readyAfter=120.0) for n in NAMES}  # a cold start takes 2 min here
+    frozen = slow["g-p-0"].model_copy(update={"ts": NOW - 200.0})
+    zk = serving(**(slow | {"g-p-0": frozen}))
+    first = pdgroup.plan(group_view(zk))
+    last = first.status["lastRecovery"]
+    assert (last["fault"]["kind"], last["plan"]["action"]) == ("stale", "MaskAndRetry")
+    assert DeleteEntrance("g-p-0") in first.actions  # no traffic to it meanwhile
+    still = dataclasses.replace(zk, entrances=zk.entrances - {"g-p-0"})
+    second = pdgroup.plan(dataclasses.replace(group_view(still), previous=first.status))
+    assert not [a for a in second.actions if isinstance(a, ReportRecovery)], "planned again"
+    assert second.status["recovering"] == first.status["recovering"]
+    # refreshed: open again, then restored
+    fresh = dataclasses.replace(still, health=dict(still.health) | {"g-p-0": slow["g-p-0"]})
+    third = pdgroup.plan(dataclasses.replace(group_view(fresh), previous=second.status))
+    assert [a.entrance.instance for a in third.actions if isinstance(a, SetEntrance)] == ["g-p-0"]
+    opened = dataclasses.replace(fresh, entrances=zk.entrances)
+    fourth = pdgroup.plan(dataclasses.replace(group_view(opened), previous=third.status))
+    assert [a.reason for a in fourth.actions if isinstance(a, ReportRecovery)] == ["Recovered"]
+    assert fourth.status["lastRecovery"]["phase"] == "Restored"
+
+
+def test_a_decode_several_prefills_cannot_reach_is_the_faulty_end_of_an_unanswered_link() -> None:
+    """No device status says which port is down; when two prefills' probes to one decode go
+    unanswered, the decode is the end in common (one prefill alone: its own end is guessed)."""
+
+    def unanswered(prefill: str) -> zl.Health:
+        probe = zl.LinkProbe(
+            peer="g-d-1", device=0, peerRoceIp="198.18.0.23", state=zl.LinkState.BLOCKED,
+            since=NOW - 1.0,
+        )  # fmt: skip
+        return health(prefill, links=[probe])
+
+    alone = group_view(serving(**{"g-p-0": unanswered("g-p-0")}))
+    assert [f.instances for f in pr.detect(alone, alone.zk.roce_map)] == [("g-p-0",)]
+    two = group_view(serving(**{p: unanswered(p) for p in ("g-p-0", "g-p-1")}))
+    assert [f.instances for f in pr.detect(two, two.zk.roce_map)] == [("g-d-1",)]
