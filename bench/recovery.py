@@ -67,10 +67,10 @@ from chaoskit import (  # noqa: E402  (the test kit, shared with the chaos tests
     capacity_lost,
     failed_outside,
     pod_runs,
-    poll,
     run_fault,
 )
 
+from helpers import poll  # noqa: E402
 from matrixserve.api.kinds import PDGROUP  # noqa: E402
 from matrixserve.devcluster.cluster import DevCluster, free_ports  # noqa: E402
 from matrixserve.devcluster.procs import Supervisor  # noqa: E402

@@ -41,14 +41,23 @@ def wait_for(
 ) -> Any:
     """Poll until ``predicate()`` is truthy and return it; fail the test after ``timeout`` s
     (with ``explain()``'s account of the state then, if given)."""
+    try:
+        return poll(predicate, timeout, what, every)
+    except TimeoutError as exc:
+        detail = f"\n{explain()}" if explain is not None else ""
+        pytest.fail(f"{exc}{detail}")
+
+
+def poll(predicate: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
+    """Poll until ``predicate()`` is truthy and return it; TimeoutError naming ``what`` after
+    ``timeout`` s (for code that runs without pytest too: the benchmarks)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            detail = f"\n{explain()}" if explain is not None else ""
-            pytest.fail(f"timed out after {timeout}s waiting for {what}{detail}")
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(every)
 
 

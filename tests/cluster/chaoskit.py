@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 from kubernetes import client
 
-from helpers import Groups, explain_namespace, wait_for, zookeeper
+from helpers import Groups, explain_namespace, poll, wait_for, zookeeper
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.errors import tail
 from matrixserve.devcluster.procs import process_start_time
@@ -469,19 +469,6 @@ def _shows(control: str, body: dict[str, Any]) -> bool:
         if d["id"] == body.get("die") or n["id"] == body.get("npu")
     ]
     return bool(dies) and all(d["health"] != "Healthy" for d in dies)
-
-
-def poll(predicate: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
-    """Poll until ``predicate()`` is truthy and return it; TimeoutError naming ``what`` after
-    ``timeout`` s (the benchmark has no pytest: the test turns it into a failure)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(every)
 
 
 # --------------------------------------------------------------------------- status.lastRecovery

@@ -6,7 +6,7 @@ plausible values. Every answer is a 2xx, an OpenAI-shaped 4xx, or a 429/503 with
 process stays up; afterwards it holds no client connection and no engine stream (its
 forwarder's counts are 0, the engines' prefill slots idle, every socket it has to an engine is
 one its pool holds idle, its other file descriptors as before), and its resident memory grows by
-less than 16 MiB over a run and by nothing over a second one (within ``SECOND_RUN_TOLERANCE``).
+less than 16 MiB over a run and by nothing over one of two more (within ``SECOND_RUN_TOLERANCE``).
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ from matrixserve.domain import forwarding as fw
 
 CONCURRENCY = 8
 FIRST_RUN_GROWTH = 16 << 20
-# A second identical run reuses what the first allocated (pymalloc arenas, the connection pool,
+# Later identical runs reuse what the first allocated (pymalloc arenas, the connection pool,
 # interned strings); what remains is the allocator's granularity: a fragmented heap may take one
-# more pymalloc arena (1 MiB on 64-bit CPython >= 3.10) as it is touched. Measured: 4-120 KiB.
+# more pymalloc arena (1 MiB on 64-bit CPython >= 3.10) as it is touched, in whichever run
+# touches it (measured: the RSS moves by up to ~0.8 MiB either way between runs, once 1.03 MiB):
+# the smaller growth of the second and third runs, so a leak of ~5 KiB a request fails it.
 SECOND_RUN_TOLERANCE = 1 << 20
 OK = {"model": "general", "prompt": "hello there", "max_tokens": 4}
 CHAT = {"model": "general", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -456,7 +458,7 @@ def test_hostile_requests_get_clear_answers_and_leave_nothing_behind(
     run()  # warm-up: imports, the engine pool, the allocator's arenas
     wait_for(idle, timeout=15, what="the gateway idle after the warm-up")
     before, memory = census(pid, address[1]), [rss(pid)]
-    for _ in range(2):
+    for _ in range(3):
         sent = run()
         wait_for(idle, timeout=15, what="the gateway idle after a run")
         after = census(pid, address[1])
@@ -469,4 +471,6 @@ def test_hostile_requests_get_clear_answers_and_leave_nothing_behind(
     growth = [b - a for a, b in itertools.pairwise(memory)]
     print(f"{sent} requests a run; RSS {[m >> 10 for m in memory]} KiB, growth {growth} B")
     assert growth[0] < FIRST_RUN_GROWTH, growth
-    assert growth[1] <= SECOND_RUN_TOLERANCE, growth
+    # A leak grows with every run; the allocator's granularity lands in one run or the other:
+    # one of the later runs at least stays within it.
+    assert min(growth[1:]) <= SECOND_RUN_TOLERANCE, growth
