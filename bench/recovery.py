@@ -43,6 +43,7 @@ and prints the table. The warm paths of the next issue (warm pool, NPU-fork) joi
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -82,7 +83,7 @@ SERVERS, NPUS_PER_SERVER = 8, 2
 N_P, N_D = 4, 2
 PREFILLS = {f"{GROUP}-p-{i}" for i in range(N_P)}
 DECODES = {f"{GROUP}-d-{i}" for i in range(N_D)}
-CLIENTS, MAX_TOKENS = 6, 16
+CLIENTS, MAX_TOKENS = int(os.environ.get("BENCH_CLIENTS", "6")), 16
 BEFORE_S = 10.0  # s of steady traffic before each fault: the pre-fault rate
 AFTER_S = 2.0  # s past the restore counted in the capacity lost (the last bins settle)
 BOUND_S = 180.0  # s a fault may take to restore before the run reports it as not restored
@@ -98,6 +99,10 @@ FAULTS: list[tuple[str, str, str]] = [
 # (run name, spec.recovery.policy): the JSON's key prefix is "" for ours, "baseline_" for the
 # whole-group restart.
 RUNS: list[tuple[str, str]] = [("ours", "MinimumCost"), ("baseline", "RestartGroup")]
+# BENCH_FAULTS=hang,kill: a subset (for looking into one; the JSON is then not written)
+ONLY = [f for f in os.environ.get("BENCH_FAULTS", "").split(",") if f]
+if ONLY:
+    FAULTS = [f for f in FAULTS if f[0] in ONLY]
 
 
 @dataclass
@@ -119,6 +124,20 @@ def group_body(policy: str) -> dict[str, Any]:
     spec["slo"]["ttftMilliseconds"] = 60000  # refusals come from capacity, not from the SLO
     spec["recovery"] = {"policy": policy, "protect": "Decode"}
     return body
+
+
+def host_cpu() -> tuple[int, int]:
+    """The host's idle and total CPU ticks so far (/proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[3] + fields[4], sum(fields)
+
+
+def host_idle_since(then: tuple[int, int]) -> float:
+    """The host's idle share since ``then``: whether the steady load left the machine room
+    (the capacity the bench measures is the emulated group's only while the host is not the
+    bottleneck)."""
+    idle, total = host_cpu()
+    return round((idle - then[0]) / max(1, total - then[1]), 3)
 
 
 def emulator_pods(control: str) -> list[dict[str, Any]]:
@@ -195,12 +214,24 @@ def run_policy(env: Env, name: str, policy: str, work: Path) -> dict[str, dict[s
         )
         with Traffic(env.gateway, clients=CLIENTS, max_tokens=MAX_TOKENS) as traffic:
             for kind, instance, peer in FAULTS:
+                cpu = host_cpu()
                 time.sleep(BEFORE_S)
+                idle = host_idle_since(cpu)
                 run = run_fault(subject, kind, instance, peer, BOUND_S)
                 time.sleep(AFTER_S)
                 requests = [r for r in traffic.snapshot() if r.end >= run.injected.at - BEFORE_S]
-                results[kind] = measure(run, requests)
+                results[kind] = measure(run, requests) | {"host_idle_before": idle}
                 print(f"  {name} {kind}: {json.dumps(results[kind])}", flush=True)
+                if os.environ.get("BENCH_TRACE"):
+                    at = run.injected.at
+                    bins = [0] * int(BEFORE_S + (run.restored_s or 0) + AFTER_S + 1)
+                    for t in (t for r in requests for t in r.tokens):
+                        if at - BEFORE_S <= t < at - BEFORE_S + len(bins):
+                            bins[int(t - at + BEFORE_S)] += 1
+                    print("    tokens/s from -10 s:", bins)
+                    for r in requests:
+                        print(f"    {r.start - run.injected.at:+7.2f} {r.end - r.start:6.2f}s "
+                              f"{r.outcome:<24} {r.prefill}/{r.decode} {len(r.tokens)} tokens")
                 if run.restored_s is None:
                     print(f"  {name}: {kind} not restored; the remaining faults are skipped")
                     break
@@ -280,9 +311,12 @@ def report(runs: dict[str, dict[str, dict[str, Any]]]) -> int:
     errors = [ours[k]["prediction_error"] for k in ours if "prediction_error" in ours[k]]
     results["prediction_error_max"] = max(errors, default=None)
     results["prediction_error_median"] = statistics.median(errors) if errors else None
+    print_table(ours, base)
+    if ONLY:
+        print(f"\nBENCH_FAULTS={','.join(ONLY)}: {RESULTS} not written")
+        return 0
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print_table(ours, base)
     print(f"\nwrote {RESULTS}")
     done = all(k in ours and k in base for k, *_ in FAULTS)
     return 0 if done else 1

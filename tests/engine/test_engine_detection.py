@@ -240,6 +240,7 @@ def test_a_hung_serving_loop_is_faulty_within_the_hang_bound_and_serving_again_w
     assert before.loop_beat > 0
     # what a cold replacement costs, as the recovery planner learns it: process start -> Serving
     assert 0 < before.ready_after < time.time() - started_before
+    assert 0 < before.gathered_after <= before.ready_after  # the map came before its load
 
     _fault(engine, "hang")
     hung_at = time.time()
@@ -390,13 +391,24 @@ def test_a_prefill_probes_its_sub_links_blocked_and_delayed_and_sends_nothing_ov
         assert long.result()[1][-1]["type"] == "done"
     _until(
         "every sub-link healthy",
-        lambda: _state(group, "p-probe") is zl.HealthState.SERVING,
+        lambda: (h := group.health("p-probe")) is not None and h.links == [],
         bound=bound,
     )
     # Cheap: one round (one request to each decode) per interval, not more.
     elapsed = time.monotonic() - started
     made = _info(prefill)["linkProbeRounds"] - rounds
     assert made <= elapsed / PROBE_INTERVAL + 2, (made, elapsed)
+    # A port down on the prefill's own side is known without a probe: said at once, not at
+    # the next round, down at the prefill.
+    _fault(prefill, "link-down", peerRoceIp="198.19.3.1")
+    own = _until(
+        "d-b#0 Blocked, down at the prefill",
+        lambda: [(p.peer, p.device, p.down_at) for p in (group.health("p-probe") or health).links]
+        == [("d-b", 0, "p-probe")],
+        bound=WRITE_BOUND,
+    )
+    print(f"a port down on our side in the health after {own * 1000:.0f} ms")
+    _fault(prefill, "link-down", heal=True, peerRoceIp="198.19.3.1")
 
 
 # ------------------------------------------------------------------ 4. no zombie streams

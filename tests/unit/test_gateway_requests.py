@@ -12,7 +12,8 @@ import asyncio
 import gzip
 import json
 import socket
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -61,6 +62,7 @@ class FakeEngine:
     word: Callable[[int], str] = lambda i: f"t{i} "
     answer: Callable[[int], int | str | None] = lambda n: None
     refusal_delay: float = 0.0  # s between a refusal's head and its body
+    stall: float = 0.0  # s before it answers at all (a hung serving loop)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     open: int = 0  # streams under way
     cut: int = 0  # streams the gateway closed before their end
@@ -71,6 +73,8 @@ class FakeEngine:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        if self.stall:
+            await asyncio.sleep(self.stall)
         answer = self.answer(len(self.bodies))
         if isinstance(answer, int):
             code, message = REFUSALS.get(answer, ("x", "no"))
@@ -161,12 +165,19 @@ async def _site(runner: web.AppRunner) -> str:
 
 @asynccontextmanager
 async def served(
-    engine: FakeEngine, limits: ConnectionLimits | None = None, **config: Any
+    engine: FakeEngine,
+    limits: ConnectionLimits | None = None,
+    others: Sequence[FakeEngine] = (),
+    **config: Any,
 ) -> AsyncIterator[Served]:
-    app = web.Application()
-    app.router.add_post("/v1/generate", engine.generate)
-    engine_runner = web.AppRunner(app, handler_cancellation=True)
-    address = await _site(engine_runner)  # a scripted engine: aiohttp's plain serving
+    """The gateway in front of ``engine`` (entrance ``g-p-0``) and ``others`` (``g-p-1``...)."""
+    runners, addresses = [], []
+    for each in (engine, *others):
+        app = web.Application()
+        app.router.add_post("/v1/generate", each.generate)
+        runners.append(web.AppRunner(app, handler_cancellation=True))
+        addresses.append(await _site(runners[-1]))  # a scripted engine: aiohttp's plain serving
+    names = [f"g-p-{i}" for i in range(len(addresses))]
     discovery = Discovery(client.ApiClient(), cast(Session, _Zk()), "ns")
     discovery._upsert(
         {
@@ -179,8 +190,11 @@ async def served(
                 "decode": {"replicas": 1},
             },
             "status": {
-                "entrances": ["g-p-0"],
-                "instances": [{"name": "g-p-0", "state": "Serving", "endpoint": address}],
+                "entrances": names,
+                "instances": [
+                    {"name": n, "state": "Serving", "endpoint": a}
+                    for n, a in zip(names, addresses, strict=True)
+                ],
             },
         }
     )
@@ -197,7 +211,8 @@ async def served(
     finally:
         await runner.cleanup()
         await gateway.close()
-        await engine_runner.cleanup()
+        for engine_runner in runners:
+            await engine_runner.cleanup()
 
 
 def assert_openai_error(status: int, body: Any, expected_status: int, param: str | None) -> None:
@@ -569,3 +584,21 @@ async def test_models_are_listed_and_retrieved_and_an_unknown_one_is_not_found()
             error = await r.json()
             assert_openai_error(r.status, error, 404, "model")
             assert error["error"]["code"] == "model_not_found"
+
+
+async def test_a_prefill_that_does_not_answer_is_passed_over_after_the_answer_deadline() -> None:
+    """Issue 17: a hung prefill neither accepts nor rejects; the gateway waits for its answer at
+    most ``answer_timeout`` (not the whole TTFT budget), then tries the next entrance and passes
+    the silent one over for a while, so a hang does not stall every request sent its way."""
+    hung, healthy = FakeEngine(stall=30.0), FakeEngine()
+    async with served(hung, others=[healthy], default_ttft_ms=60000, answer_timeout=0.3) as s:
+        began = time.monotonic()
+        firsts = []
+        for _ in range(4):
+            body = {"model": "general", "prompt": "x", "max_tokens": 4, "stream": True}
+            events = await s.stream("/v1/completions", body)
+            assert events[-1] == "[DONE]"
+            firsts.append(time.monotonic() - began)
+        assert healthy.finished == 4
+        assert len(hung.bodies) <= 1, "tried again while passed over"
+        assert firsts[-1] < 2.0, firsts  # one deadline at most, not the 60 s budget

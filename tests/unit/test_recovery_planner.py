@@ -770,3 +770,15 @@ def test_a_decode_several_prefills_cannot_reach_is_the_faulty_end_of_an_unanswer
     assert [f.instances for f in pr.detect(alone, alone.zk.roce_map)] == [("g-p-0",)]
     two = group_view(serving(**{p: unanswered(p) for p in ("g-p-0", "g-p-1")}))
     assert [f.instances for f in pr.detect(two, two.zk.roce_map)] == [("g-d-1",)]
+
+
+def test_a_replacements_time_to_serve_is_learned_without_the_first_setups_wait() -> None:
+    """A first-setup member waited for every other member's report before its map; a lone
+    replacement does not: the estimate is each member's own link + load, plus the shortest
+    wait for a map any member had."""
+    said = {
+        n: health(n, readyAfter=10.0 + i, gatheredAfter=4.0 + i) for i, n in enumerate(NAMES)
+    } | {"g-d-1": health("g-d-1", readyAfter=8.0, gatheredAfter=0.5)}
+    est = pr.estimates(group_view(serving(**said)))
+    # link + load: 6.0 for the first five, 7.5 for g-d-1; the shortest wait for a map: 0.5
+    assert est.engine_ready == pytest.approx(6.5)

@@ -164,7 +164,7 @@ class Engine:
         }
         if self.config.device_status_file is not None:
             loops["device-file"] = self.devices.watch(
-                self.config.device_status_file, self.batch.fail_all, self._health_changed
+                self.config.device_status_file, self.batch.fail_all, self._devices_changed
             )
         self._tasks = [asyncio.create_task(loop, name=name) for name, loop in loops.items()]
 
@@ -282,6 +282,12 @@ class Engine:
     def _health_changed(self) -> None:
         self.on_health_change()  # looked up now: the resident process sets it after start
 
+    def _devices_changed(self) -> None:
+        """The device status changed: the health says it now, and the sub-links are probed
+        again now (a port down on our side is known without a probe)."""
+        self.prober.poke()
+        self._health_changed()
+
     # ================================================================ faults
     @property
     def faults(self) -> dict[str, dict[str, Any]]:
@@ -305,12 +311,12 @@ class Engine:
         self.devices.inject(kind, params)
         if kind in ("die-down", "hbm-error"):
             self.batch.fail_all(f"{kind} on this instance")
-        self._health_changed()
+        self._devices_changed()
         return self.health()
 
     def heal(self, kind: str) -> dict[str, Any]:
         self.devices.heal(kind)
-        self._health_changed()
+        self._devices_changed()
         return self.health()
 
     # ================================================================ prefill (entrance)

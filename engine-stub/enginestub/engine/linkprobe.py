@@ -31,6 +31,7 @@ A prefill never forwards to a decode with a Blocked sub-link (its KV moves over 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -166,6 +167,7 @@ class LinkProber(Part):
         self.states: dict[str, dict[int, zl.LinkProbe]] = {}  # by decode address: unhealthy
         self._learned: dict[str, tuple[str, ...]] = {}  # RoCE IPs a decode answered with
         self._unanswered: dict[str, int] = {}  # consecutive probes a decode did not answer
+        self._poked = asyncio.Event()
         self.rounds = 0
         # Probes have a client of their own: the engine's carries one long-lived relay stream
         # per request in flight, and a probe queued behind them for a connection would read as
@@ -194,13 +196,21 @@ class LinkProber(Part):
         }
 
     # ------------------------------------------------------------------ probing
+    def poke(self) -> None:
+        """Probe again now: our device status changed (a port down on our side needs no probe
+        to be known, and must not wait for the next round to be said)."""
+        self._poked.set()
+
     async def loop(self) -> None:
         interval = self.config.link_probe_interval
         while True:
             began = time.monotonic()
+            self._poked.clear()
             await self.round()
             pause = max(self.clock.to_wall(interval), cal.LINK_PROBE_WALL_FLOOR_SECONDS)
-            await asyncio.sleep(max(pause - (time.monotonic() - began), 0.0))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(pause - (time.monotonic() - began), 0.0)):
+                    await self._poked.wait()
 
     async def round(self) -> None:
         """Probe every target once (together; each bounded by the timeout); keep the states of

@@ -78,6 +78,7 @@ class Resident:
         self.phase = "Starting"
         self.health_seq = 0
         self.ready_after = 0.0  # wall s from the process's start to its first Serving health
+        self.gathered_after = 0.0  # ... and to the map that names it (the rest: link + load)
         self.ready = False
         self.suspended = threading.Event()
         self._map_changed = asyncio.Event()
@@ -185,6 +186,7 @@ class Resident:
         # each other for ever.
         registered = asyncio.create_task(self._keep_registered(), name="re-register")
         await self._wait(lambda: self.init_order is not None and self._me() is not None)
+        self.gathered_after = round(time.time() - self.engine.started_wall, 3)
         assert self.roce_map is not None
         self.role = self.roce_map.role_of(self.instance)
         self.engine.role = "prefill" if self.role is zl.Role.PREFILL else "decode"
@@ -467,6 +469,7 @@ class Resident:
             links=links,
             loopBeat=engine.heartbeat.last_beat_wall,
             readyAfter=self.ready_after,
+            gatheredAfter=self.gathered_after,
         )
 
     async def _write_health(self) -> None:

@@ -376,6 +376,9 @@ class Health(_Payload):
     # load): with the pod's own start, what a cold replacement costs (the recovery planner's
     # estimate, learned from the group's members). 0: not said (an older engine).
     ready_after: float = Field(default=0.0, alias="readyAfter")
+    # ... and to the RoCE map naming it: for a member of the group's first setup that includes
+    # waiting for every other member to report, which a lone replacement does not wait for.
+    gathered_after: float = Field(default=0.0, alias="gatheredAfter")
 
 
 class DecodeMeta(_Payload):

@@ -63,6 +63,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--rate-limit", type=float, default=0.0, help="requests/s per API key (0: unlimited)"
     )
     p.add_argument("--rate-burst", type=float, default=10.0, help="burst allowed per API key")
+    p.add_argument(
+        "--answer-timeout",
+        type=float,
+        default=1.0,
+        help="wall s a prefill has to accept or reject a request before the next is tried "
+        "(an engine answers at admission; a hung one never does)",
+    )
     httpserving.add_arguments(p, "GATEWAY_", CONNECTION_LIMITS)
     args = p.parse_args(argv)
     args.zookeeper_auth = auth_from(p, args)  # the file's or the variable's
@@ -73,8 +80,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             "the gateway binds a loopback address (127.0.0.0/8) or its own pod's IP ($POD_IP), "
             f"not {args.host}"
         )
-    if args.time_scale <= 0 or args.default_ttft_ms <= 0 or args.report_interval <= 0:
-        p.error("--time-scale, --default-ttft-ms and --report-interval must be positive")
+    if (
+        args.time_scale <= 0
+        or args.default_ttft_ms <= 0
+        or args.report_interval <= 0
+        or not args.answer_timeout > 0
+    ):
+        p.error(
+            "--time-scale, --default-ttft-ms, --report-interval and --answer-timeout must be "
+            "positive"
+        )
     if args.api_keys_secret is not None and args.api_keys_secret.count("/") != 1:
         p.error("--api-keys-secret must be <namespace>/<name>")
     if args.rate_limit < 0 or args.rate_burst < 1:
@@ -106,6 +121,7 @@ async def serve(args: argparse.Namespace) -> int:
             require_keys=args.api_keys_secret is not None,
             rate_limit=args.rate_limit,
             rate_burst=args.rate_burst,
+            answer_timeout=args.answer_timeout,
         ),
     )
     await gateway.start()

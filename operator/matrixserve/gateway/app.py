@@ -62,6 +62,9 @@ class GatewayConfig:
     max_tokens_limit: int = 8192
     max_choices: int = MAX_CHOICES  # prompts x n per request
     report_interval: float = 0.1  # least-loaded baseline: queue report period (emulated s)
+    # Issue 17: wall s a prefill has to accept or reject (its answer's head; an engine answers
+    # at admission) before it is passed over and the next is tried: a hung one answers nothing
+    answer_timeout: float = 1.0
     require_keys: bool = False  # API keys configured: /v1/* needs "Authorization: Bearer <key>"
     rate_limit: float = 0.0  # requests per second per key (0: unlimited)
     rate_burst: float = 10.0

@@ -147,14 +147,14 @@ class Forwarder:
     ) -> EngineStream | str:
         """One prefill's answer: its stream if it accepted, else why not (the metric's label);
         raises :class:`BadRequest` if it refused the request itself (final: every prefill
-        would). The answer is waited for at most the ``remaining`` budget (wall s): a prefill
-        that neither accepts nor rejects in time (hung, overloaded) is passed over, never waited
-        on past the budget; so is one that cannot be reached or answers an unexpected status
+        would). The answer is waited for at most the ``remaining`` budget (wall s) and the
+        answer deadline (an engine answers at admission): a prefill that neither accepts nor
+        rejects in time (hung, overloaded) is passed over, never waited on past either; so is one that cannot be reached or answers an unexpected status
         (for :data:`PASSED_OVER_SECONDS`), and one that answers 503 (for its Retry-After)."""
         assert self.engines is not None
         began = time.monotonic()
         try:
-            async with asyncio.timeout(remaining):
+            async with asyncio.timeout(min(remaining, self.config.answer_timeout)):
                 response = await self.engines.post(entrance.address, "/v1/generate", body)
         except UpstreamError:  # a connect timeout too: "unreachable", not "timeout"
             answer = "unreachable"

@@ -259,7 +259,18 @@ def estimates(view: GroupView) -> rc.Estimates:
         for p in view.pods.values()
         if p.running_since is not None and p.restarts == 0 and p.running_since >= p.created_at
     ]
-    ready = [h.ready_after for h in view.zk.health.values() if h.ready_after > 0]
+    # A replacement's time to serve: a member's own link + load (its readyAfter less its wait
+    # for the map), plus the shortest wait for the map any member had (a lone newcomer's join;
+    # a first-setup member's wait also counts the others' reports).
+    said = [h for h in view.zk.health.values() if h.ready_after > 0]
+    gathered = [h.gathered_after for h in said if 0 < h.gathered_after <= h.ready_after]
+    join = min(gathered, default=0.0)
+    ready = [
+        h.ready_after - h.gathered_after + join
+        if 0 < h.gathered_after <= h.ready_after
+        else h.ready_after
+        for h in said
+    ]
     base = rc.Estimates()
     return rc.Estimates(
         pod_delete=base.pod_delete,
