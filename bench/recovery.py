@@ -7,7 +7,8 @@ server, so a server down takes exactly one instance and a faulty NPU leaves its 
 for the replacement: it lands on one of the two spares), the operator, the gateway, and a PDGroup
 of **exactly 4 prefill + 2 decode** llama3-8b instances of 2 NPUs (4 dies) each, engines at time
 scale 1 (every engine step, the model load from the shared file service included, takes its
-emulated time in wall time). Clients stream completions through the gateway back to back.
+emulated time in wall time). Three clients stream 16-token completions through the gateway
+back to back (``CLIENTS``: a load the host carries with room to spare, see there).
 
 Each fault of issue 17 in turn (``die``, ``npu``, ``node``, ``link``, ``hang``, ``kill``; which
 instance each hits: :data:`FAULTS`), once the group is whole again from the last (and the last
@@ -31,7 +32,10 @@ deleted and recreated), each on a fresh group. Per fault and run:
 - the planner's prediction (``predicted_restore_s``, from the plan's terms) against the restore
   the operator measured from its own plan (``measured_restore_s``, ``prediction_error``: the
   issue's check is within 25 %), and the restore bound the issue states for a cold replacement
-  (``restore_bound_s`` = detection + pod start + engine ready (load + relink) + 2 s).
+  from the restored instance's own steps, measured: ``restore_bound_s`` = detection + its pod's
+  start (``pod_start_s``, the API's whole seconds) + its engine's time to serve
+  (``engine_ready_s``, its ``readyAfter``: register, join, link, the model load, first health) +
+  2 s; ``host_idle_before``: the host's idle share under the steady load before the fault.
 
 Writes ``bench/results/recovery.json`` (flat keys; issue 17's contract: for each fault ``f``
 ``f_pods_restarted``, ``f_restore_s``, ``f_failed_outside``, ``f_capacity_lost_s`` and the
@@ -59,6 +63,7 @@ from common import zookeeper as zk_client
 from kubernetes import client, config
 
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "cluster")]
+from chaoskit import CLIENTS as CHAOS_CLIENTS  # noqa: E402
 from chaoskit import (  # noqa: E402  (the test kit, shared with the chaos tests)
     GROUP,
     Request,
@@ -72,6 +77,7 @@ from chaoskit import (  # noqa: E402  (the test kit, shared with the chaos tests
 )
 
 from helpers import poll  # noqa: E402
+from matrixserve.api import zk_layout as zl  # noqa: E402
 from matrixserve.api.kinds import PDGROUP  # noqa: E402
 from matrixserve.devcluster.cluster import DevCluster, free_ports  # noqa: E402
 from matrixserve.devcluster.procs import Supervisor  # noqa: E402
@@ -83,7 +89,12 @@ SERVERS, NPUS_PER_SERVER = 8, 2
 N_P, N_D = 4, 2
 PREFILLS = {f"{GROUP}-p-{i}" for i in range(N_P)}
 DECODES = {f"{GROUP}-d-{i}" for i in range(N_D)}
-CLIENTS, MAX_TOKENS = int(os.environ.get("BENCH_CLIENTS", "6")), 16
+# The steady load: the chaos tests' three streaming clients (BENCH_CLIENTS to change it). At
+# this load the host keeps over half its CPU idle (54-56 % measured): the capacity the benchmark
+# measures is the emulated group's, not this 2-core machine's (at six clients it kept 30-50 %,
+# and every process starting or serving beside the others took from the survivors' output: ours
+# lost 0.5-1.5 s and the ratio to the baseline moved between 6x and 26x from run to run).
+CLIENTS, MAX_TOKENS = int(os.environ.get("BENCH_CLIENTS", str(CHAOS_CLIENTS))), 16
 BEFORE_S = 10.0  # s of steady traffic before each fault: the pre-fault rate
 AFTER_S = 2.0  # s past the restore counted in the capacity lost (the last bins settle)
 BOUND_S = 180.0  # s a fault may take to restore before the run reports it as not restored
@@ -152,8 +163,26 @@ def excused(run: Run, request: Request) -> bool:
     return bool(request.on(hit))
 
 
-def measure(run: Run, requests: list[Request]) -> dict[str, Any]:
-    """One fault's figures (see the module docstring)."""
+def replacement_terms(env: Env, zk: Any, instance: str) -> dict[str, float]:
+    """The restored instance's own steps, measured: its pod's start (created -> its engine
+    running, from the API's whole-second times; a restart in place: 0) and its engine's time to
+    serve (``readyAfter``: process start -> Serving: register, join, link, load, first health)
+    and the model load within it (the engine's setup-phase metric would say it too; the timing
+    model's figure for its source is what it slept)."""
+    pod = client.CoreV1Api(env.api).read_namespaced_pod(instance, env.namespace)
+    engine = next((c for c in pod.status.container_statuses or [] if c.name == "engine"), None)
+    started = engine.state.running.started_at if engine and engine.state.running else None
+    pod_start = 0.0
+    if started is not None and engine is not None and not engine.restart_count:
+        pod_start = max(0.0, (started - pod.metadata.creation_timestamp).total_seconds())
+    raw, _ = zk.get(zl.GroupPaths(env.namespace, GROUP).health_of(instance))
+    health = zl.Health.parse(raw)
+    return {"pod_start_s": pod_start, "engine_ready_s": health.ready_after}
+
+
+def measure(run: Run, requests: list[Request], terms: dict[str, float]) -> dict[str, Any]:
+    """One fault's figures (see the module docstring); ``terms``: the restored instance's
+    own steps, measured (:func:`replacement_terms`)."""
     at = run.injected.at
     last = run.recovery
     restore = run.restored_s
@@ -182,9 +211,10 @@ def measure(run: Run, requests: list[Request]) -> dict[str, Any]:
         }
         if measured and last.predicted_s:
             out["prediction_error"] = round(abs(measured - last.predicted_s) / last.predicted_s, 3)
-        if run.detected_s is not None:
-            start = last.terms.get("podStart", 0.0) + last.terms.get("engineReady", 0.0)
-            out["restore_bound_s"] = round(run.detected_s + start + 2.0, 2)
+        if run.detected_s is not None and terms:
+            out |= {k: round(v, 2) for k, v in terms.items()}
+            steps = terms["pod_start_s"] + terms["engine_ready_s"]
+            out["restore_bound_s"] = round(run.detected_s + steps + 2.0, 2)
     if run.not_whole:
         out["not_whole"] = run.not_whole
     return out
@@ -220,7 +250,13 @@ def run_policy(env: Env, name: str, policy: str, work: Path) -> dict[str, dict[s
                 run = run_fault(subject, kind, instance, peer, BOUND_S)
                 time.sleep(AFTER_S)
                 requests = [r for r in traffic.snapshot() if r.end >= run.injected.at - BEFORE_S]
-                results[kind] = measure(run, requests) | {"host_idle_before": idle}
+                hit = run.recovery.plan_instances if run.recovery is not None else ()
+                terms = (
+                    replacement_terms(env, zk, instance if instance in hit else hit[0])
+                    if run.restored_s is not None and hit
+                    else {}
+                )
+                results[kind] = measure(run, requests, terms) | {"host_idle_before": idle}
                 print(f"  {name} {kind}: {json.dumps(results[kind])}", flush=True)
                 if os.environ.get("BENCH_TRACE"):
                     at = run.injected.at
@@ -230,8 +266,10 @@ def run_policy(env: Env, name: str, policy: str, work: Path) -> dict[str, dict[s
                             bins[int(t - at + BEFORE_S)] += 1
                     print("    tokens/s from -10 s:", bins)
                     for r in requests:
-                        print(f"    {r.start - run.injected.at:+7.2f} {r.end - r.start:6.2f}s "
-                              f"{r.outcome:<24} {r.prefill}/{r.decode} {len(r.tokens)} tokens")
+                        print(
+                            f"    {r.start - run.injected.at:+7.2f} {r.end - r.start:6.2f}s "
+                            f"{r.outcome:<24} {r.prefill}/{r.decode} {len(r.tokens)} tokens"
+                        )
                 if run.restored_s is None:
                     print(f"  {name}: {kind} not restored; the remaining faults are skipped")
                     break
@@ -351,8 +389,8 @@ def print_table(ours: dict[str, dict[str, Any]], base: dict[str, dict[str, Any]]
             f"{cell(b, 'failed_outside'):>7}{cell(b, 'capacity_lost_s'):>7}{ratio:>8}"
         )
     print(
-        "pods: restarted; bound: detection + pod start + engine ready + 2 s (issue 17's target "
-        "for a cold replacement); pred/err: the planner's prediction and its error against the "
+        "pods: restarted; bound: detection + the restored instance's pod start + its engine's "
+        "time to serve + 2 s, measured (issue 17's target for a cold replacement); pred/err: the planner's prediction and its error against the "
         "restore it measured; lost: capacity-seconds lost; lost x: the baseline's over ours"
     )
 
