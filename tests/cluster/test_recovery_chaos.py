@@ -26,8 +26,8 @@ decodes, the hang, the NPU, the link and the server prefills.
 Topology: a private node emulator of six servers with **two NPUs each**, so a 2-NPU instance
 fills a server (every instance is alone on its server: a server down takes one instance, and a
 faulty NPU leaves its server no room for the replacement); four servers serve the group, two
-are spare. Engines at time scale 50 (llama3-8b's cold load from the shared file service, 6.4
-emulated s, is 0.13 wall s), a TTFT budget of 60 emulated s (1.2 wall s), the node emulator's
+are spare. Engines at time scale 50 (llama3-8b's cold load from the shared file service, 7.7
+emulated s, is 0.15 wall s), a TTFT budget of 60 emulated s (1.2 wall s), the node emulator's
 restart back-off 0.5 s (as test_chaos). The figures of each fault are printed as a table at the
 end (``pytest -s``); ``make bench-recovery`` measures them at time scale 1.
 """
