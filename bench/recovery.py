@@ -78,7 +78,7 @@ from chaoskit import (  # noqa: E402  (the test kit, shared with the chaos tests
 
 from helpers import poll  # noqa: E402
 from matrixserve.api import zk_layout as zl  # noqa: E402
-from matrixserve.api.kinds import PDGROUP  # noqa: E402
+from matrixserve.api.kinds import LABEL_INSTANCE, PDGROUP, WARMPOOL  # noqa: E402
 from matrixserve.devcluster.cluster import DevCluster, free_ports  # noqa: E402
 from matrixserve.devcluster.procs import Supervisor  # noqa: E402
 from matrixserve.domain.conditions import is_true  # noqa: E402
@@ -109,7 +109,15 @@ FAULTS: list[tuple[str, str, str]] = [
 ]
 # (run name, spec.recovery.policy): the JSON's key prefix is "" for ours, "baseline_" for the
 # whole-group restart.
-RUNS: list[tuple[str, str]] = [("ours", "MinimumCost"), ("baseline", "RestartGroup")]
+RUNS: list[tuple[str, str]] = [
+    ("ours", "MinimumCost"),
+    ("baseline", "RestartGroup"),
+    ("warm", "MinimumCost"),  # issue 18: a WarmPool beside the group, single-instance faults
+]
+# The warm run's faults (issue 18: "a single-instance fault (die, kill) restored by warm claim +
+# fork"), and its pool: WARM_PODS warm pods of the group's shape on the spare servers.
+WARM_FAULTS = ("die", "kill")
+WARM_PODS = 2
 # BENCH_FAULTS=hang,kill: a subset (for looking into one; the JSON is then not written)
 ONLY = [f for f in os.environ.get("BENCH_FAULTS", "").split(",") if f]
 if ONLY:
@@ -163,13 +171,20 @@ def excused(run: Run, request: Request) -> bool:
     return bool(request.on(hit))
 
 
-def replacement_terms(env: Env, zk: Any, instance: str) -> dict[str, float]:
+def replacement_terms(env: Env, zk: Any, instance: str) -> dict[str, Any]:
     """The restored instance's own steps, measured: its pod's start (created -> its engine
     running, from the API's whole-second times; a restart in place: 0) and its engine's time to
     serve (``readyAfter``: process start -> Serving: register, join, link, load, first health)
     and the model load within it (the engine's setup-phase metric would say it too; the timing
     model's figure for its source is what it slept)."""
-    pod = client.CoreV1Api(env.api).read_namespaced_pod(instance, env.namespace)
+    # the instance's pod: its own name, or a claimed warm pod's (issue 18), by its label
+    (pod,) = [
+        p
+        for p in client.CoreV1Api(env.api)
+        .list_namespaced_pod(env.namespace, label_selector=f"{LABEL_INSTANCE}={instance}")
+        .items
+        if p.metadata.deletion_timestamp is None
+    ]
     engine = next((c for c in pod.status.container_statuses or [] if c.name == "engine"), None)
     started = engine.state.running.started_at if engine and engine.state.running else None
     pod_start = 0.0
@@ -177,10 +192,13 @@ def replacement_terms(env: Env, zk: Any, instance: str) -> dict[str, float]:
         pod_start = max(0.0, (started - pod.metadata.creation_timestamp).total_seconds())
     raw, _ = zk.get(zl.GroupPaths(env.namespace, GROUP).health_of(instance))
     health = zl.Health.parse(raw)
-    return {"pod_start_s": pod_start, "engine_ready_s": health.ready_after}
+    terms = {"pod_start_s": pod_start, "engine_ready_s": health.ready_after}
+    if health.warm:  # a claimed warm pod: no pod started; how its weights came and how long
+        terms |= {"pod_start_s": 0.0, "engine_phases_s": round(sum(health.phases.values()), 3)}
+    return terms | {"warm": health.warm, "load_source": health.load_source}
 
 
-def measure(run: Run, requests: list[Request], terms: dict[str, float]) -> dict[str, Any]:
+def measure(run: Run, requests: list[Request], terms: dict[str, Any]) -> dict[str, Any]:
     """One fault's figures (see the module docstring); ``terms``: the restored instance's
     own steps, measured (:func:`replacement_terms`)."""
     at = run.injected.at
@@ -196,6 +214,10 @@ def measure(run: Run, requests: list[Request], terms: dict[str, float]) -> dict[
         "capacity_lost_s": round(lost, 2),
         "tokens_per_s_before": round(rate, 1),
         "detect_s": round(run.detected_s, 2) if run.detected_s is not None else None,
+        # issue 18's target for a warm replacement: from the detection to serving again
+        "detect_to_serve_s": round(restore - run.detected_s, 2)
+        if restore is not None and run.detected_s is not None
+        else None,
         "refused_up_front": sum(1 for r in requests if r.refused_up_front and r.end >= at),
         "failed_on_faulty": sum(
             1 for r in requests if r.end >= at and not r.ok and excused(run, r)
@@ -212,12 +234,31 @@ def measure(run: Run, requests: list[Request], terms: dict[str, float]) -> dict[
         if measured and last.predicted_s:
             out["prediction_error"] = round(abs(measured - last.predicted_s) / last.predicted_s, 3)
         if run.detected_s is not None and terms:
-            out |= {k: round(v, 2) for k, v in terms.items()}
+            out |= {k: round(v, 2) if isinstance(v, float) else v for k, v in terms.items()}
             steps = terms["pod_start_s"] + terms["engine_ready_s"]
             out["restore_bound_s"] = round(run.detected_s + steps + 2.0, 2)
     if run.not_whole:
         out["not_whole"] = run.not_whole
     return out
+
+
+def warm_pool(env: Env) -> None:
+    """A WarmPool of the group's shape (2 NPUs), refilled at once, and wait for it to be warm."""
+    custom = client.CustomObjectsApi(env.api)
+    where = (WARMPOOL.group, WARMPOOL.version, env.namespace, WARMPOOL.plural)
+    body = {
+        "apiVersion": WARMPOOL.api_version,
+        "kind": WARMPOOL.kind,
+        "metadata": {"name": "wp"},
+        "spec": {"shapes": [{"name": "two", "size": WARM_PODS, "devicesPerPod": NPUS_PER_SERVER}]},
+    }
+    custom.create_namespaced_custom_object(*where, body)
+
+    def warm() -> bool:
+        status = custom.get_namespaced_custom_object(*where, "wp").get("status") or {}
+        return bool(status.get("ready") == WARM_PODS)
+
+    poll(warm, 120, "the warm pool", every=0.5)
 
 
 def run_policy(env: Env, name: str, policy: str, work: Path) -> dict[str, dict[str, Any]]:
@@ -243,7 +284,11 @@ def run_policy(env: Env, name: str, policy: str, work: Path) -> dict[str, dict[s
             DECODES,
         )
         with Traffic(env.gateway, clients=CLIENTS, max_tokens=MAX_TOKENS) as traffic:
+            if name == "warm":
+                warm_pool(env)
             for kind, instance, peer in FAULTS:
+                if name == "warm" and kind not in WARM_FAULTS:
+                    continue
                 cpu = host_cpu()
                 time.sleep(BEFORE_S)
                 idle = host_idle_since(cpu)
@@ -276,6 +321,10 @@ def run_policy(env: Env, name: str, policy: str, work: Path) -> dict[str, dict[s
     finally:
         zk.stop()
         custom.delete_namespaced_custom_object(*where, GROUP)
+        if name == "warm":
+            custom.delete_namespaced_custom_object(
+                WARMPOOL.group, WARMPOOL.version, env.namespace, WARMPOOL.plural, "wp"
+            )
         core = client.CoreV1Api(env.api)
         poll(
             lambda: not core.list_namespaced_pod(env.namespace).items,
@@ -335,14 +384,18 @@ def _answers(url: str) -> bool:
 
 
 def report(runs: dict[str, dict[str, dict[str, Any]]]) -> int:
-    ours, base = runs["ours"], runs["baseline"]
+    ours, base, warm = runs["ours"], runs["baseline"], runs.get("warm", {})
     results: dict[str, Any] = {
         "group": f"{N_P}P+{N_D}D llama3-8b, 2 NPUs per instance, one instance per server",
         "engine_time_scale": float(SCALE),
         "clients": CLIENTS,
     }
     for kind, *_ in FAULTS:
-        for prefix, figures in (("", ours.get(kind, {})), ("baseline_", base.get(kind, {}))):
+        for prefix, figures in (
+            ("", ours.get(kind, {})),
+            ("baseline_", base.get(kind, {})),
+            ("warm_", warm.get(kind, {})),  # issue 18: die_warm_restore_s, kill_warm_restore_s
+        ):
             for key, value in figures.items():
                 flat = json.dumps(value) if isinstance(value, dict | list) else value
                 results[f"{kind}_{prefix}{key}"] = flat
@@ -350,13 +403,16 @@ def report(runs: dict[str, dict[str, dict[str, Any]]]) -> int:
     results["prediction_error_max"] = max(errors, default=None)
     results["prediction_error_median"] = statistics.median(errors) if errors else None
     print_table(ours, base)
+    print_warm(ours, warm)
     if ONLY:
         print(f"\nBENCH_FAULTS={','.join(ONLY)}: {RESULTS} not written")
         return 0
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {RESULTS}")
-    done = all(k in ours and k in base for k, *_ in FAULTS)
+    done = all(k in ours and k in base for k, *_ in FAULTS) and all(
+        k in warm for k in WARM_FAULTS if k in {f for f, *_ in FAULTS}
+    )
     return 0 if done else 1
 
 
@@ -393,6 +449,28 @@ def print_table(ours: dict[str, dict[str, Any]], base: dict[str, dict[str, Any]]
         "time to serve + 2 s, measured (issue 17's target for a cold replacement); pred/err: the planner's prediction and its error against the "
         "restore it measured; lost: capacity-seconds lost; lost x: the baseline's over ours"
     )
+
+
+def print_warm(ours: dict[str, dict[str, Any]], warm: dict[str, dict[str, Any]]) -> None:
+    """The single-instance faults restored from the warm pool beside the cold replacement."""
+    if not warm:
+        return
+    print(
+        "\nwarm replacement (issue 18): a WarmPool beside the group; seconds of wall time "
+        f"(engines at time scale {SCALE}); target: detection -> serving <= 7 s"
+    )
+    print(
+        f"{'fault':<6}{'cold: plan':<18}{'restore':>9}{'detect->serve':>15}   "
+        f"{'warm: plan':<16}{'restore':>9}{'detect->serve':>15}{'load from':>14}{'lost':>7}"
+    )
+    for kind in WARM_FAULTS:
+        o, w = ours.get(kind, {}), warm.get(kind, {})
+        print(
+            f"{kind:<6}{o.get('action', '-')!s:<18}{o.get('restore_s', '-')!s:>9}"
+            f"{o.get('detect_to_serve_s', '-')!s:>15}   {w.get('action', '-')!s:<16}"
+            f"{w.get('restore_s', '-')!s:>9}{w.get('detect_to_serve_s', '-')!s:>15}"
+            f"{w.get('load_source', '-')!s:>14}{w.get('capacity_lost_s', '-')!s:>7}"
+        )
 
 
 if __name__ == "__main__":

@@ -323,6 +323,7 @@ class FakeCore:
         stored["metadata"].setdefault("uid", str(uuid.uuid4()))
         stored["metadata"].setdefault("creationTimestamp", datetime.now(UTC))
         stored.setdefault("status", {"phase": "Pending"})
+        stored["metadata"]["resourceVersion"] = "1"
         self.pods[key] = stored
 
     def delete_namespaced_pod(self, name: str, namespace: str, body: Any = None) -> None:
@@ -332,6 +333,11 @@ class FakeCore:
         if pod is None:
             raise api_error(404)
         if uid is not None and pod["metadata"].get("uid") != uid:
+            raise api_error(409)
+        version = (
+            body.preconditions.resource_version if body is not None and body.preconditions else None
+        )
+        if version is not None and pod["metadata"].get("resourceVersion") != version:
             raise api_error(409)
         del self.pods[(namespace, name)]
 
@@ -371,15 +377,51 @@ class FakeCore:
         self.secrets[(namespace, name)] = merge_patch(self.secrets[(namespace, name)], body)
 
     def list_namespaced_pod(self, namespace: str, label_selector: str = "") -> Any:
+        """Selector terms ``k=v``, ``k`` (present) and ``!k`` (absent), as the API server."""
         self.selectors.append(label_selector)
-        wanted = dict(part.split("=", 1) for part in label_selector.split(",") if part)
+        terms = [part for part in label_selector.split(",") if part]
+
+        def matches(labels: dict[str, str]) -> bool:
+            for term in terms:
+                if term.startswith("!"):
+                    if term[1:] in labels:
+                        return False
+                elif "=" in term:
+                    k, v = term.split("=", 1)
+                    if labels.get(k) != v:
+                        return False
+                elif term not in labels:
+                    return False
+            return True
+
         items = [
             _v1_pod(body)
             for (ns, _), body in self.pods.items()
-            if ns == namespace
-            and all((body["metadata"].get("labels") or {}).get(k) == v for k, v in wanted.items())
+            if ns == namespace and matches(body["metadata"].get("labels") or {})
         ]
         return client.V1PodList(items=items)
+
+    def patch_namespaced_pod(
+        self, name: str, namespace: str, body: dict[str, Any], _content_type: str = ""
+    ) -> None:
+        """A JSON merge patch (the only kind the fake takes); a ``metadata.resourceVersion`` in
+        it is a precondition (409 if the pod has moved on), as the API server's optimistic
+        concurrency."""
+        assert _content_type == "application/merge-patch+json", _content_type
+        pod = self.pods.get((namespace, name))
+        if pod is None:
+            raise api_error(404)
+        wanted = (body.get("metadata") or {}).get("resourceVersion")
+        if wanted is not None and wanted != pod["metadata"].get("resourceVersion"):
+            raise api_error(409)
+        patch = copy.deepcopy(body)
+        patch["metadata"].pop("resourceVersion", None)
+        self.pods[(namespace, name)] = merge_patch(pod, patch)
+        self.bump(namespace, name)
+
+    def bump(self, namespace: str, name: str) -> None:
+        meta = self.pods[(namespace, name)]["metadata"]
+        meta["resourceVersion"] = str(int(meta.get("resourceVersion") or 0) + 1)
 
     def read_node(self, name: str) -> Any:
         self.node_reads += 1
@@ -423,6 +465,17 @@ def _v1_pod(body: dict[str, Any]) -> client.V1Pod:
             annotations=meta.get("annotations"),
             creation_timestamp=meta.get("creationTimestamp"),
             deletion_timestamp=meta.get("deletionTimestamp"),
+            resource_version=meta.get("resourceVersion"),
+            owner_references=[
+                client.V1OwnerReference(
+                    api_version=o.get("apiVersion", "v1"),
+                    kind=o["kind"],
+                    name=o["name"],
+                    uid=o["uid"],
+                    controller=o.get("controller"),
+                )
+                for o in meta.get("ownerReferences") or []
+            ],
         ),
         spec=client.V1PodSpec(
             containers=[],

@@ -25,6 +25,7 @@ from enum import StrEnum
 from functools import cache
 
 from enginestub import calibration as cal
+from enginestub.fabric import Plane, link_bandwidth, link_latency
 from matrixserve.api import catalog
 from matrixserve.api.catalog import DEEPSEEK_V3, ModelShape
 
@@ -252,14 +253,23 @@ class LoadSource(StrEnum):
     NPU_FORK_ROCE = "NPUForkRoCE"
 
 
+FORK_PLANES = {LoadSource.NPU_FORK_UB: Plane.UB, LoadSource.NPU_FORK_ROCE: Plane.ROCE}
+
+
+def fork_source_for(plane: Plane) -> LoadSource:
+    """The load source a fork over ``plane`` is (UB or RoCE)."""
+    return next(source for source, p in FORK_PLANES.items() if p is plane)
+
+
 def load_seconds(
     model: ModelShape, shape: InstanceShape, source: LoadSource, concurrent_loaders: int = 1
 ) -> float:
     """Time to load the instance's weights (DeepServe 002 §6.2; 001 T2).
 
     Shared file service: one bucket's effective 2.1 GB/s (its nominal 2.5 GB/s, as T2's
-    8-instance cold start delivered it) shared by all concurrent loaders. SSD: 400 Gbps per node. Host DRAM: the T2-derived per-NPU rate, plus 0.3 s tensor
-    init (002). NPU-fork: every die pulls its own shard from a live peer over UB or RoCE.
+    8-instance cold start delivered it) shared by all concurrent loaders. SSD: 400 Gbps per
+    node. Host DRAM: the T2-derived per-NPU rate, plus 0.3 s tensor init (002). NPU-fork: one
+    target alone on a source's broadcast (:func:`fork_seconds`).
     """
     if concurrent_loaders < 1:
         raise ValueError("concurrent_loaders must be >= 1")
@@ -271,8 +281,54 @@ def load_seconds(
         return weights / (cal.SSD_NODE_BANDWIDTH * nodes)
     if source is LoadSource.HOST_DRAM:
         return weights / (cal.DRAM_TO_NPU_BANDWIDTH * shape.npus) + cal.TENSOR_INIT_SECONDS
-    per_die = weights / shape.dies
-    bandwidth = (
-        cal.UB_READ_BANDWIDTH_INTER if source is LoadSource.NPU_FORK_UB else cal.ROCE_DIE_BANDWIDTH
+    return fork_seconds(model, shape, FORK_PLANES[source])
+
+
+def dram_preload_seconds(model: ModelShape) -> float:
+    """Time to pre-load a model's weights into a server's host DRAM from the shared file service
+    (DeepServe 002 §6.2: "pre-loads them into DRAM page cache using pre-warmed TEs"): one
+    loader's effective bandwidth, one model after another."""
+    return model.weight_bytes_total / cal.SHARED_FILE_SERVICE_EFFECTIVE_BANDWIDTH
+
+
+# --------------------------------------------------------------------------- NPU-fork (002 §6.2)
+def fork_bytes_per_die(model: ModelShape, shape: InstanceShape) -> float:
+    """What each die of a fork source sends: the weights it holds (its tensor-parallel share,
+    the experts it hosts: a die of a data-parallel replica holds its replica's whole share, not
+    the instance's total over its dies) and its compiled artefacts (a target without them would
+    compile for minutes)."""
+    return _weights_per_die(model, shape) + cal.COMPILED_ARTIFACT_BYTES_PER_DIE
+
+
+def fork_hop_seconds(plane: Plane) -> float:
+    """One hop of a pipelined chain: a slice over one link and the link's latency."""
+    return cal.FORK_CHUNK_BYTES / link_bandwidth(plane, same_node=False) + link_latency(
+        plane, same_node=False
     )
-    return per_die / bandwidth
+
+
+def fork_seconds(
+    model: ModelShape,
+    shape: InstanceShape,
+    plane: Plane,
+    position: int = 1,
+    share: float = 1.0,
+) -> float:
+    """An NPU-fork's time for the target at ``position`` of its source's broadcast chain, the
+    chain getting ``share`` of each source die's link (the rest to the source's KV transfers).
+
+    Each die sends its shard over its own link (UB or RoCE, the cross-node rates: DeepServe's
+    fork measurements are cross-node, §6.2). Concurrent targets share one pipelined HCCL
+    broadcast (§6.2 "broadcast API"): a chain whose every hop forwards each slice as soon as it
+    has it, so the target at position j gets ``bytes / rate + (j - 1) * hop`` (the linear
+    pipeline's ``(P - 1 + n_s)(alpha + m_s beta)``, Pješivac-Grbović et al., "Performance analysis of
+    MPI collective operations", Cluster Computing 2007), not ``j * bytes / rate``.
+    """
+    if position < 1 or not 0 < share <= 1:
+        raise ValueError("position >= 1 and 0 < share <= 1")
+    rate = link_bandwidth(plane, same_node=False) * share
+    return (
+        link_latency(plane, same_node=False)
+        + fork_bytes_per_die(model, shape) / rate
+        + (position - 1) * fork_hop_seconds(plane)
+    )

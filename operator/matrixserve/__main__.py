@@ -17,13 +17,38 @@ import kopf
 from matrixserve.api.zk_layout import Credentials
 from matrixserve.coordination import add_auth_flags, auth_from
 from matrixserve.domain.enginepod import EngineSettings
-from matrixserve.handlers import pdgroup  # registers the PDGroup handlers
+from matrixserve.domain.scaleout import Path as ScalePath
+from matrixserve.handlers import (
+    pdgroup,  # registers the PDGroup handlers
+    warmpool,  # registers the WarmPool handlers
+)
 from matrixserve.handlers import runtime as _runtime
 from matrixserve.handlers.runtime import OperatorConfig
 
 # The kinds this operator runs, each by its set-up (registering a kind's handler module is the
 # import above; its controller is built at start-up by this).
-KINDS = (pdgroup.install,)
+KINDS = (pdgroup.install, warmpool.install)
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
+    return value
+
+
+def _paths(text: str) -> tuple[str, ...]:
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    known = {p.value for p in ScalePath}
+    wrong = [n for n in names if n not in known]
+    if wrong or not names:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(wrong) or text!r}: not a scale-out path (one of {', '.join(sorted(known))})"
+        )
+    return names
 
 
 def _positive_port(text: str) -> int:
@@ -74,6 +99,22 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
     )
     p.add_argument(
         "--engine-health-interval", default="20", help="emulated seconds between health reports"
+    )
+    p.add_argument(
+        "--engine-pre-load-seconds",
+        type=_non_negative,
+        default=None,
+        help="emulated seconds of TE-Pre-Load (Python, NPU and HCCL start-up) each engine "
+        "process pays before it reports (default: the engine's calibrated 20 s; 0 for tests "
+        "at time scale 1 that do not measure start-up)",
+    )
+    p.add_argument(
+        "--scale-out-paths",
+        type=_paths,
+        default=(),
+        help="the scale-out paths new instances may take, comma-separated, of "
+        f"{', '.join(p.value for p in ScalePath)} (default: all, the fastest by estimate; one path: "
+        "the scale-out benchmark's forced run)",
     )
     p.add_argument(
         "--engine-admission",
@@ -178,6 +219,10 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
             load_source=args.engine_load_source,
             health_interval_seconds=str(args.engine_health_interval),
             admission=args.engine_admission,
+            pre_load_seconds=None
+            if args.engine_pre_load_seconds is None
+            else f"{args.engine_pre_load_seconds:g}",
+            scale_out_paths=args.scale_out_paths,
             fault_injection=args.engine_fault_injection,
             zookeeper_auth=auth,
             zookeeper_auth_secret=args.engine_zookeeper_auth_secret,

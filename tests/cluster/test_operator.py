@@ -251,8 +251,11 @@ def test_deleting_a_group_leaves_no_pods_and_no_znodes(
 def test_restarting_the_operator_mid_setup_finishes_without_duplicates(
     namespace: str, groups: Groups, start_operator: Callable[..., Any]
 ) -> None:
-    # Time scale 1: model loads take ~6 s, a window to kill the operator in.
-    operator = start_operator(namespace, time_scale="1")
+    # Time scale 1: model loads take ~8 s, a window to kill the operator in (TE-Pre-Load, 20 s
+    # more at this scale, is off: it would only make the test slower).
+    operator = start_operator(
+        namespace, time_scale="1", extra=("--engine-pre-load-seconds", "0")
+    )
     groups.create(pdgroup_body("g", 2, 2))
     wait_for(
         lambda: (groups.get("g").get("status") or {}).get("roceMapVersion") == 1,

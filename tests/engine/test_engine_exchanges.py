@@ -286,16 +286,15 @@ def test_a_caller_that_goes_frees_its_slot_and_its_decode_place_at_once(
     (silent: nothing is written, so nothing failed to write) frees the prefill slot and KV
     within GONE_BOUND, not when a decode finally takes it; one that goes mid-stream frees its
     place in the decode batch within the same bound."""
-    decode = start_engine(
-        "gone-d", "--role", "decode", *LLAMA, "--max-batch", "1", "--load-source", "NPUForkUB"
-    )
+    # No TE-Pre-Load: 20 wall s at time scale 1, and not what this test is about.
+    fast = ("--load-source", "NPUForkUB", "--pre-load-seconds", "0")
+    decode = start_engine("gone-d", "--role", "decode", *LLAMA, "--max-batch", "1", *fast)
     prefill = start_engine(
         "gone-p",
         "--role",
         "prefill",
         *LLAMA,
-        "--load-source",
-        "NPUForkUB",
+        *fast,
         "--decode-peer",
         decode.address,
     )

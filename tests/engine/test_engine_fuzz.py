@@ -26,7 +26,9 @@ import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from enginestub.engine.config import parse
 from enginestub.engine.faults import FAULT_KINDS
+from enginestub.engine.fork import fork_key
 
 ENGINE = (
     *("--model", "llama3-8b", "--dies", "0,1", "--time-scale", "50"),
@@ -56,6 +58,7 @@ POST_PATHS = (
     "/v1/expert/forward",
     "/v1/attention/step",
     "/v1/faults",
+    "/v1/fork",
 )
 _FIELDS = {
     "requestId": "x",
@@ -325,6 +328,20 @@ def _bodies(peers: st.SearchStrategy[str]) -> st.SearchStrategy[tuple[str, dict[
         ),
         "/v1/expert/forward": st.fixed_dictionaries({}, optional={"tokens": _HOSTILE}),
         "/v1/attention/step": st.fixed_dictionaries({}, optional={"batch": _HOSTILE}),
+        # the engines' own key sometimes: a fork that is served (issue 18)
+        "/v1/fork": st.fixed_dictionaries(
+            {},
+            optional={
+                "key": _maybe(st.just(fork_key(parse([*ENGINE, "--host", "127.0.0.1"])))),
+                "target": _maybe(st.text(max_size=10)),
+                "pod": _maybe(st.sampled_from(["w-0", "W_0", "w-0\n", "a" * 300])),
+                "podUid": _maybe(st.sampled_from(["uid-0", "", "u" * 200])),
+                "plane": _maybe(st.sampled_from(["UB", "RoCE", "VPC"])),
+                "dies": _maybe(st.integers(0, 3)),
+                "node": _maybe(st.just("local")),
+                "superpod": _maybe(st.just("local")),
+            },
+        ),
         # never a fault kind: an injected hang or die-down would stop the run
         "/v1/faults": st.fixed_dictionaries(
             {},

@@ -35,9 +35,21 @@ def launch(
     scale: str,
     extra: tuple[str, ...] | list[str] = (),
 ) -> Any:
-    """An engine of ``role`` loading its model at once (NPU-fork over UB), at time ``scale``."""
+    """An engine of ``role`` loading its model at once (NPU-fork over UB), at time ``scale``.
+    No TE-Pre-Load: these tests are about serving, and at time scale 1 its 20 emulated s would
+    be 20 wall s per engine (tests/engine/test_warm_fork.py tests the start-up phases)."""
     return start_engine(
-        name, "--role", role, *model, "--time-scale", scale, "--load-source", "NPUForkUB", *extra
+        name,
+        "--role",
+        role,
+        *model,
+        "--time-scale",
+        scale,
+        "--load-source",
+        "NPUForkUB",
+        "--pre-load-seconds",
+        "0",
+        *extra,
     )
 
 
@@ -293,6 +305,9 @@ def test_die_fault_in_the_device_file_is_seen_within_one_second_and_fails_reques
         "1",
         "--load-source",
         "NPUForkUB",
+        # no TE-Pre-Load: 20 wall s at time scale 1, and not what this test is about
+        "--pre-load-seconds",
+        "0",
         env={"MATRIXSERVE_DEVICE_STATUS_FILE": str(device_file), "MATRIXSERVE_DIES": "2,3"},
     )
     with concurrent.futures.ThreadPoolExecutor(1) as pool:

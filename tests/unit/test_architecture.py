@@ -50,7 +50,7 @@ def lint(root: Path) -> dict[str, bool]:
 
 def test_the_tree_as_it_is_keeps_every_contract(pristine: Path) -> None:
     verdicts = lint(pristine)
-    assert len(verdicts) >= 9
+    assert len(verdicts) >= 10
     assert all(verdicts.values()), [name for name, kept in verdicts.items() if not kept]
 
 
@@ -87,6 +87,13 @@ WRONG = [
         "matrixserve/gateway/discovery.py",
         "from matrixserve.adapters.zk_groups import GroupStore",
         "PDGroup's packages are its own",
+    ),
+    (
+        # the PDGroup's handlers may not reach into the WarmPool's packages: claims go through
+        # the API server
+        "matrixserve/handlers/pdgroup/reconcile.py",
+        "from matrixserve.adapters.zk_warm import WarmStore",
+        "WarmPool's packages are its own",
     ),
     (
         "matrixserve/adapters/zk_experts.py",

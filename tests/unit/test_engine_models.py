@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from enginestub import calibration as cal
 from enginestub import timing
 from enginestub.fabric import Endpoint, Flow, Plane, kv_transfer_seconds, simulate, transfer_seconds
-from matrixserve.api.catalog import DEEPSEEK_V3, GPT3_175B, LLAMA3_8B
+from matrixserve.api.catalog import DEEPSEEK_V3, GPT3_175B, LLAMA3_8B, ModelShape
 
 # ----------------------------------------------------------------------------- model shapes
 
@@ -151,6 +151,79 @@ def test_the_load_paths_reproduce_cloudmatrix_infer_table_2() -> None:
         )
     ]
     assert order == sorted(order), "fork over UB < fork over RoCE < DRAM < shared file service"
+
+
+# ----------------------------------------------------------------------------- start-up phases (issue 18)
+TP1 = timing.InstanceShape(dies=1, tp=1)  # DeepServe Fig. 11's Llama3-8B-TP1, on one 910C die
+
+
+def test_te_pre_load_stays_the_dominant_engine_phase_and_a_cold_start_is_of_the_papers_order() -> (
+    None
+):
+    """002 §6.1: TE-Pre-Load "still accounts for the majority of startup time" (Fig. 9): more
+    than Llama3-8B's largest load (the shared file service) and the post-load together; a cold
+    start's engine phases leave the secondary 42.12 s room for pod start and announcement, and
+    a warm pod with a fork is within the secondary 4.75 s before those."""
+    slowest_load = timing.load_seconds(LLAMA3_8B, TP1, timing.LoadSource.SHARED_FILE_SERVICE)
+    assert slowest_load + cal.TE_POST_LOAD_SECONDS < cal.TE_PRE_LOAD_SECONDS
+    cold_engine = cal.TE_PRE_LOAD_SECONDS + slowest_load + cal.TE_POST_LOAD_SECONDS
+    assert 0.5 * cal.DEEPSERVE_COLD_SCALE_SECONDS < cold_engine < cal.DEEPSERVE_COLD_SCALE_SECONDS
+    forked = timing.load_seconds(LLAMA3_8B, TP1, timing.LoadSource.NPU_FORK_UB)
+    assert forked + cal.TE_POST_LOAD_SECONDS < cal.DEEPSERVE_FORK_SCALE_SECONDS
+
+
+def test_a_fork_carries_the_compiled_artefacts_and_beats_every_local_path_over_ub() -> None:
+    weights = timing._weights_per_die(LLAMA3_8B, TP1)  # what the one die holds
+    assert (
+        timing.fork_bytes_per_die(LLAMA3_8B, TP1) == weights + cal.COMPILED_ARTIFACT_BYTES_PER_DIE
+    )
+    ub = timing.fork_seconds(LLAMA3_8B, TP1, Plane.UB)
+    roce = timing.fork_seconds(LLAMA3_8B, TP1, Plane.ROCE)
+    assert ub > weights / cal.UB_READ_BANDWIDTH_INTER  # the artefacts cost their bytes too
+    assert timing.load_seconds(LLAMA3_8B, TP1, timing.LoadSource.NPU_FORK_UB) == ub
+    local = [
+        timing.load_seconds(LLAMA3_8B, TP1, s)
+        for s in (
+            timing.LoadSource.SSD,
+            timing.LoadSource.HOST_DRAM,
+            timing.LoadSource.SHARED_FILE_SERVICE,
+        )
+    ]
+    assert ub < min(local)
+    assert roce / ub == pytest.approx(
+        cal.UB_READ_BANDWIDTH_INTER / cal.ROCE_DIE_BANDWIDTH, rel=0.02
+    )
+
+
+@given(
+    st.integers(min_value=1, max_value=cal.FORK_FANOUT),
+    st.sampled_from([Plane.UB, Plane.ROCE]),
+    st.sampled_from([(LLAMA3_8B, 1), (LLAMA3_8B, 2), (GPT3_175B, 8)]),
+)
+def test_a_pipelined_broadcast_costs_one_transfer_plus_hops_not_one_per_target(
+    targets: int, plane: Plane, case: tuple[ModelShape, int]
+) -> None:
+    """002 §6.2: one HCCL broadcast to many targets. Its last target waits one transfer and a
+    hop per target before it (the linear pipeline), never ``targets`` transfers; and each die
+    sends its own shard (a fork over more dies is faster)."""
+    model, dies = case
+    shape = timing.InstanceShape(dies=dies, tp=dies)
+    alone = timing.fork_seconds(model, shape, plane)
+    last = timing.fork_seconds(model, shape, plane, position=targets)
+    assert last - alone == pytest.approx((targets - 1) * timing.fork_hop_seconds(plane))
+    assert last < 1.05 * alone
+    rate = cal.UB_READ_BANDWIDTH_INTER if plane is Plane.UB else cal.ROCE_DIE_BANDWIDTH
+    shard = timing._weights_per_die(model, shape) + cal.COMPILED_ARTIFACT_BYTES_PER_DIE
+    assert alone == pytest.approx(shard / rate, rel=0.01)
+
+
+def test_a_fork_sharing_its_link_with_kv_slows_as_its_share() -> None:
+    alone = timing.fork_seconds(LLAMA3_8B, TP1, Plane.ROCE)
+    halved = timing.fork_seconds(LLAMA3_8B, TP1, Plane.ROCE, share=0.5)
+    latency = cal.ROCE_LATENCY
+    assert halved - latency == pytest.approx(2 * (alone - latency))
+    with pytest.raises(ValueError, match="position"):
+        timing.fork_seconds(LLAMA3_8B, TP1, Plane.UB, position=0)
 
 
 # ----------------------------------------------------------------------------- fabric

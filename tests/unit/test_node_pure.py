@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,53 @@ def test_run_argv_parses_and_names_the_nodes_the_emulator_registers(
     named = node_names(2, 3) if prefix is None else node_names(2, 3, prefix)
     assert registered == named
     assert (len(named), named[0], named[-1]) == (6, first, last)
+
+
+def test_ssd_models_are_the_servers_and_every_pod_is_told_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 18: what a server's local SSD holds is the emulated server's (``--ssd-models``):
+    every pod it runs gets $MATRIXSERVE_SSD_MODELS, which a warm engine reports as ssdModels."""
+    from enginestub.engine.config import parse_warm
+    from enginestub.node.__main__ import _parser, _topology
+    from enginestub.node.podenv import SSD_MODELS_ENV, PodEnvironment
+    from enginestub.node.state import EmulatorConfig, NodeState, PodRecord
+
+    argv = run_argv(tmp_path, superpods=1, servers=1, ssd_models=("llama3-8b", "qwen2-72b"))
+    args = _parser().parse_args(argv[3:])
+    assert args.ssd_models == ("llama3-8b", "qwen2-72b")
+    (server,) = build(_topology(args))
+    config = EmulatorConfig(servers=[server], state_dir=tmp_path, ssd_models=args.ssd_models)
+    node = NodeState(
+        server=server,
+        addresses=NodeAddresses("127.64.0.0/24"),
+        allocator=allocator.NodeAllocator(server.npus),
+        devices=devicestatus.DeviceStatus(server),
+        device_file=tmp_path / "device-status.json",
+    )
+    record = PodRecord("uid-1", "t", "w-1", server.node_name, {}, ip="127.64.0.2", npus=[0])
+    env = PodEnvironment(config, None).base(node, record)
+    assert env[SSD_MODELS_ENV] == "llama3-8b,qwen2-72b"
+    # the warm engine in that pod reports them
+    pod_env = {**env, "POD_NAME": "w-1", "POD_UID": "uid-1", "MATRIXSERVE_ZK": "127.0.0.1:1"}
+    monkeypatch.setattr(os, "environ", pod_env)
+    warm = parse_warm(["--warm"])
+    assert warm is not None
+    assert warm.ssd_models == ["llama3-8b", "qwen2-72b"]
+    # without the flag, no pod is told anything
+    bare = EmulatorConfig(servers=[server], state_dir=tmp_path)
+    assert SSD_MODELS_ENV not in PodEnvironment(bare, None).base(node, record)
+    default = _parser().parse_args(run_argv(tmp_path, superpods=1, servers=1)[3:])
+    assert default.ssd_models == ()
+
+
+@pytest.mark.parametrize("value", ["", "a,,b", "a b", ","])
+def test_bad_ssd_models_are_refused(value: str, tmp_path: Path) -> None:
+    from enginestub.node.__main__ import _parser
+
+    with pytest.raises(SystemExit) as exited:
+        _parser().parse_args(["run", "--state-dir", str(tmp_path), "--ssd-models", value])
+    assert exited.value.code == 2
 
 
 # ----------------------------------------------------------------------------- allocation

@@ -415,7 +415,13 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
             draw(st.sampled_from(list(RecoveryPolicy))), draw(st.sampled_from(list(Protect)))
         ),
         "est": rc.Estimates(
-            **{k: draw(seconds) for k in (f.name for f in dataclasses.fields(rc.Estimates))}
+            **{
+                k: draw(seconds)
+                for k in (f.name for f in dataclasses.fields(rc.Estimates))
+                if k not in ("warm_pods", "warm_ready")
+            },
+            warm_pods=draw(st.dictionaries(st.sampled_from([P, D]), st.integers(0, 3))),
+            warm_ready=draw(st.dictionaries(st.sampled_from([P, D]), seconds)),
         ),
         "connected": draw(st.booleans()),
         "in_recovery": draw(st.integers(0, 3)),
@@ -782,3 +788,43 @@ def test_a_replacements_time_to_serve_is_learned_without_the_first_setups_wait()
     est = pr.estimates(group_view(serving(**said)))
     # link + load: 6.0 for the first five, 7.5 for g-d-1; the shortest wait for a map: 0.5
     assert est.engine_ready == pytest.approx(6.5)
+
+
+# --------------------------------------------------------------------------- warm replacements
+def test_a_warm_pod_replaces_a_faulty_instance_without_free_npus_and_sooner() -> None:
+    topo = rc.Topology(
+        {
+            "g-p-0": rc.Member("g-p-0", P, 2, "n0"),
+            "g-d-0": rc.Member("g-d-0", D, 2, "n1"),
+        },
+        free_npus=0,
+    )
+    fault = Fault(FaultKind.DIE, ("g-d-0",), Tier.POD, 0.0)
+    cold = choose(fault, topo, rc.Policy(), EST, True, 0)
+    replace = next(o for o in cold.alternatives if o.action is rc.ActionKind.REPLACE)
+    assert not replace.feasible  # a die withholds its NPUs and none are free
+    warm_est = dataclasses.replace(EST, warm_pods={D: 1}, warm_ready={D: 0.9})
+    warm = choose(fault, topo, rc.Policy(), warm_est, True, 0)
+    assert warm.chosen is not None
+    assert warm.chosen.action is rc.ActionKind.REPLACE
+    assert warm.chosen.terms == {"podDelete": EST.pod_delete, "warmReady": 0.9}
+
+
+def test_a_killed_engine_is_replaced_warm_when_that_beats_its_restart_in_place() -> None:
+    topo = rc.Topology(
+        {"g-p-0": rc.Member("g-p-0", P, 2, "n0"), "g-d-0": rc.Member("g-d-0", D, 2, "n1")}
+    )
+    fault = Fault(FaultKind.KILL, ("g-p-0",), Tier.POD, 0.0)
+    slow = dataclasses.replace(EST, engine_ready=21.0)  # a new process pays TE-Pre-Load
+    assert choose(fault, topo, rc.Policy(), slow, True, 0).chosen.action is (  # type: ignore[union-attr]
+        rc.ActionKind.RESTART_IN_PLACE
+    )
+    warm = dataclasses.replace(slow, warm_pods={P: 1}, warm_ready={P: 1.0})
+    plan = choose(fault, topo, rc.Policy(), warm, True, 0)
+    assert plan.chosen is not None
+    assert plan.chosen.action is rc.ActionKind.REPLACE
+    # not enough warm pods for every faulty instance: the cold replacement's terms
+    two = Fault(FaultKind.NODE, ("g-p-0", "g-d-0"), Tier.NODE, 0.0)
+    options = rc.options(two, topo, rc.Policy(), warm, {"g-p-0", "g-d-0"})
+    replace = next(o for o in options if o.action is rc.ActionKind.REPLACE)
+    assert "warmReady" not in replace.terms

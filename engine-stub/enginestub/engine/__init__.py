@@ -9,6 +9,10 @@
   :mod:`.kvpull` (the KV pull, both sides), :mod:`.decode` (continuous batching),
   :mod:`.kvcache` (HBM for KV), :mod:`.faults` (device status file, injected faults);
   the wire format is :mod:`matrixserve.api.engine_protocol`;
-- :mod:`.resident` — the P/D-Serve resident process over ZooKeeper (§3.2-3.4);
+- :mod:`.resident` — the P/D-Serve resident process over ZooKeeper (§3.2-3.4), also a fork
+  source's registry entry; :mod:`.zkbridge` — what it shares with a warm engine (kazoo's
+  threads to the event loop, re-registration after a lost session);
+- :mod:`.fork` — NPU-fork (DeepServe §6.2): the source's broadcast, the target's load plan;
+- :mod:`.warm` — a pre-warmed, model-agnostic engine waiting for its assignment (§6.1);
 - :mod:`.server` — HTTP: engine API, health, metrics, fault injection.
 """

@@ -5,6 +5,7 @@ one clear message, never a traceback."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import math
 import os
@@ -34,6 +35,19 @@ class ConfigError(Exception):
     pass
 
 
+LOOPBACK = ipaddress.IPv4Network("127.0.0.0/8")
+
+
+def _loopback(host: str) -> None:
+    """Engines bind loopback addresses only (every pod IP of the emulated cluster is one)."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    if address is None or address not in LOOPBACK:
+        raise ValueError(f"host {host!r}: engines bind loopback addresses (127.0.0.0/8) only")
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -58,6 +72,7 @@ class EngineConfig(BaseModel):
     load_source: timing.LoadSource = timing.LoadSource.SHARED_FILE_SERVICE
     concurrent_loaders: int = Field(default=1, ge=1)
     instance: str = "engine"
+    pod: str = ""  # the pod's name (downward API): a fork target names it to its source
     pod_uid: str = ""  # the pod's UID (downward API), reported as part of who this engine is
     pod_namespace: str = "default"
     group: str | None = None  # "<namespace>/<name>" of the P/D group in ZooKeeper
@@ -66,6 +81,8 @@ class EngineConfig(BaseModel):
     fault_injection: bool = False  # POST/DELETE /v1/faults answered (else 403)
     connection_limits: httpserving.ConnectionLimits = CONNECTION_LIMITS
     health_interval: float = Field(default=cal.HEALTH_REPORT_INTERVAL_SECONDS, gt=0)
+    # Issue 18: DeepServe's TE-Pre-Load (Python, NPU state, HCCL), emulated seconds at start.
+    pre_load_seconds: float = Field(default=cal.TE_PRE_LOAD_SECONDS, ge=0)
     link_timeout: float = Field(default=60.0, gt=0)
     # Issue 17's detection tiers (docs/engine-stub.md, "Detection"), emulated seconds.
     loop_beat_interval: float = Field(default=cal.LOOP_BEAT_INTERVAL_SECONDS, gt=0)
@@ -82,10 +99,7 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:
-        if not self.host.startswith("127."):
-            raise ValueError(
-                f"host {self.host}: engines bind loopback addresses (127.0.0.0/8) only"
-            )
+        _loopback(self.host)
         if len(self.dies) % self.tp:
             raise ValueError(f"tp {self.tp} does not divide the {len(self.dies)} dies granted")
         if self.roce_ips and len(self.roce_ips) != len(self.dies):
@@ -125,10 +139,25 @@ def _env_list(name: str) -> list[str]:
     return [x for x in os.environ.get(name, "").split(",") if x]
 
 
-def parse(argv: list[str] | None = None) -> EngineConfig:
+def _parser() -> argparse.ArgumentParser:
+    """Every flag, with its environment default (read now: a claimed warm pod's environment is
+    updated by its assignment before it parses again)."""
     env = os.environ
     parser = argparse.ArgumentParser(
         prog="python -m enginestub", description="MatrixServe engine stub"
+    )
+    parser.add_argument(
+        "--warm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a pre-warmed, model-agnostic engine: TE-Pre-Load, then wait for an assignment in "
+        "ZooKeeper (default: $ENGINE_WARM=1)",
+    )
+    parser.add_argument(
+        "--pre-load-seconds",
+        type=_non_negative,
+        default=env.get("ENGINE_PRE_LOAD_SECONDS", str(cal.TE_PRE_LOAD_SECONDS)),
+        help="emulated s of TE-Pre-Load at start: Python, NPU state, HCCL (DeepServe §6.1)",
     )
     parser.add_argument(
         "--role",
@@ -228,6 +257,12 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
         help="decode step scheduling: absolute deadlines (default) or relative (naive baseline)",
     )
     httpserving.add_arguments(parser, "ENGINE_", CONNECTION_LIMITS)
+    return parser
+
+
+def parse(argv: list[str] | None = None) -> EngineConfig:
+    env = os.environ
+    parser = _parser()
     args = parser.parse_args(argv)
     try:
         model = _model(args.model)
@@ -257,7 +292,9 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
             kv_plane=Plane(args.kv_plane),
             load_source=timing.LoadSource(args.load_source),
             concurrent_loaders=args.concurrent_loaders,
-            instance=env.get("POD_NAME", "engine"),
+            # a claimed warm pod reports under its assignment's instance name, not its pod's
+            instance=env.get("ENGINE_INSTANCE") or env.get("POD_NAME", "engine"),
+            pod=env.get("POD_NAME", ""),
             pod_uid=env.get("POD_UID", ""),
             pod_namespace=env.get("POD_NAMESPACE", "default"),
             group=args.group,
@@ -270,6 +307,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
             ),
             connection_limits=httpserving.limits_from(args),
             health_interval=args.health_interval,
+            pre_load_seconds=args.pre_load_seconds,
             link_timeout=args.link_timeout,
             loop_beat_interval=args.loop_beat_interval,
             hang_bound=args.hang_bound,
@@ -280,13 +318,102 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
             admission=args.admission,
         )
     except ValidationError as exc:
-        raise ConfigError(
-            "; ".join(
-                f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors()
-            )
-        ) from None
+        raise ConfigError(_errors(exc)) from None
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+class WarmConfig(BaseModel):
+    """A pre-warmed engine (issue 18, DeepServe §6.1): who and where it is, nothing of a model,
+    a role or a group; its assignment says those."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str
+    port: int = Field(ge=1, le=65535)
+    pod: str = Field(min_length=1)
+    pod_uid: str = Field(min_length=1)
+    namespace: str
+    node: str
+    superpod: str
+    npus: list[int]
+    dies: list[int] = Field(min_length=1)
+    roce_ips: list[str]
+    zookeeper: str
+    zookeeper_auth: zl.Credentials | None = None
+    time_scale: float = Field(gt=0, le=1e6)
+    pre_load_seconds: float = Field(ge=0)
+    connection_limits: httpserving.ConnectionLimits = CONNECTION_LIMITS
+    # What its server's local SSD holds (the node emulator's --ssd-models); its host DRAM's
+    # models come from the operator's DRAM plan (enginestub.engine.warm).
+    ssd_models: list[str] = []
+
+    @model_validator(mode="after")
+    def _consistent(self) -> WarmConfig:
+        _loopback(self.host)
+        if len(self.roce_ips) != len(self.dies):
+            raise ValueError(f"{len(self.roce_ips)} RoCE IPs for {len(self.dies)} dies")
+        return self
+
+
+def parse_warm(argv: list[str] | None = None) -> WarmConfig | None:
+    """The warm engine's configuration with ``--warm`` or ``$ENGINE_WARM=1``; None without.
+    A warm engine needs its pod's name and UID (an assignment is bound to both) and ZooKeeper."""
+    env = os.environ
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        warm = args.warm if args.warm is not None else _switch("ENGINE_WARM")
+        if not warm:
+            return None
+        if not args.zookeeper:
+            raise ValueError("a warm engine needs ZooKeeper (MATRIXSERVE_ZK or --zookeeper)")
+        for name in ("POD_NAME", "POD_UID"):
+            if not env.get(name):
+                raise ValueError(f"a warm engine needs ${name}: its assignment is bound to it")
+        paths = zl.WarmPaths(env.get("POD_NAMESPACE", "default"))  # valid names, or exit 2
+        paths.pod(env["POD_NAME"])
+        paths.dram(env.get("MATRIXSERVE_NODE_NAME", "local"))
+        dies = [int(d) for d in args.dies.split(",") if d.strip()]
+        return WarmConfig(
+            host=args.host,
+            port=args.port,
+            pod=env["POD_NAME"],
+            pod_uid=env["POD_UID"],
+            namespace=env.get("POD_NAMESPACE", "default"),
+            node=env.get("MATRIXSERVE_NODE_NAME", "local"),
+            superpod=env.get("MATRIXSERVE_SUPERPOD", "local"),
+            npus=[int(n) for n in _env_list("MATRIXSERVE_NPUS")],
+            dies=dies,
+            roce_ips=_env_list("MATRIXSERVE_ROCE_IPS") or [f"198.19.255.{d + 1}" for d in dies],
+            zookeeper=args.zookeeper,
+            zookeeper_auth=auth_from(parser, args),
+            time_scale=args.time_scale,
+            pre_load_seconds=args.pre_load_seconds,
+            connection_limits=httpserving.limits_from(args),
+            ssd_models=_env_list("MATRIXSERVE_SSD_MODELS"),
+        )
+    except ValidationError as exc:
+        raise ConfigError(_errors(exc)) from None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _errors(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors()
+    )
+
+
+def _non_negative(text: str) -> float:
+    """A finite number >= 0 (argparse names the flag when it is not one)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: a finite number >= 0 expected")
+    return value
 
 
 def _positive(text: str) -> float:

@@ -42,7 +42,9 @@ from typing import Any
 
 import httpx
 
+from enginestub import calibration as cal
 from enginestub import timing
+from enginestub.engine import fork
 from enginestub.engine.clock import Clock
 from enginestub.engine.config import EngineConfig
 from enginestub.engine.decode import DecodeBatch, Sequence
@@ -58,7 +60,7 @@ from enginestub.engine.progress import Progress
 from enginestub.engine.sharing import SharedResource
 from enginestub.engine.streams import OpenStreams
 from enginestub.engine.to_decode import DecodeForwarder
-from enginestub.fabric import link_bandwidth
+from enginestub.fabric import Plane, link_bandwidth, link_latency
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.engine_protocol import (
     EngineError,
@@ -88,12 +90,29 @@ STUCK_BOUNDS = 2.0
 
 class Engine:
     def __init__(
-        self, config: EngineConfig, metrics: EngineMetrics | None = None, clock: Clock | None = None
+        self,
+        config: EngineConfig,
+        metrics: EngineMetrics | None = None,
+        clock: Clock | None = None,
+        plan: fork.LoadPlan | None = None,
+        warm: bool = False,
+        started_wall: float | None = None,
+        pre_loaded: float = 0.0,
     ) -> None:
         self.config = config
         # Wall time the process began serving us (an engine is built first thing after its
-        # start or the zygote's fork): the health's readyAfter counts from it.
-        self.started_wall = time.time()
+        # start or the zygote's fork; a claimed warm pod's is its claim, given): the health's
+        # readyAfter counts from it.
+        self.started_wall = time.time() if started_wall is None else started_wall
+        # Issue 18: where the weights come from, and whether this is a claimed warm pod (its
+        # TE-Pre-Load paid before it is built: ``pre_loaded`` emulated s, said in its phases,
+        # 0 for a pod claimed while warm); DeepServe's phases as they went (emulated s).
+        self.plan = plan or fork.LoadPlan(config.load_source)
+        self.warm = warm
+        self.pre_loaded = pre_loaded
+        self.closing: str | None = None  # why this engine is going away, once it is
+        self.phases: dict[str, float] = {}
+        self.load_source: str = ""  # where the weights actually came from
         self.clock = clock or Clock(config.time_scale)
         self.metrics = metrics or EngineMetrics(config.role)
         self._role: str = config.role  # an "auto" instance's role is set by the resident process
@@ -130,6 +149,15 @@ class Engine:
         self.prober.on_change = self._health_changed
         self.receiver = ProbeReceiver(shared, self.kv_ingress, self._backpressure)
         self.streams = OpenStreams()
+        self.forks = fork.ForkServer(
+            config,
+            self.clock,
+            self.metrics,
+            lambda: self.holdings.egress_flows,
+            self._why_not_serving,
+            lambda: self.devices.slow_factor,
+        )
+        self.holdings.on_flows_change = self.forks.poke  # a fork shares the KV links
         self._tasks: list[asyncio.Task[None]] = []
         self.metrics.hbm_capacity.set(config.kv_capacity_bytes + config.weights_bytes)
         # Issue 16 finding 9: the gauges read the state at each scrape, so an emptied batch
@@ -139,6 +167,7 @@ class Engine:
         self.metrics.hbm_used.set_function(
             lambda: (config.weights_bytes if self.loaded else 0.0) + self.kv.reserved
         )
+        self.metrics.fork_targets.set_function(lambda: self.forks.active)
 
     @property
     def role(self) -> str:
@@ -168,34 +197,104 @@ class Engine:
             )
         self._tasks = [asyncio.create_task(loop, name=name) for name, loop in loops.items()]
 
+    def shutdown(self, why: str) -> None:
+        """The engine is going away (stopped, its resident process closing): it forks nobody
+        any more, and the forks under way are aborted (their targets fall back at once)."""
+        if self.closing is None:
+            self.closing = why
+        self.forks.shutdown(why)
+
     async def close(self) -> None:
+        self.shutdown("the engine is closing")
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.forks.close()
         await self.http.aclose()
         await self.prober.client.aclose()
 
-    async def load_model(
-        self, source: timing.LoadSource | None = None, concurrent: int | None = None
-    ) -> float:
-        """Load the weights (emulated time from the source's bandwidth); returns the seconds."""
-        source = source or self.config.load_source
-        seconds = timing.load_seconds(
-            self.config.model, self.shape, source, concurrent or self.config.concurrent_loaders
-        )
+    # ================================================================ start-up (DeepServe §6)
+    def _phase(self, name: str, seconds: float) -> None:
+        self.phases[name] = round(seconds, 6)
+        self.metrics.phase_seconds.labels(phase=name).set(seconds)
+
+    async def pre_load(self) -> None:
+        """TE-Pre-Load: Python libraries, NPU state, HCCL (DeepServe §6.1), emulated; nothing
+        more for a claimed warm pod, which paid it before it was built (what it paid in this
+        process is said: 0 for a pod claimed while warm, the whole for a process restarted in a
+        claimed pod)."""
+        if self.warm:
+            self._phase("TEPreLoad", self.pre_loaded)
+            return
         started = self.clock.now()
-        await self.clock.sleep(seconds)
-        self.load_seconds = self.clock.now() - started
-        self.loaded = True
+        await self.clock.sleep(self.config.pre_load_seconds)
+        self._phase("TEPreLoad", self.clock.now() - started)
+
+    async def load_model(self) -> float:
+        """TE-Load as the plan says (a fork first if one is named, its fallback if it fails),
+        then TE-Post-Load (offline-profiled block sizes and one dummy request, §6); the
+        instance is loaded after both. Returns TE-Load's emulated seconds."""
+        plan, cfg = self.plan, self.config
+        started = self.clock.now()
+        source, seconds = plan.source, None
+        if plan.fork is not None:
+            source, seconds = await self._fork_or_fallback(plan.fork, plan.fallback)
+        else:
+            await self.clock.sleep(self._load_time(source))
+        self.load_seconds = self.clock.now() - started if seconds is None else seconds
+        self.load_source = str(source)
+        self._phase("TELoad", self.load_seconds)
         self.metrics.load_seconds.labels(source=str(source)).set(self.load_seconds)
         log.info(
-            "model %s loaded from %s in %.2f emulated s",
-            self.config.model.name,
-            source,
-            self.load_seconds,
+            "model %s loaded from %s in %.2f emulated s", cfg.model.name, source, self.load_seconds
         )
+        post = self.clock.now()
+        await self.clock.sleep(cal.TE_POST_LOAD_SECONDS)
+        self._phase("TEPostLoad", self.clock.now() - post)
+        self.loaded = True
+        self._health_changed()
         return self.load_seconds
+
+    def _load_time(self, source: timing.LoadSource) -> float:
+        return timing.load_seconds(
+            self.config.model, self.shape, source, self.config.concurrent_loaders
+        )
+
+    async def _fork_or_fallback(
+        self, ref: zl.ForkRef, fallback: timing.LoadSource
+    ) -> tuple[timing.LoadSource, float | None]:
+        """NPU-fork from ``ref``'s source; on any failure, the fallback in full after the time
+        lost. A fork is given up once it took as long as the fallback would. Returns where the
+        weights came from and, for a fork, its TE-Load: the source's emulated transfer plus one
+        link latency for its answer (the loopback round trip is wall time, not the model's: at
+        a large time scale it would make a UB fork look slower than an SSD); None after a
+        fallback (the time measured, the fork's attempt included)."""
+        fallback_seconds = self._load_time(fallback)
+        bound = max(self.clock.to_wall(fallback_seconds), cal.FORK_WAIT_WALL_FLOOR_SECONDS)
+        began = self.clock.now()
+        try:
+            answer = await fork.fetch(self.http, self.config, ref, bound)
+        except fork.ForkFailed as exc:
+            log.warning(
+                "NPU-fork from %s failed after %.3f emulated s (%s): loading from %s",
+                ref.instance,
+                self.clock.now() - began,
+                exc,
+                fallback,
+            )
+            await self.clock.sleep(fallback_seconds)
+            return fallback, None
+        plane = Plane(ref.plane)
+        seconds = float(answer["seconds"]) + link_latency(plane, same_node=False)
+        log.info(
+            "NPU-forked from %s over %s: %.3f emulated s at the source, position %s",
+            ref.instance,
+            plane,
+            float(answer["seconds"]),
+            answer.get("position"),
+        )
+        return timing.fork_source_for(plane), seconds
 
     # ================================================================ health
     @property
@@ -228,6 +327,10 @@ class Engine:
             "role": self.role,
             "loaded": self.loaded,
             "serving": self.serving,
+            "warm": self.warm,
+            "phases": dict(self.phases),
+            "loadSource": self.load_source,
+            "forkTargets": self.forks.active,
             "unhealthyDies": {str(k): v for k, v in sorted(self.unhealthy_dies.items())},
             "faults": self.faults,
             "prefillSlots": {"used": self.prefill.slots, "max": self.config.max_batch},
@@ -280,7 +383,18 @@ class Engine:
             raise EngineError(409, "wrong_role", f"this instance is a {self.role} instance")
 
     def _health_changed(self) -> None:
+        self.forks.poke()  # a source that stops serving aborts its forks
         self.on_health_change()  # looked up now: the resident process sets it after start
+
+    def _why_not_serving(self) -> str | None:
+        """Why this instance cannot serve (or fork) now, or None."""
+        if self.closing is not None:
+            return self.closing
+        try:
+            self.check_serving()
+        except EngineError as exc:
+            return exc.message
+        return None
 
     def _devices_changed(self) -> None:
         """The device status changed: the health says it now, and the sub-links are probed
@@ -448,7 +562,10 @@ class Engine:
 
     # ================================================================ KV pull (prefill side)
     def kv_pull_meta(self, request_id: str) -> dict[str, Any]:
-        return self.holdings.pull_meta(request_id)
+        meta = self.holdings.pull_meta(request_id)
+        # A fork under way shares this instance's links on its plane: one flow more there.
+        meta["forkFlows"] = {str(p): self.forks.flows(p) for p in fork.FORK_PLANES}
+        return meta
 
     def kv_release(self, request_id: str) -> None:
         self.holdings.release(request_id)

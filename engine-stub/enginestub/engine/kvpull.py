@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -68,6 +69,9 @@ class KvHoldings(Part):
     def __init__(self, shared: Shared) -> None:
         super().__init__(shared)
         self.pending: dict[str, PendingKV] = {}
+        # Told when the pulls under way change: an NPU-fork out of this instance shares its
+        # links with them (issue 18).
+        self.on_flows_change: Callable[[], None] = lambda: None
 
     @property
     def egress_flows(self) -> int:
@@ -87,14 +91,18 @@ class KvHoldings(Part):
         """The request's stream ended: nothing is held for it any more."""
         if self.pending.get(pending.request_id) is pending:
             del self.pending[pending.request_id]
-        pending.pulling = False
+        if pending.pulling:
+            pending.pulling = False
+            self.on_flows_change()
         pending.ticket.release()
 
     def pull_meta(self, request_id: str) -> dict[str, Any]:
         pending = self.pending.get(request_id)
         if pending is None or pending.released.is_set():
             raise EngineError(404, "unknown_request", f"no KV held for request {request_id}")
-        pending.pulling = True
+        if not pending.pulling:
+            pending.pulling = True
+            self.on_flows_change()
         pending.ticket.progressed()  # a decode is pulling it
         return {
             "bytes": pending.nbytes,
@@ -111,7 +119,9 @@ class KvHoldings(Part):
         if pending is None or pending.released.is_set():
             return
         pending.released.set()
-        pending.pulling = False
+        if pending.pulling:
+            pending.pulling = False
+            self.on_flows_change()
         pending.ticket.release()
         self.metrics.kv_bytes.labels(plane=str(self.config.kv_plane), direction="out").inc(
             pending.nbytes
@@ -127,6 +137,7 @@ class _KvMeta:
     dies: int  # its RoCE addresses, one a die (0: not said)
     node: object
     superpod: object
+    fork_flows: dict[str, int]  # NPU-fork broadcasts out of it, by plane (issue 18)
 
     @classmethod
     def parse(cls, meta: Any) -> _KvMeta:
@@ -137,13 +148,32 @@ class _KvMeta:
         if not 0 <= nbytes < float("inf"):
             raise ValueError("bytes out of range")
         ips = meta.get("roceIps")
+        forks = meta.get("forkFlows") or {}
+        if not isinstance(forks, dict):
+            raise TypeError("forkFlows is not an object")
         return cls(
             nbytes,
-            max(int(meta["egressFlows"]), 1),
+            _flows(meta["egressFlows"], 1, MAX_EGRESS_FLOWS),
             len(ips) if isinstance(ips, list) else 0,
             meta.get("node"),
             meta.get("superpod"),
+            {str(plane): _flows(n, 0, 1) for plane, n in forks.items()},
         )
+
+
+# A prefill's pulls under way are at most its slots (EngineConfig.max_batch's bound), and a
+# source broadcasts on a plane through one chain: counts beyond are not believed.
+MAX_EGRESS_FLOWS = 4096
+
+
+def _flows(value: Any, low: int, high: int) -> int:
+    """A flow count from a peer's answer, clamped to ``[low, high]``; ValueError or TypeError
+    when it is not a number (``inf`` and ``NaN`` included)."""
+    try:
+        count = int(value)
+    except OverflowError:
+        raise ValueError(f"flow count {value!r} out of range") from None
+    return min(max(count, low), high)
 
 
 class KvPuller(Part):
@@ -187,7 +217,7 @@ class KvPuller(Part):
             )
         try:
             meta = _KvMeta.parse(response.json())
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, OverflowError):
             raise EngineError(
                 502, "kv_pull_failed", "the prefill's KV metadata is not understood"
             ) from None
@@ -197,7 +227,10 @@ class KvPuller(Part):
             plane = Plane.ROCE  # UB only reaches inside one SuperPod
         same_node = meta.node == self.config.node
         per_die = link_bandwidth(plane, same_node=same_node)
-        egress_cap = per_die * (meta.dies or len(self.config.dies)) / meta.egress_flows
+        # The prefill's egress, shared fairly by its pulls and any fork broadcast on this plane
+        # (a share fixed at the pull's start).
+        flows = meta.egress_flows + meta.fork_flows.get(str(plane), 0)
+        egress_cap = per_die * (meta.dies or len(self.config.dies)) / flows
         await self.clock.sleep(link_latency(plane, same_node))
         seconds = await self.ingress.consume(nbytes * self.faults.slow_factor, cap=egress_cap)
         self.metrics.kv_bytes.labels(plane=str(plane), direction="in").inc(nbytes)

@@ -69,8 +69,35 @@ class EngineMetrics:
         )
         self.phase_seconds = Gauge(
             "matrixserve_engine_setup_phase_seconds",
-            "Resident-process phase durations (emulated s)",
+            "Start-up phase durations (emulated s): DeepServe's TEPreLoad, TELoad, TEPostLoad;"
+            " the resident process's gather, link, load",
             ["phase"],
+            registry=r,
+        )
+        self.forks = Counter(
+            "matrixserve_engine_forks",
+            "NPU-fork requests served as a source, by outcome (served, invalid_request,"
+            " fork_not_assigned, fork_mismatch, plane_unreachable, not_ready, fork_busy,"
+            " fork_in_progress, fork_aborted)",
+            ["outcome"],
+            registry=r,
+        )
+        self.fork_bytes = Counter(
+            "matrixserve_engine_fork_bytes",
+            "Weights and compiled artefacts broadcast to fork targets, by plane",
+            ["plane"],
+            registry=r,
+        )
+        self.fork_targets = Gauge(
+            "matrixserve_engine_fork_targets",
+            "Fork targets this source is broadcasting to now (their pipeline filling included)",
+            registry=r,
+        )
+        self.dram_preloads = Counter(
+            "matrixserve_engine_dram_preloads",
+            "Models a warm engine pre-loaded into its server's host DRAM from the shared file"
+            " service, as its node's DRAM plan asked (DeepServe §6.2), by model",
+            ["model"],
             registry=r,
         )
         self.faults = Gauge(

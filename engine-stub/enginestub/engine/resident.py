@@ -18,6 +18,10 @@
    restarts); ``decode-meta`` tells a prefill where to forward (and which decodes' sub-links it
    probes); ``removed/`` stops traffic to logically removed instances, and when it names this
    one, closes its entrance side and ends its streams (issue 17 item 4).
+7. **Fork source** (issue 18, DeepServe §6.2): while it serves (loaded, not faulty, not removed,
+   not closing), an ephemeral ``forksources/<ns>/<key>/<group>.<instance>`` names it as a
+   source warm targets may fork from; written with each health write, so it goes as soon as the
+   instance stops qualifying.
 
 Health rule on faults (issue 17 item 1: Faulty, not silent): a die, NPU or HBM fault on this
 instance, or a hang of its serving loop, makes it ``state: Faulty`` with the typed faults (kind,
@@ -38,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 import uuid
 from typing import Any
@@ -46,12 +49,16 @@ from typing import Any
 import httpx
 
 from enginestub.engine.core import Engine
+from enginestub.engine.fork import artifacts, fork_key
+from enginestub.engine.zkbridge import SessionBridge
 from matrixserve import coordination
 from matrixserve.api import zk_layout as zl
-from matrixserve.coordination import Session, SessionState
+from matrixserve.api.engine_protocol import EngineError
+from matrixserve.coordination import Session
 
 log = logging.getLogger("enginestub.resident")
 LINK_WALL_FLOOR_SECONDS = 30.0
+FORK_GATE_SECONDS = 5.0  # wall s the fork gate waits for ZooKeeper to answer (then 503)
 
 
 class LinkError(Exception):
@@ -67,11 +74,17 @@ class Resident:
         self.namespace, self.group = cfg.group.split("/", 1)
         self.paths = zl.GroupPaths(self.namespace, self.group)
         self.instance = cfg.instance
+        # Issue 18: while it serves, this instance is a fork source under its content key.
+        self.fork_key = fork_key(cfg)
+        self.fork_source_path = zl.fork_source_path(
+            self.namespace, self.fork_key, self.group, self.instance
+        )
+        self.closing = False
         # This process's incarnation: a restarted engine (same pod, same IPs) is someone else
         # to its peers, since every link it had is gone.
         self.incarnation = uuid.uuid4().hex[:16]
         self.zk = Session(cfg.zookeeper, timeout=10.0, auth=cfg.zookeeper_auth)
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.bridge = SessionBridge(self.zk)
         self.roce_map: zl.RoceMap | None = None
         self.init_order: zl.InitOrder | None = None
         self.role: zl.Role | None = None
@@ -80,35 +93,17 @@ class Resident:
         self.ready_after = 0.0  # wall s from the process's start to its first Serving health
         self.gathered_after = 0.0  # ... and to the map that names it (the rest: link + load)
         self.ready = False
-        self.suspended = threading.Event()
         self._map_changed = asyncio.Event()
-        self._reregister = asyncio.Event()
         self._health_dirty = asyncio.Event()
         self._writes = asyncio.Lock()  # our ephemerals are written by one writer at a time
         self._task: asyncio.Task[None] | None = None
         self._removed_names: set[str] = set()
         engine.on_health_change = self._health_dirty.set
-
-    # ------------------------------------------------------------------ kazoo glue
-    def _call(self, fn: Any, *args: Any) -> None:
-        """Run a callback from a kazoo thread on our event loop."""
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(fn, *args)
-
-    def _on_state(self, state: SessionState) -> None:
-        if state is SessionState.SUSPENDED:
-            self.suspended.set()
-        elif state is SessionState.LOST:
-            self.suspended.set()
-            self._call(self._reregister.set)
-        else:
-            self.suspended.clear()
-            self._call(self._reregister.set)
+        engine.forks.gate = self.check_fork_target
 
     # ------------------------------------------------------------------ main
     async def start(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.zk.add_listener(self._on_state)
+        self.bridge.start()
         self._task = asyncio.create_task(self._connect_and_run(), name="resident")
 
     async def _connect_and_run(self) -> None:
@@ -135,7 +130,15 @@ class Resident:
     async def stop(self) -> None:
         """Stop the protocol (whether it runs or has failed) and close the ZooKeeper session, so
         its ephemeral report and health go at once, not after the session timeout (a restarted
-        container would otherwise find them and lose them again when the old session expires)."""
+        container would otherwise find them and lose them again when the old session expires).
+        The forks under way are aborted and the fork source entry goes first: a closing
+        instance forks nobody."""
+        self.closing = True
+        self.engine.shutdown(f"instance {self.instance} is closing")
+        if self.zk.connected:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(2.0), self._writes:
+                    await self.zk.run(self.zk.delete, self.fork_source_path)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(BaseException):  # cancelled, or the failure already logged
@@ -216,16 +219,16 @@ class Resident:
     # ------------------------------------------------------------------ watches
     def _watch(self) -> None:
         def on_init(data: bytes | None, _stat: Any) -> None:
-            self._call(self._set_init, data)
+            self.bridge.call(self._set_init, data)
 
         def on_map(data: bytes | None, _stat: Any) -> None:
-            self._call(self._set_map, data)
+            self.bridge.call(self._set_map, data)
 
         def on_meta(data: bytes | None, _stat: Any) -> None:
-            self._call(self._set_meta, data)
+            self.bridge.call(self._set_meta, data)
 
         def on_removed(children: list[str]) -> None:
-            self._call(self._set_removed, children)
+            self.bridge.call(self._set_removed, children)
 
         self.zk.watch_data(self.paths.init_order, on_init)
         self.zk.watch_data(self.paths.roce_map, on_map)
@@ -280,8 +283,6 @@ class Resident:
         """The peer side of a link: the caller must be in our map as it is (the same RoCE IPs
         and incarnation: a map that still names its previous incarnation is not proof), with
         the opposite role and the same number of devices."""
-        from enginestub.engine.core import EngineError
-
         if self.roce_map is None or self.role is None:
             raise EngineError(409, "not_linked", "this instance has no RoCE map yet")
         caller = body["instance"]
@@ -470,12 +471,15 @@ class Resident:
             loopBeat=engine.heartbeat.last_beat_wall,
             readyAfter=self.ready_after,
             gatheredAfter=self.gathered_after,
+            phases=engine.phases,
+            loadSource=engine.load_source,
+            warm=engine.warm,
         )
 
     async def _write_health(self) -> None:
         """Our health, owned by our session (see :meth:`_write_report`); deleted while the
         model is not loaded."""
-        if self.suspended.is_set() or not self.ready:
+        if self.bridge.suspended.is_set() or not self.ready:
             return
         path = self.paths.health_of(self.instance)
         health = self._health()
@@ -484,6 +488,82 @@ class Resident:
                 await self.zk.run(self.zk.delete, path)
                 return
             await self.zk.run(self.zk.own, path, health.dump())
+            await self._write_fork_source()
+
+    # ------------------------------------------------------------------ fork source (issue 18)
+    async def check_fork_target(self, pod: str, pod_uid: str) -> None:
+        """The fork gate: a target is served only if the operator sent it here, i.e. the
+        assignment of its pod (in this group's namespace, read by our own session) is of that
+        pod's UID and names this instance of this group as its fork source. Raises 403
+        ``fork_not_assigned``, or 503 ``not_ready`` while ZooKeeper cannot say."""
+        group = f"{self.namespace}/{self.group}"
+        try:
+            path = zl.WarmPaths(self.namespace).assignment(pod)
+        except ValueError:
+            raise EngineError(403, "fork_not_assigned", "no such pod", "pod") from None
+        unanswered = EngineError(
+            503, "not_ready", f"this source cannot read pod {pod}'s assignment now"
+        )
+        try:
+            async with asyncio.timeout(FORK_GATE_SECONDS):
+                raw = await self.zk.run(self.zk.get, path)
+        except TimeoutError:
+            raise unanswered from None
+        except coordination.ERRORS:
+            raise unanswered from None
+        try:
+            assignment = zl.Assignment.parse(raw) if raw else None
+        except ValueError:
+            assignment = None
+        fork = assignment.fork if assignment is not None else None
+        if (
+            assignment is None
+            or assignment.pod_uid != pod_uid
+            or fork is None
+            or (fork.group, fork.instance) != (group, self.instance)
+        ):
+            raise EngineError(
+                403,
+                "fork_not_assigned",
+                f"no assignment of pod {pod} (this UID) names {group}/{self.instance} as its "
+                "fork source",
+                "pod",
+            )
+
+    def _fork_source(self) -> zl.ForkSource | None:
+        """What this instance says as a fork source: only while it serves (loaded, not faulty,
+        not removed) and is not closing."""
+        engine, cfg = self.engine, self.engine.config
+        if self.closing or engine.closing is not None or not engine.serving:
+            return None
+        return zl.ForkSource(
+            key=self.fork_key,
+            model=cfg.model.name,
+            artifacts=artifacts(cfg),
+            group=f"{self.namespace}/{self.group}",
+            instance=self.instance,
+            podIP=cfg.host,
+            port=cfg.port,
+            node=cfg.node,
+            superpod=cfg.superpod,
+            dies=len(cfg.dies),
+            incarnation=self.incarnation,
+            ts=time.time(),
+        )
+
+    async def _write_fork_source(self) -> None:
+        """Our fork source entry (ephemeral, ours), or none when we do not qualify; with every
+        health write, so a fault or a removal takes it away at once."""
+        source = self._fork_source()
+        if source is None:
+            await self.zk.run(self.zk.delete, self.fork_source_path)
+            return
+
+        def write() -> None:
+            self.zk.ensure(self.fork_source_path.rsplit("/", 1)[0])
+            self.zk.own(self.fork_source_path, source.dump())
+
+        await self.zk.run(write)
 
     async def _keep_health(self) -> None:
         """The health every interval, and at once when it changed (a fault, a hang, a probe):
@@ -506,17 +586,11 @@ class Resident:
                 log.warning("health report not written (%s); retrying", type(exc).__name__)
 
     async def _keep_registered(self) -> None:
-        """After a (re)connection, our report and health again, retried every second until they
-        are written: on a server that lost its data the group's folders come back only when the
-        operator rebuilds them (an engine never creates them: a deleted group stays deleted)."""
-        while True:
-            self._reregister.clear()
-            await self._reregister.wait()
-            while not self.suspended.is_set() and not self._reregister.is_set():
-                try:
-                    await self._write_report()
-                    await self._write_health()
-                    break
-                except Exception as exc:  # kazoo's errors, a folder not there yet
-                    log.info("not registered again yet (%s); retrying", type(exc).__name__)
-                    await asyncio.sleep(1.0)
+        """After a (re)connection, our report and health again (an engine never creates the
+        group's folders: a deleted group stays deleted)."""
+
+        async def write() -> None:
+            await self._write_report()
+            await self._write_health()
+
+        await self.bridge.keep_registered(write, "the report and health")

@@ -7,6 +7,8 @@
 ``POST /v1/kv/{id}/release``    prefill: the decode has the KV; free the slot
 ``POST /v1/link/handshake``     link verification between peers (device k <-> device k)
 ``POST /v1/link/probe``         decode: a prefill's dummy payload over its sub-links (issue 17)
+``POST /v1/fork``               a fork source: broadcast weights and compiled artefacts to the
+                                calling warm target; answered when the transfer ends (issue 18)
 ``POST /v1/expert/forward``     expert server role: one expert's FFN for N tokens
 ``POST /v1/attention/step``     attention client role: one decode step with A2E/E2A hops
 ``POST|DELETE /v1/faults``      inject / heal: die-down, link-down, slow, hang, hbm-error
@@ -50,6 +52,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from enginestub import calibration as cal
 from enginestub.engine.core import Engine
+from enginestub.engine.fork import FORK_PATH
 from enginestub.engine.linkprobe import PROBE_PATH, Probe
 from enginestub.engine.streams import OpenStreams
 from matrixserve import httpserving
@@ -81,7 +84,7 @@ class _UnreadBody(EngineError):
     the answer closes it (a keep-alive client would otherwise send into the rest of it)."""
 
 
-def _error(exc: EngineError) -> web.Response:
+def error_response(exc: EngineError) -> web.Response:
     retry = RETRY_AFTER.get(exc.status)
     response = web.json_response(
         exc.body(), status=exc.status, headers={"Retry-After": retry} if retry else None
@@ -202,7 +205,7 @@ def build_app(
         try:
             return await handler(request)
         except EngineError as exc:
-            return _error(exc)
+            return error_response(exc)
 
     def loop_bound(handler: Handler) -> Handler:
         """A handler that needs the serving loop: it waits while the loop is hung (until it
@@ -323,6 +326,12 @@ def build_app(
         engine.require_role("decode")  # the side KV lands on
         return web.json_response(engine.receiver.receive(probe))
 
+    async def npu_fork(request: web.Request) -> web.Response:
+        """Issue 18 (DeepServe §6.2): a warm target asks for this instance's weights and compiled
+        artefacts; the answer comes when the emulated broadcast ends. Not bound to the serving
+        loop: the NPU's AICPUs move the data, its compute goes on serving."""
+        return web.json_response(await engine.forks.serve(await _json(request)))
+
     async def expert_forward(request: web.Request) -> web.Response:
         tokens = _count(await _json(request), "tokens", 1_000_000)
         engine.require_role("expert")
@@ -381,6 +390,7 @@ def build_app(
             web.post("/v1/kv/{rid}/release", loop_bound(kv_release)),
             web.post("/v1/link/handshake", link_handshake),
             web.post(PROBE_PATH, link_probe),
+            web.post(FORK_PATH, npu_fork),
             web.post("/v1/expert/forward", loop_bound(expert_forward)),
             web.post("/v1/attention/step", loop_bound(attention_step)),
             web.post("/v1/faults", faults),

@@ -98,6 +98,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="the cluster's service range (with --service-proxy): held with a machine-wide lock",
     )
+    run.add_argument(
+        "--ssd-models",
+        type=_models,
+        default=(),
+        metavar="MODEL[,MODEL]",
+        help="the models every server's local SSD holds: given to every pod as "
+        "$MATRIXSERVE_SSD_MODELS (a warm engine reports them; the operator may load from SSD)",
+    )
     run.add_argument("--log-level", default="INFO")
 
     fault = sub.add_parser("fault", help="inject (or --heal) a fault through a running emulator")
@@ -118,6 +126,14 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="nodes and pods of a running emulator (JSON)")
     _control_args(status)
     return parser
+
+
+def _models(text: str) -> tuple[str, ...]:
+    """``MODEL[,MODEL]``: model names (a preset's, or a group spec's), none empty, no spaces."""
+    models = tuple(m.strip() for m in text.split(","))
+    if not all(models) or any(any(c.isspace() for c in m) for m in models):
+        raise argparse.ArgumentTypeError(f"{text!r}: model names separated by commas expected")
+    return tuple(dict.fromkeys(models))
 
 
 def _control_args(parser: argparse.ArgumentParser) -> None:
@@ -212,6 +228,7 @@ async def _run(args: argparse.Namespace) -> int:
             service_proxy=args.service_proxy,
             delete_nodes_on_exit=args.delete_nodes_on_exit,
             zygote=not args.no_zygote,
+            ssd_models=args.ssd_models,
         ),
         api,
     )

@@ -23,10 +23,12 @@ def run_argv(
     servers: int,
     prefix: str | None = None,
     delete_nodes_on_exit: bool = True,
+    ssd_models: Sequence[str] = (),
     extra: Sequence[str] = (),
 ) -> list[str]:
     """``python -m enginestub.node run`` for ``superpods`` SuperPods of ``servers`` servers each,
-    state in ``state_dir``; ``extra`` flags follow (e.g. ``--service-proxy``)."""
+    state in ``state_dir``, every server's local SSD holding ``ssd_models``; ``extra`` flags
+    follow (e.g. ``--service-proxy``)."""
     argv = [
         sys.executable,
         "-m",
@@ -43,6 +45,8 @@ def run_argv(
         argv += ["--superpod-prefix", prefix]
     if delete_nodes_on_exit:
         argv.append("--delete-nodes-on-exit")
+    if ssd_models:
+        argv += ["--ssd-models", ",".join(ssd_models)]
     return [*argv, *extra]
 
 

@@ -1,6 +1,7 @@
 """What a pod's processes get from their node besides their own spec (SYSTEM.md §5): the Ascend
 device plugin's variables (granted NPUs, their dies' RoCE IPs and UB addresses, the node's device
-status file: CloudMatrix-Infer §3, P/D-Serve §3.2 and §3.4), the API server's address, the
+status file: CloudMatrix-Infer §3, P/D-Serve §3.2 and §3.4), what the server's local SSD holds
+(``--ssd-models``, issue 18), the API server's address, the
 service-account credentials a kubelet would mount, its Secret volumes' files, and the Secrets
 and ConfigMaps the pod's env refers to (fetched here so that :mod:`.podspec` stays pure).
 """
@@ -22,6 +23,9 @@ from enginestub.node.state import EmulatorConfig, NodeState, PodRecord
 
 # What a process inherits from the emulator's own environment (the rest is the pod's).
 ENV_PASSTHROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "VIRTUAL_ENV")
+# The models the server's local SSD holds (the emulator's --ssd-models), comma-separated: a warm
+# engine reports them as its WarmReport's ssdModels (issue 18).
+SSD_MODELS_ENV = "MATRIXSERVE_SSD_MODELS"
 
 
 class PodEnvironment:
@@ -50,6 +54,8 @@ class PodEnvironment:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        if self.config.ssd_models:
+            env[SSD_MODELS_ENV] = ",".join(self.config.ssd_models)
         if self.config.apiserver_host and self.config.apiserver_port:
             env["KUBERNETES_SERVICE_HOST"] = self.config.apiserver_host
             env["KUBERNETES_SERVICE_PORT"] = str(self.config.apiserver_port)

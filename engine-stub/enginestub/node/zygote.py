@@ -33,7 +33,8 @@ from typing import Any
 import enginestub.__main__
 import enginestub.engine.core
 import enginestub.engine.resident
-import enginestub.engine.server  # noqa: F401
+import enginestub.engine.server
+import enginestub.engine.warm  # noqa: F401
 
 
 def _child(spec: dict[str, Any], listener: socket.socket) -> None:

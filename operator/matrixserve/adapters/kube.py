@@ -23,7 +23,13 @@ from typing import Any
 
 from kubernetes import client, config
 
-from matrixserve.api.kinds import LABEL_SUPERPOD, NPU_RESOURCE, Kind
+from matrixserve.api.kinds import (
+    LABEL_SUPERPOD,
+    MANAGED_BY_LABEL,
+    NPU_RESOURCE,
+    OPERATOR_MANAGER,
+    Kind,
+)
 from matrixserve.domain.enginepod import ENGINE_CONTAINER
 from matrixserve.domain.observed import NodeView, PodView
 
@@ -113,6 +119,17 @@ class KubeAdapter:
             raise
         return body
 
+    async def objects(self, kind: Kind, namespace: str) -> list[dict[str, Any]]:
+        """Every object of ``kind`` in ``namespace``, as stored."""
+        found: dict[str, Any] = await asyncio.to_thread(
+            self.custom.list_namespaced_custom_object,
+            kind.group,
+            kind.version,
+            namespace,
+            kind.plural,
+        )
+        return list(found.get("items") or [])
+
     async def names(self, kind: Kind, namespaces: Sequence[str] = ()) -> set[tuple[str, str]]:
         """(namespace, name) of every object of ``kind`` in ``namespaces`` (all if none)."""
 
@@ -135,9 +152,12 @@ class KubeAdapter:
             for o in await asyncio.to_thread(listing)
         }
 
-    async def list_pods(self, namespace: str, labels: Mapping[str, str]) -> dict[str, PodView]:
-        """The namespace's pods carrying all of ``labels``, by name."""
-        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+    async def list_pods(
+        self, namespace: str, labels: Mapping[str, str], also: Sequence[str] = ()
+    ) -> dict[str, PodView]:
+        """The namespace's pods carrying all of ``labels`` (and matching the selector terms in
+        ``also``, e.g. ``"!key"``), by name."""
+        selector = ",".join([*(f"{k}={v}" for k, v in labels.items()), *also])
         pods = await asyncio.to_thread(
             self.core.list_namespaced_pod, namespace, label_selector=selector
         )
@@ -173,6 +193,15 @@ class KubeAdapter:
                 restarts=_engine_status(pod).restart_count if _engine_status(pod) else 0,
                 last_exit_at=_last_exit(pod),
                 restart_backoff=_restart_backoff(pod),
+                resource_version=pod.metadata.resource_version or "",
+                owner=next(
+                    (
+                        f"{o.kind}/{o.name}"
+                        for o in pod.metadata.owner_references or []
+                        if o.controller
+                    ),
+                    None,
+                ),
             )
         return out
 
@@ -200,6 +229,7 @@ class KubeAdapter:
                 not node.spec.unschedulable and not blocked,
                 int(allocatable) if allocatable is not None else 0,
                 down_since=down_since,
+                labels=dict(node.metadata.labels or {}),
             )
         self._nodes = (now, out)
         return out
@@ -291,16 +321,77 @@ class KubeAdapter:
                 return None
             raise
 
-    async def delete_pod(self, namespace: str, name: str, uid: str, force: bool = False) -> bool:
-        """Delete the pod of that UID; ``force``: grace period 0 (its server is down: the API
-        server removes it at once, no kubelet is waited for)."""
-        options = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
+    async def delete_pod(
+        self,
+        namespace: str,
+        name: str,
+        uid: str,
+        force: bool = False,
+        resource_version: str | None = None,
+    ) -> bool:
+        """Delete the pod of that UID (and, if given, still at that resourceVersion: a warm pod
+        claimed meanwhile is not deleted); ``force``: grace period 0 (its server is down: the
+        API server removes it at once, no kubelet is waited for)."""
+        options = client.V1DeleteOptions(
+            preconditions=client.V1Preconditions(uid=uid, resource_version=resource_version)
+        )
         if force:
             options.grace_period_seconds = 0
         try:
             await asyncio.to_thread(self.core.delete_namespaced_pod, name, namespace, body=options)
         except client.ApiException as exc:
             if exc.status in (404, 409):
+                return False
+            raise
+        return True
+
+    async def claim_pod(
+        self, namespace: str, name: str, resource_version: str, patch: Mapping[str, Any]
+    ) -> bool:
+        """Merge-patch the pod's metadata only if it is still at ``resource_version``
+        (optimistic concurrency: the API server refuses a patch carrying a stale
+        resourceVersion with 409). True if the claim is ours; False if someone changed the pod
+        first (another claim, a deletion) or it is gone."""
+        body = {"metadata": {**patch, "resourceVersion": resource_version}}
+        try:
+            # a JSON merge patch: ownerReferences replaced as a whole (a strategic merge would
+            # merge them by UID and keep the pool's controller reference beside the group's)
+            await asyncio.to_thread(
+                self.core.patch_namespaced_pod,
+                name,
+                namespace,
+                body,
+                _content_type="application/merge-patch+json",
+            )
+        except client.ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            raise
+        return True
+
+    async def ensure_priority_class(self, name: str, value: int, description: str) -> bool:
+        """The PriorityClass, created if absent (never changed: one made by an administrator
+        or a chart of that name is theirs). True if it was created now."""
+        api = client.SchedulingV1Api(self.api)
+        try:
+            await asyncio.to_thread(api.read_priority_class, name)
+            return False
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+        body = {
+            "apiVersion": "scheduling.k8s.io/v1",
+            "kind": "PriorityClass",
+            "metadata": {"name": name, "labels": {MANAGED_BY_LABEL: OPERATOR_MANAGER}},
+            "value": value,
+            "globalDefault": False,
+            "preemptionPolicy": "Never",
+            "description": description,
+        }
+        try:
+            await asyncio.to_thread(api.create_priority_class, body)
+        except client.ApiException as exc:
+            if exc.status == 409:
                 return False
             raise
         return True

@@ -48,6 +48,16 @@ def _verdict(data: bytes | None) -> Any:
     )
 
 
+def _parsed(model: Any, raw: bytes | None) -> Any:
+    """A payload, or None if absent or unreadable (a newer writer's, a torn one)."""
+    if raw is None:
+        return None
+    try:
+        return model.parse(raw)
+    except ValueError:
+        return None
+
+
 class GroupStore:
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -119,6 +129,39 @@ class GroupStore:
             raise ConnectionError("ZooKeeper is not connected")
         ops = action.znodes(zl.GroupPaths(namespace, group))
         await self.session.run(self.session.apply, ops)
+
+    # ------------------------------------------------------------------ warm pods (issue 18)
+    def _warm_sync(
+        self, namespace: str, model: str | None, waiting: Sequence[str]
+    ) -> tuple[dict[str, zl.WarmReport], list[zl.ForkSource], dict[str, str]]:
+        warm = zl.WarmPaths(namespace)
+        reports: dict[str, zl.WarmReport] = {}
+        sources: list[zl.ForkSource] = []
+        if model is not None:
+            for pod in self.session.children(warm.pods):
+                found = _parsed(zl.WarmReport, self.session.get(warm.pod(pod)))
+                if found is not None:
+                    reports[pod] = found
+            root = zl.fork_sources_root(namespace)
+            for key in self.session.children(root):
+                for leaf in self.session.children(f"{root}/{key}"):
+                    source = _parsed(zl.ForkSource, self.session.get(f"{root}/{key}/{leaf}"))
+                    if source is not None and source.model == model:
+                        sources.append(source)
+        assigned = {}
+        for pod in waiting:
+            found_assignment = _parsed(zl.Assignment, self.session.get(warm.assignment(pod)))
+            if found_assignment is not None:
+                assigned[pod] = found_assignment.pod_uid
+        return reports, sources, assigned
+
+    async def warm(
+        self, namespace: str, model: str | None, waiting: Sequence[str]
+    ) -> tuple[dict[str, zl.WarmReport], list[zl.ForkSource], dict[str, str]]:
+        """The namespace's warm engines' reports and the live fork sources of ``model`` (if
+        given: an instance is missing), and the assignments written for the claimed pods in
+        ``waiting`` (pod -> the UID it is for)."""
+        return await self.session.run(self._warm_sync, namespace, model, waiting)
 
     async def ensure(self, namespace: str, group: str, open_acl: bool = False) -> None:
         """The group's folders, made again where missing (the server lost its data).

@@ -22,6 +22,7 @@ GB = 1e9
 SERVERS_PER_SUPERPOD = 48  # 001 §3.3.3 "48 Ascend 910C nodes"
 NPUS_PER_SERVER = 8  # 001 §3.3.2
 DIES_PER_NPU = 2  # 001 §3.3.1 "dual-die package"
+HOST_DRAM_BYTES = 1.5e12  # 002 §6.2 "each machine has 1.5TB of DRAM" (pre-loading's room)
 DIE_HBM_BYTES = 64 * GB  # 001 §3.3.1 "64 GB per die"
 HBM_USABLE_FRACTION = 0.9  # [design] 10% of HBM kept for activations and comm buffers
 

@@ -55,6 +55,16 @@ LABEL_RACK = f"{LABEL_PREFIX}/rack"
 LABEL_SERVER = f"{LABEL_PREFIX}/server"
 LABEL_NPU_TYPE = f"{LABEL_PREFIX}/npu-type"
 LABEL_EMULATED = f"{LABEL_PREFIX}/emulated-node"  # set by the node emulator on its nodes
+# Issue 18: a warm pod's pool and shape; a claimed one also names the group that claimed it
+# (the claim is the label, written with the pod's resourceVersion as precondition).
+LABEL_WARMPOOL = f"{LABEL_PREFIX}/warmpool"
+LABEL_WARM_SHAPE = f"{LABEL_PREFIX}/warm-shape"
+LABEL_WARM_NPUS = f"{LABEL_PREFIX}/warm-npus"  # NPUs it holds (devicesPerPod)
+LABEL_CLAIMED_BY = f"{LABEL_PREFIX}/claimed-by"  # the PDGroup that claimed it
+ANNOTATION_CLAIM = f"{LABEL_PREFIX}/claim"  # JSON: instance, role, path, estimate, fork source, at
+# Warm pods hold NPUs at this PriorityClass: a serving pod that needs their NPUs preempts them.
+PRIORITY_CLASS_WARM = "matrixserve-warm"
+PRIORITY_WARM = -100
 ANNOTATION_SERVICE = f"{LABEL_PREFIX}/service"
 ANNOTATION_SCENARIO = f"{LABEL_PREFIX}/scenario"
 APP_NAME_LABEL = "app.kubernetes.io/name"

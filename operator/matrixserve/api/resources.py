@@ -329,10 +329,14 @@ class ExpertPoolSpec(_Spec):
 
 # --------------------------------------------------------------------------- WarmPool
 class WarmShape(_Spec):
-    name: str | None = Field(default=None, max_length=63)
+    name: str | None = Field(
+        default=None, max_length=40, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+    )
     size: int = Field(ge=0, le=4096)
     npu_type: str = Field(default="Ascend910C", alias="npuType", max_length=63)
     devices_per_pod: int = Field(alias="devicesPerPod", ge=1, le=64)
+    # where its pods go beside the NPU type (e.g. a SuperPod: matrixserve.io/superpod)
+    node_selector: dict[str, str] | None = Field(default=None, alias="nodeSelector")
 
 
 class DramPreload(_Spec):

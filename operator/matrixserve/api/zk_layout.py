@@ -17,6 +17,12 @@ JSON payloads (pydantic), no client. ``docs/zookeeper.md`` has the table of who 
         entrances/<instance>   PERSISTENT Entrance: a prefill open for requests    (operator)
         joining/<instance>     EPHEMERAL  Report of a role-less container joining  (engine)
         removed/<instance>     PERSISTENT Removal: logically removed, no traffic   (operator)
+    /matrixserve/v1/warm/<ns>/
+        pods/<pod>             EPHEMERAL  WarmReport: a warm pod past TE-Pre-Load   (engine)
+        assignments/<pod>      PERSISTENT Assignment: what a claimed pod becomes   (operator)
+        dram/<node>            PERSISTENT DramPlan: models to keep in host DRAM    (operator)
+    /matrixserve/v1/forksources/<ns>/<source key>/<group>.<instance>
+                               EPHEMERAL  ForkSource: a live instance that can fork (engine)
     /matrixserve/v1/expertpools/<ns>/<pool>/map            logical -> physical expert map
     /matrixserve/v1/expertpools/<ns>/<pool>/servers/<id>   EPHEMERAL, one per expert server
 
@@ -29,6 +35,7 @@ group carries the credential.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -48,7 +55,7 @@ class Role(StrEnum):
 
 
 def _check(name: str, what: str) -> str:
-    if not _NAME.match(name) or len(name) > 253:
+    if not _NAME.fullmatch(name) or len(name) > 253:
         raise ValueError(f"invalid {what} {name!r}: lower-case DNS name expected")
     return name
 
@@ -119,6 +126,62 @@ class GroupPaths:
         gateway can tell "no entrance open" from "not known here" (a server that lost the
         group's data) and keep routing by the group's status meanwhile."""
         return [self.reports, self.links, self.health, self.joining, self.removed]
+
+
+def warm_root() -> str:
+    return f"{ROOT}/warm"
+
+
+class WarmPaths:
+    """The warm pods of one namespace (issue 18, DeepServe §6.1): each warm engine reports
+    itself under ``pods/`` and waits for its ``assignments/`` znode, which the operator writes
+    when a group claims the pod."""
+
+    def __init__(self, namespace: str) -> None:
+        self.root = f"{warm_root()}/{_check(namespace, 'namespace')}"
+        self.pods = f"{self.root}/pods"
+        self.assignments = f"{self.root}/assignments"
+
+    def pod(self, name: str) -> str:
+        return f"{self.pods}/{_check(name, 'pod')}"
+
+    def assignment(self, name: str) -> str:
+        return f"{self.assignments}/{_check(name, 'pod')}"
+
+    def dram(self, node: str) -> str:
+        """The models the namespace's pools want in this server's host DRAM (a DramPlan)."""
+        return f"{self.root}/dram/{_check(node, 'node')}"
+
+
+def fork_sources_root(namespace: str | None = None) -> str:
+    if namespace is None:
+        return f"{ROOT}/forksources"
+    return f"{ROOT}/forksources/{_check(namespace, 'namespace')}"
+
+
+def fork_source_key(model: str, artifacts: str, expert_map: int | None = None) -> str:
+    """A fork source's content address (after ModelExpress's): the model, its compiled
+    artefacts' identity (:func:`artifact_id`) and, for MoE, the expert map's version. Only a
+    source with the same key can fork a target."""
+    base = re.sub(r"[^a-z0-9.-]", "-", model.lower()).strip("-.") or "model"
+    key = f"{base}.{artifacts}" + ("" if expert_map is None else f".em{expert_map}")
+    return _check(key, "fork source key")
+
+
+def fork_source_path(namespace: str, key: str, group: str, instance: str) -> str:
+    return (
+        f"{fork_sources_root(namespace)}/{_check(key, 'fork source key')}/"
+        f"{_check(group, 'group')}.{_check(instance, 'instance')}"
+    )
+
+
+def artifact_id(model: str, tp: int, ep: int, dies: int, engine_version: str) -> str:
+    """The identity of an instance's compiled artefacts (graphs, kernels): they depend on the
+    model, its parallelism, the dies they run on and the engine that compiled them. A target
+    forked from a source carries the source's artefacts, so both must agree on all of these
+    (Dynamo's ModelExpress: weights without the compiled caches leave minutes of work)."""
+    text = f"{model}|tp{tp}|ep{ep}|d{dies}|{engine_version}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 # --------------------------------------------------------------------------- operations
@@ -379,6 +442,12 @@ class Health(_Payload):
     # ... and to the RoCE map naming it: for a member of the group's first setup that includes
     # waiting for every other member to report, which a lone replacement does not wait for.
     gathered_after: float = Field(default=0.0, alias="gatheredAfter")
+    # Issue 18: the engine's own DeepServe phases (emulated seconds: "TEPreLoad", "TELoad",
+    # "TEPostLoad"; a claimed warm pod's TEPreLoad was paid before the claim and is 0) and where
+    # its weights came from (enginestub.timing.LoadSource: a fork that failed says its fallback).
+    phases: dict[str, float] = Field(default_factory=dict)
+    load_source: str = Field(default="", alias="loadSource")
+    warm: bool = False  # a claimed warm pod (its engine was up before the claim)
 
 
 class DecodeMeta(_Payload):
@@ -431,3 +500,102 @@ def verify_sub_links(prefill: MapEntry, decode: MapEntry) -> list[SubLink]:
         SubLink(device=k, prefillIp=p, decodeIp=d)
         for k, (p, d) in enumerate(zip(prefill.roce_ips, decode.roce_ips, strict=True))
     ]
+
+
+# --------------------------------------------------------------------------- warm pods (issue 18)
+class WarmReport(_Payload):
+    """A warm engine, past TE-Pre-Load (Python, NPU state, HCCL up; no model, no role), waiting
+    for an assignment (DeepServe §6.1). ``dramModels``: what its server's host DRAM holds."""
+
+    pod: str
+    pod_uid: str = Field(alias="podUid")
+    pod_ip: str = Field(alias="podIP")
+    port: int
+    node: str
+    superpod: str
+    npus: list[int] = Field(default_factory=list)
+    dies: list[int]
+    roce_ips: list[str] = Field(alias="roceIps")
+    incarnation: str
+    ts: float
+    pre_load_seconds: float = Field(default=0.0, alias="preLoadSeconds")  # emulated
+    dram_models: list[str] = Field(default_factory=list, alias="dramModels")
+    ssd_models: list[str] = Field(default_factory=list, alias="ssdModels")
+
+
+class ForkRef(_Payload):
+    """Where a forked target pulls its weights and compiled artefacts from."""
+
+    group: str  # "<namespace>/<name>" of the source's group
+    instance: str
+    pod_ip: str = Field(alias="podIP")
+    port: int
+    plane: str  # "UB" inside the SuperPod, "RoCE" across (enginestub.fabric.Plane values)
+    key: str  # the source's content address (fork_source_key): checked by the source
+
+
+class Assignment(_Payload):
+    """What a claimed warm pod becomes (operator -> engine): the settings a cold pod of that
+    instance would have in its environment, the instance name it reports under, and how to load
+    (a fork first when given, ``fallback`` if the fork fails). Bound to the pod's UID: an
+    assignment left for an earlier pod of the same name is not this one's."""
+
+    pod_uid: str = Field(alias="podUid")
+    group: str  # "<namespace>/<name>"
+    instance: str
+    env: dict[str, str]  # keys of ASSIGNMENT_ENV only
+    load_source: str = Field(alias="loadSource")  # enginestub.timing.LoadSource values
+    fork: ForkRef | None = None
+    fallback: str = "SharedFileService"
+    ts: float = 0.0
+
+
+class DramPlan(_Payload):
+    """The models a server's host DRAM should hold (DeepServe §6.2 pre-loading: "the cluster
+    manager predicts models that are likely to scale and pre-loads them into DRAM page cache
+    using pre-warmed TEs"), chosen by the WarmPool controller within the server's capacity. The
+    warm engines on the server load them (emulated time) and list them in their reports'
+    ``dramModels``; a model no longer listed is evicted."""
+
+    node: str
+    models: list[str] = Field(default_factory=list)
+    bytes: float = 0.0  # their total size
+    capacity_bytes: float = Field(default=0.0, alias="capacityBytes")
+    ts: float = 0.0
+
+
+# The engine settings an assignment may carry: the instance's own (the rest of a warm engine's
+# environment is its pod's: ZooKeeper, credentials, devices, node, fault injection, platform).
+ASSIGNMENT_ENV = frozenset(
+    {
+        "ENGINE_ROLE",
+        "ENGINE_MODEL",
+        "ENGINE_MAX_BATCH",
+        "ENGINE_MAX_PROMPT_TOKENS",
+        "ENGINE_MAX_OUTPUT_TOKENS",
+        "ENGINE_TP",
+        "ENGINE_EP",
+        "ENGINE_MTP",
+        "ENGINE_KV_PLANE",
+        "ENGINE_CONCURRENT_LOADERS",
+    }
+)
+
+
+class ForkSource(_Payload):
+    """A live, serving instance that can broadcast its weights and compiled artefacts to warm
+    targets (DeepServe §6.2 NPU-fork), written by the engine while it serves."""
+
+    key: str
+    model: str
+    artifacts: str
+    expert_map: int | None = Field(default=None, alias="expertMap")
+    group: str  # "<namespace>/<name>"
+    instance: str
+    pod_ip: str = Field(alias="podIP")
+    port: int
+    node: str
+    superpod: str
+    dies: int
+    incarnation: str
+    ts: float

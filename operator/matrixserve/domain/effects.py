@@ -47,6 +47,19 @@ class PodDeletion(Effect):
     name: str
     uid: str
     force: bool  # grace period 0: its server is down, no kubelet will finish a graceful one
+    # Also only while it is at this resourceVersion (None: any): a warm pod claimed meanwhile
+    # is not deleted by its pool.
+    resource_version: str | None = None
+
+
+class PodClaim(Effect):
+    """Claim pod ``name`` by merge-patching its metadata (labels, annotations, owner
+    references) with its ``resource_version`` as precondition: of two claims on one pod, the
+    API server lets one through and refuses the other (409), which is then not reported."""
+
+    name: str
+    resource_version: str
+    patch: Mapping[str, Any]
 
 
 class Notice(Effect):

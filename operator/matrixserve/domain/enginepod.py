@@ -79,6 +79,10 @@ class EngineSettings:
     admission: str = "reject"  # "queue" only for the gateway benchmark's baseline
     # POST/DELETE /v1/faults answered (tests, the demo) or refused with 403 (issue 16 finding 7)
     fault_injection: bool = False
+    # Issue 18: TE-Pre-Load's emulated seconds (None: the engine's calibrated value), and the
+    # scale-out paths the planner may take (empty: all; scaleout.Path values).
+    pre_load_seconds: str | None = None
+    scale_out_paths: tuple[str, ...] = ()
     # ZooKeeper's digest identity (None: open znodes). Engines read it from a Secret of this name
     # in their own namespace, mounted as a file (pod readers see the name, never the value),
     # which the operator writes there before it creates an engine pod. A distinctive name: a
@@ -128,6 +132,8 @@ def platform_env(settings: EngineSettings) -> list[dict[str, Any]]:
         {"name": "ENGINE_ADMISSION", "value": settings.admission},
         {"name": "ENGINE_FAULT_INJECTION", "value": "1" if settings.fault_injection else "0"},
     ]
+    if settings.pre_load_seconds is not None:
+        env.append({"name": "ENGINE_PRE_LOAD_SECONDS", "value": settings.pre_load_seconds})
     if settings.zookeeper_auth is not None:  # the file the credential volume holds
         env.append({"name": "MATRIXSERVE_ZK_AUTH_FILE", "value": CREDENTIALS_FILE})
     return env

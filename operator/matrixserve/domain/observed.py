@@ -45,6 +45,10 @@ class PodView:
     # CrashLoopBackOff message, "back-off 20s restarting failed container=..."); None when it
     # is not waiting in one.
     restart_backoff: float | None = None
+    # Issue 18: the pod's resourceVersion (a claim's precondition) and its controller owner
+    # ("Kind/name", None if none).
+    resource_version: str = ""
+    owner: str | None = None
 
     def label(self, key: str) -> str | None:
         return self.labels.get(key)
@@ -158,6 +162,7 @@ class NodeView:
     schedulable: bool  # not cordoned, no NoSchedule/NoExecute taint
     allocatable_npus: int
     down_since: float | None = None  # its Ready condition's last flip, while not Ready
+    labels: Mapping[str, str] = field(default_factory=dict)  # (issue 18: DRAM pre-load selectors)
 
 
 def on_nodes(pods: Mapping[str, PodView], nodes: Mapping[str, NodeView]) -> dict[str, PodView]:

@@ -100,6 +100,10 @@ class Estimates:
     relink: float = 0.5  # a new map version → the sub-links verified again
     retry_window: float = 10.0  # how long a transient fault is given to clear
     horizon: float = 600.0  # how long capacity masked for want of NPUs stays out (a repair)
+    # Issue 18: warm pods that could replace an instance of each role now, and the fastest warm
+    # path's seconds from the claim to serving (the scale-out path choice's estimate).
+    warm_pods: Mapping[zl.Role, int] = field(default_factory=dict)
+    warm_ready: Mapping[zl.Role, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -277,24 +281,41 @@ def options(
     held = withheld(fault, topology, faulty)
     # The faulty pods' NPUs return to the pool once they go, except those the fault withholds.
     fits = topology.free_npus is None or topology.free_npus >= held
-    out.append(
-        Option(
-            ActionKind.REPLACE,
-            faulty,
-            _cold(est),
-            lost_faulty,
-            0.0,
-            feasible=fits,
-            why=(
-                f"one new pod per faulty instance ({need} NPUs) linked in by dynamic RoCE "
-                "construction; nobody else restarts"
-                if fits
-                else f"{need} NPUs needed, {need - held} come back where the faulty pods "
-                f"ran, {topology.free_npus} free elsewhere"
-            ),
-            pods_restarted=_pods(topology, faulty),
+    warm = _warm(topology, est, faulty)
+    if warm is not None:  # a warm pod holds its own NPUs: no free ones needed
+        out.append(
+            Option(
+                ActionKind.REPLACE,
+                faulty,
+                {"podDelete": est.pod_delete, "warmReady": warm},
+                lost_faulty,
+                0.0,
+                feasible=True,
+                why="a warm pod claimed per faulty instance (past TE-Pre-Load, its weights by "
+                "the fastest warm path: a fork from a live member, DRAM, SSD) and linked in by "
+                "dynamic RoCE construction; nobody else restarts",
+                pods_restarted=_pods(topology, faulty),
+            )
         )
-    )
+    else:
+        out.append(
+            Option(
+                ActionKind.REPLACE,
+                faulty,
+                _cold(est),
+                lost_faulty,
+                0.0,
+                feasible=fits,
+                why=(
+                    f"one new pod per faulty instance ({need} NPUs) linked in by dynamic RoCE "
+                    "construction; nobody else restarts"
+                    if fits
+                    else f"{need} NPUs needed, {need - held} come back where the faulty pods "
+                    f"ran, {topology.free_npus} free elsewhere"
+                ),
+                pods_restarted=_pods(topology, faulty),
+            )
+        )
 
     out.append(_shrink(fault, topology, policy, est, faulty, fits))
 
@@ -316,6 +337,20 @@ def options(
         )
     )
     return out
+
+
+def _warm(topology: Topology, est: Estimates, faulty: tuple[str, ...]) -> float | None:
+    """The warm replacement's seconds from the claim to serving, if there is a warm pod for
+    every faulty instance (issue 18); None otherwise (a cold replacement)."""
+    if not faulty:
+        return None
+    need: dict[zl.Role, int] = {}
+    for name in faulty:
+        role = topology.members[name].role
+        need[role] = need.get(role, 0) + 1
+    if any(est.warm_pods.get(r, 0) < n or r not in est.warm_ready for r, n in need.items()):
+        return None
+    return max(est.warm_ready[r] for r in need)
 
 
 def _shrink(

@@ -29,7 +29,7 @@ caller passes every instance a pass needs at once (the PDGroup plan's ``obtain``
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -51,6 +51,42 @@ class Phase(StrEnum):
     TE_LOAD = "TELoad"
     TE_POST_LOAD = "TEPostLoad"
     SCALER_POST = "ScalerPost"
+
+
+TE_PRE_LOAD = Phase.TE_PRE_LOAD.value  # the engine's health names its phases the same way
+TE_LOAD = Phase.TE_LOAD.value
+TE_POST_LOAD = Phase.TE_POST_LOAD.value
+
+# The operator's priors before it has seen an engine go through a phase (emulated seconds; each
+# replaced by what the group's engines report). [design] DeepServe §6.1 gives no per-phase
+# figure for TE-Pre-Load beyond "the majority of startup time"; the engine stub's value.
+PRIOR_TE_PRE_LOAD_SECONDS = 20.0
+PRIOR_TE_POST_LOAD_SECONDS = 0.5  # [design] warm-up replaced by profiled sizes + a dummy request
+# Nominal rates of each load path (the platform's, as the engine stub is calibrated): UB 164 GB/s
+# per die (CloudMatrix-Infer T1), RoCE 200 Gbps per die (001 §3.3.1), host DRAM 8.4 GB/s per NPU
+# plus 0.3 s tensor init (001 Table 2's warm start; 002 §6.2), SSD 400 Gbps per node (001 §4.4.1),
+# the shared file service 2.1 GB/s per bucket (001 Table 2's cold start).
+_GB = 1e9
+PRIOR_RATES = {
+    "NPUForkUB": 164 * _GB,  # per die
+    "NPUForkRoCE": 25 * _GB,  # per die
+    "HostDRAM": 8.4 * _GB,  # per NPU
+    "SSD": 50 * _GB,
+    "SharedFileService": 2.1 * _GB,
+}
+TENSOR_INIT_SECONDS = 0.3  # 002 §6.2
+
+
+def prior_load_seconds(weights: float, dies: int, npus: int) -> dict[str, float]:
+    """TE-Load by source before any is observed (emulated seconds)."""
+    dies, npus = max(dies, 1), max(npus, 1)
+    return {
+        "NPUForkUB": weights / dies / PRIOR_RATES["NPUForkUB"],
+        "NPUForkRoCE": weights / dies / PRIOR_RATES["NPUForkRoCE"],
+        "HostDRAM": weights / npus / PRIOR_RATES["HostDRAM"] + TENSOR_INIT_SECONDS,
+        "SSD": weights / PRIOR_RATES["SSD"],
+        "SharedFileService": weights / PRIOR_RATES["SharedFileService"],
+    }
 
 
 # Where each path's weights come from (the engine's load source names them the same way).
@@ -144,21 +180,28 @@ def choose(
     pods: Sequence[WarmPod],
     sources: Sequence[ForkSource],
     est: Estimates,
+    allowed: Collection[Path] = (),
 ) -> list[Choice]:
-    """A path for each wanted instance, in order: the fastest feasible by estimate, never one
+    """A path for each wanted instance, in order: the fastest feasible by estimate (among
+    ``allowed``, if given: an instance with no allowed path gets no choice and waits), never one
     warm pod twice, never a source past its fan-out."""
     free = list(pods)
     load = {s.instance: s.busy for s in sources}
+    permitted = set(allowed) or set(Path)
     out = []
     for want in wants:
-        options: dict[Path, tuple[float, WarmPod | None, ForkSource | None]] = {
-            Path.COLD: (sum(est.phases(Path.COLD).values()), None, None)
-        }
+        options: dict[Path, tuple[float, WarmPod | None, ForkSource | None]] = {}
+        if Path.COLD in permitted:
+            options[Path.COLD] = (sum(est.phases(Path.COLD).values()), None, None)
         for pod in (p for p in free if p.npus == want.npus):
             for path, source in _warm_paths(want, pod, sources, load):
+                if path not in permitted:
+                    continue
                 total = sum(est.phases(path).values())
                 if path not in options or total < options[path][0]:
                     options[path] = (total, pod, source)
+        if not options:
+            continue
         path = min(options, key=lambda p: (options[p][0], list(Path).index(p)))
         _, taken, fork = options[path]
         if taken is not None:

@@ -33,6 +33,7 @@ from matrixserve.domain.effects import (
     Effect,
     Event,
     Notice,
+    PodClaim,
     PodCreation,
     PodDeletion,
     ZnodeChange,
@@ -266,7 +267,15 @@ class Reconciler:
                 taken.add(pod)
         elif isinstance(action, PodDeletion):
             changed = await self.kube.delete_pod(
-                namespace, action.name, action.uid, force=action.force
+                namespace,
+                action.name,
+                action.uid,
+                force=action.force,
+                resource_version=action.resource_version,
+            )
+        elif isinstance(action, PodClaim):
+            changed = await self.kube.claim_pod(
+                namespace, action.name, action.resource_version, action.patch
             )
         elif isinstance(action, ZnodeChange):
             await znodes(action)

@@ -5,6 +5,7 @@
 - :mod:`.membership` — gathering, dynamic RoCE construction, release, traffic;
 - :mod:`.status` — status, conditions and readiness;
 - :mod:`.pods` — the instance's pods (names, labels, manifest);
+- :mod:`.obtain` — how missing instances come: a warm pod claimed, or a cold pod (issue 18);
 - :mod:`.validation` — the cross-field rules of the webhook and the reconciler;
 - :mod:`.plan` — the stages composed, with the seams where the ratio policy, the scale-out
   path and recovery plug in.
@@ -13,7 +14,7 @@ This package imports only ``matrixserve.api`` and the kind-neutral parts of
 ``matrixserve.domain``; no other kind's package (``make lint`` checks it).
 """
 
-from matrixserve.domain.pdgroup.plan import Plan, Seams, plan, spec_pod_names
+from matrixserve.domain.pdgroup.plan import Plan, Seams, plan, spec_pod_names, warm_needed
 from matrixserve.domain.pdgroup.view import GroupView, ZkView
 
-__all__ = ["GroupView", "Plan", "Seams", "ZkView", "plan", "spec_pod_names"]
+__all__ = ["GroupView", "Plan", "Seams", "ZkView", "plan", "spec_pod_names", "warm_needed"]

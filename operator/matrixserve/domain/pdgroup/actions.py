@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from matrixserve.api import zk_layout as zl
-from matrixserve.domain.effects import Event, Notice, PodCreation, PodDeletion, ZnodeChange
+from matrixserve.domain.effects import (
+    Event,
+    Notice,
+    PodClaim,
+    PodCreation,
+    PodDeletion,
+    ZnodeChange,
+)
 from matrixserve.domain.pdgroup.pods import role_label
 
 
@@ -201,8 +208,61 @@ class ClearRemoved(_GroupZnodes):
         return [zl.Delete(paths.removed_of(self.name))]
 
 
+# --------------------------------------------------------------------------- warm pods (issue 18)
+@dataclass(frozen=True)
+class ClaimWarmPod(PodClaim):
+    """Claim a warm pod for a new instance: its labels, annotations and owner become the
+    group's, on the condition that it is still at ``resource_version`` (two claims on one pod:
+    the API server lets one through)."""
+
+    name: str
+    resource_version: str
+    instance: str
+    role: zl.Role
+    path: str
+    estimate: float
+    fork_source: str | None = None
+    patch: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def describe(self) -> Event:
+        via = f" from {self.fork_source}" if self.fork_source else ""
+        return Event(
+            "ClaimedWarmPod",
+            f"Claimed warm pod {self.name} as {role_label(self.role)} instance {self.instance}: "
+            f"{self.path}{via}, estimated {self.estimate:.1f} s",
+        )
+
+
+@dataclass(frozen=True)
+class AssignWarmPod(ZnodeChange[zl.GroupPaths]):
+    """Tell a claimed warm pod's engine what it becomes (its assignment znode, bound to the
+    pod's UID). Written while the pod has not reported to the group, so an operator that died
+    between the claim and this write writes it after its restart."""
+
+    namespace: str
+    pod: str
+    instance: str
+    assignment: zl.Assignment
+
+    def znodes(self, paths: zl.GroupPaths) -> list[zl.ZnodeOp]:
+        return [zl.Put(zl.WarmPaths(self.namespace).assignment(self.pod), self.assignment.dump())]
+
+    def describe(self) -> Event:
+        fork = self.assignment.fork
+        how = (
+            f"fork from {fork.instance} over {fork.plane}, else {self.assignment.fallback}"
+            if fork
+            else self.assignment.load_source
+        )
+        return Event(
+            "AssignedWarmPod", f"Assigned warm pod {self.pod} to instance {self.instance}: {how}"
+        )
+
+
 Action = (
     CreatePod
+    | ClaimWarmPod
+    | AssignWarmPod
     | DeletePod
     | ReportPodTrouble
     | ReportRecovery

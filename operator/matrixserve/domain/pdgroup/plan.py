@@ -6,8 +6,9 @@ The stages, in order (P/D-Serve §3.2-3.4):
    should have. Today the spec's replicas; the ratio policy (Eq. (1), the feedback rule) plugs in
    here.
 2. **Obtaining instances** — seam ``Seams.obtain``: how the missing instances' pods come to be
-   (all of this pass's at once).
-   Today a cold start (a new role-less pod); a warm-pool claim or an NPU-fork plugs in here.
+   (all of this pass's at once): a warm pod claimed (loading by NPU-fork, DRAM, SSD or the
+   shared file service) where faster by estimate, else a cold start (a new role-less pod)
+   (:mod:`.obtain`, issue 18); each claimed pod's assignment follows.
 3. Without coordination (ZooKeeper session not connected) nothing destructive is planned: only
    missing pods are obtained; the status keeps what was last known (entrances, map version,
    instances: the gateway routes by it) and says ``Coordinated=False`` since when. The same
@@ -27,13 +28,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain.conditions import Condition, find, seconds_since
 from matrixserve.domain.pdgroup import membership, recovery, status
-from matrixserve.domain.pdgroup.actions import Action, CreatePod, DeletePod
+from matrixserve.domain.pdgroup.actions import Action, DeletePod
 from matrixserve.domain.pdgroup.membership import RoleCounts
-from matrixserve.domain.pdgroup.pods import pod_manifest, pod_names
+from matrixserve.domain.pdgroup.obtain import (
+    assignments,
+    last_scale,
+    missing_pods,
+    warm_or_cold,
+)
+from matrixserve.domain.pdgroup.pods import pod_names
 from matrixserve.domain.pdgroup.view import GroupView
 
 
@@ -51,29 +59,6 @@ def counts_from_spec(view: GroupView) -> RoleCounts:
     return RoleCounts(view.spec.prefill.replicas, view.spec.decode.replicas)
 
 
-def missing_pods(view: GroupView, instance: str, role: zl.Role) -> list[str]:
-    spec = view.spec.prefill if role is zl.Role.PREFILL else view.spec.decode
-    return [p for p in pod_names(instance, spec.pods_per_instance) if p not in view.pods]
-
-
-def cold_start(view: GroupView, missing: Mapping[str, zl.Role]) -> list[Action]:
-    """A new, role-less pod for each missing pod of each instance. (Every pod of an instance
-    gets the same engine settings: instances are one pod until ``podsPerInstance`` > 1 comes
-    with its leader/worker roles.)"""
-    return [
-        CreatePod(
-            pod,
-            role,
-            pod_manifest(
-                view.namespace, view.name, view.uid, pod, role, view.spec, view.engine, instance
-            ),
-        )
-        for instance, role in missing.items()
-        for pod in missing_pods(view, instance, role)
-        if pod not in view.foreign  # taken: creating it would only be refused again
-    ]
-
-
 def spec_pod_names(group: str, spec: PDGroupSpec) -> list[str]:
     """The pod names the spec's replicas ask for (to see whether another owner holds one)."""
     desired = membership.desired_instances(
@@ -88,6 +73,20 @@ def spec_pod_names(group: str, spec: PDGroupSpec) -> list[str]:
     ]
 
 
+def warm_needed(view: GroupView, seams: Seams | None = None) -> tuple[bool, list[str]]:
+    """What this pass must read of the warm pods (issue 18): whether an instance is missing a
+    pod (the warm pods and fork sources are then read), and the claimed pods that have not
+    reported (their assignments are then read)."""
+    desired = membership.desired_instances(view.name, (seams or TODAY).counts(view))
+    missing = any(missing_pods(view, n, r) for n, r in desired.items())
+    waiting = [
+        p.name
+        for p in view.pods.values()
+        if view.claimed(p) and p.label(kinds.LABEL_INSTANCE) not in view.reports
+    ]
+    return missing, waiting
+
+
 def no_faults(view: GroupView, roce_map: zl.RoceMap | None) -> recovery.RecoveryPass:
     return recovery.RecoveryPass()
 
@@ -99,7 +98,7 @@ class Seams:
     counts: Callable[[GroupView], RoleCounts] = counts_from_spec
     # All the instances missing a pod this pass at once, so one source (a warm pod, a fork
     # peer) is never promised to two of them.
-    obtain: Callable[[GroupView, Mapping[str, zl.Role]], list[Action]] = cold_start
+    obtain: Callable[[GroupView, Mapping[str, zl.Role]], list[Action]] = warm_or_cold
     faults: Callable[[GroupView, zl.RoceMap | None], recovery.RecoveryPass] = recovery.recover
 
 
@@ -161,6 +160,7 @@ def plan(view: GroupView, seams: Seams = TODAY) -> Plan:
         ]
         out["lastRecovery"] = healing.last
         out["deferred"] = sorted(healing.deferred)
+        out["lastScale"] = last_scale(view)
         conditions = status.recovering(conditions, healing.recovering)
     return Plan(actions, out, conditions, derived.ready and not healing.recovering)
 
@@ -177,6 +177,7 @@ def _actions(
     actions: list[Action] = seams.obtain(view, missing) if missing else []
     if not zk.connected:
         return actions, zk.roce_map, "ZooKeeper is not connected"
+    actions += assignments(view)
     actions += healing.actions
     if healing.restarting_group and any(isinstance(a, DeletePod) for a in healing.actions):
         return actions, zk.roce_map, None  # this pass deletes every pod: nothing else

@@ -81,23 +81,10 @@ def pod_manifest(
     spec: PDGroupSpec,
     settings: EngineSettings,
     instance: str | None = None,
+    loaders: int = 1,
 ) -> dict[str, Any]:
     r = spec.prefill if role is zl.Role.PREFILL else spec.decode
-    env: list[dict[str, Any]] = [
-        *downward_env(),
-        {"name": "ENGINE_ROLE", "value": "auto"},
-        {"name": "ENGINE_MODEL", "value": spec.model.name},
-        {"name": "ENGINE_MAX_BATCH", "value": str(r.batch_size)},
-        {"name": "ENGINE_MAX_PROMPT_TOKENS", "value": str(spec.model.max_context_tokens)},
-        {"name": "ENGINE_MAX_OUTPUT_TOKENS", "value": str(spec.model.max_context_tokens)},
-        *platform_env(settings),
-        {"name": "MATRIXSERVE_GROUP", "value": f"{namespace}/{group}"},
-        {"name": "MATRIXSERVE_ZK", "value": settings.zookeeper},
-    ]
-    if r.parallelism.tp:
-        env.append({"name": "ENGINE_TP", "value": str(r.parallelism.tp)})
-    if r.parallelism.ep:
-        env.append({"name": "ENGINE_EP", "value": str(r.parallelism.ep)})
+    env = [*downward_env(), *engine_env(namespace, group, role, spec, settings, loaders)]
     volumes = [*scratch_volumes(), *credential_volumes(settings)]
     container = engine_container(
         r.image, env, r.devices_per_instance, r.resources, credential_mounts(settings)
@@ -109,22 +96,8 @@ def pod_manifest(
             "name": name,
             "namespace": namespace,
             "labels": pod_labels(group, role, instance or name),
-            "annotations": {
-                kinds.ANNOTATION_SERVICE: spec.service,
-                kinds.ANNOTATION_SCENARIO: spec.scenario,
-                # what it is made from: the reconciler refuses a spec that differs from it
-                ANNOTATION_TEMPLATE: stamp(spec, role_label(role)),
-            },
-            "ownerReferences": [
-                {
-                    "apiVersion": kinds.API_VERSION,
-                    "kind": kinds.PDGROUP.kind,
-                    "name": group,
-                    "uid": group_uid,
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
+            "annotations": pod_annotations(spec, role),
+            "ownerReferences": [owner(group, group_uid)],
         },
         "spec": {
             "restartPolicy": "Always",
@@ -138,3 +111,55 @@ def pod_manifest(
             "volumes": volumes,
         },
     }
+
+
+def pod_annotations(spec: PDGroupSpec, role: zl.Role) -> dict[str, str]:
+    return {
+        kinds.ANNOTATION_SERVICE: spec.service,
+        kinds.ANNOTATION_SCENARIO: spec.scenario,
+        # what it is made from: the reconciler refuses a spec that differs from it
+        ANNOTATION_TEMPLATE: stamp(spec, role_label(role)),
+    }
+
+
+def owner(group: str, group_uid: str) -> dict[str, Any]:
+    return {
+        "apiVersion": kinds.API_VERSION,
+        "kind": kinds.PDGROUP.kind,
+        "name": group,
+        "uid": group_uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def engine_env(
+    namespace: str,
+    group: str,
+    role: zl.Role,
+    spec: PDGroupSpec,
+    settings: EngineSettings,
+    loaders: int = 1,
+) -> list[dict[str, Any]]:
+    """The engine's settings for an instance of ``role`` (beside the downward API's): what a
+    cold pod gets in its environment, and a claimed warm pod in its assignment (issue 18).
+    ``loaders``: the instances started together that load from the shared file service (they
+    share its bucket: CloudMatrix-Infer Table 2's 8-instance cold start)."""
+    r = spec.prefill if role is zl.Role.PREFILL else spec.decode
+    env: list[dict[str, Any]] = [
+        {"name": "ENGINE_ROLE", "value": "auto"},
+        {"name": "ENGINE_MODEL", "value": spec.model.name},
+        {"name": "ENGINE_MAX_BATCH", "value": str(r.batch_size)},
+        {"name": "ENGINE_MAX_PROMPT_TOKENS", "value": str(spec.model.max_context_tokens)},
+        {"name": "ENGINE_MAX_OUTPUT_TOKENS", "value": str(spec.model.max_context_tokens)},
+        *platform_env(settings),
+        {"name": "MATRIXSERVE_GROUP", "value": f"{namespace}/{group}"},
+        {"name": "MATRIXSERVE_ZK", "value": settings.zookeeper},
+    ]
+    if r.parallelism.tp:
+        env.append({"name": "ENGINE_TP", "value": str(r.parallelism.tp)})
+    if r.parallelism.ep:
+        env.append({"name": "ENGINE_EP", "value": str(r.parallelism.ep)})
+    if loaders > 1:
+        env.append({"name": "ENGINE_CONCURRENT_LOADERS", "value": str(loaders)})
+    return env

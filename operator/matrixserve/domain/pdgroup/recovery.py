@@ -57,6 +57,7 @@ from matrixserve.domain.pdgroup.actions import (
 )
 from matrixserve.domain.pdgroup.pods import role_of
 from matrixserve.domain.pdgroup.view import GroupView
+from matrixserve.domain.pdgroup.warm import warm_replacement
 
 SESSION_GRACE_SECONDS = 10.0  # a report gone this long, its pod unready: the session is lost
 DEADLINE_FACTOR = 4.0  # a recovery not done within 4x its prediction (and a minute) failed
@@ -254,11 +255,6 @@ def free_npus(view: GroupView) -> int | None:
 def estimates(view: GroupView) -> rc.Estimates:
     """Each restore term, learned from the group's members where they show it: a pod's start
     (created → container running) and an engine's time to serve (its health's ``readyAfter``)."""
-    starts = [
-        p.running_since - p.created_at
-        for p in view.pods.values()
-        if p.running_since is not None and p.restarts == 0 and p.running_since >= p.created_at
-    ]
     # A replacement's time to serve: a member's own link + load (its readyAfter less its wait
     # for the map), plus the shortest wait for the map any member had (a lone newcomer's join;
     # a first-setup member's wait also counts the others' reports).
@@ -272,14 +268,17 @@ def estimates(view: GroupView) -> rc.Estimates:
         for h in said
     ]
     base = rc.Estimates()
+    warm = {role: warm_replacement(view, role) for role in (zl.Role.PREFILL, zl.Role.DECODE)}
     return rc.Estimates(
         pod_delete=base.pod_delete,
-        pod_start=statistics.median(starts) if starts else base.pod_start,
+        pod_start=view.learned_pod_start(base.pod_start),
         engine_ready=statistics.median(ready) if ready else base.engine_ready,
         restart_backoff=0.0,
         relink=base.relink,
         retry_window=max(base.retry_window, 2 * view.health_interval),
         horizon=base.horizon,
+        warm_pods={r: n for r, (n, _) in warm.items()},
+        warm_ready={r: t for r, (_, t) in warm.items() if t is not None},
     )
 
 

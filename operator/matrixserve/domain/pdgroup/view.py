@@ -3,6 +3,7 @@ subtree, and how the platform starts engines. Frozen; built by the handler each 
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -54,11 +55,33 @@ class GroupView:
     foreign: Mapping[str, str] = field(default_factory=dict)
     # The servers the scheduler may place on (read for recovery: free NPUs), by name.
     nodes: Mapping[str, NodeView] = field(default_factory=dict)
+    # Issue 18, read only when an instance is missing: the namespace's unclaimed warm pods (by
+    # name), their engines' reports, and the live instances that can fork the group's model.
+    warm_pods: Mapping[str, PodView] = field(default_factory=dict)
+    warm_reports: Mapping[str, zl.WarmReport] = field(default_factory=dict)
+    fork_sources: tuple[zl.ForkSource, ...] = ()
+    # The group's claimed pods whose assignment (of that pod's UID) is written.
+    assigned: frozenset[str] = frozenset()
+
+    def learned_pod_start(self, default: float) -> float:
+        """A pod's start as the group's pods showed it (created -> its container running; the
+        median of those never restarted), else ``default``."""
+        starts = [
+            p.running_since - p.created_at
+            for p in self.pods.values()
+            if p.running_since is not None and p.restarts == 0 and p.running_since >= p.created_at
+        ]
+        return statistics.median(starts) if starts else default
+
+    def claimed(self, pod: PodView) -> bool:
+        """A warm pod this group claimed (it keeps the warm pod's name)."""
+        return pod.label(kinds.LABEL_CLAIMED_BY) == self.name
 
     @cached_property
     def instances(self) -> dict[str, InstanceView]:
         """The group's pods gathered into instances: a pod belongs to the instance its label
-        names only if its name is one of that instance's pod names; any other pod (a stray
+        names only if its name is one of that instance's pod names, or it is a warm pod the
+        group claimed for that instance (issue 18); any other pod (a stray
         carrying the group's label) is an instance of its own, which the plan releases."""
         return group_instances(self.pods, self._instance_of)
 
@@ -66,6 +89,8 @@ class GroupView:
         instance = pod.label(kinds.LABEL_INSTANCE)
         if instance is None:
             return pod.name
+        if self.claimed(pod):
+            return instance
         role = self.spec.prefill if role_of(pod) is zl.Role.PREFILL else self.spec.decode
         return instance if pod.name in pod_names(instance, role.pods_per_instance) else pod.name
 

@@ -72,6 +72,25 @@ class PDGroupMetrics:
             ["fault", "action", "outcome"],
             registry=registry,
         )
+        # Issue 18: each scale operation's DeepServe phases (engine phases, emulated seconds)
+        # and its total (wall seconds), by the path it came by.
+        self.scale_phase_seconds = Histogram(
+            "matrixserve_operator_scale_phase_seconds",
+            "A new instance's engine phases (TEPreLoad, TELoad, TEPostLoad; emulated seconds) "
+            "by the path it came by (Cold, WarmForkUB, WarmForkRoCE, WarmDRAM, WarmSSD, "
+            "WarmSharedFileService)",
+            ["phase", "path"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+            registry=registry,
+        )
+        self.scale_seconds = Histogram(
+            "matrixserve_operator_scale_seconds",
+            "From a new instance's start (its claim, or its pod's creation) to serving (wall "
+            "seconds), by path",
+            ["path"],
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300),
+            registry=registry,
+        )
         self.setup = Milestones(
             self.setup_phase_seconds, [("mapped", "gather"), ("linked", "link"), ("ready", "serve")]
         )

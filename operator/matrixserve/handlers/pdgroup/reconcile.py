@@ -6,6 +6,7 @@ Secret in the namespace, and the group's znodes closed once every pod carries th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -127,6 +128,30 @@ async def reconcile(groups: PDGroups, namespace: str, name: str, logger: logging
         foreign=foreign,
         nodes=nodes,
     )
+    missing, waiting = pd.warm_needed(view)
+    # Issue 18: the warm pods and fork sources when an instance is missing or a fault may be
+    # (the recovery planner prices a warm replacement), the assignments of claimed pods that
+    # have not reported.
+    priced = missing or bool(nodes)
+    if view.zk.connected and (priced or waiting):
+        warm_pods = (
+            await rt.kube.list_pods(
+                namespace, {}, (kinds.LABEL_WARMPOOL, f"!{kinds.LABEL_CLAIMED_BY}")
+            )
+            if priced
+            else {}
+        )
+        reports, sources, assigned = await groups.store.warm(
+            namespace, spec.model.name if warm_pods or waiting else None, waiting
+        )
+        uids = {p.name: p.uid for p in view.pods.values()}
+        view = dataclasses.replace(
+            view,
+            warm_pods=warm_pods,
+            warm_reports=reports,
+            fork_sources=tuple(sources),
+            assigned=frozenset(p for p, uid in assigned.items() if uids.get(p) == uid),
+        )
     if view.zk.connected and not view.zk.present:  # a server that lost the group's data
         # where the engines report again: open while some of them have no credential
         still_open = rt.engine.zookeeper_auth is not None and bool(
@@ -143,6 +168,7 @@ async def reconcile(groups: PDGroups, namespace: str, name: str, logger: logging
     await groups.loop.write_status(body, plan.status, plan.conditions)
     _track_setup(groups, (namespace, name), plan)
     _track_recovery(groups, plan.actions)
+    _track_scale(groups, body.get("status") or {}, plan.status)
     groups.metrics.links_verified.labels(namespace=namespace, group=name).set(
         plan.status["links"]["verified"]
     )
@@ -212,6 +238,17 @@ def _track_recovery(groups: PDGroups, actions: Sequence[Effect]) -> None:
             m.recoveries.labels(kind, how, "restored").inc()
         elif action.reason == "RecoveryFailed":
             m.recoveries.labels(kind, how, "failed").inc()
+
+
+def _track_scale(groups: PDGroups, before: Mapping[str, Any], after: Mapping[str, Any]) -> None:
+    """A new ``lastScale`` record (issue 18): its engine phases and its wall total."""
+    record = after.get("lastScale") or {}
+    if not record or (before.get("lastScale") or {}).get("podUid") == record.get("podUid"):
+        return
+    path = str(record.get("path") or "")
+    for phase, seconds in (record.get("phases") or {}).items():
+        groups.metrics.scale_phase_seconds.labels(phase, path).observe(float(seconds))
+    groups.metrics.scale_seconds.labels(path).observe(float(record.get("wallSeconds") or 0.0))
 
 
 def _track_setup(groups: PDGroups, key: Key, plan: pd.Plan) -> None:

@@ -1,0 +1,72 @@
+"""What the engine's ZooKeeper users share (the resident process, a warm engine): kazoo calls
+back from its own threads, so callbacks are handed to the event loop; SUSPENDED pauses writes;
+after LOST (our ephemerals are gone) or a reconnection, what the user registered is written again,
+retried every second until it is (:meth:`SessionBridge.keep_registered`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from matrixserve.coordination import Session, SessionState
+
+log = logging.getLogger("enginestub.zookeeper")
+RETRY_SECONDS = 1.0  # between two failed writes of what a user keeps registered
+
+
+class SessionBridge:
+    def __init__(self, zk: Session) -> None:
+        self.zk = zk
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.suspended = threading.Event()  # no writes while set
+        self.reregister = asyncio.Event()  # set (on the loop) when our ephemerals must be rewritten
+
+    def start(self) -> None:
+        """From the event loop that runs the user: state changes and callbacks come to it."""
+        self.loop = asyncio.get_running_loop()
+        self.zk.add_listener(self._on_state)
+
+    def call(self, fn: Any, *args: Any) -> None:
+        """Run a callback from a kazoo thread on our event loop."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    def _on_state(self, state: SessionState) -> None:
+        if state is SessionState.SUSPENDED:
+            self.suspended.set()
+        elif state is SessionState.LOST:
+            self.suspended.set()
+            self.call(self.reregister.set)
+        else:
+            self.suspended.clear()
+            self.call(self.reregister.set)
+
+    async def keep_registered(
+        self, write: Callable[[], Awaitable[None]], what: str, *, now: bool = False
+    ) -> None:
+        """``write()`` (at once if ``now``, then) after every (re)connection, retried every
+        second until it works (a folder may not be there yet: on a server that lost its data,
+        the operator makes the group's folders again). While the session is suspended nothing is
+        tried: the reconnection that ends it asks again."""
+        if now:
+            await self.until_written(write, what)
+        while True:
+            await self.reregister.wait()
+            # Cleared after the wait, before the write: a reconnection during the write asks for
+            # one more (the write reads the state afresh), none is lost.
+            self.reregister.clear()
+            await self.until_written(write, what)
+
+    async def until_written(self, write: Callable[[], Awaitable[None]], what: str) -> None:
+        """``write()``, retried every second until it works; given up while the session is
+        suspended (the reconnection that ends it asks :meth:`keep_registered` to write)."""
+        while not self.suspended.is_set():
+            try:
+                await write()
+                return
+            except Exception as exc:  # kazoo's errors, a folder not there yet
+                log.info("%s not written yet (%s); retrying", what, type(exc).__name__)
+                await asyncio.sleep(RETRY_SECONDS)

@@ -1,0 +1,126 @@
+"""The WarmPool's ZooKeeper store (issue 18): the warm engines' reports of a namespace
+(``/matrixserve/v1/warm/<ns>/pods``), watched so the namespace's pools wake when a warm pod comes
+up or goes, and the assignments left behind by pods that are gone (removed: an assignment is
+bound to its pod's UID, so a later pod of the same name would ignore it anyway)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from matrixserve.api import zk_layout as zl
+from matrixserve.coordination import Session
+
+log = logging.getLogger("matrixserve.zookeeper")
+
+
+class WarmStore:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self._lock = threading.Lock()
+        self._watched: dict[str, list[Callable[[], None]]] = {}
+        self._handles: dict[str, Any] = {}
+
+    @property
+    def connected(self) -> bool:
+        return self.session.connected
+
+    def _reports_sync(self, namespace: str) -> dict[str, zl.WarmReport]:
+        paths = zl.WarmPaths(namespace)
+        out = {}
+        for pod in self.session.children(paths.pods):
+            raw = self.session.get(paths.pod(pod))
+            if raw is None:
+                continue
+            try:
+                out[pod] = zl.WarmReport.parse(raw)
+            except ValueError:
+                log.warning("unreadable warm report %s", paths.pod(pod))
+        return out
+
+    async def reports(self, namespace: str) -> dict[str, zl.WarmReport]:
+        return await self.session.run(self._reports_sync, namespace)
+
+    async def ensure(self, namespace: str) -> None:
+        paths = zl.WarmPaths(namespace)
+        await self.session.run(self.session.ensure, paths.pods, paths.assignments)
+
+    async def sweep_assignments(self, namespace: str, pods: Mapping[str, str]) -> list[str]:
+        """Delete the assignments whose pod (by name and UID, ``pods``: name -> UID of the
+        namespace's engine pods) is gone; the pods whose assignment was removed."""
+        paths = zl.WarmPaths(namespace)
+
+        def sweep() -> list[str]:
+            removed = []
+            for pod in self.session.children(paths.assignments):
+                raw = self.session.get(paths.assignment(pod))
+                try:
+                    uid = zl.Assignment.parse(raw).pod_uid if raw else None
+                except ValueError:
+                    uid = None
+                if pods.get(pod) is None or pods.get(pod) != uid:
+                    self.session.delete(paths.assignment(pod))
+                    removed.append(pod)
+            return removed
+
+        return await self.session.run(sweep)
+
+    async def write_dram(self, namespace: str, plans: Mapping[str, zl.DramPlan]) -> list[str]:
+        """Make ``dram/`` say ``plans`` (node -> plan): a plan written where it changed (its
+        models or size), a node's plan removed when the node is no longer in ``plans``. The
+        nodes whose plan changed."""
+        paths = zl.WarmPaths(namespace)
+        root = f"{paths.root}/dram"
+
+        def write() -> list[str]:
+            changed = []
+            for node in self.session.children(root):
+                if node not in plans:
+                    self.session.delete(f"{root}/{node}")
+                    changed.append(node)
+            for node, new in plans.items():
+                raw = self.session.get(paths.dram(node))
+                try:
+                    old = zl.DramPlan.parse(raw) if raw else None
+                except ValueError:
+                    old = None
+                if old is None or (old.models, old.bytes) != (new.models, new.bytes):
+                    self.session.put(paths.dram(node), new.dump(), makepath=True)
+                    changed.append(node)
+            return changed
+
+        return await self.session.run(write)
+
+    def watch(self, namespace: str, wake: Callable[[], None]) -> None:
+        """Call ``wake`` (from a kazoo thread) when a warm engine reports or goes."""
+        paths = zl.WarmPaths(namespace)
+        with self._lock:
+            if namespace in self._watched:
+                self._watched[namespace].append(wake)
+                return
+            self._watched[namespace] = [wake]
+
+        def fire(*_: Any) -> bool:
+            with self._lock:
+                callbacks = list(self._watched.get(namespace, []))
+            for callback in callbacks:
+                callback()
+            return bool(callbacks)
+
+        handle = self.session.watch_children(paths.pods, fire)
+        with self._lock:
+            self._handles[namespace] = handle
+
+    def unwatch(self, namespace: str, wake: Callable[[], None]) -> None:
+        with self._lock:
+            callbacks = self._watched.get(namespace, [])
+            if wake in callbacks:
+                callbacks.remove(wake)
+            if callbacks:
+                return
+            self._watched.pop(namespace, None)
+            handle = self._handles.pop(namespace, None)
+        if handle is not None:
+            self.session.cancel(handle)

@@ -1,0 +1,277 @@
+"""How the group's missing instances are obtained (pure; issue 18): the ``obtain`` seam.
+
+Per missing instance, :func:`matrixserve.domain.scaleout.choose` picks the fastest path by
+estimate (DeepServe §6: a warm pod past TE-Pre-Load, loading by NPU-fork from a live instance of
+the model over UB inside its SuperPod or RoCE across, from host DRAM, SSD or the shared file
+service; or a cold pod through every phase). A warm path becomes a :class:`ClaimWarmPod` (the pod's
+labels, annotations and owner, with its resourceVersion as precondition: the API server lets one
+of two claims through); a cold one the usual new role-less pod.
+
+Once claimed, the pod is the instance (:meth:`GroupView.claimed`), and each pass in which it has
+not reported to the group and its assignment is not written plans an :class:`AssignWarmPod`
+(idempotent): an operator that died between the two writes it after its restart, so a claim is
+never left without its assignment, and the pod is never left unowned (it is the group's from
+the claim on: deleting the group deletes it).
+
+Estimates: control-plane phases in wall seconds (a pod's start learned from the group's pods;
+a claim ``CLAIM_SECONDS``); the engine's phases in emulated seconds learned from the members'
+health (``phases`` by load source), else the priors of :mod:`matrixserve.domain.scaleout`,
+divided by the engines' time scale so that the two clocks add up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from matrixserve.api import kinds
+from matrixserve.api import zk_layout as zl
+from matrixserve.domain import scaleout as so
+from matrixserve.domain.pdgroup.actions import Action, AssignWarmPod, ClaimWarmPod, CreatePod
+from matrixserve.domain.pdgroup.pods import (
+    engine_env,
+    owner,
+    pod_annotations,
+    pod_labels,
+    pod_manifest,
+    pod_names,
+)
+from matrixserve.domain.pdgroup.view import GroupView
+from matrixserve.domain.pdgroup.warm import claim_of as _claim
+from matrixserve.domain.pdgroup.warm import estimates, fork_sources, warm_candidates
+
+SHARED_FILE_SERVICE = so.LOAD_SOURCE[so.Path.COLD]
+
+
+def missing_pods(view: GroupView, instance: str, role: zl.Role) -> list[str]:
+    found = view.instances.get(instance)
+    if found is not None and any(view.claimed(p) for p in found.pods):
+        return []  # a claimed warm pod is the instance (issue 18: one pod per instance)
+    spec = view.spec.prefill if role is zl.Role.PREFILL else view.spec.decode
+    return [p for p in pod_names(instance, spec.pods_per_instance) if p not in view.pods]
+
+
+def cold_start(
+    view: GroupView, missing: Mapping[str, zl.Role], loaders: int | None = None
+) -> list[Action]:
+    """A new, role-less pod for each missing pod of each instance. (Every pod of an instance
+    gets the same engine settings: instances are one pod until ``podsPerInstance`` > 1 comes
+    with its leader/worker roles.) ``loaders``: the pass's instances that load from the shared
+    file service together (default: these)."""
+    shared = loaders if loaders is not None else len(missing)
+    if view.engine.load_source != SHARED_FILE_SERVICE:
+        shared = 1
+    return [
+        CreatePod(
+            pod,
+            role,
+            pod_manifest(
+                view.namespace,
+                view.name,
+                view.uid,
+                pod,
+                role,
+                view.spec,
+                view.engine,
+                instance,
+                loaders=shared,
+            ),
+        )
+        for instance, role in missing.items()
+        for pod in missing_pods(view, instance, role)
+        if pod not in view.foreign  # taken: creating it would only be refused again
+    ]
+
+
+def warm_or_cold(view: GroupView, missing: Mapping[str, zl.Role]) -> list[Action]:
+    """The ``obtain`` seam: a warm pod where one is faster by estimate, else a cold pod; all of
+    a role's missing instances chosen at once (one warm pod per instance, a fork source within
+    its fan-out over the whole pass)."""
+    allowed = {so.Path(p) for p in view.engine.scale_out_paths}
+    cold_allowed = not allowed or so.Path.COLD in allowed
+    if not view.warm_pods:
+        return cold_start(view, missing) if cold_allowed else []
+    est = estimates(view)
+    actions: list[Action] = []
+    cold: dict[str, zl.Role] = {}
+    taken: set[str] = set()
+    forks: dict[str, int] = {}  # fork targets promised this pass, by source
+    for role in (zl.Role.PREFILL, zl.Role.DECODE):
+        names = [n for n, r in missing.items() if r is role]
+        if not names:
+            continue
+        spec = view.spec.prefill if role is zl.Role.PREFILL else view.spec.decode
+        pods = [p for p in warm_candidates(view, role) if p.name not in taken]
+        if spec.pods_per_instance != 1 or not pods:
+            cold.update({n: role for n in names if cold_allowed})
+            continue
+        dies = {len(view.warm_reports[p.name].dies) for p in pods}
+        sources = [
+            dataclasses.replace(s, busy=s.busy + forks.get(s.instance, 0))
+            for d in dies
+            for s in fork_sources(view, d)
+        ]
+        wants = [so.Want(n, view.spec.model.name, "", spec.devices_per_instance) for n in names]
+        for choice in so.choose(wants, pods, sources, est, allowed):
+            if choice.warm_pod is None:
+                cold[choice.instance] = role
+                continue
+            taken.add(choice.warm_pod)
+            if choice.fork_source is not None:
+                forks[choice.fork_source] = forks.get(choice.fork_source, 0) + 1
+            actions.append(_claim_action(view, choice, role))
+        # an instance without a choice has no allowed path now (--scale-out-paths): it waits
+    shared = len(cold) + sum(
+        1 for a in actions if isinstance(a, ClaimWarmPod) and a.path == so.Path.WARM_SHARED
+    )
+    claims = [
+        dataclasses.replace(a, patch=_with_loaders(a.patch, shared))
+        if isinstance(a, ClaimWarmPod) and a.path == so.Path.WARM_SHARED and shared > 1
+        else a
+        for a in actions
+    ]
+    return claims + (cold_start(view, cold, shared) if cold else [])
+
+
+def _with_loaders(patch: Mapping[str, Any], loaders: int) -> dict[str, Any]:
+    """The claim's record with the pass's shared-file-service loaders in it."""
+    annotations = dict(patch["annotations"])
+    claim = json.loads(annotations[kinds.ANNOTATION_CLAIM])
+    claim["loaders"] = loaders
+    annotations[kinds.ANNOTATION_CLAIM] = json.dumps(claim, sort_keys=True)
+    return {**patch, "annotations": annotations}
+
+
+def _claim_action(view: GroupView, choice: so.Choice, role: zl.Role) -> ClaimWarmPod:
+    assert choice.warm_pod is not None
+    pod = view.warm_pods[choice.warm_pod]
+    claim = {
+        "instance": choice.instance,
+        "role": role.value,
+        "path": str(choice.path),
+        "estimateSeconds": round(choice.total, 3),
+        "phases": {str(k): round(v, 3) for k, v in choice.phases.items()},
+        "considered": {str(k): v for k, v in choice.considered.items()},
+        "forkSource": choice.fork_source,
+        "at": round(view.now, 3),
+    }
+    patch = {
+        "labels": {
+            **pod_labels(view.name, role, choice.instance),
+            kinds.LABEL_CLAIMED_BY: view.name,
+        },
+        "annotations": {
+            **pod_annotations(view.spec, role),
+            kinds.ANNOTATION_CLAIM: json.dumps(claim, sort_keys=True),
+        },
+        "ownerReferences": [owner(view.name, view.uid)],
+    }
+    return ClaimWarmPod(
+        pod.name,
+        pod.resource_version,
+        choice.instance,
+        role,
+        str(choice.path),
+        choice.total,
+        choice.fork_source,
+        patch,
+    )
+
+
+def assignments(view: GroupView) -> list[Action]:
+    """An assignment for each claimed pod that has not reported to the group and whose
+    assignment (of its UID) is not written."""
+    out: list[Action] = []
+    for pod in view.pods.values():
+        instance = pod.label(kinds.LABEL_INSTANCE)
+        if (
+            not view.claimed(pod)
+            or instance is None
+            or pod.deleting
+            or pod.name in view.assigned
+            or instance in view.reports
+        ):
+            continue
+        claim = _claim(pod)
+        role = zl.Role.PREFILL if claim.get("role") == zl.Role.PREFILL.value else zl.Role.DECODE
+        path = so.Path(claim["path"]) if claim.get("path") in set(so.Path) else so.Path.WARM_SHARED
+        fork = None
+        source = claim.get("forkSource")
+        for s in view.fork_sources:
+            if source == f"{s.group}/{s.instance}":
+                plane = "UB" if path is so.Path.WARM_FORK_UB else "RoCE"
+                fork = zl.ForkRef(
+                    group=s.group,
+                    instance=s.instance,
+                    podIP=s.pod_ip,
+                    port=s.port,
+                    plane=plane,
+                    key=s.key,
+                )
+        # the instance's own settings; the rest is the warm pod's (its ZooKeeper, credential
+        # file, devices, platform), which an assignment never overrides
+        env = {
+            e["name"]: e["value"]
+            for e in engine_env(view.namespace, view.name, role, view.spec, view.engine)
+            if e["name"] in zl.ASSIGNMENT_ENV
+        }
+        # a fork whose source is gone since the claim: the fallback at once
+        forking = path in (so.Path.WARM_FORK_UB, so.Path.WARM_FORK_ROCE)
+        load = so.LOAD_SOURCE[so.Path.WARM_SHARED if forking and fork is None else path]
+        if load == SHARED_FILE_SERVICE and int(claim.get("loaders") or 1) > 1:
+            env["ENGINE_CONCURRENT_LOADERS"] = str(int(claim["loaders"]))
+        assignment = zl.Assignment(
+            podUid=pod.uid,
+            group=f"{view.namespace}/{view.name}",
+            instance=instance,
+            env=env,
+            loadSource=load,
+            fork=fork,
+            fallback="SharedFileService",
+            ts=view.now,
+        )
+        out.append(AssignWarmPod(view.namespace, pod.name, instance, assignment))
+    return out
+
+
+def last_scale(view: GroupView) -> dict[str, object] | None:
+    """The latest instance to come and serve, with DeepServe's phases (issue 18 item 6): the
+    path it came by (its claim's, or ``Cold``), where its weights actually came from, the
+    engine's phases in emulated seconds (its health's), and the wall seconds from its start (the
+    claim, or the pod's creation) to the first pass that sees it serving. Kept until a newer
+    instance serves."""
+    previous = view.previous.get("lastScale") or {}
+    newest: tuple[float, str] | None = None
+    for name, instance in view.instances.items():
+        health = view.zk.health.get(name)
+        if health is None or not health.phases or not view.healthy(name):
+            continue
+        leader = instance.leader
+        claim = _claim(leader) if view.claimed(leader) else {}
+        start = float(claim.get("at") or leader.created_at)
+        if newest is None or start > newest[0]:
+            newest = (start, name)
+    if newest is None:
+        return previous or None
+    start, name = newest
+    leader = view.instances[name].leader
+    if previous.get("podUid") == leader.uid or start <= float(previous.get("startedAt") or 0):
+        return previous or None
+    health = view.zk.health[name]
+    claim = _claim(leader) if view.claimed(leader) else {}
+    engine = {k: round(v, 3) for k, v in health.phases.items()}
+    return {
+        "instance": name,
+        "pod": leader.name,
+        "podUid": leader.uid,
+        "path": claim.get("path") or str(so.Path.COLD),
+        "loadSource": health.load_source,
+        "forkSource": claim.get("forkSource"),
+        "estimateSeconds": claim.get("estimateSeconds"),
+        "phases": engine,
+        "emulatedSeconds": round(sum(engine.values()), 3),
+        "wallSeconds": round(max(0.0, view.now - start), 3),
+        "startedAt": round(start, 3),
+    }

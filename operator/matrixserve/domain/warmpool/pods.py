@@ -1,0 +1,88 @@
+"""A warm pod (pure): name, labels, owner, NPUs, the low PriorityClass, the engine in warm mode.
+
+A warm pod runs the engine container every kind runs (:mod:`matrixserve.domain.enginepod`) with
+``ENGINE_WARM=1`` and no model, role or group: the engine goes through TE-Pre-Load (Python, NPU
+state, HCCL) and waits for an assignment in ZooKeeper (DeepServe §6.1: "workload-independent"
+pods and "model-agnostic" pre-warmed TEs). It holds its NPUs at ``PRIORITY_CLASS_WARM``, below
+every serving pod: the scheduler preempts it for a serving pod that needs the NPUs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from matrixserve.api import kinds
+from matrixserve.api.resources import WarmShape
+from matrixserve.domain.enginepod import (
+    EngineSettings,
+    credential_mounts,
+    credential_volumes,
+    downward_env,
+    engine_container,
+    platform_env,
+    pod_security_context,
+    scratch_volumes,
+)
+
+
+def pod_name(pool: str, shape: str, index: int) -> str:
+    return f"{pool}-{shape}-{index}"[:253]
+
+
+def pod_labels(pool: str, shape: str, s: WarmShape) -> dict[str, str]:
+    return {
+        kinds.LABEL_WARMPOOL: pool,
+        kinds.LABEL_WARM_SHAPE: shape,
+        kinds.LABEL_WARM_NPUS: str(s.devices_per_pod),
+        kinds.LABEL_NPU_TYPE: s.npu_type,
+        kinds.APP_NAME_LABEL: kinds.ENGINE_APP,
+        kinds.MANAGED_BY_LABEL: kinds.OPERATOR_MANAGER,
+    }
+
+
+def pod_manifest(
+    namespace: str,
+    pool: str,
+    pool_uid: str,
+    name: str,
+    shape: str,
+    s: WarmShape,
+    image: str,
+    settings: EngineSettings,
+) -> dict[str, Any]:
+    env: list[dict[str, Any]] = [
+        *downward_env(),
+        {"name": "ENGINE_WARM", "value": "1"},
+        *platform_env(settings),
+        {"name": "MATRIXSERVE_ZK", "value": settings.zookeeper},
+    ]
+    container = engine_container(image, env, s.devices_per_pod, None, credential_mounts(settings))
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": pod_labels(pool, shape, s),
+            "ownerReferences": [
+                {
+                    "apiVersion": kinds.API_VERSION,
+                    "kind": kinds.WARMPOOL.kind,
+                    "name": pool,
+                    "uid": pool_uid,
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": {
+            "restartPolicy": "Always",
+            "terminationGracePeriodSeconds": 10,
+            "automountServiceAccountToken": False,
+            "priorityClassName": kinds.PRIORITY_CLASS_WARM,
+            "nodeSelector": {**(s.node_selector or {}), kinds.LABEL_NPU_TYPE: s.npu_type},
+            "securityContext": pod_security_context(),
+            "containers": [container],
+            "volumes": [*scratch_volumes(), *credential_volumes(settings)],
+        },
+    }

@@ -1,0 +1,244 @@
+"""WarmPool's kopf handlers (issue 18, DeepServe §6.1): keep ``size`` warm, model-agnostic
+engine pods per shape, refilled after claims, counted in status and metrics.
+
+- ``@kopf.daemon`` per WarmPool runs the shared per-object loop (:mod:`.reconciler`), woken by
+  its own events, its pods' events and the namespace's warm engines reporting in ZooKeeper.
+- ``reconcile``: parse -> observe (the pool's pods, the warm reports) -> plan (pure,
+  :mod:`matrixserve.domain.warmpool`) -> apply -> status; assignments whose pod is gone are
+  removed on the way.
+- A claim is not made here: a group claims a warm pod through the API server (the pod's labels
+  and owner, with its resourceVersion as precondition), and the pool sees it claimed.
+- Warm pods run at ``PRIORITY_CLASS_WARM`` (made at start-up if absent): a serving pod that
+  needs their NPUs preempts them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from pydantic import ValidationError
+
+from matrixserve.adapters.zk_warm import WarmStore
+from matrixserve.api import kinds
+from matrixserve.api import zk_layout as zl
+from matrixserve.api.resources import WarmPoolSpec, field_errors
+from matrixserve.domain import warmpool as wp
+from matrixserve.domain.warmpool import dram
+from matrixserve.handlers.reconciler import Reconciler
+from matrixserve.handlers.runtime import Runtime
+
+KIND = kinds.WARMPOOL
+API = (KIND.group, KIND.version, KIND.plural)
+log = logging.getLogger("matrixserve.warmpool")
+
+
+class WarmPoolMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.pods = Gauge(
+            "matrixserve_warmpool_pods",
+            "Warm pods by pool, shape and state (ready: claimable; warming; claimed: a group's)",
+            ["namespace", "pool", "shape", "state"],
+            registry=registry,
+        )
+        self.forks = Gauge(
+            "matrixserve_warmpool_fork_claims",
+            "Claimed pods of the pool whose claim chose an NPU-fork path",
+            ["namespace", "pool"],
+            registry=registry,
+        )
+        self.priority_classes = Counter(
+            "matrixserve_warmpool_priority_class_created_total",
+            "PriorityClasses the operator created for warm pods",
+            registry=registry,
+        )
+
+
+@dataclass
+class WarmPools:
+    rt: Runtime
+    loop: Reconciler
+    store: WarmStore
+    metrics: WarmPoolMetrics
+    kind: kinds.Kind = KIND
+    priority_ready: bool = False
+
+
+def install(rt: Runtime) -> WarmPools:
+    return WarmPools(
+        rt, rt.reconciler(KIND), WarmStore(rt.session), WarmPoolMetrics(rt.metrics.registry)
+    )
+
+
+def pools_of(memo: kopf.Memo) -> WarmPools:
+    pools: WarmPools = memo.runtime.controllers[KIND.kind]
+    return pools
+
+
+# --------------------------------------------------------------------------- wake-ups
+@kopf.on.event(*API)
+def warmpool_event(name: str, namespace: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    pools_of(memo).loop.object_changed(namespace, name, int(meta.get("generation") or 0))
+
+
+@kopf.on.event("", "v1", "pods", labels={kinds.LABEL_WARMPOOL: kopf.PRESENT})
+def warm_pod_event(labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    pools_of(memo).loop.related_changed(namespace, labels[kinds.LABEL_WARMPOOL])
+
+
+@kopf.daemon(*API, id="reconciler", cancellation_timeout=10.0)
+async def reconciler(
+    name: str,
+    namespace: str,
+    stopped: kopf.DaemonStopped,
+    memo: kopf.Memo,
+    logger: logging.Logger,
+    **_: Any,
+) -> None:
+    pools = pools_of(memo)
+    wakes: list[Any] = []
+
+    async def reconcile_pool(ns: str, pool: str, log: logging.Logger) -> bool:
+        return await reconcile(pools, ns, pool, log)
+
+    async def arm(ns: str, pool: str, wake: Any) -> bool:
+        if not pools.store.connected:
+            return False
+        await pools.store.ensure(ns)
+        await pools.rt.session.run(pools.store.watch, ns, wake)
+        wakes.append(wake)
+        return True
+
+    try:
+        await pools.loop.run(namespace, name, stopped, logger, reconcile_pool, arm)
+    finally:
+        for wake in wakes:
+            pools.store.unwatch(namespace, wake)
+
+
+async def _dram_inputs(
+    rt: Runtime, namespace: str
+) -> tuple[tuple[dram.Demand, ...], dict[str, dict[str, str]]]:
+    """What to pre-load in host DRAM, in order (every pool's ``dramPreload`` of the namespace,
+    then its PDGroups' models, the biggest group first), and the servers that run the
+    namespace's warm pods with their labels. Read the same by every pool of the namespace."""
+    demand: list[dram.Demand] = []
+    for pool in sorted(await rt.kube.objects(KIND, namespace), key=lambda o: o["metadata"]["name"]):
+        try:
+            spec = WarmPoolSpec.model_validate(pool.get("spec") or {})
+        except ValidationError:
+            continue
+        for entry in spec.dram_preload:
+            size = dram.model_bytes(entry.model)
+            if size is not None:
+                why = f"WarmPool {pool['metadata']['name']}"
+                demand.append(dram.Demand(entry.model, size, entry.node_selector, why))
+    groups = []
+    for group in await rt.kube.objects(kinds.PDGROUP, namespace):
+        spec_body = group.get("spec") or {}
+        model = spec_body.get("model") or {}
+        replicas = sum(
+            int((spec_body.get(role) or {}).get("replicas") or 0) for role in ("prefill", "decode")
+        )
+        size = dram.model_bytes(str(model.get("name") or ""), model.get("sizeBytes"))
+        if size is not None:
+            groups.append((-replicas, group["metadata"]["name"], str(model["name"]), size))
+    demand += [dram.Demand(m, size, None, f"PDGroup {g}") for _, g, m, size in sorted(groups)]
+    warm = await rt.kube.list_pods(
+        namespace, {}, (kinds.LABEL_WARMPOOL, f"!{kinds.LABEL_CLAIMED_BY}")
+    )
+    servers = await rt.kube.nodes()
+    nodes = {
+        p.node: dict(servers[p.node].labels) if p.node in servers else {}
+        for p in warm.values()
+        if p.node and not p.deleting
+    }
+    return tuple(demand), nodes
+
+
+async def reconcile(pools: WarmPools, namespace: str, name: str, logger: logging.Logger) -> bool:
+    rt = pools.rt
+    body = await rt.kube.get(KIND, namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return False
+    meta = body["metadata"]
+    try:
+        spec = WarmPoolSpec.model_validate(body.get("spec") or {})
+    except ValidationError as exc:
+        await pools.loop.report_invalid(body, field_errors(exc), logger)
+        return False
+    shapes = [wp.view.shape_name(s, i) for i, s in enumerate(spec.shapes)]
+    if len(set(shapes)) != len(shapes):
+        await pools.loop.report_invalid(
+            body, [f"spec.shapes: names must differ (they are {', '.join(shapes)})"], logger
+        )
+        return False
+    pools.loop.spec_valid(namespace, name)
+    if not pools.priority_ready:
+        if await rt.kube.ensure_priority_class(
+            kinds.PRIORITY_CLASS_WARM,
+            kinds.PRIORITY_WARM,
+            "MatrixServe warm pods: below every serving pod, which preempts them for their NPUs",
+        ):
+            pools.metrics.priority_classes.inc()
+            logger.info("created PriorityClass %s", kinds.PRIORITY_CLASS_WARM)
+        pools.priority_ready = True
+    pods = await rt.kube.list_pods(namespace, {kinds.LABEL_WARMPOOL: name})
+    connected = pools.store.connected
+    reports = await pools.store.reports(namespace) if connected else {}
+    if connected:
+        engines = await rt.kube.list_pods(namespace, {kinds.APP_NAME_LABEL: kinds.ENGINE_APP})
+        swept = await pools.store.sweep_assignments(
+            namespace, {p.name: p.uid for p in engines.values()}
+        )
+        if swept:
+            logger.info("removed the assignments of pods that are gone: %s", ", ".join(swept))
+    demand, nodes = await _dram_inputs(rt, namespace) if connected else ((), {})
+    view = wp.PoolView(
+        namespace,
+        name,
+        meta["uid"],
+        int(meta.get("generation") or 0),
+        spec,
+        pods,
+        reports,
+        rt.engine,
+        now=time.time(),
+        connected=connected,
+        previous=body.get("status") or {},
+        dram_demand=demand,
+        nodes=nodes,
+    )
+    plan = wp.plan(view)
+    if connected:
+        now = time.time()
+        written = await pools.store.write_dram(
+            namespace,
+            {
+                node: zl.DramPlan(
+                    node=node,
+                    models=list(p.models),
+                    bytes=p.bytes,
+                    capacityBytes=p.capacity,
+                    ts=now,
+                )
+                for node, p in plan.dram.items()
+            },
+        )
+        if written:
+            logger.info("host DRAM pre-load plans changed on %s", ", ".join(sorted(written)))
+
+    async def no_znodes(_: Any) -> None:
+        raise TypeError("a WarmPool plan changes no znode")
+
+    busy = await pools.loop.apply(body, plan.actions, no_znodes)
+    await pools.loop.write_status(body, plan.status, plan.conditions)
+    for row in plan.status["shapes"]:
+        for state in ("ready", "warming", "claimed"):
+            pools.metrics.pods.labels(namespace, name, row["name"], state).set(row[state])
+    pools.metrics.forks.labels(namespace, name).set(plan.status["forksDone"])
+    return busy

@@ -1,0 +1,514 @@
+"""The WarmPool planner and the PDGroup's warm-pod claims (pure; issue 18): the pool is kept at
+its size per shape, refilled after claims, trimmed with the pod's resourceVersion as precondition;
+a group claims a fitting warm pod instead of creating one, never one pod twice, forks from a live
+source of its model, and writes the claimed pod's assignment until the pod reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+
+from fakes import FakeCore, engine_report
+from matrixserve.adapters.kube import KubeAdapter
+from matrixserve.api import kinds
+from matrixserve.api import zk_layout as zl
+from matrixserve.api.resources import PDGroupSpec, WarmPoolSpec
+from matrixserve.domain import pdgroup
+from matrixserve.domain import warmpool as wp
+from matrixserve.domain.enginepod import EngineSettings
+from matrixserve.domain.observed import PodView
+from matrixserve.domain.pdgroup import GroupView, ZkView
+from matrixserve.domain.pdgroup.actions import AssignWarmPod, ClaimWarmPod, CreatePod
+from matrixserve.domain.pdgroup.obtain import assignments, last_scale, warm_or_cold
+from matrixserve.domain.pdgroup.pods import pod_labels
+from matrixserve.domain.scaleout import Path
+from matrixserve.domain.warmpool.plan import CreateWarmPod, DeleteWarmPod
+from matrixserve.domain.warmpool.pods import pod_labels as warm_labels
+
+pytestmark = pytest.mark.unit
+P, D = zl.Role.PREFILL, zl.Role.DECODE
+ENGINE = EngineSettings(zookeeper="127.0.0.1:2181", time_scale="20")
+
+
+# --------------------------------------------------------------------------- the pool
+def pool_spec(size: int = 2, **extra: Any) -> WarmPoolSpec:
+    body: dict[str, Any] = {"shapes": [{"name": "two", "size": size, "devicesPerPod": 2}]}
+    body.update(extra)
+    return WarmPoolSpec.model_validate(body)
+
+
+def warm_pod(
+    name: str,
+    ready: bool = True,
+    claimed_by: str | None = None,
+    shape: str = "two",
+    rv: str = "5",
+    node: str = "n1",
+) -> PodView:
+    labels = warm_labels("wp", shape, pool_spec().shapes[0])
+    if claimed_by:
+        labels[kinds.LABEL_CLAIMED_BY] = claimed_by
+    return PodView(
+        name, f"uid-{name}", labels, "Running", ready, False, node, "sp0", 0.0, resource_version=rv
+    )
+
+
+def warm_report(name: str, superpod: str = "sp0", dies: int = 4) -> zl.WarmReport:
+    return zl.WarmReport(
+        pod=name,
+        podUid=f"uid-{name}",
+        podIP="127.70.0.2",
+        port=8000,
+        node="n1",
+        superpod=superpod,
+        dies=list(range(dies)),
+        roceIps=[f"198.19.0.{i + 1}" for i in range(dies)],
+        incarnation="i1",
+        ts=0.0,
+    )
+
+
+def pool_view(
+    pods: list[PodView],
+    reports: list[str] | None = None,
+    spec: WarmPoolSpec | None = None,
+    **kw: Any,
+) -> wp.PoolView:
+    names = [p.name for p in pods] if reports is None else reports
+    return wp.PoolView(
+        "ns",
+        "wp",
+        "uid-wp",
+        kw.pop("generation", 1),
+        spec or pool_spec(),
+        {p.name: p for p in pods},
+        {n: warm_report(n) for n in names},
+        ENGINE,
+        now=100.0,
+        **kw,
+    )
+
+
+def test_an_empty_pool_is_filled_with_warm_pods_at_low_priority_owned_by_the_pool() -> None:
+    plan = wp.plan(pool_view([]))
+    created = [a for a in plan.actions if isinstance(a, CreateWarmPod)]
+    assert [a.name for a in created] == ["wp-two-0", "wp-two-1"]
+    manifest = created[0].manifest
+    assert manifest["spec"]["priorityClassName"] == kinds.PRIORITY_CLASS_WARM
+    assert manifest["metadata"]["ownerReferences"][0]["kind"] == "WarmPool"
+    env = {e["name"]: e.get("value") for e in manifest["spec"]["containers"][0]["env"]}
+    assert env["ENGINE_WARM"] == "1"
+    assert "ENGINE_MODEL" not in env
+    assert "MATRIXSERVE_GROUP" not in env
+    npus = manifest["spec"]["containers"][0]["resources"]["limits"][kinds.NPU_RESOURCE]
+    assert npus == "2"
+    assert plan.status["warming"] == 0
+    assert plan.status["ready"] == 0
+    assert plan.conditions[0].status is False
+
+
+def test_a_claimed_pod_is_counted_claimed_untouched_and_refilled_under_a_new_name() -> None:
+    pods = [warm_pod("wp-two-0", claimed_by="g"), warm_pod("wp-two-1")]
+    plan = wp.plan(pool_view(pods))
+    assert [a.name for a in plan.actions if isinstance(a, CreateWarmPod)] == ["wp-two-2"]
+    assert not [a for a in plan.actions if isinstance(a, DeleteWarmPod)]
+    assert plan.status["claimed"] == 1
+    assert plan.status["ready"] == 1
+
+
+def test_only_a_ready_pod_whose_engine_reported_is_warm() -> None:
+    pods = [warm_pod("wp-two-0"), warm_pod("wp-two-1", ready=False)]
+    plan = wp.plan(pool_view(pods, reports=["wp-two-1"]))  # the Ready one has not reported
+    assert plan.status["ready"] == 0
+    assert plan.status["warming"] == 2
+    assert not plan.actions
+
+
+def test_beyond_the_size_warming_pods_go_first_with_their_resource_version() -> None:
+    pods = [warm_pod("wp-two-0"), warm_pod("wp-two-1"), warm_pod("wp-two-2", ready=False)]
+    plan = wp.plan(pool_view(pods, spec=pool_spec(size=1)))
+    deleted = [a for a in plan.actions if isinstance(a, DeleteWarmPod)]
+    assert [(a.name, a.resource_version) for a in deleted] == [("wp-two-2", "5"), ("wp-two-1", "5")]
+
+
+def test_a_shape_removed_from_the_spec_loses_its_unclaimed_pods_only() -> None:
+    pods = [warm_pod("wp-old-0", shape="old"), warm_pod("wp-old-1", shape="old", claimed_by="g")]
+    plan = wp.plan(pool_view(pods))
+    assert [a.name for a in plan.actions if isinstance(a, DeleteWarmPod)] == ["wp-old-0"]
+
+
+def test_manual_refill_fills_a_new_generation_once_and_does_not_refill_claims() -> None:
+    spec = pool_spec(refillPolicy="Manual")
+    first = wp.plan(pool_view([], spec=spec))
+    assert len([a for a in first.actions if isinstance(a, CreateWarmPod)]) == 2
+    pods = [warm_pod("wp-two-0", claimed_by="g"), warm_pod("wp-two-1")]
+    later = wp.plan(pool_view(pods, spec=spec, previous=first.status))
+    assert not later.actions
+    assert later.conditions[0].reason == "NotRefilled"
+    edited = wp.plan(pool_view(pods, spec=spec, previous=first.status, generation=2))
+    assert [a.name for a in edited.actions if isinstance(a, CreateWarmPod)] == ["wp-two-2"]
+
+
+def test_without_zookeeper_nothing_is_created_and_nothing_counted_warm() -> None:
+    plan = wp.plan(pool_view([warm_pod("wp-two-0")], connected=False))
+    assert not [a for a in plan.actions if isinstance(a, CreateWarmPod)]
+    assert plan.conditions[0].reason == "ZooKeeperUnreachable"
+
+
+# --------------------------------------------------------------------------- the group's claims
+def group_spec(p: int = 2, d: int = 1) -> PDGroupSpec:
+    return PDGroupSpec.model_validate(
+        {
+            "service": "chat",
+            "scenario": "general",
+            "model": {"name": "llama3-8b"},
+            "prefill": {"replicas": p, "devicesPerInstance": 2},
+            "decode": {"replicas": d, "devicesPerInstance": 2, "batchSize": 32},
+        }
+    )
+
+
+def member(name: str, role: zl.Role) -> PodView:
+    return PodView(
+        name, f"uid-{name}", pod_labels("g", role, name), "Running", True, False, "n1", "sp0", 0.0
+    )
+
+
+def source(instance: str = "g-p-0", superpod: str = "sp0", dies: int = 4) -> zl.ForkSource:
+    return zl.ForkSource(
+        key="llama3-8b.abc",
+        model="llama3-8b",
+        artifacts="abc",
+        group="ns/g",
+        instance=instance,
+        podIP="127.64.0.2",
+        port=8000,
+        node="n1",
+        superpod=superpod,
+        dies=dies,
+        incarnation="x",
+        ts=0.0,
+    )
+
+
+def group_view(pods: list[PodView], warm: list[PodView], **kw: Any) -> GroupView:
+    view = GroupView(
+        "ns",
+        "g",
+        1,
+        group_spec(),
+        {p.name: p for p in pods},
+        ZkView(connected=True),
+        now=50.0,
+        uid="uid-g",
+        engine=ENGINE,
+    )
+    return dataclasses.replace(
+        view,
+        warm_pods={p.name: p for p in warm},
+        warm_reports={p.name: warm_report(p.name) for p in warm},
+        **kw,
+    )
+
+
+def test_a_missing_instance_claims_a_warm_pod_instead_of_creating_one() -> None:
+    view = group_view([member("g-p-0", P), member("g-d-0", D)], [warm_pod("wp-two-0")])
+    actions = warm_or_cold(view, {"g-p-1": P})
+    assert [type(a) for a in actions] == [ClaimWarmPod]
+    claim = actions[0]
+    assert isinstance(claim, ClaimWarmPod)
+    assert claim.name == "wp-two-0"
+    assert claim.resource_version == "5"
+    labels = claim.patch["labels"]
+    assert labels[kinds.LABEL_GROUP] == "g"
+    assert labels[kinds.LABEL_INSTANCE] == "g-p-1"
+    assert labels[kinds.LABEL_CLAIMED_BY] == "g"
+    assert claim.patch["ownerReferences"][0]["uid"] == "uid-g"
+    assert json.loads(claim.patch["annotations"][kinds.ANNOTATION_CLAIM])["instance"] == "g-p-1"
+
+
+def test_one_warm_pod_is_promised_to_one_instance_the_rest_start_cold() -> None:
+    view = group_view([member("g-d-0", D)], [warm_pod("wp-two-0")])
+    actions = warm_or_cold(view, {"g-p-0": P, "g-p-1": P})
+    claims = [a for a in actions if isinstance(a, ClaimWarmPod)]
+    creates = [a for a in actions if isinstance(a, CreatePod)]
+    assert [c.instance for c in claims] == ["g-p-0"]
+    assert [c.name for c in creates] == ["g-p-1"]
+
+
+def test_a_warm_pod_that_does_not_fit_or_is_not_warm_yet_is_not_claimed() -> None:
+    other = warm_pod("wp-four-0")
+    other = dataclasses.replace(other, labels={**other.labels, kinds.LABEL_WARM_NPUS: "4"})
+    warming = warm_pod("wp-two-1", ready=False)
+    view = group_view([member("g-d-0", D)], [other, warming])
+    assert [type(a) for a in warm_or_cold(view, {"g-p-0": P})] == [CreatePod]
+
+
+def test_a_live_source_of_the_model_in_the_superpod_forks_over_ub_across_over_roce() -> None:
+    pods = [member("g-p-0", P), member("g-d-0", D)]
+    near = group_view(pods, [warm_pod("wp-two-0")], fork_sources=(source(),))
+    (claim,) = warm_or_cold(near, {"g-p-1": P})
+    assert isinstance(claim, ClaimWarmPod)
+    assert claim.path == Path.WARM_FORK_UB
+    assert claim.fork_source == "ns/g/g-p-0"
+    far = group_view(pods, [warm_pod("wp-two-0")], fork_sources=(source(superpod="sp9"),))
+    (claim,) = warm_or_cold(far, {"g-p-1": P})
+    assert isinstance(claim, ClaimWarmPod)
+    assert claim.path == Path.WARM_FORK_ROCE
+    other_dies = group_view(pods, [warm_pod("wp-two-0")], fork_sources=(source(dies=8),))
+    (claim,) = warm_or_cold(other_dies, {"g-p-1": P})
+    assert isinstance(claim, ClaimWarmPod)
+    assert claim.path == Path.WARM_SHARED
+
+
+def claimed(name: str, instance: str, role: zl.Role, claim: dict[str, Any]) -> PodView:
+    labels = {**warm_labels("wp", "two", pool_spec().shapes[0]), **pod_labels("g", role, instance)}
+    labels[kinds.LABEL_CLAIMED_BY] = "g"
+    return PodView(
+        name,
+        f"uid-{name}",
+        labels,
+        "Running",
+        True,
+        False,
+        "n1",
+        "sp0",
+        0.0,
+        annotations={
+            kinds.ANNOTATION_CLAIM: json.dumps({"instance": instance, "role": role.value, **claim})
+        },
+    )
+
+
+def test_a_claimed_pod_is_its_instance_and_gets_its_assignment_until_it_reports() -> None:
+    pod = claimed("wp-two-0", "g-p-1", P, {"path": "WarmForkUB", "forkSource": "ns/g/g-p-0"})
+    view = group_view([member("g-p-0", P), member("g-d-0", D), pod], [], fork_sources=(source(),))
+    assert "g-p-1" in view.instances
+    assert view.instances["g-p-1"].leader.name == "wp-two-0"
+    assert pdgroup.warm_needed(view) == (False, ["wp-two-0"])
+    (assign,) = assignments(view)
+    assert isinstance(assign, AssignWarmPod)
+    a = assign.assignment
+    assert a.pod_uid == "uid-wp-two-0"
+    assert a.instance == "g-p-1"
+    assert a.group == "ns/g"
+    assert a.env["ENGINE_MODEL"] == "llama3-8b"
+    assert set(a.env) <= zl.ASSIGNMENT_ENV  # never the pod's own ZooKeeper, credential, devices
+    assert a.env["ENGINE_ROLE"] == "auto"
+    assert a.fork is not None
+    assert a.fork.plane == "UB"
+    assert a.load_source == "NPUForkUB"
+    assert a.fallback == "SharedFileService"
+    ops = assign.znodes(zl.GroupPaths("ns", "g"))
+    assert ops == [zl.Put(zl.WarmPaths("ns").assignment("wp-two-0"), a.dump())]
+    # written already: not again; reported: not again
+    assert not assignments(dataclasses.replace(view, assigned=frozenset({"wp-two-0"})))
+    reported = dataclasses.replace(
+        view,
+        zk=ZkView(
+            connected=True, reports={"g-p-1": engine_report("g-p-1", 3, pod_uid="uid-wp-two-0")}
+        ),
+    )
+    assert not assignments(reported)
+
+
+def test_a_fork_whose_source_is_gone_since_the_claim_loads_from_the_fallback_at_once() -> None:
+    pod = claimed("wp-two-0", "g-p-1", P, {"path": "WarmForkUB", "forkSource": "ns/g/g-p-0"})
+    view = group_view([member("g-d-0", D), pod], [])
+    (assign,) = assignments(view)
+    assert isinstance(assign, AssignWarmPod)
+    assert assign.assignment.fork is None
+    assert assign.assignment.load_source == "SharedFileService"
+
+
+def test_the_plan_claims_rather_than_creating_and_creates_nothing_for_a_claimed_instance() -> None:
+    pods = [member("g-p-0", P), member("g-d-0", D)]
+    view = group_view(pods, [warm_pod("wp-two-0")])
+    actions = pdgroup.plan(view).actions
+    assert [a.instance for a in actions if isinstance(a, ClaimWarmPod)] == ["g-p-1"]
+    assert not [a for a in actions if isinstance(a, CreatePod)]
+    after = group_view(
+        [*pods, claimed("wp-two-0", "g-p-1", P, {"path": "WarmSharedFileService"})], []
+    )
+    actions = pdgroup.plan(after).actions
+    assert not [a for a in actions if isinstance(a, CreatePod | ClaimWarmPod)]
+    assert [a.pod for a in actions if isinstance(a, AssignWarmPod)] == ["wp-two-0"]
+
+
+# --------------------------------------------------------------------------- the claim itself
+async def test_of_two_claims_on_one_pod_at_one_resource_version_only_the_first_goes_through() -> (
+    None
+):
+    core = FakeCore()
+    core.create_namespaced_pod(
+        "ns", {"metadata": {"name": "wp-two-0", "labels": {kinds.LABEL_WARMPOOL: "wp"}}}
+    )
+    kube = KubeAdapter.__new__(KubeAdapter)
+    kube.core = core
+    seen = (await kube.list_pods("ns", {}, (kinds.LABEL_WARMPOOL, f"!{kinds.LABEL_CLAIMED_BY}")))[
+        "wp-two-0"
+    ]
+    first = {"labels": {kinds.LABEL_CLAIMED_BY: "a"}}
+    second = {"labels": {kinds.LABEL_CLAIMED_BY: "b"}}
+    assert await kube.claim_pod("ns", "wp-two-0", seen.resource_version, first) is True
+    assert await kube.claim_pod("ns", "wp-two-0", seen.resource_version, second) is False
+    assert core.pods[("ns", "wp-two-0")]["metadata"]["labels"][kinds.LABEL_CLAIMED_BY] == "a"
+    # the claimed pod is no longer a candidate, and the pool's delete at the old version fails
+    assert not await kube.list_pods("ns", {}, (kinds.LABEL_WARMPOOL, f"!{kinds.LABEL_CLAIMED_BY}"))
+    assert (
+        await kube.delete_pod("ns", "wp-two-0", seen.uid, resource_version=seen.resource_version)
+        is False
+    )
+    assert ("ns", "wp-two-0") in core.pods
+
+
+def test_one_source_forks_to_at_most_32_targets_over_a_whole_pass() -> None:
+    warm = [warm_pod(f"wp-two-{i}") for i in range(34)]
+    view = group_view([member("g-p-0", P), member("g-d-0", D)], warm, fork_sources=(source(),))
+    missing = {f"g-p-{i}": P for i in range(1, 35)}
+    claims = [a for a in warm_or_cold(view, missing) if isinstance(a, ClaimWarmPod)]
+    assert len(claims) == 34
+    assert len({c.name for c in claims}) == 34  # every warm pod promised once
+    forked = [c for c in claims if c.fork_source == "ns/g/g-p-0"]
+    assert len(forked) == 32
+    assert {c.path for c in claims if c.fork_source is None} == {Path.WARM_SHARED}
+
+
+def test_the_operator_may_allow_only_some_paths_and_an_instance_without_one_waits() -> None:
+    pods = [member("g-p-0", P), member("g-d-0", D)]
+    only_shared = dataclasses.replace(ENGINE, scale_out_paths=("WarmSharedFileService",))
+    view = group_view(pods, [warm_pod("wp-two-0")], fork_sources=(source(),), engine=only_shared)
+    (claim,) = warm_or_cold(view, {"g-p-1": P, "g-p-2": P})  # one warm pod: the other waits
+    assert isinstance(claim, ClaimWarmPod)
+    assert claim.path == Path.WARM_SHARED
+    only_cold = dataclasses.replace(ENGINE, scale_out_paths=("Cold",))
+    view = group_view(pods, [warm_pod("wp-two-0")], engine=only_cold)
+    assert [type(a) for a in warm_or_cold(view, {"g-p-1": P})] == [CreatePod]
+
+
+def test_last_scale_records_the_newest_serving_instance_once() -> None:
+    pod = claimed(
+        "wp-two-0", "g-p-1", P, {"path": "WarmForkUB", "forkSource": "ns/g/g-p-0", "at": 40.0}
+    )
+    report = engine_report("g-p-1", 3, pod_uid="uid-wp-two-0")
+    health = zl.Health(
+        instance="g-p-1",
+        role=P,
+        state=zl.HealthState.SERVING,
+        seq=1,
+        ts=49.0,
+        podIP=report.pod_ip,
+        port=8000,
+        phases={"TEPreLoad": 0.0, "TELoad": 0.1, "TEPostLoad": 0.5},
+        loadSource="NPUForkUB",
+        warm=True,
+    )
+    zk = ZkView(connected=True, reports={"g-p-1": report}, health={"g-p-1": health})
+    view = group_view([member("g-d-0", D), pod], [], zk=zk)
+    record = last_scale(view)
+    assert record is not None
+    assert record["instance"] == "g-p-1"
+    assert record["path"] == "WarmForkUB"
+    assert record["loadSource"] == "NPUForkUB"
+    assert record["emulatedSeconds"] == 0.6
+    assert record["wallSeconds"] == 10.0  # claimed at 40, seen serving at 50
+    later = dataclasses.replace(view, now=80.0, previous={"lastScale": record})
+    assert last_scale(later) == record  # kept, not re-timed
+
+
+# --------------------------------------------------------------------------- host DRAM pre-loads
+def test_dram_preloads_follow_the_demand_in_order_within_each_servers_capacity() -> None:
+    from matrixserve.domain.warmpool import dram
+
+    gb = 1e9
+    demand = [
+        dram.Demand("big", 1000 * gb),
+        dram.Demand("only-sp1", 100 * gb, {"matrixserve.io/superpod": "sp1"}),
+        dram.Demand("huge", 900 * gb),  # does not fit after "big": skipped, the next may go
+        dram.Demand("small", 16 * gb),
+        dram.Demand("big", 1000 * gb),  # named twice: once
+    ]
+    nodes = {"a": {"matrixserve.io/superpod": "sp0"}, "b": {"matrixserve.io/superpod": "sp1"}}
+    plans = dram.plan(demand, nodes, capacity=1500 * gb)  # 90 %: 1,350 GB of room
+    assert plans["a"].models == ("big", "small")
+    assert plans["b"].models == ("big", "only-sp1", "small")
+    assert plans["b"].bytes == 1116 * gb
+    assert all(p.bytes <= 0.9 * 1500 * gb for p in plans.values())
+
+
+def test_the_pool_status_says_each_servers_planned_and_loaded_models_and_its_hit_rate() -> None:
+    from matrixserve.domain.warmpool import dram
+
+    pods = [
+        warm_pod("wp-two-0", node="n1"),
+        warm_pod("wp-two-1", node="n1", claimed_by="g"),
+    ]
+    pods[1] = dataclasses.replace(
+        pods[1], annotations={kinds.ANNOTATION_CLAIM: json.dumps({"path": "WarmDRAM"})}
+    )
+    reports = {
+        "wp-two-0": warm_report("wp-two-0").model_copy(update={"dram_models": ["llama3-8b"]})
+    }
+    view = dataclasses.replace(
+        pool_view(pods),
+        reports=reports,
+        dram_demand=(dram.Demand("llama3-8b", 16e9),),
+        nodes={"n1": {}},
+    )
+    plan = wp.plan(view)
+    assert plan.status["dram"] == [
+        {
+            "node": "n1",
+            "models": ["llama3-8b"],
+            "loaded": ["llama3-8b"],
+            "bytes": 16_000_000_000,
+            "capacityBytes": 1_500_000_000_000,
+        }
+    ]
+    assert plan.dram["n1"].models == ("llama3-8b",)
+    assert plan.status["hitRatePercent"] == 100
+
+
+def test_instances_started_together_from_the_shared_file_service_share_its_bucket() -> None:
+    def loaders(action: Any) -> str | None:
+        env = action.manifest["spec"]["containers"][0]["env"]
+        return next((e["value"] for e in env if e["name"] == "ENGINE_CONCURRENT_LOADERS"), None)
+
+    cold = group_view([], [])
+    creates = warm_or_cold(cold, {"g-p-0": P, "g-p-1": P, "g-d-0": D})
+    assert [loaders(a) for a in creates] == ["3", "3", "3"]
+    ssd = dataclasses.replace(cold, engine=dataclasses.replace(ENGINE, load_source="SSD"))
+    assert {loaders(a) for a in warm_or_cold(ssd, {"g-p-0": P, "g-d-0": D})} == {None}
+    # a warm pod loading from the shared file service counts too, and says so in its claim
+    mixed = group_view([member("g-d-0", D)], [warm_pod("wp-two-0")])
+    actions = warm_or_cold(mixed, {"g-p-0": P, "g-p-1": P})
+    (claim,) = [a for a in actions if isinstance(a, ClaimWarmPod)]
+    (create,) = [a for a in actions if isinstance(a, CreatePod)]
+    assert loaders(create) == "2"
+    assert json.loads(claim.patch["annotations"][kinds.ANNOTATION_CLAIM])["loaders"] == 2
+    claimed_pod = claimed(
+        "wp-two-0", "g-p-0", P, json.loads(claim.patch["annotations"][kinds.ANNOTATION_CLAIM])
+    )
+    (assign,) = assignments(group_view([member("g-d-0", D), claimed_pod], []))
+    assert isinstance(assign, AssignWarmPod)
+    assert assign.assignment.env["ENGINE_CONCURRENT_LOADERS"] == "2"
+
+
+def test_a_warm_decode_must_be_in_the_superpod_of_the_groups_decodes() -> None:
+    far = warm_pod("wp-two-0")
+    view = group_view([member("g-p-0", P), member("g-d-0", D)], [far])
+    view = dataclasses.replace(
+        view, warm_reports={"wp-two-0": warm_report("wp-two-0", superpod="sp9")}
+    )
+    assert [type(a) for a in warm_or_cold(view, {"g-d-1": D})] == [CreatePod]
+    assert [type(a) for a in warm_or_cold(view, {"g-p-1": P})] == [ClaimWarmPod]
+
+
+def test_a_name_with_a_trailing_newline_is_no_znode_name() -> None:
+    with pytest.raises(ValueError, match="lower-case DNS name"):
+        zl.WarmPaths("t").pod("w-1\n")
+    with pytest.raises(ValueError, match="lower-case DNS name"):
+        zl.GroupPaths("t", "g").report("g-p-0\n")
