@@ -40,8 +40,12 @@ deleted and recreated), each on a fresh group. Per fault and run:
 Writes ``bench/results/recovery.json`` (flat keys; issue 17's contract: for each fault ``f``
 ``f_pods_restarted``, ``f_restore_s``, ``f_failed_outside``, ``f_capacity_lost_s`` and the
 baseline's ``f_baseline_pods_restarted``, ``f_baseline_restore_s``, ``f_baseline_capacity_lost_s``)
-and prints the table. The warm paths of the next issue (warm pool, NPU-fork) join as more runs
-(:data:`RUNS`), compared in the same table.
+and prints the table. A third run, ``warm`` (issue 18), keeps a WarmPool of ``WARM_PODS``
+pods of the group's shape beside a fresh group and injects the single-instance faults of
+:data:`WARM_FAULTS` (die, kill): the planner's replacement then claims a warm pod whose weights
+come by NPU-fork from a live member; its keys are ``f_warm_<figure>`` (``die_warm_restore_s``,
+``kill_warm_restore_s``, ...), with ``detect_to_serve_s`` for issue 18's target (detection ->
+serving <= 7 s).
 """
 
 from __future__ import annotations

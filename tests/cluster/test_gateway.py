@@ -175,9 +175,7 @@ def test_an_abandoned_plain_request_stops_the_decode(
     to ``max_tokens`` before: a batch slot for seconds, minutes at real time scale). The engines
     run in real time here, so the request would decode for ~20 s."""
     # (TE-Pre-Load off: 20 wall s of start-up at this scale that the test does not look at)
-    serving_group(
-        prefill=1, decode=1, time_scale="1", extra=("--engine-pre-load-seconds", "0")
-    )
+    serving_group(prefill=1, decode=1, time_scale="1", extra=("--engine-pre-load-seconds", "0"))
     gateway = start_gateway("--time-scale", "1")
     ips = {
         name: groups.core.read_namespaced_pod(name, groups.namespace).status.pod_ip

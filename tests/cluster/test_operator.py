@@ -253,9 +253,7 @@ def test_restarting_the_operator_mid_setup_finishes_without_duplicates(
 ) -> None:
     # Time scale 1: model loads take ~8 s, a window to kill the operator in (TE-Pre-Load, 20 s
     # more at this scale, is off: it would only make the test slower).
-    operator = start_operator(
-        namespace, time_scale="1", extra=("--engine-pre-load-seconds", "0")
-    )
+    operator = start_operator(namespace, time_scale="1", extra=("--engine-pre-load-seconds", "0"))
     groups.create(pdgroup_body("g", 2, 2))
     wait_for(
         lambda: (groups.get("g").get("status") or {}).get("roceMapVersion") == 1,

@@ -191,6 +191,14 @@ def test_two_groups_scaling_at_once_from_a_pool_of_one_never_share_the_pod(
     assert f"{other}-p-1" in groups.pods(other)  # the other one started cold
     pod = pools.pods()[warm]
     assert [o.name for o in pod.metadata.owner_references] == holders
+    # one claim went through (a second one at the same resourceVersion is refused: 409)
+    claims = [
+        e
+        for n in ("a", "b")
+        for e in events_of(groups.core, namespace, n)
+        if e.reason == "ClaimedWarmPod" and warm in e.message
+    ]
+    assert len(claims) == 1, [e.message for e in claims]
     assert pools.status()["claimed"] == 1
     assert pools.warm() == []  # Manual: the claim is not refilled
 

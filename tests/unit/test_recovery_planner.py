@@ -408,20 +408,22 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
     else:
         faulty = (draw(st.sampled_from(names)),)
     seconds = st.floats(0.0, 60.0, allow_nan=False)
+    timings: dict[str, Any] = {
+        k: draw(seconds)
+        for k in (f.name for f in dataclasses.fields(rc.Estimates))
+        if k not in ("warm_pods", "warm_ready", "warm_total")
+    }
     return {
         "topo": rc.Topology(members, draw(st.none() | st.integers(0, 24))),
         "fault": Fault(kind, faulty, Tier.POD, 0.0, on_device=draw(st.booleans())),
         "policy": rc.Policy(
             draw(st.sampled_from(list(RecoveryPolicy))), draw(st.sampled_from(list(Protect)))
         ),
-        "est": rc.Estimates(
-            **{
-                k: draw(seconds)
-                for k in (f.name for f in dataclasses.fields(rc.Estimates))
-                if k not in ("warm_pods", "warm_ready")
-            },
+        "est": dataclasses.replace(
+            rc.Estimates(**timings),
             warm_pods=draw(st.dictionaries(st.sampled_from([P, D]), st.integers(0, 3))),
             warm_ready=draw(st.dictionaries(st.sampled_from([P, D]), seconds)),
+            warm_total=draw(st.none() | st.integers(0, 3)),
         ),
         "connected": draw(st.booleans()),
         "in_recovery": draw(st.integers(0, 3)),
@@ -828,3 +830,20 @@ def test_a_killed_engine_is_replaced_warm_when_that_beats_its_restart_in_place()
     options = rc.options(two, topo, rc.Policy(), warm, {"g-p-0", "g-d-0"})
     replace = next(o for o in options if o.action is rc.ActionKind.REPLACE)
     assert "warmReady" not in replace.terms
+
+
+def test_one_warm_pod_that_fits_both_roles_replaces_only_one_instance() -> None:
+    topo = rc.Topology(
+        {"g-p-0": rc.Member("g-p-0", P, 2, "n0"), "g-d-0": rc.Member("g-d-0", D, 2, "n0")}
+    )
+    both = Fault(FaultKind.NODE, ("g-p-0", "g-d-0"), Tier.NODE, 0.0)
+    one_pod = dataclasses.replace(
+        EST, warm_pods={P: 1, D: 1}, warm_ready={P: 1.0, D: 1.0}, warm_total=1
+    )
+    options = rc.options(both, topo, rc.Policy(), one_pod, {"g-p-0", "g-d-0"})
+    replace = next(o for o in options if o.action is rc.ActionKind.REPLACE)
+    assert "warmReady" not in replace.terms
+    two_pods = dataclasses.replace(one_pod, warm_total=2)
+    options = rc.options(both, topo, rc.Policy(), two_pods, {"g-p-0", "g-d-0"})
+    replace = next(o for o in options if o.action is rc.ActionKind.REPLACE)
+    assert replace.terms["warmReady"] == 1.0

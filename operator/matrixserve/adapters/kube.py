@@ -25,9 +25,7 @@ from kubernetes import client, config
 
 from matrixserve.api.kinds import (
     LABEL_SUPERPOD,
-    MANAGED_BY_LABEL,
     NPU_RESOURCE,
-    OPERATOR_MANAGER,
     Kind,
 )
 from matrixserve.domain.enginepod import ENGINE_CONTAINER
@@ -365,33 +363,6 @@ class KubeAdapter:
             )
         except client.ApiException as exc:
             if exc.status in (404, 409):
-                return False
-            raise
-        return True
-
-    async def ensure_priority_class(self, name: str, value: int, description: str) -> bool:
-        """The PriorityClass, created if absent (never changed: one made by an administrator
-        or a chart of that name is theirs). True if it was created now."""
-        api = client.SchedulingV1Api(self.api)
-        try:
-            await asyncio.to_thread(api.read_priority_class, name)
-            return False
-        except client.ApiException as exc:
-            if exc.status != 404:
-                raise
-        body = {
-            "apiVersion": "scheduling.k8s.io/v1",
-            "kind": "PriorityClass",
-            "metadata": {"name": name, "labels": {MANAGED_BY_LABEL: OPERATOR_MANAGER}},
-            "value": value,
-            "globalDefault": False,
-            "preemptionPolicy": "Never",
-            "description": description,
-        }
-        try:
-            await asyncio.to_thread(api.create_priority_class, body)
-        except client.ApiException as exc:
-            if exc.status == 409:
                 return False
             raise
         return True

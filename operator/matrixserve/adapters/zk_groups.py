@@ -163,6 +163,17 @@ class GroupStore:
         ``waiting`` (pod -> the UID it is for)."""
         return await self.session.run(self._warm_sync, namespace, model, waiting)
 
+    async def forget_assignments(self, namespace: str, pods: Sequence[str]) -> None:
+        """Remove the assignments of a deleted group's claimed pods (the namespace's WarmPool
+        would sweep them too, once the pods are gone; there may be no pool left)."""
+        warm = zl.WarmPaths(namespace)
+
+        def forget() -> None:
+            for pod in pods:
+                self.session.delete(warm.assignment(pod))
+
+        await self.session.run(forget)
+
     async def ensure(self, namespace: str, group: str, open_acl: bool = False) -> None:
         """The group's folders, made again where missing (the server lost its data).
         ``open_acl``: the group is still open to pods without the credential (an upgrade):

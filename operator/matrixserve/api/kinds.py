@@ -62,9 +62,7 @@ LABEL_WARM_SHAPE = f"{LABEL_PREFIX}/warm-shape"
 LABEL_WARM_NPUS = f"{LABEL_PREFIX}/warm-npus"  # NPUs it holds (devicesPerPod)
 LABEL_CLAIMED_BY = f"{LABEL_PREFIX}/claimed-by"  # the PDGroup that claimed it
 ANNOTATION_CLAIM = f"{LABEL_PREFIX}/claim"  # JSON: instance, role, path, estimate, fork source, at
-# Warm pods hold NPUs at this PriorityClass: a serving pod that needs their NPUs preempts them.
-PRIORITY_CLASS_WARM = "matrixserve-warm"
-PRIORITY_WARM = -100
+ANNOTATION_WARM_TEMPLATE = f"{LABEL_PREFIX}/warm-template"  # JSON: image, NPUs, type, selector
 ANNOTATION_SERVICE = f"{LABEL_PREFIX}/service"
 ANNOTATION_SCENARIO = f"{LABEL_PREFIX}/scenario"
 APP_NAME_LABEL = "app.kubernetes.io/name"

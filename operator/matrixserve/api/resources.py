@@ -7,7 +7,9 @@ boundary: handlers turn a CR's ``spec`` into these models and the domain works o
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Mapping
 from decimal import Decimal
 from enum import StrEnum
 from typing import Annotated, Any
@@ -22,6 +24,8 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+
+from matrixserve.api.kinds import ANNOTATION_CLAIM
 
 DnsLabel = Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)]
 BatchSize = Annotated[int, Field(ge=1, le=4096)]
@@ -355,6 +359,35 @@ class WarmPoolSpec(_Spec):
     dram_preload: list[DramPreload] = Field(default=[], alias="dramPreload")
     refill_policy: RefillPolicy = Field(default=RefillPolicy.IMMEDIATE, alias="refillPolicy")
     image: str = Field(default="matrixserve/engine-stub:0.1.0", max_length=512)
+
+
+class WarmClaim(BaseModel):
+    """The record a claimed warm pod carries (``kinds.ANNOTATION_CLAIM``, issue 18): the
+    instance and role it became, the path chosen and its estimate (seconds per phase, every
+    path considered), the fork source, the shared file service's loaders of the pass, when."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    instance: str = ""
+    role: str = ""  # zk_layout.Role values: "P", "D"
+    path: str = ""  # scaleout.Path values
+    estimate_seconds: float | None = Field(default=None, alias="estimateSeconds")
+    phases: dict[str, float] = Field(default_factory=dict)
+    considered: dict[str, float] = Field(default_factory=dict)
+    fork_source: str | None = Field(default=None, alias="forkSource")
+    loaders: int = Field(default=1, ge=1)
+    at: float = 0.0
+
+    @classmethod
+    def of(cls, annotations: Mapping[str, str]) -> WarmClaim:
+        """The record on a pod's annotations; an empty one if absent or unreadable."""
+        try:
+            return cls.model_validate_json(annotations.get(ANNOTATION_CLAIM) or "{}")
+        except ValueError:
+            return cls()
+
+    def dump(self) -> str:
+        return json.dumps(self.model_dump(by_alias=True, exclude_none=True), sort_keys=True)
 
 
 SPECS: dict[str, type[_Spec]] = {

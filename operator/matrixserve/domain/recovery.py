@@ -104,6 +104,7 @@ class Estimates:
     # path's seconds from the claim to serving (the scale-out path choice's estimate).
     warm_pods: Mapping[zl.Role, int] = field(default_factory=dict)
     warm_ready: Mapping[zl.Role, float] = field(default_factory=dict)
+    warm_total: int | None = None  # distinct warm pods for either role (None: as warm_pods say)
 
 
 @dataclass(frozen=True)
@@ -349,6 +350,8 @@ def _warm(topology: Topology, est: Estimates, faulty: tuple[str, ...]) -> float 
         role = topology.members[name].role
         need[role] = need.get(role, 0) + 1
     if any(est.warm_pods.get(r, 0) < n or r not in est.warm_ready for r, n in need.items()):
+        return None
+    if est.warm_total is not None and est.warm_total < len(faulty):  # one pod fits both roles
         return None
     return max(est.warm_ready[r] for r in need)
 

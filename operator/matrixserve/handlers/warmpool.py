@@ -8,19 +8,22 @@ engine pods per shape, refilled after claims, counted in status and metrics.
   removed on the way.
 - A claim is not made here: a group claims a warm pod through the API server (the pod's labels
   and owner, with its resourceVersion as precondition), and the pool sees it claimed.
-- Warm pods run at ``PRIORITY_CLASS_WARM`` (made at start-up if absent): a serving pod that
-  needs their NPUs preempts them.
+- Warm pods run at the serving pods' priority (a claimed pod keeps the priority it was made
+  with); while serving engine pods of the namespace cannot be placed for want of NPUs, the pool
+  gives up warm pods itself and does not refill.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import kopf
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Gauge
 from pydantic import ValidationError
 
 from matrixserve.adapters.zk_warm import WarmStore
@@ -28,6 +31,7 @@ from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import WarmPoolSpec, field_errors
 from matrixserve.domain import warmpool as wp
+from matrixserve.domain.observed import PodView
 from matrixserve.domain.warmpool import dram
 from matrixserve.handlers.reconciler import Reconciler
 from matrixserve.handlers.runtime import Runtime
@@ -51,11 +55,26 @@ class WarmPoolMetrics:
             ["namespace", "pool"],
             registry=registry,
         )
-        self.priority_classes = Counter(
-            "matrixserve_warmpool_priority_class_created_total",
-            "PriorityClasses the operator created for warm pods",
-            registry=registry,
-        )
+        self.shown: dict[tuple[str, str], set[str]] = {}  # shapes exported, by pool
+
+    def record(self, namespace: str, pool: str, status: dict[str, Any]) -> None:
+        shapes = {row["name"]: row for row in status["shapes"]}
+        for gone in self.shown.get((namespace, pool), set()) - set(shapes):
+            for state in ("ready", "warming", "claimed"):
+                self.pods.remove(namespace, pool, gone, state)
+        for shape, row in shapes.items():
+            for state in ("ready", "warming", "claimed"):
+                self.pods.labels(namespace, pool, shape, state).set(row[state])
+        self.shown[(namespace, pool)] = set(shapes)
+        self.forks.labels(namespace, pool).set(status["forksDone"])
+
+    def forget(self, namespace: str, pool: str) -> None:
+        """A pool that is gone exports nothing."""
+        for shape in self.shown.pop((namespace, pool), set()):
+            for state in ("ready", "warming", "claimed"):
+                self.pods.remove(namespace, pool, shape, state)
+        with contextlib.suppress(KeyError):
+            self.forks.remove(namespace, pool)
 
 
 @dataclass
@@ -65,7 +84,6 @@ class WarmPools:
     store: WarmStore
     metrics: WarmPoolMetrics
     kind: kinds.Kind = KIND
-    priority_ready: bool = False
 
 
 def install(rt: Runtime) -> WarmPools:
@@ -118,6 +136,7 @@ async def reconciler(
     finally:
         for wake in wakes:
             pools.store.unwatch(namespace, wake)
+        pools.metrics.forget(namespace, name)
 
 
 async def _dram_inputs(
@@ -160,6 +179,50 @@ async def _dram_inputs(
     return tuple(demand), nodes
 
 
+LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def problems(name: str, spec: WarmPoolSpec) -> list[str]:
+    """What the schema cannot say about a WarmPool: its name and NPU types become label values,
+    its shapes' names parts of pod names, and a model to pre-load must be one the platform
+    knows the size of."""
+    out = []
+    if len(name) > 63:
+        out.append(
+            f"metadata.name: {len(name)} characters; a WarmPool's name is a label value (at most 63)"
+        )
+    shapes = [wp.view.shape_name(s, i) for i, s in enumerate(spec.shapes)]
+    if len(set(shapes)) != len(shapes):
+        out.append(f"spec.shapes: names must differ (they are {', '.join(shapes)})")
+    for i, (shape, s) in enumerate(zip(shapes, spec.shapes, strict=True)):
+        if not DNS_LABEL.fullmatch(shape) or len(shape) > 40:
+            out.append(f"spec.shapes[{i}]: its name {shape!r} is no DNS label: give it a name")
+        if len(s.npu_type) > 63 or not LABEL_VALUE.fullmatch(s.npu_type):
+            out.append(f"spec.shapes[{i}].npuType: {s.npu_type!r} is no label value")
+    for i, entry in enumerate(spec.dram_preload):
+        if dram.model_bytes(entry.model) is None:
+            out.append(
+                f"spec.dramPreload[{i}].model: {entry.model!r} is not a model the platform knows "
+                "the size of"
+            )
+    return out
+
+
+def _starved(pods: dict[str, PodView]) -> int:
+    """Serving engine pods the scheduler cannot place for want of NPUs (not warm pods)."""
+    return sum(
+        1
+        for p in pods.values()
+        if p.phase == "Pending"
+        and not p.deleting
+        and (p.label(kinds.LABEL_WARMPOOL) is None or p.label(kinds.LABEL_CLAIMED_BY) is not None)
+        and p.trouble is not None
+        and p.trouble[0] == "Unschedulable"
+        and kinds.NPU_RESOURCE in p.trouble[1]
+    )
+
+
 async def reconcile(pools: WarmPools, namespace: str, name: str, logger: logging.Logger) -> bool:
     rt = pools.rt
     body = await rt.kube.get(KIND, namespace, name)
@@ -171,27 +234,16 @@ async def reconcile(pools: WarmPools, namespace: str, name: str, logger: logging
     except ValidationError as exc:
         await pools.loop.report_invalid(body, field_errors(exc), logger)
         return False
-    shapes = [wp.view.shape_name(s, i) for i, s in enumerate(spec.shapes)]
-    if len(set(shapes)) != len(shapes):
-        await pools.loop.report_invalid(
-            body, [f"spec.shapes: names must differ (they are {', '.join(shapes)})"], logger
-        )
+    errors = problems(name, spec)
+    if errors:
+        await pools.loop.report_invalid(body, errors, logger)
         return False
     pools.loop.spec_valid(namespace, name)
-    if not pools.priority_ready:
-        if await rt.kube.ensure_priority_class(
-            kinds.PRIORITY_CLASS_WARM,
-            kinds.PRIORITY_WARM,
-            "MatrixServe warm pods: below every serving pod, which preempts them for their NPUs",
-        ):
-            pools.metrics.priority_classes.inc()
-            logger.info("created PriorityClass %s", kinds.PRIORITY_CLASS_WARM)
-        pools.priority_ready = True
     pods = await rt.kube.list_pods(namespace, {kinds.LABEL_WARMPOOL: name})
+    engines = await rt.kube.list_pods(namespace, {kinds.APP_NAME_LABEL: kinds.ENGINE_APP})
     connected = pools.store.connected
     reports = await pools.store.reports(namespace) if connected else {}
     if connected:
-        engines = await rt.kube.list_pods(namespace, {kinds.APP_NAME_LABEL: kinds.ENGINE_APP})
         swept = await pools.store.sweep_assignments(
             namespace, {p.name: p.uid for p in engines.values()}
         )
@@ -212,6 +264,8 @@ async def reconcile(pools: WarmPools, namespace: str, name: str, logger: logging
         previous=body.get("status") or {},
         dram_demand=demand,
         nodes=nodes,
+        taken=frozenset(pools.loop.taken.get((namespace, name), set())),
+        starved=_starved(engines),
     )
     plan = wp.plan(view)
     if connected:
@@ -237,8 +291,5 @@ async def reconcile(pools: WarmPools, namespace: str, name: str, logger: logging
 
     busy = await pools.loop.apply(body, plan.actions, no_znodes)
     await pools.loop.write_status(body, plan.status, plan.conditions)
-    for row in plan.status["shapes"]:
-        for state in ("ready", "warming", "claimed"):
-            pools.metrics.pods.labels(namespace, name, row["name"], state).set(row[state])
-    pools.metrics.forks.labels(namespace, name).set(plan.status["forksDone"])
+    pools.metrics.record(namespace, name, plan.status)
     return busy

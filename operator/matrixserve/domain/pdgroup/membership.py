@@ -99,7 +99,7 @@ def gather(
             actions += release_pods(instance, "not desired before the group formed")
         elif (
             name not in view.reports
-            and view.now - instance.leader.created_at > GATHER_TIMEOUT_SECONDS
+            and view.now - view.started_at(instance.leader) > GATHER_TIMEOUT_SECONDS
         ):
             actions += release_pods(instance, "did not report its RoCE IPs in time; retrying")
     if not desired or len(reported) != len(desired):

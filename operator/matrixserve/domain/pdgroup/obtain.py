@@ -22,12 +22,12 @@ divided by the engines' time scale so that the two clocks add up.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from typing import Any
 
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.resources import WarmClaim
 from matrixserve.domain import scaleout as so
 from matrixserve.domain.pdgroup.actions import Action, AssignWarmPod, ClaimWarmPod, CreatePod
 from matrixserve.domain.pdgroup.pods import (
@@ -104,6 +104,14 @@ def warm_or_cold(view: GroupView, missing: Mapping[str, zl.Role]) -> list[Action
             continue
         spec = view.spec.prefill if role is zl.Role.PREFILL else view.spec.decode
         pods = [p for p in warm_candidates(view, role) if p.name not in taken]
+        if role is zl.Role.DECODE and pods:
+            # a group's decodes share one SuperPod: with none placed yet, the one with the most
+            # warm decodes (warm_candidates keeps them to the placed decodes' otherwise)
+            counts: dict[str | None, int] = {}
+            for p in pods:
+                counts[p.superpod] = counts.get(p.superpod, 0) + 1
+            home = max(counts, key=lambda sp: (counts[sp], sp or ""))
+            pods = [p for p in pods if p.superpod == home]
         if spec.pods_per_instance != 1 or not pods:
             cold.update({n: role for n in names if cold_allowed})
             continue
@@ -138,25 +146,24 @@ def warm_or_cold(view: GroupView, missing: Mapping[str, zl.Role]) -> list[Action
 def _with_loaders(patch: Mapping[str, Any], loaders: int) -> dict[str, Any]:
     """The claim's record with the pass's shared-file-service loaders in it."""
     annotations = dict(patch["annotations"])
-    claim = json.loads(annotations[kinds.ANNOTATION_CLAIM])
-    claim["loaders"] = loaders
-    annotations[kinds.ANNOTATION_CLAIM] = json.dumps(claim, sort_keys=True)
+    claim = WarmClaim.of(annotations).model_copy(update={"loaders": loaders})
+    annotations[kinds.ANNOTATION_CLAIM] = claim.dump()
     return {**patch, "annotations": annotations}
 
 
 def _claim_action(view: GroupView, choice: so.Choice, role: zl.Role) -> ClaimWarmPod:
     assert choice.warm_pod is not None
     pod = view.warm_pods[choice.warm_pod]
-    claim = {
-        "instance": choice.instance,
-        "role": role.value,
-        "path": str(choice.path),
-        "estimateSeconds": round(choice.total, 3),
-        "phases": {str(k): round(v, 3) for k, v in choice.phases.items()},
-        "considered": {str(k): v for k, v in choice.considered.items()},
-        "forkSource": choice.fork_source,
-        "at": round(view.now, 3),
-    }
+    claim = WarmClaim(
+        instance=choice.instance,
+        role=role.value,
+        path=str(choice.path),
+        estimateSeconds=round(choice.total, 3),
+        phases={str(k): round(v, 3) for k, v in choice.phases.items()},
+        considered={str(k): v for k, v in choice.considered.items()},
+        forkSource=choice.fork_source,
+        at=round(view.now, 3),
+    )
     patch = {
         "labels": {
             **pod_labels(view.name, role, choice.instance),
@@ -164,7 +171,7 @@ def _claim_action(view: GroupView, choice: so.Choice, role: zl.Role) -> ClaimWar
         },
         "annotations": {
             **pod_annotations(view.spec, role),
-            kinds.ANNOTATION_CLAIM: json.dumps(claim, sort_keys=True),
+            kinds.ANNOTATION_CLAIM: claim.dump(),
         },
         "ownerReferences": [owner(view.name, view.uid)],
     }
@@ -195,10 +202,10 @@ def assignments(view: GroupView) -> list[Action]:
         ):
             continue
         claim = _claim(pod)
-        role = zl.Role.PREFILL if claim.get("role") == zl.Role.PREFILL.value else zl.Role.DECODE
-        path = so.Path(claim["path"]) if claim.get("path") in set(so.Path) else so.Path.WARM_SHARED
+        role = zl.Role.PREFILL if claim.role == zl.Role.PREFILL.value else zl.Role.DECODE
+        path = so.Path(claim.path) if claim.path in set(so.Path) else so.Path.WARM_SHARED
         fork = None
-        source = claim.get("forkSource")
+        source = claim.fork_source
         for s in view.fork_sources:
             if source == f"{s.group}/{s.instance}":
                 plane = "UB" if path is so.Path.WARM_FORK_UB else "RoCE"
@@ -220,8 +227,8 @@ def assignments(view: GroupView) -> list[Action]:
         # a fork whose source is gone since the claim: the fallback at once
         forking = path in (so.Path.WARM_FORK_UB, so.Path.WARM_FORK_ROCE)
         load = so.LOAD_SOURCE[so.Path.WARM_SHARED if forking and fork is None else path]
-        if load == SHARED_FILE_SERVICE and int(claim.get("loaders") or 1) > 1:
-            env["ENGINE_CONCURRENT_LOADERS"] = str(int(claim["loaders"]))
+        if load == SHARED_FILE_SERVICE and claim.loaders > 1:
+            env["ENGINE_CONCURRENT_LOADERS"] = str(claim.loaders)
         assignment = zl.Assignment(
             podUid=pod.uid,
             group=f"{view.namespace}/{view.name}",
@@ -249,8 +256,7 @@ def last_scale(view: GroupView) -> dict[str, object] | None:
         if health is None or not health.phases or not view.healthy(name):
             continue
         leader = instance.leader
-        claim = _claim(leader) if view.claimed(leader) else {}
-        start = float(claim.get("at") or leader.created_at)
+        start = view.started_at(leader)
         if newest is None or start > newest[0]:
             newest = (start, name)
     if newest is None:
@@ -260,16 +266,16 @@ def last_scale(view: GroupView) -> dict[str, object] | None:
     if previous.get("podUid") == leader.uid or start <= float(previous.get("startedAt") or 0):
         return previous or None
     health = view.zk.health[name]
-    claim = _claim(leader) if view.claimed(leader) else {}
+    claim = _claim(leader) if view.claimed(leader) else WarmClaim()
     engine = {k: round(v, 3) for k, v in health.phases.items()}
     return {
         "instance": name,
         "pod": leader.name,
         "podUid": leader.uid,
-        "path": claim.get("path") or str(so.Path.COLD),
+        "path": claim.path or str(so.Path.COLD),
         "loadSource": health.load_source,
-        "forkSource": claim.get("forkSource"),
-        "estimateSeconds": claim.get("estimateSeconds"),
+        "forkSource": claim.fork_source,
+        "estimateSeconds": claim.estimate_seconds,
         "phases": engine,
         "emulatedSeconds": round(sum(engine.values()), 3),
         "wallSeconds": round(max(0.0, view.now - start), 3),

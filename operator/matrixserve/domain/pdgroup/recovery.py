@@ -57,7 +57,7 @@ from matrixserve.domain.pdgroup.actions import (
 )
 from matrixserve.domain.pdgroup.pods import role_of
 from matrixserve.domain.pdgroup.view import GroupView
-from matrixserve.domain.pdgroup.warm import warm_replacement
+from matrixserve.domain.pdgroup.warm import warm_pod_names, warm_replacement
 
 SESSION_GRACE_SECONDS = 10.0  # a report gone this long, its pod unready: the session is lost
 DEADLINE_FACTOR = 4.0  # a recovery not done within 4x its prediction (and a minute) failed
@@ -279,6 +279,7 @@ def estimates(view: GroupView) -> rc.Estimates:
         horizon=base.horizon,
         warm_pods={r: n for r, (n, _) in warm.items()},
         warm_ready={r: t for r, (_, t) in warm.items() if t is not None},
+        warm_total=len(warm_pod_names(view)),
     )
 
 

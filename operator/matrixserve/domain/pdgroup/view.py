@@ -11,7 +11,7 @@ from typing import Any
 
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
-from matrixserve.api.resources import PDGroupSpec
+from matrixserve.api.resources import PDGroupSpec, WarmClaim
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.observed import InstanceView, NodeView, PodView, group_instances
 from matrixserve.domain.pdgroup.pods import pod_names, role_of
@@ -72,6 +72,15 @@ class GroupView:
             if p.running_since is not None and p.restarts == 0 and p.running_since >= p.created_at
         ]
         return statistics.median(starts) if starts else default
+
+    def started_at(self, pod: PodView) -> float:
+        """When the pod began to be this group's: its claim (a claimed warm pod was created
+        long before, for a pool) or its creation."""
+        if self.claimed(pod):
+            at = WarmClaim.of(pod.annotations).at
+            if at > 0:
+                return at
+        return pod.created_at
 
     def claimed(self, pod: PodView) -> bool:
         """A warm pod this group claimed (it keeps the warm pod's name)."""

@@ -16,6 +16,7 @@ import statistics
 
 from matrixserve.api import catalog, kinds
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.resources import WarmClaim
 from matrixserve.domain import scaleout as so
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.pdgroup.pods import role_of
@@ -81,6 +82,9 @@ def warm_candidates(view: GroupView, role: zl.Role) -> list[so.WarmPod]:
             or report.pod_uid != pod.uid
             or pod.label(kinds.LABEL_NPU_TYPE) != spec.npu_type
             or pod.label(kinds.LABEL_WARM_NPUS) != str(spec.devices_per_instance)
+            # it runs what the group would: its image, the platform's CPU and memory
+            or _image(pod) != spec.image
+            or spec.resources is not None
             or (
                 role is zl.Role.DECODE
                 and bool(decode_superpods)
@@ -106,9 +110,9 @@ def fork_sources(view: GroupView, dies: int) -> list[so.ForkSource]:
     artefacts' identity itself: a target whose identity differs falls back)."""
     busy: dict[str, int] = {}
     for pod in view.pods.values():  # forks under way: claimed, not yet reported
-        claim = claim_of(pod)
-        if claim.get("forkSource") and pod.label(kinds.LABEL_INSTANCE) not in view.reports:
-            busy[claim["forkSource"]] = busy.get(claim["forkSource"], 0) + 1
+        source = claim_of(pod).fork_source
+        if source and pod.label(kinds.LABEL_INSTANCE) not in view.reports:
+            busy[source] = busy.get(source, 0) + 1
     return [
         so.ForkSource(
             f"{s.group}/{s.instance}",
@@ -123,12 +127,24 @@ def fork_sources(view: GroupView, dies: int) -> list[so.ForkSource]:
     ]
 
 
-def claim_of(pod: PodView) -> dict[str, str]:
+def _image(pod: PodView) -> str | None:
+    """The engine image a warm pod runs (its template annotation)."""
     try:
-        claim = json.loads(pod.annotations.get(kinds.ANNOTATION_CLAIM) or "{}")
+        made = json.loads(pod.annotations.get(kinds.ANNOTATION_WARM_TEMPLATE) or "{}")
     except ValueError:
-        return {}
-    return claim if isinstance(claim, dict) else {}
+        return None
+    return made.get("image") if isinstance(made, dict) else None
+
+
+def claim_of(pod: PodView) -> WarmClaim:
+    return WarmClaim.of(pod.annotations)
+
+
+def warm_pod_names(view: GroupView) -> frozenset[str]:
+    """Every warm pod that could replace an instance of either role (each counted once)."""
+    return frozenset(
+        p.name for role in (zl.Role.PREFILL, zl.Role.DECODE) for p in warm_candidates(view, role)
+    )
 
 
 def warm_replacement(view: GroupView, role: zl.Role) -> tuple[int, float | None]:

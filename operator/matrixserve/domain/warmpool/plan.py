@@ -7,9 +7,13 @@ Each pass, per shape:
    apart and never touched again;
 2. refill: create the missing ones (``Immediate`` and ``Scheduled``: at once; ``Manual``: only
    when the spec changed, so claims are not refilled until the user asks);
-3. trim: delete unclaimed pods beyond ``size`` (warming ones first), and every unclaimed pod of
-   a shape no longer in the spec, each only while it is still at the resourceVersion seen
-   (a pod claimed meanwhile is not deleted);
+3. trim: delete unclaimed pods beyond ``size`` (warming ones first), every unclaimed pod of a
+   shape no longer in the spec or made from another template (NPUs, type, selector, image),
+   and those that ended (evicted, Failed), each only while it is still at the resourceVersion
+   seen (a pod claimed meanwhile is not deleted);
+   yield: while serving engine pods of the namespace cannot be placed for want of NPUs, give up
+   as many unclaimed warm pods (warming ones first) and do not refill (warm pods run at the
+   serving pods' priority, so the scheduler does not preempt them: the pool does);
 4. status: ready / warming / claimed per shape and in total, claims by NPU-fork, ``Ready``.
 
 Names are ``<pool>-<shape>-<n>``, the smallest ``n`` no pod of the pool holds (a claimed pod
@@ -18,17 +22,16 @@ keeps its name: its group owns it now).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from matrixserve.api import kinds
-from matrixserve.api.resources import RefillPolicy
+from matrixserve.api.resources import RefillPolicy, WarmClaim
 from matrixserve.domain.conditions import Condition
 from matrixserve.domain.effects import Event, PodCreation, PodDeletion
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.warmpool import dram
-from matrixserve.domain.warmpool.pods import pod_manifest, pod_name
+from matrixserve.domain.warmpool.pods import pod_manifest, pod_name, template
 from matrixserve.domain.warmpool.view import PoolView
 
 READY = "Ready"
@@ -66,11 +69,7 @@ class Plan:
 
 def _claim_path(pod: PodView) -> str:
     """The path its claim chose ("" if unreadable)."""
-    try:
-        claim = json.loads(pod.annotations.get(kinds.ANNOTATION_CLAIM) or "{}")
-    except ValueError:
-        return ""
-    return str(claim.get("path", "")) if isinstance(claim, dict) else ""
+    return WarmClaim.of(pod.annotations).path
 
 
 def _fork_claim(pod: PodView) -> bool:
@@ -79,25 +78,43 @@ def _fork_claim(pod: PodView) -> bool:
 
 def plan(view: PoolView) -> Plan:
     shapes = view.shapes()
-    taken = set(view.pods)
+    taken = set(view.pods) | set(view.taken)
     by_shape: dict[str, list[PodView]] = {name: [] for name in shapes}
     actions: list[PodCreation | PodDeletion] = []
+
+    def drop(pod: PodView, why: str) -> None:
+        actions.append(DeleteWarmPod(pod.name, pod.uid, why, pod.resource_version))
+
     for pod in sorted(view.pods.values(), key=lambda p: p.name):
-        if view.claimed(pod):
+        if view.claimed(pod) or pod.deleting:
             continue
         label = pod.label(kinds.LABEL_WARM_SHAPE) or ""
-        if label in by_shape:
+        if label not in by_shape:
+            drop(pod, "its shape is gone")
+        elif pod.phase in ("Failed", "Succeeded"):  # evicted, or its engine ended for good
+            drop(pod, f"it ended ({pod.phase})")
+        elif pod.annotations.get(kinds.ANNOTATION_WARM_TEMPLATE) != template(
+            shapes[label], view.spec.image
+        ):
+            drop(pod, "its shape or image changed")
+        else:
             by_shape[label].append(pod)
-        elif not pod.deleting:
-            actions.append(
-                DeleteWarmPod(pod.name, pod.uid, "its shape is gone", pod.resource_version)
-            )
-    refill = view.spec.refill_policy is not RefillPolicy.MANUAL or (
-        view.previous.get("filledGeneration") != view.generation
+    yielding = view.starved > 0
+    refill = not yielding and (
+        view.spec.refill_policy is not RefillPolicy.MANUAL
+        or view.previous.get("filledGeneration") != view.generation
     )
+    if yielding:  # its NPUs to serving pods the scheduler cannot place (warming ones first)
+        spare = sorted(
+            (p for ps in by_shape.values() for p in ps),
+            key=lambda p: (view.warm(p), p.name),
+        )
+        for pod in spare[: view.starved]:
+            drop(pod, "its NPUs go to a serving pod the scheduler cannot place")
+            by_shape[pod.label(kinds.LABEL_WARM_SHAPE) or ""].remove(pod)
     rows: list[dict[str, Any]] = []
     for name, shape in shapes.items():
-        mine = [p for p in by_shape[name] if not p.deleting]
+        mine = by_shape[name]
         warm = [p for p in mine if view.warm(p)]
         warming = [p for p in mine if not view.warm(p)]
         claimed = [
@@ -109,9 +126,7 @@ def plan(view: PoolView) -> Plan:
         if excess > 0:
             # warming ones first (nothing spent on them yet), the newest first
             for pod in (warming[::-1] + warm[::-1])[:excess]:
-                actions.append(
-                    DeleteWarmPod(pod.name, pod.uid, "beyond the size", pod.resource_version)
-                )
+                drop(pod, "beyond the size")
         elif excess < 0 and refill and view.connected:
             index = 0
             for _ in range(-excess):
@@ -151,9 +166,11 @@ def plan(view: PoolView) -> Plan:
         "claimed": len(claimed_pods),
         "forksDone": sum(1 for p in claimed_pods if _fork_claim(p)),
         "shapes": rows,
+        # stamped once a pass could fill (Manual: a pool made while ZooKeeper was out of
+        # reach still fills when it is back)
         "filledGeneration": view.generation
-        if refill
-        else view.previous.get("filledGeneration", view.generation),
+        if refill and view.connected
+        else view.previous.get("filledGeneration", 0),
     }
     claimed_paths = [_claim_path(p) for p in claimed_pods]
     found_warm = sum(1 for p in claimed_paths if p == "WarmDRAM" or p.startswith("WarmFork"))
@@ -185,6 +202,14 @@ def plan(view: PoolView) -> Plan:
             False,
             "ZooKeeperUnreachable",
             "the warm engines' reports cannot be read; nothing is created or counted warm",
+        )
+    elif yielding:
+        condition = Condition(
+            READY,
+            False,
+            "Yielding",
+            f"{view.starved} serving pods cannot be placed for want of NPUs: warm pods give "
+            "theirs up and the pool is not refilled until they are placed",
         )
     elif ready >= size:
         condition = Condition(READY, True, "Filled", f"{ready} warm pods, as the spec asks")

@@ -1,14 +1,17 @@
-"""A warm pod (pure): name, labels, owner, NPUs, the low PriorityClass, the engine in warm mode.
+"""A warm pod (pure): name, labels, template, owner, NPUs, the engine in warm mode.
 
 A warm pod runs the engine container every kind runs (:mod:`matrixserve.domain.enginepod`) with
 ``ENGINE_WARM=1`` and no model, role or group: the engine goes through TE-Pre-Load (Python, NPU
 state, HCCL) and waits for an assignment in ZooKeeper (DeepServe §6.1: "workload-independent"
-pods and "model-agnostic" pre-warmed TEs). It holds its NPUs at ``PRIORITY_CLASS_WARM``, below
-every serving pod: the scheduler preempts it for a serving pod that needs the NPUs.
+pods and "model-agnostic" pre-warmed TEs). It runs at the serving pods' priority: a pod's
+priority is fixed at its creation, so a warm pod made at a low one would stay preemptible once
+claimed and serving; the pool gives its NPUs up itself instead, to a serving pod the scheduler
+cannot place (:mod:`.plan`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from matrixserve.api import kinds
@@ -26,7 +29,21 @@ from matrixserve.domain.enginepod import (
 
 
 def pod_name(pool: str, shape: str, index: int) -> str:
-    return f"{pool}-{shape}-{index}"[:253]
+    return f"{pool}-{shape}-w{index}"
+
+
+def template(s: WarmShape, image: str) -> str:
+    """What a warm pod is made from (its ``ANNOTATION_WARM_TEMPLATE``): a pod of another
+    template is replaced by the pool, and a group claims only a pod that runs its own image."""
+    return json.dumps(
+        {
+            "image": image,
+            "devicesPerPod": s.devices_per_pod,
+            "npuType": s.npu_type,
+            "nodeSelector": dict(sorted((s.node_selector or {}).items())),
+        },
+        sort_keys=True,
+    )
 
 
 def pod_labels(pool: str, shape: str, s: WarmShape) -> dict[str, str]:
@@ -64,6 +81,7 @@ def pod_manifest(
             "name": name,
             "namespace": namespace,
             "labels": pod_labels(pool, shape, s),
+            "annotations": {kinds.ANNOTATION_WARM_TEMPLATE: template(s, image)},
             "ownerReferences": [
                 {
                     "apiVersion": kinds.API_VERSION,
@@ -79,7 +97,6 @@ def pod_manifest(
             "restartPolicy": "Always",
             "terminationGracePeriodSeconds": 10,
             "automountServiceAccountToken": False,
-            "priorityClassName": kinds.PRIORITY_CLASS_WARM,
             "nodeSelector": {**(s.node_selector or {}), kinds.LABEL_NPU_TYPE: s.npu_type},
             "securityContext": pod_security_context(),
             "containers": [container],

@@ -39,6 +39,10 @@ class PoolView:
     # namespace's warm pods (with their labels, for the pre-loads' node selectors).
     dram_demand: tuple[Demand, ...] = ()
     nodes: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # Names a creation found taken by someone else's pod (not used again), and the namespace's
+    # serving engine pods the scheduler cannot place for want of NPUs (the pool yields its own).
+    taken: frozenset[str] = frozenset()
+    starved: int = 0
 
     def shapes(self) -> dict[str, WarmShape]:
         return {shape_name(s, i): s for i, s in enumerate(self.spec.shapes)}

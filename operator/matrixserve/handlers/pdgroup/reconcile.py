@@ -29,6 +29,7 @@ from matrixserve.domain.observed import on_nodes
 from matrixserve.domain.pdgroup import cleanup
 from matrixserve.domain.pdgroup.actions import ReportRecovery
 from matrixserve.domain.pdgroup.validation import parse_spec, running_template_changes
+from matrixserve.domain.scaleout import Path, Phase
 from matrixserve.handlers.pdgroup.controller import API, KIND, PDGroups, groups_of
 from matrixserve.handlers.reconciler import Key
 
@@ -246,8 +247,11 @@ def _track_scale(groups: PDGroups, before: Mapping[str, Any], after: Mapping[str
     if not record or (before.get("lastScale") or {}).get("podUid") == record.get("podUid"):
         return
     path = str(record.get("path") or "")
+    if path not in set(Path):  # a label value from a pod's annotation: only the known ones
+        path = "Unknown"
     for phase, seconds in (record.get("phases") or {}).items():
-        groups.metrics.scale_phase_seconds.labels(phase, path).observe(float(seconds))
+        if phase in set(Phase):  # the engine's keys: only DeepServe's phases
+            groups.metrics.scale_phase_seconds.labels(phase, path).observe(float(seconds))
     groups.metrics.scale_seconds.labels(path).observe(float(record.get("wallSeconds") or 0.0))
 
 
@@ -294,6 +298,8 @@ async def deleted(
         return
     try:
         removed = await groups.store.delete(namespace, name)
+        claimed = await groups.rt.kube.list_pods(namespace, {kinds.LABEL_CLAIMED_BY: name})
+        await groups.store.forget_assignments(namespace, sorted(claimed))
     except (coordination.ZooKeeperError, coordination.CallTimeout, ConnectionError) as exc:
         # lost mid-way: retried within the bound, not after kopf's minute of back-off
         raise kopf.TemporaryError(f"ZooKeeper failed during the deletion: {exc}", delay=5) from exc

@@ -15,18 +15,19 @@ from fakes import FakeCore, engine_report
 from matrixserve.adapters.kube import KubeAdapter
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
-from matrixserve.api.resources import PDGroupSpec, WarmPoolSpec
+from matrixserve.api.resources import EngineResources, PDGroupSpec, WarmPoolSpec
 from matrixserve.domain import pdgroup
 from matrixserve.domain import warmpool as wp
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.pdgroup import GroupView, ZkView
-from matrixserve.domain.pdgroup.actions import AssignWarmPod, ClaimWarmPod, CreatePod
+from matrixserve.domain.pdgroup.actions import AssignWarmPod, ClaimWarmPod, CreatePod, DeletePod
 from matrixserve.domain.pdgroup.obtain import assignments, last_scale, warm_or_cold
 from matrixserve.domain.pdgroup.pods import pod_labels
 from matrixserve.domain.scaleout import Path
 from matrixserve.domain.warmpool.plan import CreateWarmPod, DeleteWarmPod
 from matrixserve.domain.warmpool.pods import pod_labels as warm_labels
+from matrixserve.domain.warmpool.pods import template
 
 pytestmark = pytest.mark.unit
 P, D = zl.Role.PREFILL, zl.Role.DECODE
@@ -51,8 +52,19 @@ def warm_pod(
     labels = warm_labels("wp", shape, pool_spec().shapes[0])
     if claimed_by:
         labels[kinds.LABEL_CLAIMED_BY] = claimed_by
+    made = {kinds.ANNOTATION_WARM_TEMPLATE: template(pool_spec().shapes[0], pool_spec().image)}
     return PodView(
-        name, f"uid-{name}", labels, "Running", ready, False, node, "sp0", 0.0, resource_version=rv
+        name,
+        f"uid-{name}",
+        labels,
+        "Running",
+        ready,
+        False,
+        node,
+        "sp0",
+        0.0,
+        annotations=made,
+        resource_version=rv,
     )
 
 
@@ -95,9 +107,9 @@ def pool_view(
 def test_an_empty_pool_is_filled_with_warm_pods_at_low_priority_owned_by_the_pool() -> None:
     plan = wp.plan(pool_view([]))
     created = [a for a in plan.actions if isinstance(a, CreateWarmPod)]
-    assert [a.name for a in created] == ["wp-two-0", "wp-two-1"]
+    assert [a.name for a in created] == ["wp-two-w0", "wp-two-w1"]
     manifest = created[0].manifest
-    assert manifest["spec"]["priorityClassName"] == kinds.PRIORITY_CLASS_WARM
+    assert "priorityClassName" not in manifest["spec"]  # the serving pods' priority (see pods.py)
     assert manifest["metadata"]["ownerReferences"][0]["kind"] == "WarmPool"
     env = {e["name"]: e.get("value") for e in manifest["spec"]["containers"][0]["env"]}
     assert env["ENGINE_WARM"] == "1"
@@ -113,7 +125,7 @@ def test_an_empty_pool_is_filled_with_warm_pods_at_low_priority_owned_by_the_poo
 def test_a_claimed_pod_is_counted_claimed_untouched_and_refilled_under_a_new_name() -> None:
     pods = [warm_pod("wp-two-0", claimed_by="g"), warm_pod("wp-two-1")]
     plan = wp.plan(pool_view(pods))
-    assert [a.name for a in plan.actions if isinstance(a, CreateWarmPod)] == ["wp-two-2"]
+    assert [a.name for a in plan.actions if isinstance(a, CreateWarmPod)] == ["wp-two-w0"]
     assert not [a for a in plan.actions if isinstance(a, DeleteWarmPod)]
     assert plan.status["claimed"] == 1
     assert plan.status["ready"] == 1
@@ -149,7 +161,7 @@ def test_manual_refill_fills_a_new_generation_once_and_does_not_refill_claims() 
     assert not later.actions
     assert later.conditions[0].reason == "NotRefilled"
     edited = wp.plan(pool_view(pods, spec=spec, previous=first.status, generation=2))
-    assert [a.name for a in edited.actions if isinstance(a, CreateWarmPod)] == ["wp-two-2"]
+    assert [a.name for a in edited.actions if isinstance(a, CreateWarmPod)] == ["wp-two-w0"]
 
 
 def test_without_zookeeper_nothing_is_created_and_nothing_counted_warm() -> None:
@@ -512,3 +524,100 @@ def test_a_name_with_a_trailing_newline_is_no_znode_name() -> None:
         zl.WarmPaths("t").pod("w-1\n")
     with pytest.raises(ValueError, match="lower-case DNS name"):
         zl.GroupPaths("t", "g").report("g-p-0\n")
+
+
+# --------------------------------------------------------------------------- review findings
+def test_an_old_warm_pod_claimed_in_a_first_setup_is_not_released_as_late() -> None:
+    pod = claimed("wp-two-0", "g-p-0", P, {"path": "WarmSharedFileService", "at": 999.0})
+    view = dataclasses.replace(group_view([pod], []), now=1000.0)  # the pod was made at 0
+    actions = pdgroup.plan(view).actions
+    assert not [a for a in actions if isinstance(a, DeletePod)]
+    assert [a.pod for a in actions if isinstance(a, AssignWarmPod)] == ["wp-two-0"]
+    late = dataclasses.replace(view, now=999.0 + 301.0)  # 300 s after its claim: released
+    assert [a.name for a in pdgroup.plan(late).actions if isinstance(a, DeletePod)] == ["wp-two-0"]
+
+
+def test_the_pool_replaces_pods_of_another_template_and_pods_that_ended() -> None:
+    old = dataclasses.replace(
+        warm_pod("wp-two-w0"), annotations={kinds.ANNOTATION_WARM_TEMPLATE: "{}"}
+    )
+    ended = dataclasses.replace(warm_pod("wp-two-w1"), phase="Failed")
+    plan = wp.plan(pool_view([old, ended]))
+    deleted = {a.name: a.reason for a in plan.actions if isinstance(a, DeleteWarmPod)}
+    assert deleted == {"wp-two-w0": "its shape or image changed", "wp-two-w1": "it ended (Failed)"}
+    assert len([a for a in plan.actions if isinstance(a, CreateWarmPod)]) == 2
+
+
+def test_a_starved_serving_pod_gets_the_npus_of_a_warm_pod_and_the_pool_waits() -> None:
+    pods = [warm_pod("wp-two-w0"), warm_pod("wp-two-w1", ready=False)]
+    plan = wp.plan(dataclasses.replace(pool_view(pods), starved=1))
+    assert [a.name for a in plan.actions if isinstance(a, DeleteWarmPod)] == ["wp-two-w1"]
+    assert not [a for a in plan.actions if isinstance(a, CreateWarmPod)]
+    assert plan.conditions[0].reason == "Yielding"
+
+
+def test_a_name_someone_else_holds_is_not_tried_again() -> None:
+    plan = wp.plan(dataclasses.replace(pool_view([]), taken=frozenset({"wp-two-w0"})))
+    assert [a.name for a in plan.actions if isinstance(a, CreateWarmPod)] == [
+        "wp-two-w1",
+        "wp-two-w2",
+    ]
+
+
+def test_a_manual_pool_made_while_zookeeper_was_out_fills_once_it_is_back() -> None:
+    spec = pool_spec(refillPolicy="Manual")
+    out = wp.plan(pool_view([], spec=spec, connected=False))
+    assert out.status["filledGeneration"] == 0
+    back = wp.plan(pool_view([], spec=spec, previous=out.status))
+    assert len([a for a in back.actions if isinstance(a, CreateWarmPod)]) == 2
+
+
+def test_a_group_claims_only_a_warm_pod_running_its_image_and_default_resources() -> None:
+    other = dataclasses.replace(
+        warm_pod("wp-two-0"),
+        annotations={kinds.ANNOTATION_WARM_TEMPLATE: json.dumps({"image": "someone/else:1"})},
+    )
+    view = group_view([member("g-d-0", D)], [other])
+    assert [type(a) for a in warm_or_cold(view, {"g-p-0": P})] == [CreatePod]
+    own = group_view([member("g-d-0", D)], [warm_pod("wp-two-0")])
+    custom = dataclasses.replace(
+        own,
+        spec=own.spec.model_copy(
+            update={
+                "prefill": own.spec.prefill.model_copy(
+                    update={"resources": EngineResources.model_validate({"requests": {"cpu": "1"}})}
+                )
+            }
+        ),
+    )
+    assert [type(a) for a in warm_or_cold(custom, {"g-p-0": P})] == [CreatePod]
+
+
+def test_a_first_setups_warm_decodes_come_from_one_superpod() -> None:
+    pods = [warm_pod(f"wp-two-{i}") for i in range(3)]
+    view = group_view([], pods)
+    reports = {
+        "wp-two-0": warm_report("wp-two-0", superpod="sp1"),
+        "wp-two-1": warm_report("wp-two-1", superpod="sp0"),
+        "wp-two-2": warm_report("wp-two-2", superpod="sp1"),
+    }
+    view = dataclasses.replace(view, warm_reports=reports)
+    claims = [
+        a for a in warm_or_cold(view, {"g-d-0": D, "g-d-1": D}) if isinstance(a, ClaimWarmPod)
+    ]
+    assert sorted(c.name for c in claims) == ["wp-two-0", "wp-two-2"]
+
+
+def test_a_pool_whose_names_cannot_be_labels_or_models_are_unknown_is_refused() -> None:
+    from matrixserve.handlers.warmpool import problems
+
+    assert problems("wp", pool_spec()) == []
+    assert any("at most 63" in e for e in problems("w" * 64, pool_spec()))
+    bad = pool_spec(dramPreload=[{"model": "llama3-8B"}])
+    assert problems("wp", bad) == [
+        "spec.dramPreload[0].model: 'llama3-8B' is not a model the platform knows the size of"
+    ]
+    odd = WarmPoolSpec.model_validate(
+        {"shapes": [{"size": 1, "devicesPerPod": 2, "npuType": "A B"}]}
+    )
+    assert any("npuType" in e for e in problems("wp", odd))
