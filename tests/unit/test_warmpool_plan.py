@@ -206,6 +206,24 @@ def source(instance: str = "g-p-0", superpod: str = "sp0", dies: int = 4) -> zl.
     )
 
 
+def serving_zk(*names: str) -> ZkView:
+    """ZooKeeper as it is while these members serve (each reported, healthy)."""
+    reports = {n: engine_report(n, i) for i, n in enumerate(names)}
+    health = {
+        n: zl.Health(
+            instance=n,
+            role=P if "-p-" in n else D,
+            state=zl.HealthState.SERVING,
+            seq=1,
+            ts=49.0,
+            podIP=r.pod_ip,
+            port=8000,
+        )
+        for n, r in reports.items()
+    }
+    return ZkView(connected=True, reports=reports, health=health)
+
+
 def group_view(pods: list[PodView], warm: list[PodView], **kw: Any) -> GroupView:
     view = GroupView(
         "ns",
@@ -261,12 +279,16 @@ def test_a_warm_pod_that_does_not_fit_or_is_not_warm_yet_is_not_claimed() -> Non
 
 def test_a_live_source_of_the_model_in_the_superpod_forks_over_ub_across_over_roce() -> None:
     pods = [member("g-p-0", P), member("g-d-0", D)]
-    near = group_view(pods, [warm_pod("wp-two-0")], fork_sources=(source(),))
+    near = group_view(
+        pods, [warm_pod("wp-two-0")], fork_sources=(source(),), zk=serving_zk("g-p-0")
+    )
     (claim,) = warm_or_cold(near, {"g-p-1": P})
     assert isinstance(claim, ClaimWarmPod)
     assert claim.path == Path.WARM_FORK_UB
     assert claim.fork_source == "ns/g/g-p-0"
-    far = group_view(pods, [warm_pod("wp-two-0")], fork_sources=(source(superpod="sp9"),))
+    far = group_view(
+        pods, [warm_pod("wp-two-0")], fork_sources=(source(superpod="sp9"),), zk=serving_zk("g-p-0")
+    )
     (claim,) = warm_or_cold(far, {"g-p-1": P})
     assert isinstance(claim, ClaimWarmPod)
     assert claim.path == Path.WARM_FORK_ROCE
@@ -379,7 +401,12 @@ async def test_of_two_claims_on_one_pod_at_one_resource_version_only_the_first_g
 
 def test_one_source_forks_to_at_most_32_targets_over_a_whole_pass() -> None:
     warm = [warm_pod(f"wp-two-{i}") for i in range(34)]
-    view = group_view([member("g-p-0", P), member("g-d-0", D)], warm, fork_sources=(source(),))
+    view = group_view(
+        [member("g-p-0", P), member("g-d-0", D)],
+        warm,
+        fork_sources=(source(),),
+        zk=serving_zk("g-p-0"),
+    )
     missing = {f"g-p-{i}": P for i in range(1, 35)}
     claims = [a for a in warm_or_cold(view, missing) if isinstance(a, ClaimWarmPod)]
     assert len(claims) == 34
@@ -621,3 +648,27 @@ def test_a_pool_whose_names_cannot_be_labels_or_models_are_unknown_is_refused() 
         {"shapes": [{"size": 1, "devicesPerPod": 2, "npuType": "A B"}]}
     )
     assert any("npuType" in e for e in problems("wp", odd))
+
+
+def test_a_member_that_no_longer_serves_is_no_fork_source() -> None:
+    pods = [member("g-p-0", P), member("g-d-0", D)]
+    dead = group_view(pods, [warm_pod("wp-two-0")], fork_sources=(source(),))
+    (claim,) = warm_or_cold(dead, {"g-p-1": P})  # g-p-0 has no health: killed, entry not expired
+    assert isinstance(claim, ClaimWarmPod)
+    assert claim.path == Path.WARM_SHARED
+    report = engine_report("g-p-0", 0)
+    health = zl.Health(
+        instance="g-p-0",
+        role=P,
+        state=zl.HealthState.SERVING,
+        seq=1,
+        ts=49.0,
+        podIP=report.pod_ip,
+        port=8000,
+    )
+    alive = dataclasses.replace(
+        dead, zk=ZkView(connected=True, reports={"g-p-0": report}, health={"g-p-0": health})
+    )
+    (claim,) = warm_or_cold(alive, {"g-p-1": P})
+    assert isinstance(claim, ClaimWarmPod)
+    assert claim.path == Path.WARM_FORK_UB

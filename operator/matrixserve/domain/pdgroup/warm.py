@@ -123,7 +123,11 @@ def fork_sources(view: GroupView, dies: int) -> list[so.ForkSource]:
             busy.get(f"{s.group}/{s.instance}", 0),
         )
         for s in view.fork_sources
-        if s.model == view.spec.model.name and s.dies == dies
+        if s.model == view.spec.model.name
+        and s.dies == dies
+        # a member of this group only while it serves: a killed one's entry outlives it until
+        # its ZooKeeper session expires
+        and (s.group != f"{view.namespace}/{view.name}" or view.healthy(s.instance))
     ]
 
 
