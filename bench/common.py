@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import shutil
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import yaml
 from kazoo.client import KazooClient
@@ -70,6 +72,17 @@ def collector_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+def write_results(path: Path, results: Mapping[str, Any], subset: str = "") -> None:
+    """Write a benchmark's flat results (``subset``: the environment variable that chose a
+    part of its runs, e.g. ``BENCH_PATHS=fork_ub``: then nothing is written, and said so)."""
+    if subset:
+        print(f"\n{subset}: {path} not written")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {path}")
 
 
 def cpu_seconds(pid: int) -> float:

@@ -62,7 +62,15 @@ from typing import Any
 
 import httpx
 import yaml
-from common import REPO, cluster_env, gateway_command, install_crds, make_namespace, run_bench
+from common import (
+    REPO,
+    cluster_env,
+    gateway_command,
+    install_crds,
+    make_namespace,
+    run_bench,
+    write_results,
+)
 from common import zookeeper as zk_client
 from kubernetes import client, config
 
@@ -408,12 +416,9 @@ def report(runs: dict[str, dict[str, dict[str, Any]]]) -> int:
     results["prediction_error_median"] = statistics.median(errors) if errors else None
     print_table(ours, base)
     print_warm(ours, warm)
+    write_results(RESULTS, results, f"BENCH_FAULTS={','.join(ONLY)}" if ONLY else "")
     if ONLY:
-        print(f"\nBENCH_FAULTS={','.join(ONLY)}: {RESULTS} not written")
         return 0
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwrote {RESULTS}")
     done = all(k in ours and k in base for k, *_ in FAULTS) and all(
         k in warm for k in WARM_FAULTS if k in {f for f, *_ in FAULTS}
     )

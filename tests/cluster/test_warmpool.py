@@ -2,16 +2,21 @@
 new pod is created for it), forks its weights from a live member, joins without restarting
 anyone; the pool refills; two groups scaling at once from a pool of one never share the pod; a
 claim whose operator died before the assignment is finished by the next operator, nothing
-leaked. Real API server, scheduler, ZooKeeper, node emulator and engine processes."""
+leaked; a fork whose source is killed mid-transfer completes by the shared file service. Real API server, scheduler, ZooKeeper, node emulator and engine processes."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from chaoskit import pod_runs
 from kubernetes import client
 
 from helpers import Groups, events_of, pdgroup_body, wait_for, zookeeper
@@ -94,6 +99,19 @@ def pod_log(cluster: ClusterInfo, namespace: str, pod: str) -> str:
     return "\n".join(p.read_text()[-3000:] for p in found) or f"(no log of {pod})"
 
 
+def ready_with(groups: Groups, prefills: int, what: str, timeout: float = 90) -> None:
+    """Wait until group ``g`` is Ready with ``prefills`` prefills ready."""
+    wait_for(
+        lambda: (
+            groups.get("g").get("status", {}).get("prefill", {}).get("ready") == prefills
+            and groups.ready("g")
+        ),
+        timeout=timeout,
+        what=what,
+        explain=groups.explain,
+    )
+
+
 @pytest.fixture
 def pools(api_client: client.ApiClient, namespace: str) -> Pools:
     return Pools(api_client, namespace)
@@ -112,15 +130,7 @@ def test_a_scale_out_claims_a_warm_pod_forks_from_a_live_member_and_the_pool_ref
     (warm,) = pools.warm()
     before = identities(groups.pods("g"))
     groups.patch("g", {"prefill": {"replicas": 3}})
-    wait_for(
-        lambda: (
-            groups.get("g").get("status", {}).get("prefill", {}).get("ready") == 3
-            and groups.ready("g")
-        ),
-        timeout=90,
-        what="the group Ready with 3 prefills",
-        explain=groups.explain,
-    )
+    ready_with(groups, 3, "the group Ready with 3 prefills", timeout=90)
     pods = groups.pods("g")
     # No pod was created for the new instance: the warm pod is it, now the group's.
     assert "g-p-2" not in pods
@@ -253,17 +263,61 @@ def test_a_claim_left_by_an_operator_that_died_is_finished_by_the_next_one(
     )
     groups.patch("g", {"prefill": {"replicas": 2}})
     operator.start()
-    wait_for(
-        lambda: (
-            groups.get("g").get("status", {}).get("prefill", {}).get("ready") == 2
-            and groups.ready("g")
-        ),
-        timeout=90,
-        what="the claimed pod joined",
-        explain=groups.explain,
-    )
+    ready_with(groups, 2, "the claimed pod joined", timeout=90)
     pods = groups.pods("g")
     assert sorted(pods) == sorted(["g-p-0", "g-d-0", warm])  # no pod created for g-p-1
     assert health_of(cluster, namespace, "g", "g-p-1").load_source == "SharedFileService"
     pools.wait_ready(1)  # and the pool refilled: nothing leaked, nothing lost
     assert len(pools.pods()) == 2
+
+
+def test_a_fork_whose_source_is_killed_mid_transfer_completes_by_another_path(
+    cluster: ClusterInfo,
+    namespace: str,
+    groups: Groups,
+    pools: Pools,
+    serving_group: Callable[..., Any],
+) -> None:
+    # Engines at time scale 5 and the sources slowed 1000 times: a fork over UB of 26 emulated
+    # s, 5.2 wall s, longer than the target's 5 s wall bound on any fork, so only the kill can
+    # end it before the bound; the fallback (the shared file service) is 1.5 wall s.
+    serving_group(prefill=1, decode=1, time_scale="5")
+    sources = {n: health_of(cluster, namespace, "g", n) for n in ("g-p-0", "g-d-0")}
+    for health in sources.values():
+        slowed = httpx.post(
+            f"http://{health.pod_ip}:{health.port}/v1/faults",
+            json={"kind": "slow", "factor": 1000},
+            timeout=10,
+            trust_env=False,
+        )
+        assert slowed.status_code == 201, slowed.text
+    pools.create(warmpool_body(size=1))
+    pools.wait_ready(1)
+    (warm,) = pools.warm()
+    groups.patch("g", {"prefill": {"replicas": 2}})
+
+    def forking() -> str | None:
+        for name, health in sources.items():
+            info = httpx.get(
+                f"http://{health.pod_ip}:{health.port}/v1/info", timeout=5, trust_env=False
+            ).json()
+            if info["health"]["forkTargets"] == 1:
+                return name
+        return None
+
+    source = wait_for(forking, timeout=60, what="a source forking to the claimed pod", every=0.05)
+    with httpx.Client(base_url=cluster.node_emulator, timeout=10, trust_env=False) as http:
+        (pid,) = pod_runs(http.get("/pods").json(), namespace)[source].pids
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    ready_with(groups, 2, "the group Ready again with the new instance", timeout=120)
+    print(f"\nthe group Ready again {time.monotonic() - killed:.1f} wall s after the kill")
+    health = health_of(cluster, namespace, "g", "g-p-1")
+    log = pod_log(cluster, namespace, warm)
+    assert health.warm is True
+    assert health.load_source == "SharedFileService", log
+    assert f"NPU-fork from {source} failed" in log
+    assert "no answer" not in log, "the kill ended the fork, not the target's wait bound"
+    claim = json.loads(groups.pods("g")[warm].metadata.annotations[kinds.ANNOTATION_CLAIM])
+    assert claim["path"] == "WarmForkUB"
+    assert claim["forkSource"] == f"{namespace}/g/{source}"

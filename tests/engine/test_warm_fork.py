@@ -355,6 +355,49 @@ def test_a_cold_engine_pays_pre_load_and_post_load_says_them_and_registers_as_a_
     wait_for(operator.fork_sources, timeout=5, what="the entry back once healed")
 
 
+def test_the_shared_file_service_is_shared_by_who_reads_it_now_not_by_a_count_fixed_at_start(
+    operator: Operator, start_engine: Any
+) -> None:
+    """001 Table 2: the bucket's bandwidth divided among the instances loading at the time. Two
+    members loading together take two lone loads each and say so (``loadShare``); one of them
+    restarted in place later loads alone (bench-recovery's kill took 67 s when the count was
+    fixed in the pod's environment), and the bucket's readers are gone once all loaded."""
+    scale = 10.0
+    lone = timing.load_seconds(LLAMA3_8B, TP1, SFS)
+    args = (
+        *("--role", "prefill", "--model", "llama3-8b", "--dies", "0"),
+        *("--time-scale", str(scale), "--load-source", "SharedFileService"),
+        *("--pre-load-seconds", "0"),
+    )
+    engines = [
+        start_engine(
+            name, *args, env=operator.member_env("g2", f"198.19.2.{i + 1}"), wait_ready=False
+        )
+        for i, name in enumerate(("g2-p-0", "g2-p-1"))
+    ]
+    operator.admit("g2", ["g2-p-0", "g2-p-1"])  # one map: both load from the same moment
+    for name in ("g2-p-0", "g2-p-1"):
+        health = operator.serving("g2", name)
+        assert health.load_source == "SharedFileService"
+        assert 1.85 <= health.load_share <= 2.02, health.load_share
+        assert health.phases["TELoad"] == pytest.approx(2 * lone, rel=0.05)
+        assert health.phases["TELoad"] / health.load_share == pytest.approx(lone, rel=0.03)
+    assert operator.zk.get_children(zl.loaders_root()) == []
+
+    # g2-p-1's container restarts (the same name and environment): it loads alone
+    engines[1].sup.stop("g2-p-1", grace=5)
+    wait_for(lambda: operator.health("g2", "g2-p-1") is None, timeout=15, what="its health gone")
+    restarted = start_engine(
+        "g2-p-1", *args, env=operator.member_env("g2", "198.19.2.2"), wait_ready=False
+    )
+    operator.admit("g2", ["g2-p-0", "g2-p-1"])
+    health = operator.serving("g2", "g2-p-1")
+    assert health.load_share == pytest.approx(1.0, abs=0.01)
+    assert_emulated(health.phases["TELoad"], lone, scale)
+    assert restarted.alive()
+    assert operator.zk.get_children(zl.loaders_root()) == []
+
+
 def _healthz(engine: Any) -> bool:
     try:
         return _get(f"{engine.url}/healthz").status_code == 200
@@ -655,6 +698,11 @@ def test_a_source_serves_only_its_targets_refuses_what_it_must_and_at_most_32_at
     for seconds in took:
         assert_emulated(seconds, alone, scale, late=0.2)
     assert last < 1.01 * alone
+    # the wall times of the forks served, one per target, each within its caller's wait
+    windows = _info(source)["forkWindows"]
+    assert len(windows) == cal.FORK_FANOUT
+    assert all(began <= ended <= time.time() for began, ended in windows)
+    assert max(e for _, e in windows) - min(b for b, _ in windows) < 60
     assert {a["bytes"] for a in served} == {timing.fork_bytes_per_die(LLAMA3_8B, TP1)}
     assert metric(source.url, 'matrixserve_engine_forks_total{outcome="fork_busy"}') == 1
     assert metric(source.url, 'matrixserve_engine_forks_total{outcome="fork_not_assigned"}') == 3

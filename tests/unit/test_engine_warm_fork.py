@@ -58,6 +58,26 @@ def _warm_config() -> WarmConfig:
     return cfg
 
 
+def _fixed_config(**over: Any) -> WarmConfig:
+    """A warm engine's configuration, whatever the environment says."""
+    fields: dict[str, Any] = {
+        "host": "127.0.0.9",
+        "port": 8000,
+        "pod": "w-0",
+        "pod_uid": "uid-0",
+        "namespace": "t",
+        "node": "n",
+        "superpod": "sp0",
+        "npus": [0],
+        "dies": [0],
+        "roce_ips": ["198.19.9.1"],
+        "zookeeper": "127.0.0.1:1",
+        "time_scale": 1,
+        "pre_load_seconds": 0,
+    }
+    return WarmConfig(**(fields | over))
+
+
 def _ref(**over: Any) -> zl.ForkRef:
     fields: dict[str, Any] = {
         "group": "t/src",
@@ -192,21 +212,7 @@ def test_a_nonsense_load_plan_is_an_invalid_assignment(
 
 
 def test_a_fork_plan_over_its_own_plane_is_taken() -> None:
-    cfg = WarmConfig(
-        host="127.0.0.9",
-        port=8000,
-        pod="w-0",
-        pod_uid="uid-0",
-        namespace="t",
-        node="n",
-        superpod="sp0",
-        npus=[0],
-        dies=[0],
-        roce_ips=["198.19.9.1"],
-        zookeeper="127.0.0.1:1",
-        time_scale=1,
-        pre_load_seconds=0,
-    )
+    cfg = _fixed_config()
     for source, plane in (("NPUForkUB", "UB"), ("NPUForkRoCE", "RoCE")):
         a = _assignment(loadSource=source, fork=_ref(plane=plane), fallback="SSD")
         assert warm.load_plan(cfg, a) == fork.LoadPlan(
@@ -667,23 +673,7 @@ class _Zk:
 
 
 def _warm_engine(zk: _Zk) -> warm.WarmEngine:
-    engine = warm.WarmEngine(
-        WarmConfig(
-            host="127.0.0.9",
-            port=8000,
-            pod="w-0",
-            pod_uid="uid-0",
-            namespace="t",
-            node="n-0",
-            superpod="sp0",
-            npus=[0],
-            dies=[0],
-            roce_ips=["198.19.9.1"],
-            zookeeper="127.0.0.1:1",
-            time_scale=1,
-            pre_load_seconds=0,
-        )
-    )
+    engine = warm.WarmEngine(_fixed_config(node="n-0"))
     engine.zk = zk  # type: ignore[assignment]
     return engine
 

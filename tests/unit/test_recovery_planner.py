@@ -792,6 +792,28 @@ def test_a_replacements_time_to_serve_is_learned_without_the_first_setups_wait()
     assert est.engine_ready == pytest.approx(6.5)
 
 
+def test_a_replacements_load_is_learned_as_it_would_be_alone() -> None:
+    """A first setup's members shared the shared file service's bucket (their health's
+    ``loadShare``): a lone replacement, or a container restarted in place, loads alone, so the
+    estimate takes the shared part out (bench-recovery's planner over-predicted by 40-57%)."""
+    scale = float(EngineSettings(zookeeper="-").time_scale)
+    said = {
+        n: health(
+            n, readyAfter=30.0, gatheredAfter=0.5, loadShare=8.0,
+            phases={"TEPreLoad": 2.0 * scale, "TELoad": 24.0 * scale, "TEPostLoad": 0.1 * scale},
+            loadSource="SharedFileService",
+        )
+        for n in NAMES
+    }  # fmt: skip
+    est = pr.estimates(group_view(serving(**said)))
+    # 30 s to serve, of which 24 s loading with 8 readers: 3 s alone, so 30 - 21
+    assert est.engine_ready == pytest.approx(9.0)
+    alone = {n: h.model_copy(update={"load_share": 1.0}) for n, h in said.items()}
+    assert pr.estimates(group_view(serving(**alone))).engine_ready == pytest.approx(30.0)
+    unsaid = {n: h.model_copy(update={"load_share": 0.0}) for n, h in said.items()}
+    assert pr.estimates(group_view(serving(**unsaid))).engine_ready == pytest.approx(30.0)
+
+
 # --------------------------------------------------------------------------- warm replacements
 def test_a_warm_pod_replaces_a_faulty_instance_without_free_npus_and_sooner() -> None:
     topo = rc.Topology(

@@ -511,29 +511,30 @@ def test_the_pool_status_says_each_servers_planned_and_loaded_models_and_its_hit
     assert plan.status["hitRatePercent"] == 100
 
 
-def test_instances_started_together_from_the_shared_file_service_share_its_bucket() -> None:
-    def loaders(action: Any) -> str | None:
-        env = action.manifest["spec"]["containers"][0]["env"]
-        return next((e["value"] for e in env if e["name"] == "ENGINE_CONCURRENT_LOADERS"), None)
+def test_no_pod_or_assignment_fixes_how_many_read_the_shared_file_service() -> None:
+    """The engines count the bucket's readers as they load (enginestub.engine.bucket): a count
+    fixed in a pod's environment outlived the first setup, and a container restarted in place
+    loaded eight times slower than alone (bench-recovery's kill: 67 s)."""
+
+    def env_of(action: Any) -> dict[str, str | None]:
+        return {e["name"]: e.get("value") for e in action.manifest["spec"]["containers"][0]["env"]}
 
     cold = group_view([], [])
     creates = warm_or_cold(cold, {"g-p-0": P, "g-p-1": P, "g-d-0": D})
-    assert [loaders(a) for a in creates] == ["3", "3", "3"]
-    ssd = dataclasses.replace(cold, engine=dataclasses.replace(ENGINE, load_source="SSD"))
-    assert {loaders(a) for a in warm_or_cold(ssd, {"g-p-0": P, "g-d-0": D})} == {None}
-    # a warm pod loading from the shared file service counts too, and says so in its claim
+    assert len(creates) == 3
+    assert all("ENGINE_CONCURRENT_LOADERS" not in env_of(a) for a in creates)
     mixed = group_view([member("g-d-0", D)], [warm_pod("wp-two-0")])
     actions = warm_or_cold(mixed, {"g-p-0": P, "g-p-1": P})
     (claim,) = [a for a in actions if isinstance(a, ClaimWarmPod)]
-    (create,) = [a for a in actions if isinstance(a, CreatePod)]
-    assert loaders(create) == "2"
-    assert json.loads(claim.patch["annotations"][kinds.ANNOTATION_CLAIM])["loaders"] == 2
-    claimed_pod = claimed(
-        "wp-two-0", "g-p-0", P, json.loads(claim.patch["annotations"][kinds.ANNOTATION_CLAIM])
+    record = json.loads(claim.patch["annotations"][kinds.ANNOTATION_CLAIM])
+    assert "loaders" not in record
+    (assign,) = assignments(
+        group_view([member("g-d-0", D), claimed("wp-two-0", "g-p-0", P, record)], [])
     )
-    (assign,) = assignments(group_view([member("g-d-0", D), claimed_pod], []))
     assert isinstance(assign, AssignWarmPod)
-    assert assign.assignment.env["ENGINE_CONCURRENT_LOADERS"] == "2"
+    assert assign.assignment.load_source == "SharedFileService"
+    assert "ENGINE_CONCURRENT_LOADERS" not in assign.assignment.env
+    assert "ENGINE_CONCURRENT_LOADERS" not in zl.ASSIGNMENT_ENV
 
 
 def test_a_warm_decode_must_be_in_the_superpod_of_the_groups_decodes() -> None:

@@ -70,6 +70,8 @@ class EngineConfig(BaseModel):
     time_scale: float = Field(default=1.0, gt=0, le=1e6)
     kv_plane: Plane = Plane.ROCE
     load_source: timing.LoadSource = timing.LoadSource.SHARED_FILE_SERVICE
+    # an engine without ZooKeeper: how many read the shared file service with it (one in a
+    # group counts the readers in ZooKeeper as they come and go: enginestub.engine.bucket)
     concurrent_loaders: int = Field(default=1, ge=1)
     instance: str = "engine"
     pod: str = ""  # the pod's name (downward API): a fork target names it to its source

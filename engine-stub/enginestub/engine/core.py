@@ -45,6 +45,7 @@ import httpx
 from enginestub import calibration as cal
 from enginestub import timing
 from enginestub.engine import fork
+from enginestub.engine.bucket import Bucket
 from enginestub.engine.clock import Clock
 from enginestub.engine.config import EngineConfig
 from enginestub.engine.decode import DecodeBatch, Sequence
@@ -113,6 +114,10 @@ class Engine:
         self.closing: str | None = None  # why this engine is going away, once it is
         self.phases: dict[str, float] = {}
         self.load_source: str = ""  # where the weights actually came from
+        # The shared file service's readers (the resident process counts them in ZooKeeper;
+        # alone, ``--concurrent-loaders``) and the mean number this engine's load shared it with
+        self.bucket = Bucket(config.concurrent_loaders)
+        self.load_share = 1.0
         self.clock = clock or Clock(config.time_scale)
         self.metrics = metrics or EngineMetrics(config.role)
         self._role: str = config.role  # an "auto" instance's role is set by the resident process
@@ -241,7 +246,7 @@ class Engine:
         if plan.fork is not None:
             source, seconds = await self._fork_or_fallback(plan.fork, plan.fallback)
         else:
-            await self.clock.sleep(self._load_time(source))
+            await self._load_from(source)
         self.load_seconds = self.clock.now() - started if seconds is None else seconds
         self.load_source = str(source)
         self._phase("TELoad", self.load_seconds)
@@ -257,9 +262,17 @@ class Engine:
         return self.load_seconds
 
     def _load_time(self, source: timing.LoadSource) -> float:
-        return timing.load_seconds(
-            self.config.model, self.shape, source, self.config.concurrent_loaders
-        )
+        """A load's emulated seconds from ``source`` alone (the bucket to itself)."""
+        return timing.load_seconds(self.config.model, self.shape, source)
+
+    async def _load_from(self, source: timing.LoadSource) -> None:
+        """Load from ``source``: the shared file service is read with whoever reads it now
+        (:mod:`.bucket`), every other source alone."""
+        if source is timing.LoadSource.SHARED_FILE_SERVICE:
+            self.load_share = await self.bucket.read(self.clock, self._load_time(source))
+        else:
+            self.load_share = 1.0
+            await self.clock.sleep(self._load_time(source))
 
     async def _fork_or_fallback(
         self, ref: zl.ForkRef, fallback: timing.LoadSource
@@ -283,7 +296,7 @@ class Engine:
                 exc,
                 fallback,
             )
-            await self.clock.sleep(fallback_seconds)
+            await self._load_from(fallback)
             return fallback, None
         plane = Plane(ref.plane)
         seconds = float(answer["seconds"]) + link_latency(plane, same_node=False)

@@ -43,6 +43,8 @@ import json
 import logging
 import math
 import re
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +62,7 @@ from matrixserve.api import zk_layout as zl
 from matrixserve.api.engine_protocol import EngineError
 
 log = logging.getLogger("enginestub.fork")
+WINDOWS_KEPT = 256  # the forks served whose wall times /v1/info says
 FORK_PATH = "/v1/fork"
 FORK_PLANES = (Plane.UB, Plane.ROCE)
 # The request's names (the target instance, its pod) are Kubernetes/ZooKeeper names; the other
@@ -207,6 +210,10 @@ class ForkServer:
         self._chains = {plane: _Chain(plane) for plane in FORK_PLANES}
         self._changed = asyncio.Event()
         self._closing: str | None = None
+        # The wall times (epoch s) of the last forks served, from the request to the answer:
+        # when this source's own requests shared its links with a fork (bench-scale-out
+        # measures its TTFT and TPOT over them), in /v1/info as ``forkWindows``
+        self.windows: deque[tuple[float, float]] = deque(maxlen=WINDOWS_KEPT)
 
     @property
     def active(self) -> int:
@@ -282,7 +289,7 @@ class ForkServer:
         except EngineError as exc:
             self.metrics.forks.labels(outcome=exc.code).inc()
             raise
-        plane, started = request.plane, self.clock.now()
+        plane, started, began_wall = request.plane, self.clock.now(), time.time()
         chain = self._chains[plane]
         chain.positions += 1
         entry = _Target(request.pod, request.target, chain.positions, self.bytes_per_die, started)
@@ -312,6 +319,7 @@ class ForkServer:
         self.metrics.forks.labels(outcome="served").inc()
         self.metrics.fork_bytes.labels(plane=str(plane)).inc(nbytes)
         seconds = self.clock.now() - started
+        self.windows.append((round(began_wall, 4), round(time.time(), 4)))
         log.info(
             "forked %s to %s (pod %s) over %s in %.3f emulated s (position %d)",
             self.config.model.name,

@@ -48,6 +48,7 @@ from typing import Any
 
 import httpx
 
+from enginestub.engine.bucket import ZkBucket
 from enginestub.engine.core import Engine
 from enginestub.engine.fork import artifacts, fork_key
 from enginestub.engine.zkbridge import SessionBridge
@@ -85,6 +86,11 @@ class Resident:
         self.incarnation = uuid.uuid4().hex[:16]
         self.zk = Session(cfg.zookeeper, timeout=10.0, auth=cfg.zookeeper_auth)
         self.bridge = SessionBridge(self.zk)
+        # the shared file service's readers, counted in ZooKeeper (issue 18: not a number
+        # fixed at the pod's creation, which a restart in place would keep)
+        engine.bucket = ZkBucket(
+            self.zk, self.bridge, f"{self.namespace}.{self.group}.{self.instance}"
+        )
         self.roce_map: zl.RoceMap | None = None
         self.init_order: zl.InitOrder | None = None
         self.role: zl.Role | None = None
@@ -473,6 +479,7 @@ class Resident:
             gatheredAfter=self.gathered_after,
             phases=engine.phases,
             loadSource=engine.load_source,
+            loadShare=round(engine.load_share, 3),
             warm=engine.warm,
         )
 

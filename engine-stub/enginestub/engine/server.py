@@ -255,6 +255,7 @@ def build_app(
                 "kvCapacityBytes": cfg.kv_capacity_bytes,
                 "weightsBytes": cfg.weights_bytes,
                 "loadSeconds": engine.load_seconds,
+                "forkWindows": list(engine.forks.windows),
                 "health": engine.health(),
             }
         )

@@ -25,7 +25,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from matrixserve.api.kinds import ANNOTATION_CLAIM
+from matrixserve.api.kinds import ANNOTATION_CLAIM, ANNOTATION_WARM_TEMPLATE
 
 DnsLabel = Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)]
 BatchSize = Annotated[int, Field(ge=1, le=4096)]
@@ -364,7 +364,8 @@ class WarmPoolSpec(_Spec):
 class WarmClaim(BaseModel):
     """The record a claimed warm pod carries (``kinds.ANNOTATION_CLAIM``, issue 18): the
     instance and role it became, the path chosen and its estimate (seconds per phase, every
-    path considered), the fork source, the shared file service's loaders of the pass, when."""
+    path considered), the fork source, when. (The shared file service's readers are not said:
+    the engines count them as they load, ``enginestub.engine.bucket``.)"""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -375,7 +376,6 @@ class WarmClaim(BaseModel):
     phases: dict[str, float] = Field(default_factory=dict)
     considered: dict[str, float] = Field(default_factory=dict)
     fork_source: str | None = Field(default=None, alias="forkSource")
-    loaders: int = Field(default=1, ge=1)
     at: float = 0.0
 
     @classmethod
@@ -388,6 +388,29 @@ class WarmClaim(BaseModel):
 
     def dump(self) -> str:
         return json.dumps(self.model_dump(by_alias=True, exclude_none=True), sort_keys=True)
+
+
+class WarmTemplate(BaseModel):
+    """What a warm pod is made from (``kinds.ANNOTATION_WARM_TEMPLATE``, issue 18): a pod of
+    another template is replaced by its pool, and a group claims only a pod of its own image."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    image: str = ""
+    devices_per_pod: int = Field(default=0, alias="devicesPerPod")
+    npu_type: str = Field(default="", alias="npuType")
+    node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
+
+    @classmethod
+    def of(cls, annotations: Mapping[str, str]) -> WarmTemplate | None:
+        """The template on a pod's annotations; None if absent or unreadable."""
+        try:
+            return cls.model_validate_json(annotations[ANNOTATION_WARM_TEMPLATE])
+        except (KeyError, ValueError):
+            return None
+
+    def dump(self) -> str:
+        return json.dumps(self.model_dump(by_alias=True), sort_keys=True)
 
 
 SPECS: dict[str, type[_Spec]] = {

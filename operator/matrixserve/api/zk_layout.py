@@ -153,6 +153,17 @@ class WarmPaths:
         return f"{self.root}/dram/{_check(node, 'node')}"
 
 
+def loaders_root() -> str:
+    """The shared file service's readers now (one ephemeral znode each): the bucket's bandwidth
+    is divided among them (001 Table 2; :mod:`enginestub.engine.bucket`). One bucket for the
+    cluster, so one folder for every namespace."""
+    return f"{ROOT}/loading/sharedfs"
+
+
+def loader_path(name: str) -> str:
+    return f"{loaders_root()}/{_check(name, 'loader')}"
+
+
 def fork_sources_root(namespace: str | None = None) -> str:
     if namespace is None:
         return f"{ROOT}/forksources"
@@ -447,6 +458,9 @@ class Health(_Payload):
     # its weights came from (enginestub.timing.LoadSource: a fork that failed says its fallback).
     phases: dict[str, float] = Field(default_factory=dict)
     load_source: str = Field(default="", alias="loadSource")
+    # ... and how many loaders it shared the shared file service's bucket with, on average over
+    # its TE-Load (1: alone or another source; 0: not said): a lone load is TE-Load / loadShare
+    load_share: float = Field(default=0.0, alias="loadShare", ge=0)
     warm: bool = False  # a claimed warm pod (its engine was up before the claim)
 
 
@@ -577,7 +591,6 @@ ASSIGNMENT_ENV = frozenset(
         "ENGINE_EP",
         "ENGINE_MTP",
         "ENGINE_KV_PLANE",
-        "ENGINE_CONCURRENT_LOADERS",
     }
 )
 

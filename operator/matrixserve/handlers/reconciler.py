@@ -60,6 +60,23 @@ def post(body: Mapping[str, Any], event: Event | None) -> None:
         kopf.info(body, reason=event.reason, message=event.message)
 
 
+def wake_on_events(
+    api: tuple[str, str, str], pod_label: str, loop_of: Callable[[kopf.Memo], Reconciler]
+) -> None:
+    """Register a kind's wake-ups with kopf: an event on one of its objects (``api``: group,
+    version, plural) wakes that object's loop, a new generation or not; an event on a pod
+    labelled ``pod_label`` wakes the object the label names."""
+    kind = api[2]
+
+    @kopf.on.event(*api, id=f"{kind}-event")
+    def object_event(name: str, namespace: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+        loop_of(memo).object_changed(namespace, name, int(meta.get("generation") or 0))
+
+    @kopf.on.event("", "v1", "pods", labels={pod_label: kopf.PRESENT}, id=f"{kind}-pod-event")
+    def pod_event(labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+        loop_of(memo).related_changed(namespace, labels[pod_label])
+
+
 class Reconciler:
     def __init__(
         self,
@@ -230,8 +247,9 @@ class Reconciler:
     async def apply(
         self, body: Mapping[str, Any], actions: Sequence[Effect], znodes: ZnodesFn
     ) -> bool:
-        """Pod creations are independent of each other: issued together; everything else in
-        the plan's order. A notice is posted once while it holds (a plan repeats it every pass
+        """Pod creations and warm pod claims are independent of each other (each claim is
+        conditional on its own pod's resourceVersion): issued together, so 64 instances cost
+        about one API round trip, not 64; everything else in the plan's order. A notice is posted once while it holds (a plan repeats it every pass
         its cause lasts), again if it comes back. True if anything was to be changed."""
         meta = body["metadata"]
         key = (meta["namespace"], meta["name"])
@@ -247,10 +265,10 @@ class Reconciler:
                 self.post(body, event)
         self.noticed[key] = current
         actions = [a for a in actions if not isinstance(a, Notice)]
-        creations = [a for a in actions if isinstance(a, PodCreation)]
-        await asyncio.gather(*(self._apply(body, a, znodes) for a in creations))
+        together = [a for a in actions if isinstance(a, PodCreation | PodClaim)]
+        await asyncio.gather(*(self._apply(body, a, znodes) for a in together))
         for action in actions:
-            if not isinstance(action, PodCreation):
+            if not isinstance(action, PodCreation | PodClaim):
                 await self._apply(body, action, znodes)
         return bool(actions)
 

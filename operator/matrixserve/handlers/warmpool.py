@@ -33,7 +33,7 @@ from matrixserve.api.resources import WarmPoolSpec, field_errors
 from matrixserve.domain import warmpool as wp
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.warmpool import dram
-from matrixserve.handlers.reconciler import Reconciler
+from matrixserve.handlers.reconciler import Reconciler, wake_on_events
 from matrixserve.handlers.runtime import Runtime
 
 KIND = kinds.WARMPOOL
@@ -98,14 +98,7 @@ def pools_of(memo: kopf.Memo) -> WarmPools:
 
 
 # --------------------------------------------------------------------------- wake-ups
-@kopf.on.event(*API)
-def warmpool_event(name: str, namespace: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
-    pools_of(memo).loop.object_changed(namespace, name, int(meta.get("generation") or 0))
-
-
-@kopf.on.event("", "v1", "pods", labels={kinds.LABEL_WARMPOOL: kopf.PRESENT})
-def warm_pod_event(labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-    pools_of(memo).loop.related_changed(namespace, labels[kinds.LABEL_WARMPOOL])
+wake_on_events(API, kinds.LABEL_WARMPOOL, lambda memo: pools_of(memo).loop)
 
 
 @kopf.daemon(*API, id="reconciler", cancellation_timeout=10.0)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
@@ -53,16 +52,10 @@ def missing_pods(view: GroupView, instance: str, role: zl.Role) -> list[str]:
     return [p for p in pod_names(instance, spec.pods_per_instance) if p not in view.pods]
 
 
-def cold_start(
-    view: GroupView, missing: Mapping[str, zl.Role], loaders: int | None = None
-) -> list[Action]:
+def cold_start(view: GroupView, missing: Mapping[str, zl.Role]) -> list[Action]:
     """A new, role-less pod for each missing pod of each instance. (Every pod of an instance
     gets the same engine settings: instances are one pod until ``podsPerInstance`` > 1 comes
-    with its leader/worker roles.) ``loaders``: the pass's instances that load from the shared
-    file service together (default: these)."""
-    shared = loaders if loaders is not None else len(missing)
-    if view.engine.load_source != SHARED_FILE_SERVICE:
-        shared = 1
+    with its leader/worker roles.)"""
     return [
         CreatePod(
             pod,
@@ -76,7 +69,6 @@ def cold_start(
                 view.spec,
                 view.engine,
                 instance,
-                loaders=shared,
             ),
         )
         for instance, role in missing.items()
@@ -131,24 +123,7 @@ def warm_or_cold(view: GroupView, missing: Mapping[str, zl.Role]) -> list[Action
                 forks[choice.fork_source] = forks.get(choice.fork_source, 0) + 1
             actions.append(_claim_action(view, choice, role))
         # an instance without a choice has no allowed path now (--scale-out-paths): it waits
-    shared = len(cold) + sum(
-        1 for a in actions if isinstance(a, ClaimWarmPod) and a.path == so.Path.WARM_SHARED
-    )
-    claims = [
-        dataclasses.replace(a, patch=_with_loaders(a.patch, shared))
-        if isinstance(a, ClaimWarmPod) and a.path == so.Path.WARM_SHARED and shared > 1
-        else a
-        for a in actions
-    ]
-    return claims + (cold_start(view, cold, shared) if cold else [])
-
-
-def _with_loaders(patch: Mapping[str, Any], loaders: int) -> dict[str, Any]:
-    """The claim's record with the pass's shared-file-service loaders in it."""
-    annotations = dict(patch["annotations"])
-    claim = WarmClaim.of(annotations).model_copy(update={"loaders": loaders})
-    annotations[kinds.ANNOTATION_CLAIM] = claim.dump()
-    return {**patch, "annotations": annotations}
+    return actions + (cold_start(view, cold) if cold else [])
 
 
 def _claim_action(view: GroupView, choice: so.Choice, role: zl.Role) -> ClaimWarmPod:
@@ -227,8 +202,6 @@ def assignments(view: GroupView) -> list[Action]:
         # a fork whose source is gone since the claim: the fallback at once
         forking = path in (so.Path.WARM_FORK_UB, so.Path.WARM_FORK_ROCE)
         load = so.LOAD_SOURCE[so.Path.WARM_SHARED if forking and fork is None else path]
-        if load == SHARED_FILE_SERVICE and claim.loaders > 1:
-            env["ENGINE_CONCURRENT_LOADERS"] = str(claim.loaders)
         assignment = zl.Assignment(
             podUid=pod.uid,
             group=f"{view.namespace}/{view.name}",

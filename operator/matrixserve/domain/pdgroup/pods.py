@@ -81,10 +81,9 @@ def pod_manifest(
     spec: PDGroupSpec,
     settings: EngineSettings,
     instance: str | None = None,
-    loaders: int = 1,
 ) -> dict[str, Any]:
     r = spec.prefill if role is zl.Role.PREFILL else spec.decode
-    env = [*downward_env(), *engine_env(namespace, group, role, spec, settings, loaders)]
+    env = [*downward_env(), *engine_env(namespace, group, role, spec, settings)]
     volumes = [*scratch_volumes(), *credential_volumes(settings)]
     container = engine_container(
         r.image, env, r.devices_per_instance, r.resources, credential_mounts(settings)
@@ -139,12 +138,9 @@ def engine_env(
     role: zl.Role,
     spec: PDGroupSpec,
     settings: EngineSettings,
-    loaders: int = 1,
 ) -> list[dict[str, Any]]:
     """The engine's settings for an instance of ``role`` (beside the downward API's): what a
-    cold pod gets in its environment, and a claimed warm pod in its assignment (issue 18).
-    ``loaders``: the instances started together that load from the shared file service (they
-    share its bucket: CloudMatrix-Infer Table 2's 8-instance cold start)."""
+    cold pod gets in its environment, and a claimed warm pod in its assignment (issue 18)."""
     r = spec.prefill if role is zl.Role.PREFILL else spec.decode
     env: list[dict[str, Any]] = [
         {"name": "ENGINE_ROLE", "value": "auto"},
@@ -160,6 +156,4 @@ def engine_env(
         env.append({"name": "ENGINE_TP", "value": str(r.parallelism.tp)})
     if r.parallelism.ep:
         env.append({"name": "ENGINE_EP", "value": str(r.parallelism.ep)})
-    if loaders > 1:
-        env.append({"name": "ENGINE_CONCURRENT_LOADERS", "value": str(loaders)})
     return env

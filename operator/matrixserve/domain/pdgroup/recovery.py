@@ -45,6 +45,7 @@ from typing import Any
 
 from matrixserve.api import zk_layout as zl
 from matrixserve.domain import recovery as rc
+from matrixserve.domain import scaleout as so
 from matrixserve.domain.observed import Fault, FaultKind, Tier
 from matrixserve.domain.pdgroup.actions import (
     Action,
@@ -57,7 +58,7 @@ from matrixserve.domain.pdgroup.actions import (
 )
 from matrixserve.domain.pdgroup.pods import role_of
 from matrixserve.domain.pdgroup.view import GroupView
-from matrixserve.domain.pdgroup.warm import warm_pod_names, warm_replacement
+from matrixserve.domain.pdgroup.warm import lone_load, warm_pod_names, warm_replacement
 
 SESSION_GRACE_SECONDS = 10.0  # a report gone this long, its pod unready: the session is lost
 DEADLINE_FACTOR = 4.0  # a recovery not done within 4x its prediction (and a minute) failed
@@ -257,14 +258,19 @@ def estimates(view: GroupView) -> rc.Estimates:
     (created → container running) and an engine's time to serve (its health's ``readyAfter``)."""
     # A replacement's time to serve: a member's own link + load (its readyAfter less its wait
     # for the map), plus the shortest wait for the map any member had (a lone newcomer's join;
-    # a first-setup member's wait also counts the others' reports).
+    # a first-setup member's wait also counts the others' reports); its load as it would be
+    # alone (a first setup's members shared the shared file service's bucket: issue 18).
     said = [h for h in view.zk.health.values() if h.ready_after > 0]
     gathered = [h.gathered_after for h in said if 0 < h.gathered_after <= h.ready_after]
     join = min(gathered, default=0.0)
+    scale = float(view.engine.time_scale)
     ready = [
-        h.ready_after - h.gathered_after + join
-        if 0 < h.gathered_after <= h.ready_after
-        else h.ready_after
+        (
+            h.ready_after - h.gathered_after + join
+            if 0 < h.gathered_after <= h.ready_after
+            else h.ready_after
+        )
+        - (h.phases.get(so.TE_LOAD, 0.0) - lone_load(h)) / scale
         for h in said
     ]
     base = rc.Estimates()

@@ -11,12 +11,11 @@ the two clocks add up.
 
 from __future__ import annotations
 
-import json
 import statistics
 
 from matrixserve.api import catalog, kinds
 from matrixserve.api import zk_layout as zl
-from matrixserve.api.resources import WarmClaim
+from matrixserve.api.resources import WarmClaim, WarmTemplate
 from matrixserve.domain import scaleout as so
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.pdgroup.pods import role_of
@@ -41,7 +40,7 @@ def estimates(view: GroupView) -> so.Estimates:
         if not health.phases:
             continue
         if health.load_source and so.TE_LOAD in health.phases:
-            learned.setdefault(health.load_source, []).append(health.phases[so.TE_LOAD])
+            learned.setdefault(health.load_source, []).append(lone_load(health))
         if not health.warm and health.phases.get(so.TE_PRE_LOAD):
             pre.append(health.phases[so.TE_PRE_LOAD])
         if so.TE_POST_LOAD in health.phases:
@@ -58,6 +57,13 @@ def estimates(view: GroupView) -> so.Estimates:
         scaler_post=ANNOUNCE_SECONDS,
         load=load,
     )
+
+
+def lone_load(health: zl.Health) -> float:
+    """The engine's TE-Load (emulated s) as it would have been alone: a load from the shared
+    file service shared its bucket with ``loadShare`` readers on average (001 Table 2), which
+    a lone replacement or a restart does not."""
+    return health.phases.get(so.TE_LOAD, 0.0) / max(health.load_share, 1.0)
 
 
 def warm_candidates(view: GroupView, role: zl.Role) -> list[so.WarmPod]:
@@ -133,11 +139,8 @@ def fork_sources(view: GroupView, dies: int) -> list[so.ForkSource]:
 
 def _image(pod: PodView) -> str | None:
     """The engine image a warm pod runs (its template annotation)."""
-    try:
-        made = json.loads(pod.annotations.get(kinds.ANNOTATION_WARM_TEMPLATE) or "{}")
-    except ValueError:
-        return None
-    return made.get("image") if isinstance(made, dict) else None
+    made = WarmTemplate.of(pod.annotations)
+    return made.image if made is not None else None
 
 
 def claim_of(pod: PodView) -> WarmClaim:

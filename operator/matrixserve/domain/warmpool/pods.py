@@ -11,11 +11,10 @@ cannot place (:mod:`.plan`).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from matrixserve.api import kinds
-from matrixserve.api.resources import WarmShape
+from matrixserve.api.resources import WarmShape, WarmTemplate
 from matrixserve.domain.enginepod import (
     EngineSettings,
     credential_mounts,
@@ -33,17 +32,13 @@ def pod_name(pool: str, shape: str, index: int) -> str:
 
 
 def template(s: WarmShape, image: str) -> str:
-    """What a warm pod is made from (its ``ANNOTATION_WARM_TEMPLATE``): a pod of another
-    template is replaced by the pool, and a group claims only a pod that runs its own image."""
-    return json.dumps(
-        {
-            "image": image,
-            "devicesPerPod": s.devices_per_pod,
-            "npuType": s.npu_type,
-            "nodeSelector": dict(sorted((s.node_selector or {}).items())),
-        },
-        sort_keys=True,
-    )
+    """What a warm pod is made from (its ``ANNOTATION_WARM_TEMPLATE``)."""
+    return WarmTemplate(
+        image=image,
+        devicesPerPod=s.devices_per_pod,
+        npuType=s.npu_type,
+        nodeSelector=dict(s.node_selector or {}),
+    ).dump()
 
 
 def pod_labels(pool: str, shape: str, s: WarmShape) -> dict[str, str]:

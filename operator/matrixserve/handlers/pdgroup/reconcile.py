@@ -31,18 +31,10 @@ from matrixserve.domain.pdgroup.actions import ReportRecovery
 from matrixserve.domain.pdgroup.validation import parse_spec, running_template_changes
 from matrixserve.domain.scaleout import Path, Phase
 from matrixserve.handlers.pdgroup.controller import API, KIND, PDGroups, groups_of
-from matrixserve.handlers.reconciler import Key
-
+from matrixserve.handlers.reconciler import Key, wake_on_events
 
 # --------------------------------------------------------------------------- wake-ups
-@kopf.on.event(*API)
-def pdgroup_event(name: str, namespace: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
-    groups_of(memo).loop.object_changed(namespace, name, int(meta.get("generation") or 0))
-
-
-@kopf.on.event("", "v1", "pods", labels={kinds.LABEL_GROUP: kopf.PRESENT})
-def pod_event(labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-    groups_of(memo).loop.related_changed(namespace, labels[kinds.LABEL_GROUP])
+wake_on_events(API, kinds.LABEL_GROUP, lambda memo: groups_of(memo).loop)
 
 
 # --------------------------------------------------------------------------- reconcile
