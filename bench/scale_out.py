@@ -89,7 +89,7 @@ from matrixserve.domain.conditions import is_true  # noqa: E402
 RESULTS = REPO / "bench" / "results" / "scale_out.json"
 SCALE = "1"  # engines' emulated seconds per wall second: the totals are both clocks at once
 INSTANCES = int(os.environ.get("BENCH_INSTANCES", "64"))
-SERVERS, NPUS_PER_SERVER = (INSTANCES + 2 + 7) // 8 + 1, 8  # per SuperPod, one spare server
+NPUS_PER_SERVER = 8
 MODEL = "llama3-8b"
 GROUP = "g"
 
@@ -103,6 +103,7 @@ class Case:
     npus: int
     instances: int
     scale: str
+    decode_batch: int | None = None  # the sample's unless given (GPT-3's KV: 4.5 MiB a token)
 
 
 CASES = [
@@ -110,10 +111,12 @@ CASES = [
     # the large model: GPT-3 175B (350 GB of FP16 weights) on one 8-NPU server per instance,
     # scaled by 4 instances (4 servers of a SuperPod; 64 would be 512 NPUs) at time scale 10
     # (its cold start alone is 167 emulated s per loader)
-    Case("large_", "gpt3-175b", 8, int(os.environ.get("BENCH_LARGE_INSTANCES", "4")), "10"),
+    Case("large_", "gpt3-175b", 8, int(os.environ.get("BENCH_LARGE_INSTANCES", "4")), "10", 16),
 ]
 if os.environ.get("BENCH_LARGE", "1") == "0":
     CASES = CASES[:1]
+# per SuperPod: the group's two instances and every new one (or warm pod), one spare server
+SERVERS = max(-(-(c.instances + 2) * c.npus // NPUS_PER_SERVER) + 1 for c in CASES)
 CLIENTS, MAX_TOKENS = 3, 16
 BEFORE_S = 10.0
 BOUND_S = float(os.environ.get("BENCH_BOUND_S", "900"))  # the cold run's 64 shared loads: ~8 min
@@ -165,6 +168,8 @@ def group_body(case: Case) -> dict[str, Any]:
         spec[role]["replicas"] = 1
         spec[role]["devicesPerInstance"] = case.npus
         spec[role].pop("parallelism", None)
+    if case.decode_batch is not None:
+        spec["decode"]["batchSize"] = case.decode_batch
     spec["slo"]["ttftMilliseconds"] = 60000  # refusals come from capacity, not from the SLO
     return body
 
@@ -215,6 +220,15 @@ def start_gateway(env: Env, case: Case) -> None:
 def group_status(env: Env) -> dict[str, Any]:
     where = (kinds.PDGROUP.group, kinds.PDGROUP.version, env.namespace, kinds.PDGROUP.plural)
     return dict(env.custom.get_namespaced_custom_object(*where, GROUP).get("status") or {})
+
+
+def group_ready(env: Env) -> bool:
+    """Whether the group is Ready; an InvalidSpec ends the run at once, with its message."""
+    status = group_status(env)
+    for c in status.get("conditions") or []:
+        if c.get("type") == "Ready" and c.get("reason") == "InvalidSpec":
+            raise RuntimeError(f"the group's spec is refused: {c.get('message')}")
+    return is_true(status, "Ready")
 
 
 def pool_status(env: Env) -> dict[str, Any]:
@@ -274,11 +288,11 @@ def fork_window(health: zl.Health, since: float) -> tuple[float, float] | None:
     """From the first fork the instance served since ``since`` to its last one's end (wall):
     what its ``/v1/info`` says (``forkWindows``)."""
     url = f"http://{health.pod_ip}:{health.port}/v1/info"
-    windows = [
-        (float(b), float(e))
-        for b, e in httpx.get(url, timeout=5, trust_env=False).json().get("forkWindows", [])
-        if float(b) >= since
-    ]
+    try:
+        said = httpx.get(url, timeout=5, trust_env=False).json().get("forkWindows", [])
+    except (httpx.HTTPError, ValueError):  # the source went meanwhile: no window to measure
+        return None
+    windows = [(float(b), float(e)) for b, e in said if float(b) >= since]
     if not windows:
         return None
     return min(b for b, _ in windows), max(e for _, e in windows)
@@ -290,7 +304,7 @@ def run_path(
     where_group = (kinds.PDGROUP.group, kinds.PDGROUP.version, env.namespace, kinds.PDGROUP.plural)
     start_operator(env, case, path)
     env.custom.create_namespaced_custom_object(*where_group, group_body(case))
-    poll(lambda: is_true(group_status(env), "Ready"), 240, f"{key}: the group Ready", every=0.5)
+    poll(lambda: group_ready(env), 240, f"{key}: the group Ready", every=0.5)
     zk = zk_client(env.info)
     out: dict[str, Any] = {}
     n = case.instances

@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from chaoskit import pod_runs
 from kubernetes import client
@@ -112,6 +114,51 @@ def ready_with(groups: Groups, prefills: int, what: str, timeout: float = 90) ->
     )
 
 
+class OpenAIStreams:
+    """The official ``openai`` client streaming chat completions through the gateway, one after
+    another on a thread, until the ``with`` block ends: how many completed, every error."""
+
+    def __init__(self, gateway: str) -> None:
+        self.client = openai.OpenAI(
+            base_url=f"{gateway}/v1",
+            api_key="sk-unused-by-an-open-gateway",
+            max_retries=0,  # every answer as the gateway gave it
+            timeout=30,
+            http_client=openai.DefaultHttpxClient(trust_env=False),
+        )
+        self.done = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                stream = self.client.chat.completions.create(
+                    model="general",
+                    messages=[{"role": "user", "content": "hello"}],
+                    max_tokens=8,
+                    stream=True,
+                )
+                tokens = sum(
+                    1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content
+                )
+                if tokens != 8:
+                    self.errors.append(f"{tokens} tokens of 8")
+                self.done += 1
+            except openai.OpenAIError as exc:
+                self.errors.append(repr(exc))
+
+    def __enter__(self) -> OpenAIStreams:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        self.client.close()
+
+
 @pytest.fixture
 def pools(api_client: client.ApiClient, namespace: str) -> Pools:
     return Pools(api_client, namespace)
@@ -123,14 +170,22 @@ def test_a_scale_out_claims_a_warm_pod_forks_from_a_live_member_and_the_pool_ref
     groups: Groups,
     pools: Pools,
     serving_group: Callable[..., Any],
+    run_tool: Callable[..., Any],
+    gateway: str,
 ) -> None:
     serving_group(prefill=2, decode=1)
     pools.create(warmpool_body(size=1))
     pools.wait_ready(1)
     (warm,) = pools.warm()
     before = identities(groups.pods("g"))
-    groups.patch("g", {"prefill": {"replicas": 3}})
-    ready_with(groups, 3, "the group Ready with 3 prefills", timeout=90)
+    # The official openai client streams through the gateway during the whole scale-out
+    with OpenAIStreams(gateway) as streams:
+        wait_for(lambda: streams.done >= 2, timeout=30, what="completions before the scale-out")
+        groups.patch("g", {"prefill": {"replicas": 3}})
+        ready_with(groups, 3, "the group Ready with 3 prefills", timeout=90)
+        served = streams.done
+        wait_for(lambda: streams.done >= served + 2, timeout=30, what="completions after it")
+    assert streams.errors == [], streams.errors[:3]
     pods = groups.pods("g")
     # No pod was created for the new instance: the warm pod is it, now the group's.
     assert "g-p-2" not in pods
@@ -161,6 +216,14 @@ def test_a_scale_out_claims_a_warm_pod_forks_from_a_live_member_and_the_pool_ref
     pool = pools.status()
     assert pool["claimed"] == 1
     assert pool["forksDone"] == 1
+    # kubectl shows it: the counts, and with -o wide the forks, the hit rate and the reason
+    table = run_tool("kubectl", "get", "warmpool", "wp", "-n", namespace, "-o", "wide").stdout
+    header, row = (line.split() for line in table.strip().splitlines())
+    assert header == ["NAME", "READY", "CLAIMED", "WARMING", "FORKS", "HITRATE", "REASON", "AGE"]
+    cells = dict(zip(header, row, strict=True))
+    assert (cells["READY"], cells["CLAIMED"], cells["FORKS"]) == ("1", "1", "1")
+    assert cells["HITRATE"] == str(pool["hitRatePercent"])
+    assert cells["REASON"] == next(c for c in pool["conditions"] if c["type"] == "Ready")["reason"]
     # Scaling in releases the claimed instance like any other; its assignment goes with it.
     groups.patch("g", {"prefill": {"replicas": 2}})
     wait_for(lambda: warm not in groups.pods("g"), timeout=60, what="the claimed pod released")

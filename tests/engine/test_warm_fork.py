@@ -362,7 +362,7 @@ def test_the_shared_file_service_is_shared_by_who_reads_it_now_not_by_a_count_fi
     members loading together take two lone loads each and say so (``loadShare``); one of them
     restarted in place later loads alone (bench-recovery's kill took 67 s when the count was
     fixed in the pod's environment), and the bucket's readers are gone once all loaded."""
-    scale = 10.0
+    scale = 4.0  # a lone load of 7.7 emulated s: 1.9 wall s, two shared: 3.8 wall s
     lone = timing.load_seconds(LLAMA3_8B, TP1, SFS)
     args = (
         *("--role", "prefill", "--model", "llama3-8b", "--dies", "0"),
@@ -379,9 +379,9 @@ def test_the_shared_file_service_is_shared_by_who_reads_it_now_not_by_a_count_fi
     for name in ("g2-p-0", "g2-p-1"):
         health = operator.serving("g2", name)
         assert health.load_source == "SharedFileService"
-        assert 1.85 <= health.load_share <= 2.02, health.load_share
+        # two lone loads each (the two reads start within the map's two watch events)
         assert health.phases["TELoad"] == pytest.approx(2 * lone, rel=0.05)
-        assert health.phases["TELoad"] / health.load_share == pytest.approx(lone, rel=0.03)
+        assert health.load_share == pytest.approx(health.phases["TELoad"] / lone, abs=0.002)
     assert operator.zk.get_children(zl.loaders_root()) == []
 
     # g2-p-1's container restarts (the same name and environment): it loads alone

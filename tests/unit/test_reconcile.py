@@ -438,3 +438,37 @@ async def test_warm_pod_claims_are_issued_together_not_one_round_trip_each() -> 
     assert core.most > 1
     assert time.monotonic() - began < 0.6  # not 4 x 0.2 s
     assert posted == ["ClaimedWarmPod"] * 4
+
+
+async def test_a_claim_that_fails_is_raised_after_the_others_are_done() -> None:
+    """One claim's API error does not leave the others running past the pass: each finishes
+    (its Event posted) before the failure ends the pass."""
+
+    class Core:
+        def patch_namespaced_pod(self, name: str, namespace: str, body: Any, **_: Any) -> None:
+            if name == "wp-0":
+                raise client.ApiException(status=500, reason="etcd away")
+            time.sleep(0.2)
+
+    kube = KubeAdapter(client.ApiClient())
+    kube.core = cast(Any, Core())
+    posted: list[str] = []
+    loop = Reconciler(
+        kinds.PDGROUP,
+        kube,
+        OperatorMetrics(),
+        asyncio.get_running_loop(),
+        poster=lambda _body, event: posted.append(event.reason if event else ""),
+    )
+    claims = [
+        ClaimWarmPod(f"wp-{i}", "7", f"g-p-{i}", zl.Role.PREFILL, "WarmForkUB", 1.0, None, {})
+        for i in range(3)
+    ]
+
+    async def no_znodes(_: Any) -> None:
+        raise AssertionError("no znode change was planned")
+
+    body = {"metadata": {"namespace": "ns", "name": "g", "uid": "uid-g"}}
+    with pytest.raises(client.ApiException):
+        await loop.apply(body, claims, no_znodes)
+    assert posted == ["ClaimedWarmPod"] * 2  # both others finished before the raise

@@ -808,6 +808,19 @@ def test_a_replacements_load_is_learned_as_it_would_be_alone() -> None:
     est = pr.estimates(group_view(serving(**said)))
     # 30 s to serve, of which 24 s loading with 8 readers: 3 s alone, so 30 - 21
     assert est.engine_ready == pytest.approx(9.0)
+    assert est.shared_load == pytest.approx(3.0)
+    # one engine restarted alone pays one lone load; k restarted together share the bucket
+    topo = pr.topology(group_view(serving(**said)), serving(**said).roce_map)
+    kill = Fault(FaultKind.KILL, ("g-p-0",), Tier.POD, 0.0)
+    one = rc.options(kill, topo, rc.Policy(), est, {"g-p-0"})
+    restart = next(o for o in one if o.action is rc.ActionKind.RESTART_IN_PLACE)
+    assert "sharedLoad" not in restart.terms
+    every = next(o for o in one if o.action is rc.ActionKind.RESTART_GROUP)
+    assert every.terms["sharedLoad"] == pytest.approx(3.0 * (len(NAMES) - 1))
+    node = Fault(FaultKind.NODE, ("g-p-0", "g-p-1"), Tier.NODE, 0.0)
+    two = rc.options(node, topo, rc.Policy(), est, {"g-p-0", "g-p-1"})
+    replace = next(o for o in two if o.action is rc.ActionKind.REPLACE)
+    assert replace.terms["sharedLoad"] == pytest.approx(3.0)
     alone = {n: h.model_copy(update={"load_share": 1.0}) for n, h in said.items()}
     assert pr.estimates(group_view(serving(**alone))).engine_ready == pytest.approx(30.0)
     unsaid = {n: h.model_copy(update={"load_share": 0.0}) for n, h in said.items()}

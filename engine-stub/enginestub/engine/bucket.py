@@ -56,9 +56,10 @@ class Bucket:
         over the read (its time over ``alone``); 1 for nothing to read."""
         if alone <= 0:
             return 1.0
-        await self.join()
+        started = clock.now()
         try:
-            started, left = clock.now(), alone  # ``left`` in lone seconds
+            await self.join()
+            left = alone  # in lone seconds
             while left > 1e-9:
                 n = self.loaders
                 self.changed.clear()
@@ -74,40 +75,78 @@ class Bucket:
 class ZkBucket(Bucket):
     """The loaders are the znodes under :func:`zl.loaders_root`: ours (``name``) is owned by
     our session while we read; a watch keeps :attr:`loaders` their number. ZooKeeper failing
-    does not stop a load: it goes on at the last number seen (at least ourselves)."""
+    does not stop a load: it goes on at the last number seen (at least ourselves). Our znode
+    goes when the read ends, whatever ends it; a delete ZooKeeper did not take is retried
+    until it is (or our session, and with it the znode, is gone): a reader left behind would
+    slow every later load of the cluster."""
 
     def __init__(self, zk: coordination.Session, bridge: SessionBridge, name: str) -> None:
         super().__init__(1)
         self.zk, self.bridge = zk, bridge
         self.path = zl.loader_path(name)
-        self._watch: Any = None
+        self._name = self.path.rsplit("/", 1)[1]
+        self._watch: Any = None  # while we read
         self._reading = False
+        self._rewrite: asyncio.Task[None] | None = None
+        self._cleanup: asyncio.Task[None] | None = None
 
     def _on_children(self, children: list[str]) -> None:
         if self._reading:  # ourselves at least, while our own znode is not seen yet
-            self.set_loaders(len(children) + (0 if self.path.rsplit("/", 1)[1] in children else 1))
+            self.set_loaders(len(children) + (0 if self._name in children else 1))
+
+    def _write(self) -> None:
+        self.zk.ensure(zl.loaders_root())
+        self.zk.own(self.path, b"")
+
+    def _delete_own(self) -> None:
+        """Delete our znode if it is ours (a process of the same instance name that came
+        after us owns it otherwise: not ours to delete)."""
+        stat = self.zk.client.exists(self.path)
+        if stat is not None and stat.ephemeralOwner == self.zk.session_id:
+            self.zk.client.delete(self.path, version=stat.version)
 
     async def join(self) -> None:
         self._reading = True
-
-        def write() -> None:
-            self.zk.ensure(zl.loaders_root())
-            self.zk.own(self.path, b"")
-
+        if self._cleanup is not None:
+            self._cleanup.cancel()
         try:
-            await self.zk.run(write)
+            await self.zk.run(self._write)
+            # the number now (the watch's first call), then each change while we read
+            self._watch = await self.zk.run(
+                self.zk.watch_children,
+                zl.loaders_root(),
+                lambda c: self.bridge.call(self._on_children, list(c)),
+            )
         except coordination.ERRORS as exc:
             log.warning("not counted among the bucket's loaders (%s)", type(exc).__name__)
-        if self._watch is None:
-            self._watch = self.zk.watch_children(
-                zl.loaders_root(), lambda c: self.bridge.call(self._on_children, list(c))
-            )
-        else:  # read the number afresh: it changed while we did not read
-            with contextlib.suppress(*coordination.ERRORS):
-                self._on_children(await self.zk.run(self.zk.children, zl.loaders_root()))
+        # a session renewed while we read has lost our znode: written again
+        self._rewrite = asyncio.create_task(self._keep_written(), name="bucket-reader")
+
+    async def _keep_written(self) -> None:
+        while self._reading:
+            await self.bridge.reregister.wait()
+            if self._reading:
+                with contextlib.suppress(*coordination.ERRORS):
+                    await self.zk.run(self._write)
+                await asyncio.sleep(1.0)
 
     async def leave(self) -> None:
         self._reading = False
         self.loaders = 1
-        with contextlib.suppress(*coordination.ERRORS):
-            await asyncio.shield(self.zk.run(self.zk.delete, self.path))
+        if self._rewrite is not None:
+            self._rewrite.cancel()
+        if self._watch is not None:  # the other readers' comings and goings are not ours now
+            self.zk.cancel(self._watch)
+            self._watch = None
+        try:
+            await asyncio.shield(self.zk.run(self._delete_own))
+        except coordination.ERRORS as exc:
+            log.info("our loader znode not deleted yet (%s): retrying", type(exc).__name__)
+            self._cleanup = asyncio.create_task(self._delete_later(), name="bucket-leave")
+
+    async def _delete_later(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            with contextlib.suppress(*coordination.ERRORS):
+                await self.zk.run(self._delete_own)
+                return

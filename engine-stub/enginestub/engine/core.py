@@ -115,7 +115,7 @@ class Engine:
         self.phases: dict[str, float] = {}
         self.load_source: str = ""  # where the weights actually came from
         # The shared file service's readers (the resident process counts them in ZooKeeper;
-        # alone, ``--concurrent-loaders``) and the mean number this engine's load shared it with
+        # alone, ``--concurrent-loaders``) and its TE-Load over a lone load's (1: another source)
         self.bucket = Bucket(config.concurrent_loaders)
         self.load_share = 1.0
         self.clock = clock or Clock(config.time_scale)
@@ -249,6 +249,10 @@ class Engine:
             await self._load_from(source)
         self.load_seconds = self.clock.now() - started if seconds is None else seconds
         self.load_source = str(source)
+        if source is timing.LoadSource.SHARED_FILE_SERVICE:
+            # TE-Load over a lone load's time: the readers it shared the bucket with, on
+            # average (and a failed fork's attempt before it, which a lone load does not pay)
+            self.load_share = self.load_seconds / max(self._load_time(source), 1e-9)
         self._phase("TELoad", self.load_seconds)
         self.metrics.load_seconds.labels(source=str(source)).set(self.load_seconds)
         log.info(
@@ -269,9 +273,8 @@ class Engine:
         """Load from ``source``: the shared file service is read with whoever reads it now
         (:mod:`.bucket`), every other source alone."""
         if source is timing.LoadSource.SHARED_FILE_SERVICE:
-            self.load_share = await self.bucket.read(self.clock, self._load_time(source))
+            await self.bucket.read(self.clock, self._load_time(source))
         else:
-            self.load_share = 1.0
             await self.clock.sleep(self._load_time(source))
 
     async def _fork_or_fallback(

@@ -515,14 +515,14 @@ def assignment_env(a: zl.Assignment) -> dict[str, str]:
     """What the assignment sets in the process environment: its instance settings (only
     ``ASSIGNMENT_ENV`` keys: anything else, say a credential path or a ZooKeeper address, is the
     pod's own and refused), the group, the instance name and the load source."""
-    foreign = sorted(set(a.env) - zl.ASSIGNMENT_ENV)
+    foreign = sorted(set(a.env) - zl.ASSIGNMENT_ENV - zl.RETIRED_ASSIGNMENT_ENV)
     if foreign:
         raise ValueError(
             f"env {', '.join(foreign)}: not an instance setting (an assignment carries only "
             f"{', '.join(sorted(zl.ASSIGNMENT_ENV))})"
         )
     return {
-        **a.env,
+        **{k: v for k, v in a.env.items() if k not in zl.RETIRED_ASSIGNMENT_ENV},
         "MATRIXSERVE_GROUP": a.group,
         "ENGINE_INSTANCE": a.instance,
         "ENGINE_LOAD_SOURCE": a.load_source,

@@ -595,6 +595,12 @@ ASSIGNMENT_ENV = frozenset(
 )
 
 
+# Keys an older operator wrote in assignments that no engine setting takes now: ignored, not
+# refused (a pod claimed before an upgrade still becomes its instance). The shared file
+# service's readers are counted by the engines themselves (enginestub.engine.bucket).
+RETIRED_ASSIGNMENT_ENV = frozenset({"ENGINE_CONCURRENT_LOADERS"})
+
+
 class ForkSource(_Payload):
     """A live, serving instance that can broadcast its weights and compiled artefacts to warm
     targets (DeepServe §6.2 NPU-fork), written by the engine while it serves."""

@@ -96,6 +96,10 @@ class Estimates:
     pod_delete: float = 1.0  # delete → the old pod gone (a SIGTERM'd engine exits at once)
     pod_start: float = 1.0  # create → scheduled, container running
     engine_ready: float = 2.0  # process start → Serving: register, link, load, first health
+    # One engine's model load alone when it reads the shared file service (0: it does not):
+    # engines that start together share its bucket (001 Table 2), so each of k restarted
+    # together loads k times as long: k - 1 more of these
+    shared_load: float = 0.0
     restart_backoff: float = 0.0  # the kubelet's back-off before restarting a container
     relink: float = 0.5  # a new map version → the sub-links verified again
     retry_window: float = 10.0  # how long a transient fault is given to clear
@@ -205,9 +209,14 @@ def _npus(topology: Topology, names: tuple[str, ...]) -> int:
     return sum(topology.members[n].npus for n in names)
 
 
-def _cold(est: Estimates, delete: bool = True) -> dict[str, float]:
+def _cold(est: Estimates, delete: bool = True, loaders: int = 1) -> dict[str, float]:
+    """A new engine process per instance: ``loaders`` of them load at once (from the shared
+    file service they share its bucket: ``sharedLoad``)."""
     terms = {"podDelete": est.pod_delete} if delete else {}
-    return terms | {"podStart": est.pod_start, "engineReady": est.engine_ready}
+    terms |= {"podStart": est.pod_start, "engineReady": est.engine_ready}
+    if loaders > 1 and est.shared_load > 0:
+        terms["sharedLoad"] = est.shared_load * (loaders - 1)
+    return terms
 
 
 def options(
@@ -263,7 +272,7 @@ def options(
         Option(
             ActionKind.RESTART_IN_PLACE,
             faulty,
-            {"restartBackoff": est.restart_backoff} | _cold(est, delete=False),
+            {"restartBackoff": est.restart_backoff} | _cold(est, delete=False, loaders=len(faulty)),
             lost_faulty,
             0.0,
             feasible=in_place,
@@ -303,7 +312,7 @@ def options(
             Option(
                 ActionKind.REPLACE,
                 faulty,
-                _cold(est),
+                _cold(est, loaders=len(faulty)),
                 lost_faulty,
                 0.0,
                 feasible=fits,
@@ -324,7 +333,7 @@ def options(
         Option(
             ActionKind.RESTART_GROUP,
             everyone,
-            _cold(est),
+            _cold(est, loaders=len(everyone)),
             1.0,
             0.0,
             feasible=fits,
@@ -394,7 +403,7 @@ def _shrink(
     return Option(
         ActionKind.SHRINK,
         tuple(sorted((*faulty, *given))),
-        {"podDelete": est.pod_delete, **_cold(est)},
+        {"podDelete": est.pod_delete, **_cold(est, loaders=len(decodes))},
         lost_fraction(topology, policy, {*faulty, *given}),
         lost_fraction(topology, policy, set(sacrificed)),
         feasible=not why,

@@ -266,7 +266,13 @@ class Reconciler:
         self.noticed[key] = current
         actions = [a for a in actions if not isinstance(a, Notice)]
         together = [a for a in actions if isinstance(a, PodCreation | PodClaim)]
-        await asyncio.gather(*(self._apply(body, a, znodes) for a in together))
+        # every one finished (its Event, its bookkeeping) before a failure is raised
+        done = await asyncio.gather(
+            *(self._apply(body, a, znodes) for a in together), return_exceptions=True
+        )
+        failed = next((r for r in done if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
         for action in actions:
             if not isinstance(action, PodCreation | PodClaim):
                 await self._apply(body, action, znodes)

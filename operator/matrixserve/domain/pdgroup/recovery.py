@@ -273,12 +273,20 @@ def estimates(view: GroupView) -> rc.Estimates:
         - (h.phases.get(so.TE_LOAD, 0.0) - lone_load(h)) / scale
         for h in said
     ]
+    # one lone load from the shared file service (wall s), what each further engine loading
+    # at the same time adds (the bucket's readers share it)
+    shared = [
+        lone_load(h) / scale
+        for h in said
+        if h.load_source == so.LOAD_SOURCE[so.Path.COLD] and so.TE_LOAD in h.phases
+    ]
     base = rc.Estimates()
     warm = {role: warm_replacement(view, role) for role in (zl.Role.PREFILL, zl.Role.DECODE)}
     return rc.Estimates(
         pod_delete=base.pod_delete,
         pod_start=view.learned_pod_start(base.pod_start),
         engine_ready=statistics.median(ready) if ready else base.engine_ready,
+        shared_load=statistics.median(shared) if shared else 0.0,
         restart_backoff=0.0,
         relink=base.relink,
         retry_window=max(base.retry_window, 2 * view.health_interval),
