@@ -36,6 +36,10 @@ The group is scaled from 1 to 65 prefills in one patch; per run:
   ``source_ttft_change``: fractions; ``source_*_samples``: how many gaps and first tokens fell
   in the fork window), and over the whole scale-out (``..._scaleout``: 64 engine processes
   becoming engines on this machine's two cores slow every process, the sources' included);
+- for every warm path, the same over the new instances' loads (``source_*_change_loads``: from
+  the first TE-Load's start to the last one's end, placed by each claim's time, ``readyAfter``
+  and phases): the paths without a fork (SSD, DRAM) are the fork paths' baseline in the same
+  run, the same processes starting at once without a fork;
 - ``p_fallbacks``: new instances whose weights did not come by the path's source.
 
 Then the same five paths for one large model (``large_`` keys): GPT-3 175B (350 GB of FP16
@@ -298,6 +302,29 @@ def fork_window(health: zl.Health, since: float) -> tuple[float, float] | None:
     return min(b for b, _ in windows), max(e for _, e in windows)
 
 
+def load_window(env: Env, new: dict[str, zl.Health], scale: float) -> tuple[float, float] | None:
+    """When the new instances loaded (wall): from the first TE-Load's start to the last one's
+    end, each placed by its claim's time (``matrixserve.io/claim``'s ``at``), its ``readyAfter``
+    (from the claim to serving) and its phases; None for pods not claimed (a cold start)."""
+    claimed = {}
+    for pod in env.core.list_namespaced_pod(
+        env.namespace, label_selector=f"{kinds.LABEL_GROUP}={GROUP}"
+    ).items:
+        record = (pod.metadata.annotations or {}).get(kinds.ANNOTATION_CLAIM)
+        instance = (pod.metadata.labels or {}).get(kinds.LABEL_INSTANCE)
+        if record and instance:
+            claimed[instance] = float(json.loads(record).get("at") or 0)
+    spans = []
+    for name, h in new.items():
+        if not claimed.get(name) or not h.ready_after:
+            continue
+        end = claimed[name] + h.ready_after - h.phases.get("TEPostLoad", 0.0) / scale
+        spans.append((end - h.phases.get("TELoad", 0.0) / scale, end))
+    if not spans:
+        return None
+    return min(b for b, _ in spans), max(e for _, e in spans)
+
+
 def run_path(
     env: Env, case: Case, key: str, path: str, where: str | None, source: str
 ) -> dict[str, Any]:
@@ -375,6 +402,22 @@ def run_path(
             ),
             "requests_during": sum(1 for r in requests if t0 <= r.start <= t1),
         }
+        # ... and over the new instances' loads, for every warm path alike: the same 64
+        # processes becoming engines at once, with a fork or without (the no-fork paths are the
+        # fork's baseline, measured in the same run)
+        loads = load_window(env, new, float(case.scale))
+        if loads is not None:
+            lo, hi = loads
+            out |= {
+                "load_window_s": round(hi - lo, 3),
+                "source_ttft_change_loads": change(
+                    ttfts(requests, src_p, *before), ttfts(requests, src_p, lo, hi)
+                ),
+                "source_tpot_change_loads": change(
+                    gaps(requests, src_d, *before), gaps(requests, src_d, lo, hi)
+                ),
+                "source_tpot_samples_loads": len(gaps(requests, src_d, lo, hi)),
+            }
         if path.startswith("WarmFork"):
             p_window = fork_window(every[src_p], t0) if src_p in every else None
             d_window = fork_window(every[src_d], t0) if src_d in every else None
@@ -510,7 +553,8 @@ def print_table(case: Case, runs: dict[str, dict[str, Any]]) -> None:
     )
     print(
         f"{'path':<12}{'wall':>8}{'engine':>8}{'ctl':>7}{'pre-load':>10}{'load':>8}{'post':>7}"
-        f"{'fallback':>9}{'src TTFT':>10}{'src TPOT':>10}{'(scale-out)':>12}{'vs cold':>9}"
+        f"{'fallback':>9}{'src TTFT':>10}{'src TPOT':>10}{'(loads)':>10}{'(scale-out)':>12}"
+        f"{'vs cold':>9}"
     )
     cold = runs.get("cold", {}).get("emulated_s")
     for key, figures in runs.items():
@@ -523,14 +567,16 @@ def print_table(case: Case, runs: dict[str, dict[str, Any]]) -> None:
             f"{cell(figures, 'TELoad_max_s'):>8}{cell(figures, 'TEPostLoad_max_s'):>7}"
             f"{cell(figures, 'fallbacks'):>9}{cell(figures, 'source_ttft_change', pct):>10}"
             f"{cell(figures, 'source_tpot_change', pct):>10}"
+            f"{cell(figures, 'source_tpot_change_loads', pct):>10}"
             f"{cell(figures, 'source_tpot_change_scaleout', pct):>12}{speed:>9}"
         )
     print(
         "engine: the slowest new instance's TE-Pre-Load + TE-Load + TE-Post-Load (emulated); "
         "ctl: the rest of the wall total at time scale 1 (pod start or claim, assignment, "
         "joining); src TTFT/TPOT: the fork sources' over their forks (first fork served to the "
-        "last answered) against the 10 s before; (scale-out): the source decode's TPOT over the "
-        "whole scale-out; vs cold: the engines' emulated speed-up. DeepServe (a secondary "
+        "last answered) against the 10 s before; (loads): the source decode's TPOT over the new "
+        "instances' loads, any warm path (a path without a fork is the fork's baseline); "
+        "(scale-out): over the whole scale-out; vs cold: the engines' emulated speed-up. DeepServe (a secondary "
         f"source: alphaXiv's reading of Fig. 9): Llama3-8B {cal.DEEPSERVE_COLD_SCALE_SECONDS} s "
         f"-> {cal.DEEPSERVE_FORK_SCALE_SECONDS} s"
     )
