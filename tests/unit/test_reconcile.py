@@ -392,6 +392,26 @@ def test_recovery_metrics_count_every_step_of_every_recovery_in_a_pass() -> None
     assert get("matrixserve_operator_recoveries_total", labels | {"outcome": "restored"}) == 2
 
 
+def _claiming(kube: KubeAdapter) -> tuple[Reconciler, list[str]]:
+    """A PDGroup loop over ``kube``, and the reasons of the Events it posts."""
+    posted: list[str] = []
+    loop = Reconciler(
+        kinds.PDGROUP,
+        kube,
+        OperatorMetrics(),
+        asyncio.get_running_loop(),
+        poster=lambda _body, event: posted.append(event.reason if event else ""),
+    )
+    return loop, posted
+
+
+def _claims(n: int) -> list[ClaimWarmPod]:
+    return [
+        ClaimWarmPod(f"wp-{i}", "7", f"g-p-{i}", zl.Role.PREFILL, "WarmForkUB", 1.0, None, {})
+        for i in range(n)
+    ]
+
+
 async def test_warm_pod_claims_are_issued_together_not_one_round_trip_each() -> None:
     """64 instances claimed one after another cost 64 API round trips of wall time before any
     of them starts (bench-scale-out's warm paths spent 14-20 s of wall time); each claim is
@@ -415,18 +435,8 @@ async def test_warm_pod_claims_are_issued_together_not_one_round_trip_each() -> 
     core = SlowCore()
     kube = KubeAdapter(client.ApiClient())
     kube.core = cast(Any, core)
-    posted: list[str] = []
-    loop = Reconciler(
-        kinds.PDGROUP,
-        kube,
-        OperatorMetrics(),
-        asyncio.get_running_loop(),
-        poster=lambda _body, event: posted.append(event.reason if event else ""),
-    )
-    claims = [
-        ClaimWarmPod(f"wp-{i}", "7", f"g-p-{i}", zl.Role.PREFILL, "WarmForkUB", 1.0, None, {})
-        for i in range(4)
-    ]
+    loop, posted = _claiming(kube)
+    claims = _claims(4)
     body = {"metadata": {"namespace": "ns", "name": "g", "uid": "uid-g"}}
 
     async def no_znodes(_: Any) -> None:
@@ -452,18 +462,8 @@ async def test_a_claim_that_fails_is_raised_after_the_others_are_done() -> None:
 
     kube = KubeAdapter(client.ApiClient())
     kube.core = cast(Any, Core())
-    posted: list[str] = []
-    loop = Reconciler(
-        kinds.PDGROUP,
-        kube,
-        OperatorMetrics(),
-        asyncio.get_running_loop(),
-        poster=lambda _body, event: posted.append(event.reason if event else ""),
-    )
-    claims = [
-        ClaimWarmPod(f"wp-{i}", "7", f"g-p-{i}", zl.Role.PREFILL, "WarmForkUB", 1.0, None, {})
-        for i in range(3)
-    ]
+    loop, posted = _claiming(kube)
+    claims = _claims(3)
 
     async def no_znodes(_: Any) -> None:
         raise AssertionError("no znode change was planned")

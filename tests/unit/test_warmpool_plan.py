@@ -428,19 +428,28 @@ def test_the_operator_may_allow_only_some_paths_and_an_instance_without_one_wait
     assert [type(a) for a in warm_or_cold(view, {"g-p-1": P})] == [CreatePod]
 
 
-def test_last_scale_records_the_newest_serving_instance_once() -> None:
-    pod = claimed(
-        "wp-two-0", "g-p-1", P, {"path": "WarmForkUB", "forkSource": "ns/g/g-p-0", "at": 40.0}
-    )
-    report = engine_report("g-p-1", 3, pod_uid="uid-wp-two-0")
-    health = zl.Health(
-        instance="g-p-1",
-        role=P,
+def serving_health(report: zl.Report, role: zl.Role, **extra: Any) -> zl.Health:
+    """The Serving health of the engine that wrote ``report``."""
+    return zl.Health(
+        instance=report.instance,
+        role=role,
         state=zl.HealthState.SERVING,
         seq=1,
         ts=49.0,
         podIP=report.pod_ip,
         port=8000,
+        **extra,
+    )
+
+
+def test_last_scale_records_the_newest_serving_instance_once() -> None:
+    pod = claimed(
+        "wp-two-0", "g-p-1", P, {"path": "WarmForkUB", "forkSource": "ns/g/g-p-0", "at": 40.0}
+    )
+    report = engine_report("g-p-1", 3, pod_uid="uid-wp-two-0")
+    health = serving_health(
+        report,
+        P,
         phases={"TEPreLoad": 0.0, "TELoad": 0.1, "TEPostLoad": 0.5},
         loadSource="NPUForkUB",
         warm=True,
@@ -658,15 +667,7 @@ def test_a_member_that_no_longer_serves_is_no_fork_source() -> None:
     assert isinstance(claim, ClaimWarmPod)
     assert claim.path == Path.WARM_SHARED
     report = engine_report("g-p-0", 0)
-    health = zl.Health(
-        instance="g-p-0",
-        role=P,
-        state=zl.HealthState.SERVING,
-        seq=1,
-        ts=49.0,
-        podIP=report.pod_ip,
-        port=8000,
-    )
+    health = serving_health(report, P)
     alive = dataclasses.replace(
         dead, zk=ZkView(connected=True, reports={"g-p-0": report}, health={"g-p-0": health})
     )
