@@ -59,6 +59,9 @@ from matrixserve.coordination import Session
 
 log = logging.getLogger("enginestub.resident")
 LINK_WALL_FLOOR_SECONDS = 30.0
+# How long a serving prefill leaves the link to a newcomer to the newcomer (wall s): it
+# initiates its own links as soon as the map names it; two initiators would race
+NEWCOMER_GRACE_SECONDS = 2.0
 FORK_GATE_SECONDS = 5.0  # wall s the fork gate waits for ZooKeeper to answer (then 503)
 
 
@@ -104,6 +107,9 @@ class Resident:
         self._writes = asyncio.Lock()  # our ephemerals are written by one writer at a time
         self._task: asyncio.Task[None] | None = None
         self._removed_names: set[str] = set()
+        # the peers (instance, incarnation) a map named when we last had every link: one a later
+        # map adds is a newcomer, which links itself (Fig. 7) before we repair anything to it
+        self._seen_peers: set[tuple[str, str]] = set()
         engine.on_health_change = self._health_dirty.set
         engine.forks.gate = self.check_fork_target
 
@@ -203,6 +209,7 @@ class Resident:
         t1 = clock.now()
         self.phase = "Linking"
         await self._link_all()
+        self._seen_peers = self._peer_keys()
         self.engine.metrics.phase_seconds.labels(phase="link").set(clock.now() - t1)
         self.phase = "Loading"
         await self.engine.load_model()
@@ -411,19 +418,32 @@ class Resident:
             if self.role is zl.Role.PREFILL and self._me() is not None:
                 await self._repair_links()
 
+    def _peer_keys(self) -> set[tuple[str, str]]:
+        assert self.roce_map is not None
+        return {(p.instance, p.incarnation) for p in self.roce_map.peers_of(self.instance)}
+
     async def _repair_links(self) -> None:
         """Every link to a decode the map names, verified again where it is missing or stale;
-        retried (a peer may not have the new map yet) until all join or the map changes."""
+        retried (a peer may not have the new map yet) until all join or the map changes. A
+        peer the map newly names is a newcomer: it initiates its own links (Fig. 7), so ours to
+        it is left alone for :data:`NEWCOMER_GRACE_SECONDS` (wall), then repaired if missing
+        (a newcomer that did not finish)."""
         delay = 0.2
+        since = time.monotonic()
         while not self._map_changed.is_set():
             assert self.roce_map is not None
             pending = []
+            newcomers_wait = time.monotonic() - since < NEWCOMER_GRACE_SECONDS
             for peer in self.roce_map.peers_of(self.instance):
+                if newcomers_wait and (peer.instance, peer.incarnation) not in self._seen_peers:
+                    pending.append(f"{peer.instance}: a newcomer, linking itself")
+                    continue
                 try:
                     await self._link_one(peer)
                 except (LinkError, httpx.HTTPError, coordination.ZooKeeperError) as exc:
                     pending.append(f"{peer.instance}: {exc}")
             if not pending:
+                self._seen_peers = self._peer_keys()
                 return
             log.info("links not repaired yet (%s); again in %.1fs", "; ".join(pending), delay)
             with contextlib.suppress(TimeoutError):
