@@ -392,8 +392,9 @@ def test_the_shared_file_service_is_shared_by_who_reads_it_now_not_by_a_count_fi
     )
     operator.admit("g2", ["g2-p-0", "g2-p-1"])
     health = operator.serving("g2", "g2-p-1")
-    assert health.load_share == pytest.approx(1.0, abs=0.01)
-    assert_emulated(health.phases["TELoad"], lone, scale)
+    # alone: one lone load (2 would be sharing), late only by the event loop on a busy host
+    assert health.load_share < 1.3, health.load_share
+    assert_emulated(health.phases["TELoad"], lone, scale, late=0.5)
     assert restarted.alive()
     assert operator.zk.get_children(zl.loaders_root()) == []
 
