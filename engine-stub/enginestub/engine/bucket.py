@@ -50,13 +50,11 @@ class Bucket:
     async def leave(self) -> None:
         """This engine stopped reading (on every path: done, failed, cancelled)."""
 
-    async def read(self, clock: Clock, alone: float) -> float:
+    async def read(self, clock: Clock, alone: float) -> None:
         """Read what takes ``alone`` emulated seconds with the bucket to itself, sharing it
-        with the other loaders as their number changes. Returns the mean number of loaders
-        over the read (its time over ``alone``); 1 for nothing to read."""
+        with the other loaders as their number changes."""
         if alone <= 0:
-            return 1.0
-        started = clock.now()
+            return
         try:
             await self.join()
             left = alone  # in lone seconds
@@ -67,7 +65,6 @@ class Bucket:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), clock.to_wall(left * n))
                 left -= (clock.now() - since) / n
-            return (clock.now() - started) / alone
         finally:
             await self.leave()
 
@@ -119,16 +116,12 @@ class ZkBucket(Bucket):
             )
         except coordination.ERRORS as exc:
             log.warning("not counted among the bucket's loaders (%s)", type(exc).__name__)
-        # a session renewed while we read has lost our znode: written again
-        self._rewrite = asyncio.create_task(self._keep_written(), name="bucket-reader")
-
-    async def _keep_written(self) -> None:
-        while self._reading:
-            await self.bridge.reregister.wait()
-            if self._reading:
-                with contextlib.suppress(*coordination.ERRORS):
-                    await self.zk.run(self._write)
-                await asyncio.sleep(1.0)
+        # a session renewed while we read has lost our znode: written again (as the resident
+        # process's own ephemerals are)
+        self._rewrite = asyncio.create_task(
+            self.bridge.keep_registered(lambda: self.zk.run(self._write), "loader znode"),
+            name="bucket-reader",
+        )
 
     async def leave(self) -> None:
         self._reading = False

@@ -458,8 +458,9 @@ class Health(_Payload):
     # its weights came from (enginestub.timing.LoadSource: a fork that failed says its fallback).
     phases: dict[str, float] = Field(default_factory=dict)
     load_source: str = Field(default="", alias="loadSource")
-    # ... and how many loaders it shared the shared file service's bucket with, on average over
-    # its TE-Load (1: alone or another source; 0: not said): a lone load is TE-Load / loadShare
+    # ... and, from the shared file service, its TE-Load over a lone load's (the readers it
+    # shared the bucket with on average; 1: alone or another source; 0: not said): a lone load
+    # is TE-Load / loadShare
     load_share: float = Field(default=0.0, alias="loadShare", ge=0)
     warm: bool = False  # a claimed warm pod (its engine was up before the claim)
 

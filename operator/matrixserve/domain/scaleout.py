@@ -98,6 +98,7 @@ LOAD_SOURCE = {
     Path.WARM_SHARED: "SharedFileService",
     Path.COLD: "SharedFileService",
 }
+SHARED_FILE_SERVICE = LOAD_SOURCE[Path.COLD]  # the one source whose readers share a bucket
 
 
 @dataclass(frozen=True)

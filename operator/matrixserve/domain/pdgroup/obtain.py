@@ -41,8 +41,6 @@ from matrixserve.domain.pdgroup.view import GroupView
 from matrixserve.domain.pdgroup.warm import claim_of as _claim
 from matrixserve.domain.pdgroup.warm import estimates, fork_sources, warm_candidates
 
-SHARED_FILE_SERVICE = so.LOAD_SOURCE[so.Path.COLD]
-
 
 def missing_pods(view: GroupView, instance: str, role: zl.Role) -> list[str]:
     found = view.instances.get(instance)

@@ -278,7 +278,7 @@ def estimates(view: GroupView) -> rc.Estimates:
     shared = [
         lone_load(h) / scale
         for h in said
-        if h.load_source == so.LOAD_SOURCE[so.Path.COLD] and so.TE_LOAD in h.phases
+        if h.load_source == so.SHARED_FILE_SERVICE and so.TE_LOAD in h.phases
     ]
     base = rc.Estimates()
     warm = {role: warm_replacement(view, role) for role in (zl.Role.PREFILL, zl.Role.DECODE)}
