@@ -40,6 +40,15 @@ The group is scaled from 1 to 65 prefills in one patch; per run:
   the first TE-Load's start to the last one's end, placed by each claim's time, ``readyAfter``
   and phases): the paths without a fork (SSD, DRAM) are the fork paths' baseline in the same
   run, the same processes starting at once without a fork;
+- for the fork runs, before the scale-out, the same sources over **played** forks
+  (``source_*_change_played``): 20 rounds, 1 s apart, of 32 fork targets per source (one
+  scale-out's fan-out), each a real ``POST /v1/fork`` from ``bench/fork_player.py`` with the
+  assignment the operator would write, but no target engine: the sources share the machine with
+  no new engine process, so what they lose is the fabric model's (their links shared with the
+  broadcast) and their own handling of the requests; and the **control**
+  (``source_*_change_control``): the same requests with a key that is not the source's, refused
+  after the same gate (a ZooKeeper read each), which is the requests' own cost on this machine
+  without any broadcast;
 - ``p_fallbacks``: new instances whose weights did not come by the path's source.
 
 Then the same five paths for one large model (``large_`` keys): GPT-3 175B (350 GB of FP16
@@ -58,8 +67,10 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +134,10 @@ if os.environ.get("BENCH_LARGE", "1") == "0":
 SERVERS = max(-(-(c.instances + 2) * c.npus // NPUS_PER_SERVER) + 1 for c in CASES)
 CLIENTS, MAX_TOKENS = 3, 16
 BEFORE_S = 10.0
+# the played forks: rounds of FORK_FANOUT targets per source (one scale-out's fan-out), PAUSE_S
+# apart (one round of an 8B model is a fraction of a second: too few tokens to measure)
+PLAYED_ROUNDS = int(os.environ.get("BENCH_PLAYED_ROUNDS", "20"))
+PLAYED_PAUSE_S = 1.0
 BOUND_S = float(os.environ.get("BENCH_BOUND_S", "900"))  # the cold run's 64 shared loads: ~8 min
 # (key, the operator's scale-out path, where the warm pool goes, what the new instances' health
 # must say their weights came from)
@@ -288,18 +303,27 @@ def change(before: list[float], during: list[float]) -> float | None:
     return round(statistics.mean(during) / statistics.mean(before) - 1, 4)
 
 
-def fork_window(health: zl.Health, since: float) -> tuple[float, float] | None:
-    """From the first fork the instance served since ``since`` to its last one's end (wall):
-    what its ``/v1/info`` says (``forkWindows``)."""
+def fork_spans(health: zl.Health, since: float) -> list[tuple[float, float]]:
+    """The spans (wall) in which the instance served a fork since ``since``, overlapping forks
+    merged: what its ``/v1/info`` says (``forkWindows``)."""
     url = f"http://{health.pod_ip}:{health.port}/v1/info"
     try:
         said = httpx.get(url, timeout=5, trust_env=False).json().get("forkWindows", [])
-    except (httpx.HTTPError, ValueError):  # the source went meanwhile: no window to measure
-        return None
-    windows = [(float(b), float(e)) for b, e in said if float(b) >= since]
-    if not windows:
-        return None
-    return min(b for b, _ in windows), max(e for _, e in windows)
+    except (httpx.HTTPError, ValueError):
+        return []
+    spans: list[tuple[float, float]] = []
+    for b, e in sorted((float(b), float(e)) for b, e in said if float(b) >= since):
+        if spans and b <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], e))
+        else:
+            spans.append((b, e))
+    return spans
+
+
+def fork_window(health: zl.Health, since: float) -> tuple[float, float] | None:
+    """From the first fork the instance served since ``since`` to its last one's end (wall)."""
+    spans = fork_spans(health, since)
+    return (spans[0][0], spans[-1][1]) if spans else None
 
 
 def load_window(env: Env, new: dict[str, zl.Health], scale: float) -> tuple[float, float] | None:
@@ -325,6 +349,129 @@ def load_window(env: Env, new: dict[str, zl.Health], scale: float) -> tuple[floa
     return min(b for b, _ in spans), max(e for _, e in spans)
 
 
+def fork_sources(env: Env, zk: Any) -> dict[str, zl.ForkSource]:
+    """The group's fork sources in ZooKeeper's registry, by instance."""
+    root = zl.fork_sources_root(env.namespace)
+    found = {}
+    for key in zk.get_children(root) if zk.exists(root) else []:
+        for child in zk.get_children(f"{root}/{key}"):
+            raw, _ = zk.get(f"{root}/{key}/{child}")
+            if raw:
+                source = zl.ForkSource.parse(raw)
+                if source.group == f"{env.namespace}/{GROUP}":
+                    found[source.instance] = source
+    return found
+
+
+def play_forks(
+    env: Env, zk: Any, plane: str, control: bool = False
+) -> tuple[int, list[tuple[float, float]]]:
+    """Play :data:`PLAYED_ROUNDS` rounds of ``FORK_FANOUT`` fork targets per live source over
+    ``plane``, :data:`PLAYED_PAUSE_S` apart (each round one scale-out's fan-out, the next
+    starting when it is over): for each target, the assignment the operator would write (naming
+    the source: the source's fork gate reads it) and the target's ``POST /v1/fork``
+    (``bench/fork_player.py``, a process of its own), answered when the emulated broadcast
+    ends. No target engine runs, so the sources share this machine's cores with no
+    new engine: what they lose is what the fabric model takes (their links shared with the
+    broadcast). ``control``: the same requests with a key that is not the source's, each
+    refused (409) after the same gate (its ZooKeeper read): what the requests themselves cost
+    the source on this machine, without a broadcast. Returns the forks served and each round's
+    span (wall, from its first request to its last answer)."""
+    sources = fork_sources(env, zk)
+    nodes = {
+        n.metadata.name: n.metadata.labels[kinds.LABEL_SUPERPOD] for n in env.core.list_node().items
+    }
+    warm = zl.WarmPaths(env.namespace)
+    rounds: list[list[dict[str, Any]]] = [[] for _ in range(PLAYED_ROUNDS)]
+    pods = []
+    for source in sources.values():
+        superpod = next(
+            s for s in sorted(set(nodes.values())) if (s == source.superpod) == (plane == "UB")
+        )
+        node = next(n for n, s in nodes.items() if s == superpod)
+        for j in range(PLAYED_ROUNDS * cal.FORK_FANOUT):
+            pod, uid, target = f"played-{source.instance}-{j}", str(uuid.uuid4()), f"played-{j}"
+            fork = zl.ForkRef(
+                group=source.group,
+                instance=source.instance,
+                podIP=source.pod_ip,
+                port=source.port,
+                plane=plane,
+                key=source.key,
+            )
+            assignment = zl.Assignment(
+                podUid=uid,
+                group=f"{env.namespace}/{GROUP}",
+                instance=target,
+                env={},
+                loadSource=f"NPUFork{plane}",
+                fork=fork,
+                ts=time.time(),
+            )
+            zk.create(warm.assignment(pod), assignment.dump(), makepath=True)
+            pods.append(pod)
+            body = {
+                "key": f"control.{source.key}" if control else source.key,
+                "target": target,
+                "pod": pod,
+                "podUid": uid,
+                "plane": plane,
+                "dies": source.dies,
+                "node": node,
+                "superpod": superpod,
+            }
+            url = f"http://{source.pod_ip}:{source.port}/v1/fork"
+            rounds[j // cal.FORK_FANOUT].append({"url": url, "body": body})
+    try:
+        done = subprocess.run(
+            [sys.executable, str(REPO / "bench" / "fork_player.py")],
+            input=json.dumps({"pause": PLAYED_PAUSE_S, "rounds": rounds}),
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        )
+    finally:
+        for pod in pods:
+            zk.delete(warm.assignment(pod))
+    said = json.loads(done.stdout)
+    for refusal in [] if control else said["refused"][:5]:
+        print(f"  a played fork was refused: {refusal}", flush=True)
+    return int(said["served"]), [(float(b), float(e)) for b, e in said["spans"]]
+
+
+def measure_played(env: Env, zk: Any, plane: str, src_p: str, src_d: str) -> dict[str, Any]:
+    """The sources under load over played forks (:func:`play_forks`): TTFT and TPOT inside the
+    spans in which they forked, against the 10 s before (``source_*_change_played``); then the
+    control, the same requests refused (``source_*_change_control``: over each round's span)."""
+    every = healths(env, zk)
+    out: dict[str, Any] = {}
+    for suffix in ("played", "control"):
+        with Traffic(env.gateway, clients=CLIENTS, max_tokens=MAX_TOKENS) as traffic:
+            time.sleep(BEFORE_S)
+            t0 = time.time()
+            served, rounds = play_forks(env, zk, plane, control=suffix == "control")
+            time.sleep(1.0)  # the last answers' tokens
+            requests = [r for r in traffic.snapshot() if r.ok and r.start >= t0 - BEFORE_S]
+        before = (t0 - BEFORE_S, t0)
+        if suffix == "played":
+            p_spans = fork_spans(every[src_p], t0) if src_p in every else []
+            d_spans = fork_spans(every[src_d], t0) if src_d in every else []
+            out["forks_played"] = served
+        else:
+            p_spans = d_spans = rounds
+        during_ttft = [t for span in p_spans for t in ttfts(requests, src_p, *span)]
+        during_tpot = [g for span in d_spans for g in gaps(requests, src_d, *span)]
+        out |= {
+            f"source_ttft_change_{suffix}": change(ttfts(requests, src_p, *before), during_ttft),
+            f"source_tpot_change_{suffix}": change(gaps(requests, src_d, *before), during_tpot),
+            f"source_ttft_samples_{suffix}": len(during_ttft),
+            f"source_tpot_samples_{suffix}": len(during_tpot),
+            f"spans_s_{suffix}": round(sum(e - b for b, e in p_spans + d_spans), 3),
+        }
+    return out
+
+
 def run_path(
     env: Env, case: Case, key: str, path: str, where: str | None, source: str
 ) -> dict[str, Any]:
@@ -334,8 +481,13 @@ def run_path(
     poll(lambda: group_ready(env), 240, f"{key}: the group Ready", every=0.5)
     zk = zk_client(env.info)
     out: dict[str, Any] = {}
+    played: dict[str, Any] = {}
     n = case.instances
+    src_p, src_d = f"{GROUP}-p-0", f"{GROUP}-d-0"
     try:
+        if path.startswith("WarmFork"):
+            # first the same sources over played forks, no new engine on this machine
+            played = measure_played(env, zk, path.removeprefix("WarmFork"), src_p, src_d)
         if where is not None:
             home = superpod_of(env, f"{GROUP}-p-0")
             other = next(s for s in superpods(env) if s != home)
@@ -373,7 +525,6 @@ def run_path(
             t1 = time.time()
             requests = [r for r in traffic.snapshot() if r.ok and r.start >= t0 - BEFORE_S]
         every = healths(env, zk)
-        src_p, src_d = f"{GROUP}-p-0", f"{GROUP}-d-0"
         new = {n: h for n, h in every.items() if n.startswith(f"{GROUP}-p-") and n != src_p}
         engine = [sum(h.phases.values()) for h in new.values()]
         out = {
@@ -436,6 +587,7 @@ def run_path(
                 if p_window or d_window
                 else None,
             }
+        out |= played
         print(f"  {case.prefix}{key}: {json.dumps(out)}", flush=True)
     finally:
         zk.stop()
@@ -517,7 +669,12 @@ def report(runs: dict[Case, dict[str, dict[str, Any]]]) -> int:
     results["deepserve_llama3_8b_cold_s"] = cal.DEEPSERVE_COLD_SCALE_SECONDS
     results["deepserve_llama3_8b_fork_s"] = cal.DEEPSERVE_FORK_SCALE_SECONDS
     main_runs = runs.get(main_case, {})
-    for name in ("source_tpot_change", "source_ttft_change"):  # the larger of the two forks'
+    for name in (
+        "source_tpot_change",
+        "source_ttft_change",
+        "source_tpot_change_played",
+        "source_ttft_change_played",
+    ):  # the larger of the two forks'
         seen = [
             float(v)
             for k in ("fork_ub", "fork_roce")
@@ -553,7 +710,8 @@ def print_table(case: Case, runs: dict[str, dict[str, Any]]) -> None:
     )
     print(
         f"{'path':<12}{'wall':>8}{'engine':>8}{'ctl':>7}{'pre-load':>10}{'load':>8}{'post':>7}"
-        f"{'fallback':>9}{'src TTFT':>10}{'src TPOT':>10}{'(loads)':>10}{'(scale-out)':>12}"
+        f"{'fallback':>9}{'src TTFT':>10}{'src TPOT':>10}{'(played)':>18}{'(loads)':>10}"
+        f"{'(scale-out)':>12}"
         f"{'vs cold':>9}"
     )
     cold = runs.get("cold", {}).get("emulated_s")
@@ -561,12 +719,17 @@ def print_table(case: Case, runs: dict[str, dict[str, Any]]) -> None:
         pct: Callable[[Any], str] = lambda v: f"{v:+.1%}"  # noqa: E731
         emulated = figures.get("emulated_s")
         speed = f"{cold / emulated:.1f}x" if cold and emulated else "-"
+        played = (
+            f"{cell(figures, 'source_ttft_change_played', pct)}/"
+            f"{cell(figures, 'source_tpot_change_played', pct)}"
+        )
         print(
             f"{key:<12}{cell(figures, 'wall_s'):>8}{cell(figures, 'emulated_s'):>8}"
             f"{cell(figures, 'control_plane_s'):>7}{cell(figures, 'TEPreLoad_max_s'):>10}"
             f"{cell(figures, 'TELoad_max_s'):>8}{cell(figures, 'TEPostLoad_max_s'):>7}"
             f"{cell(figures, 'fallbacks'):>9}{cell(figures, 'source_ttft_change', pct):>10}"
             f"{cell(figures, 'source_tpot_change', pct):>10}"
+            f"{played:>18}"
             f"{cell(figures, 'source_tpot_change_loads', pct):>10}"
             f"{cell(figures, 'source_tpot_change_scaleout', pct):>12}{speed:>9}"
         )
@@ -574,7 +737,9 @@ def print_table(case: Case, runs: dict[str, dict[str, Any]]) -> None:
         "engine: the slowest new instance's TE-Pre-Load + TE-Load + TE-Post-Load (emulated); "
         "ctl: the rest of the wall total at time scale 1 (pod start or claim, assignment, "
         "joining); src TTFT/TPOT: the fork sources' over their forks (first fork served to the "
-        "last answered) against the 10 s before; (loads): the source decode's TPOT over the new "
+        "last answered) against the 10 s before; (played): TTFT/TPOT of the same sources while "
+        f"they fork {PLAYED_ROUNDS} rounds of {cal.FORK_FANOUT} played targets each, before the "
+        "scale-out, with no new engine process on this machine; (loads): the source decode's TPOT over the new "
         "instances' loads, any warm path (a path without a fork is the fork's baseline); "
         "(scale-out): over the whole scale-out; vs cold: the engines' emulated speed-up. DeepServe (a secondary "
         f"source: alphaXiv's reading of Fig. 9): Llama3-8B {cal.DEEPSERVE_COLD_SCALE_SECONDS} s "
