@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from fakes import engine_report
 from matrixserve.api import zk_layout as zl
@@ -294,6 +295,21 @@ def test_a_sensible_spec_is_valid() -> None:
     assert validate_pdgroup(spec(), "g") == []
 
 
+def test_under_a_policy_the_replicas_are_a_total_to_split() -> None:
+    """Under Model and Feedback the replicas set the total: 1 prefill + 3 decodes with
+    maxDecode 2 is fine (the policy splits 4 as 2:2 at most), under Fixed it is not."""
+    policy = {"mode": "Model", "maxDecode": 2}
+    assert validate_pdgroup(spec(1, 3, ratioPolicy=policy), "g") == []
+    errors = validate_pdgroup(spec(1, 3, ratioPolicy={"maxDecode": 2}), "g")
+    assert any("above ratioPolicy.maxDecode" in e for e in errors)
+
+
+@pytest.mark.parametrize("rung", ["0:2", "2", "a:b", "1:2:3", "1000:1"])
+def test_a_ladder_rung_that_is_not_p_to_d_is_refused(rung: str) -> None:
+    with pytest.raises(ValidationError, match="ladder"):
+        spec(ratioPolicy={"mode": "Model", "ladder": ["1:1", rung]})
+
+
 @pytest.mark.parametrize(
     ("changes", "needle"),
     [
@@ -316,6 +332,15 @@ def test_a_sensible_spec_is_valid() -> None:
         (
             {"ratioPolicy": {"maxDecode": 1}, "decode": {"replicas": 2, "devicesPerInstance": 2}},
             "above ratioPolicy.maxDecode",
+        ),
+        ({"ratioPolicy": {"minRatio": 2, "maxRatio": 1}}, "minRatio: 2.0 exceeds maxRatio 1.0"),
+        (  # Model splits the total of 3: no split of it has three decodes
+            {"ratioPolicy": {"mode": "Model", "minDecode": 3}},
+            "no split of the total of 3 instances",
+        ),
+        (
+            {"ratioPolicy": {"mode": "Feedback", "ladder": ["1:3", "3:1"]}},
+            "within its bounds and the ladder 1:3, 3:1",
         ),
         ({"moe": {"mode": "Disaggregated"}}, "needs dpDomainRef and expertPoolRef"),
         (

@@ -208,14 +208,48 @@ class RatioMode(StrEnum):
     FEEDBACK = "Feedback"
 
 
+class RatioTransition(StrEnum):
+    FIXED_TOTAL = "FixedTotal"  # release an instance of one role, then add one of the other
+    ELASTIC = "Elastic"  # add first, then release
+
+
+# A ladder rung: "P:D", both at least 1 (MindCluster's scaling-rule: allowed splits)
+LADDER_RUNG = r"^[1-9][0-9]{0,2}:[1-9][0-9]{0,2}$"
+
+
+class FeedbackTuning(_Spec):
+    """The feedback rule's thresholds (P/D-Serve §3.3 gives none: ``[design]``)."""
+
+    e2e_rise: float = Field(default=0.2, alias="e2eRise", gt=0, le=10)
+    tp_share_delta: float = Field(default=0.05, alias="tpShareDelta", gt=0, lt=1)
+    rejection: float = Field(default=0.05, gt=0, le=1)
+    kv_wait: float = Field(default=0.5, alias="kvWait", gt=0, le=1)
+    windows: int = Field(default=3, ge=1, le=100)
+    improve: float = Field(default=0.05, gt=0, lt=1)
+
+
 class RatioPolicy(_Spec):
     mode: RatioMode = RatioMode.FIXED
     min_prefill: int | None = Field(default=None, alias="minPrefill", ge=1, le=256)
     max_prefill: int | None = Field(default=None, alias="maxPrefill", ge=1, le=256)
     min_decode: int | None = Field(default=None, alias="minDecode", ge=1, le=256)
     max_decode: int | None = Field(default=None, alias="maxDecode", ge=1, le=256)
+    min_ratio: float | None = Field(default=None, alias="minRatio", gt=0, le=256)
+    max_ratio: float | None = Field(default=None, alias="maxRatio", gt=0, le=256)
+    ladder: list[Annotated[str, Field(pattern=LADDER_RUNG)]] = Field(
+        default_factory=list, max_length=64
+    )
+    transition: RatioTransition = RatioTransition.FIXED_TOTAL
     step: int = Field(default=1, ge=1, le=16)
     cooldown_seconds: int = Field(default=300, alias="cooldownSeconds", ge=0, le=86400)
+    window_seconds: int = Field(default=30, alias="windowSeconds", ge=5, le=3600)
+    margin: float = Field(default=0.05, ge=0, le=1)
+    feedback: FeedbackTuning = FeedbackTuning()
+
+    @property
+    def total_driven(self) -> bool:
+        """Under a policy the spec's replicas set the total and the policy splits it."""
+        return self.mode is not RatioMode.FIXED
 
 
 class SLO(_Spec):

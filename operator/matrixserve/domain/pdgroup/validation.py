@@ -39,6 +39,7 @@ from matrixserve.api.resources import (
     field_errors,
     quantity_value,
 )
+from matrixserve.domain import ratio
 from matrixserve.domain.observed import PodView
 
 MAX_GROUP_NAME = 50  # pod names are <group>-p-<ordinal> and must stay within 63 characters
@@ -158,17 +159,7 @@ def validate_pdgroup(spec: PDGroupSpec, name: str) -> list[str]:
             f"spec.decode.replicas: {decode_npus} decode NPUs cannot be placed in one SuperPod "
             f"({superpod_npus} NPUs); decode instances of a group stay inside one SuperPod"
         )
-    rp = spec.ratio_policy
-    for role, lo, hi, n in (
-        ("Prefill", rp.min_prefill, rp.max_prefill, spec.prefill.replicas),
-        ("Decode", rp.min_decode, rp.max_decode, spec.decode.replicas),
-    ):
-        if lo is not None and hi is not None and lo > hi:
-            errors.append(f"spec.ratioPolicy.min{role}: {lo} exceeds max{role} {hi}")
-        if lo is not None and n < lo:
-            errors.append(f"spec.{role.lower()}.replicas: {n} is below ratioPolicy.min{role} {lo}")
-        if hi is not None and n > hi:
-            errors.append(f"spec.{role.lower()}.replicas: {n} is above ratioPolicy.max{role} {hi}")
+    errors += _ratio_policy_errors(spec)
     moe = spec.moe
     if (
         moe is not None
@@ -177,6 +168,61 @@ def validate_pdgroup(spec: PDGroupSpec, name: str) -> list[str]:
     ):
         errors.append("spec.moe: Disaggregated needs dpDomainRef and expertPoolRef")
     return errors
+
+
+def _ratio_policy_errors(spec: PDGroupSpec) -> list[str]:
+    """The ratio policy's bounds against each other and the replicas. Under ``Fixed`` each role's
+    replicas must be within its bounds; under ``Model`` and ``Feedback`` the replicas set the
+    total and the policy splits it, so some split of the total must be within the bounds (and on
+    the ladder, if one is given)."""
+    errors = []
+    rp = spec.ratio_policy
+    for role, lo, hi in (
+        ("Prefill", rp.min_prefill, rp.max_prefill),
+        ("Decode", rp.min_decode, rp.max_decode),
+    ):
+        if lo is not None and hi is not None and lo > hi:
+            errors.append(f"spec.ratioPolicy.min{role}: {lo} exceeds max{role} {hi}")
+    if rp.min_ratio is not None and rp.max_ratio is not None and rp.min_ratio > rp.max_ratio:
+        errors.append(f"spec.ratioPolicy.minRatio: {rp.min_ratio} exceeds maxRatio {rp.max_ratio}")
+    if errors:
+        return errors
+    if not rp.total_driven:
+        for role, lo, hi, n in (
+            ("Prefill", rp.min_prefill, rp.max_prefill, spec.prefill.replicas),
+            ("Decode", rp.min_decode, rp.max_decode, spec.decode.replicas),
+        ):
+            if lo is not None and n < lo:
+                errors.append(
+                    f"spec.{role.lower()}.replicas: {n} is below ratioPolicy.min{role} {lo}"
+                )
+            if hi is not None and n > hi:
+                errors.append(
+                    f"spec.{role.lower()}.replicas: {n} is above ratioPolicy.max{role} {hi}"
+                )
+        return errors
+    total = spec.prefill.replicas + spec.decode.replicas
+    if not ratio_bounds(spec).splits(total):
+        rungs = f" and the ladder {', '.join(rp.ladder)}" if rp.ladder else ""
+        errors.append(
+            f"spec.ratioPolicy: no split of the total of {total} instances (prefill.replicas + "
+            f"decode.replicas, which {rp.mode} splits) is within its bounds{rungs}"
+        )
+    return errors
+
+
+def ratio_bounds(spec: PDGroupSpec) -> ratio.Bounds:
+    """The policy's bounds as the ratio model takes them."""
+    rp = spec.ratio_policy
+    return ratio.Bounds(
+        min_prefill=rp.min_prefill or 1,
+        max_prefill=rp.max_prefill,
+        min_decode=rp.min_decode or 1,
+        max_decode=rp.max_decode,
+        min_ratio=rp.min_ratio,
+        max_ratio=rp.max_ratio,
+        ladder=ratio.parse_ladder(rp.ladder),
+    )
 
 
 def parse_spec(raw: Any, name: str) -> tuple[PDGroupSpec | None, list[str]]:

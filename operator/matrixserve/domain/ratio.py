@@ -1,0 +1,569 @@
+"""P/D ratio control (pure; issue 19): the §2.1 model, the Eq. (1) target, the feedback rule.
+
+P/D-Serve (arXiv:2408.08147) §2.1 gives the model, per group of ``n_p`` prefill and ``n_d``
+decode instances:
+
+- ``T_p = TTFT_bs · r_pre`` (the TTFT at the prefill's batch size, ``r_pre`` the benefit of
+  prefix-aware KV caches: 1 without a prefix cache, as the engine stub has);
+- ``T_d = ξ + TPOT_bs · G`` (``ξ`` the KV transfer, ``G`` the mean tokens generated);
+- ``E2E = T_p + T_d``;
+- ``Φ = min{I_t, n_p·b_p/T_p, n_d·b_d/T_d} / (n_p + n_d)``: the throughput per instance, the
+  numerator's smallest term the bottleneck (:class:`Capacity`, ``C_p`` and ``C_d``).
+
+Two policies choose the split (§3.3, "Ratio Adjustment for Changes"):
+
+- **Model** (:func:`model_target`): Eq. (1), ``n_p·b_p/T_p ≈ n_d·b_d/T_d``, from figures
+  observed on the engines (never from the engine stub's timing model): the integer split of the
+  total with both roles' capacities closest to balance, i.e. the largest ``min(C_p, C_d)``,
+  within the bounds and on the ladder; kept unless the target's capacity is ``margin`` better
+  (hysteresis), so figures that wobble around a rounding boundary do not move an instance back
+  and forth.
+- **Feedback** (:class:`Feedback`): "with the increase on both E2E latency and the proportion of
+  TTFT, more prefill instances are needed; ... with the increase on E2E latency but decrease on
+  the proportion of TTFT, more decoding instances are needed", and §4.2's "gradually increase the
+  instances" — after a move, another in the same direction while E2E keeps improving, one move
+  back if it got worse, then settled. The paper gives no thresholds, window, step or cooldown:
+  those are ours (``[design]``), as is treating prefill refusals as an alarm (with on-demand
+  forwarding a prefill that is too weak refuses rather than queues, so the wait is at the
+  gateway and the engines' TTFT does not rise: NVIDIA Dynamo's planner misses exactly this
+  burst) — for prefill, or for decode when the refusing prefills' slots are mostly held by KV
+  that no decode has taken yet (§3.5's back-pressure) — and judging E2E only against its own baseline, never an SLO (an SLO that cannot be met
+  must not freeze the ratio or block a scale-down, Dynamo's third bug).
+
+Both give a **target** split; :func:`next_step` walks to it one instance at a time, in one of two
+modes (§3.3: "If the overall number of instances is fixed ..., gradually release part of the
+instances and add them to the other groups to form new P/D ratio. Otherwise, the adjustments may
+involve new instances (for intermediate steps, and may release redundant ones after
+adjustments)"): ``FixedTotal`` releases an instance of the role that has too many first, then
+adds one of the other; ``Elastic`` adds first, then releases. The paper moves instances between
+groups of a scenario; moving them inside one group is our ``[design]``.
+
+Every decision carries its reason and the numbers behind it (:class:`Decision`). No clock here:
+callers pass the time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+PREFILL = "prefill"
+DECODE = "decode"
+TRAFFIC = "traffic"
+
+
+class Transition(StrEnum):
+    FIXED_TOTAL = "FixedTotal"  # release first, then add: the total never exceeds the spec's
+    ELASTIC = "Elastic"  # add first, then release: capacity never dips during a move
+
+
+@dataclass(frozen=True)
+class Split:
+    """A P/D split: ``prefill`` and ``decode`` instances."""
+
+    prefill: int
+    decode: int
+
+    @property
+    def total(self) -> int:
+        return self.prefill + self.decode
+
+    def __str__(self) -> str:
+        return f"{self.prefill}:{self.decode}"
+
+    @classmethod
+    def parse(cls, text: str) -> Split:
+        """``"P:D"`` (both whole numbers of at least 1), or ValueError saying why."""
+        parts = text.split(":")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"{text!r} is not P:D (two whole numbers, e.g. 3:1)")
+        p, d = (int(x) for x in parts)
+        if p < 1 or d < 1:
+            raise ValueError(f"{text!r}: each role needs at least one instance")
+        return cls(p, d)
+
+
+# ------------------------------------------------------------------------------- the model
+@dataclass(frozen=True)
+class Figures:
+    """The §2.1 inputs over one window, as observed (seconds, requests)."""
+
+    ttft_bs: float  # TTFT_bs: a prefill's TTFT at its batch size
+    b_p: float  # the prefill batch size those TTFTs were at
+    tpot_bs: float  # TPOT_bs
+    b_d: float  # the decode batch size
+    xi: float  # ξ: the KV transfer (the slowest sub-transfer)
+    g: float  # G: the mean tokens generated per request
+    r_pre: float = 1.0  # the prefix caches' benefit (1: none)
+    traffic: float | None = None  # I_t, requests per second (None: not known)
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_bs", "b_p", "tpot_bs", "b_d", "g", "r_pre"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, not {value!r}")
+        if not (math.isfinite(self.xi) and self.xi >= 0):
+            raise ValueError(f"xi must be a number of seconds >= 0, not {self.xi!r}")
+        if self.r_pre > 1:
+            raise ValueError(f"r_pre is in (0, 1], not {self.r_pre!r}")
+        if self.traffic is not None and not (math.isfinite(self.traffic) and self.traffic >= 0):
+            raise ValueError(f"traffic must be >= 0 requests per second, not {self.traffic!r}")
+
+    @property
+    def t_p(self) -> float:
+        return self.ttft_bs * self.r_pre
+
+    @property
+    def t_d(self) -> float:
+        return self.xi + self.tpot_bs * self.g
+
+    @property
+    def e2e(self) -> float:
+        return self.t_p + self.t_d
+
+    @property
+    def c_prefill(self) -> float:
+        """One prefill instance's capacity, ``b_p / T_p`` (requests per second)."""
+        return self.b_p / self.t_p
+
+    @property
+    def c_decode(self) -> float:
+        """One decode instance's capacity, ``b_d / T_d``."""
+        return self.b_d / self.t_d
+
+    def balanced_ratio(self) -> float:
+        """Eq. (1)'s ``n_p / n_d`` (``b_d·T_p / (b_p·T_d)``), before rounding."""
+        return self.c_decode / self.c_prefill
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """A split's §2.1 figures: the two roles' capacities, Φ and the bottleneck."""
+
+    c_p: float  # n_p · b_p / T_p
+    c_d: float  # n_d · b_d / T_d
+    phi: float  # Φ, requests per second per instance
+    bottleneck: str  # "prefill", "decode", or "traffic" (I_t is the smallest term)
+
+    def as_status(self) -> dict[str, float | str]:
+        return {
+            "phi": _round(self.phi),
+            "prefillCapacity": _round(self.c_p),
+            "decodeCapacity": _round(self.c_d),
+            "bottleneck": self.bottleneck,
+        }
+
+
+def capacity(figures: Figures, split: Split) -> Capacity:
+    """§2.1's Φ for ``split``; a tie between the roles is called for prefill (the scarcer
+    first-token path); the traffic is the bottleneck only when it is below both."""
+    c_p = split.prefill * figures.c_prefill
+    c_d = split.decode * figures.c_decode
+    bottleneck = PREFILL if c_p <= c_d else DECODE
+    served = min(c_p, c_d)
+    if figures.traffic is not None and figures.traffic < served:
+        served, bottleneck = figures.traffic, TRAFFIC
+    return Capacity(c_p, c_d, served / split.total, bottleneck)
+
+
+# ------------------------------------------------------------------------------ the bounds
+@dataclass(frozen=True)
+class Bounds:
+    """What a split may be: per-role minimum and maximum, the ratio's range, and an optional
+    ladder of allowed splits (MindCluster's ``scaling-rule``: the split moves along it)."""
+
+    min_prefill: int = 1
+    max_prefill: int | None = None
+    min_decode: int = 1
+    max_decode: int | None = None
+    min_ratio: float | None = None  # n_p / n_d
+    max_ratio: float | None = None
+    ladder: tuple[Split, ...] = ()
+
+    def allows(self, split: Split) -> bool:
+        p, d = split.prefill, split.decode
+        if p < max(1, self.min_prefill) or d < max(1, self.min_decode):
+            return False
+        if self.max_prefill is not None and p > self.max_prefill:
+            return False
+        if self.max_decode is not None and d > self.max_decode:
+            return False
+        if self.min_ratio is not None and p < self.min_ratio * d - 1e-9:
+            return False
+        if self.max_ratio is not None and p > self.max_ratio * d + 1e-9:
+            return False
+        return not self.ladder or split in self.ladder
+
+    def splits(self, total: int) -> list[Split]:
+        """Every allowed split of ``total`` instances, most prefill first."""
+        return [s for p in range(total - 1, 0, -1) if self.allows(s := Split(p, total - p))]
+
+
+# ------------------------------------------------------------------------------- decisions
+@dataclass(frozen=True)
+class Decision:
+    """What a policy decided: the target split, whether it differs from the current one, why,
+    and the numbers behind it (for the status, the Event and the metrics)."""
+
+    target: Split
+    changed: bool
+    reason: str
+    numbers: Mapping[str, float] = field(default_factory=dict)
+
+
+def _round(value: float) -> float:
+    return round(value, 4) if math.isfinite(value) else value
+
+
+def fallback_split(total: int, bounds: Bounds, current: Split) -> Split:
+    """The split of ``total`` kept when no figures say better: the current one if allowed and of
+    that total, else the allowed split nearest to the current ratio; ValueError if no split of
+    ``total`` is allowed (the spec's validation refuses such a spec first)."""
+    allowed = bounds.splits(total)
+    if not allowed:
+        raise ValueError(f"no split of {total} instances is within the ratio policy's bounds")
+    if current in allowed:
+        return current
+    ratio = current.prefill / max(current.decode, 1)
+    return min(allowed, key=lambda s: (abs(s.prefill / s.decode - ratio), -s.prefill))
+
+
+def model_target(
+    figures: Figures, total: int, bounds: Bounds, current: Split, margin: float = 0.05
+) -> Decision:
+    """Eq. (1): the allowed split of ``total`` with the largest ``min(C_p, C_d)``; a tie goes to
+    the split nearest ``current``. ``current`` is kept (if it is an allowed split of ``total``)
+    unless the best one serves ``margin`` more, so a ratio that sits on a rounding boundary
+    stays put."""
+    allowed = bounds.splits(total)
+    if not allowed:
+        raise ValueError(f"no split of {total} instances is within the ratio policy's bounds")
+
+    def served(split: Split) -> float:
+        cap = capacity(figures, split)
+        return min(cap.c_p, cap.c_d)
+
+    best = max(allowed, key=lambda s: (served(s), -abs(s.prefill - current.prefill)))
+    numbers = {
+        "Tp": _round(figures.t_p),
+        "Td": _round(figures.t_d),
+        "E2E": _round(figures.e2e),
+        "balancedRatio": _round(figures.balanced_ratio()),
+        "capacityNow": _round(served(current)) if current.total == total else 0.0,
+        "capacityTarget": _round(served(best)),
+    }
+    if current in allowed and served(best) <= served(current) * (1 + margin):
+        return Decision(
+            current,
+            False,
+            f"Eq. (1) balances at {figures.balanced_ratio():.2f} prefill per decode; "
+            f"{current} is within {margin:.0%} of the best split of {total}",
+            numbers,
+        )
+    why = (
+        f"Eq. (1) balances at {figures.balanced_ratio():.2f} prefill per decode "
+        f"(T_p {figures.t_p:.3f} s, T_d {figures.t_d:.3f} s): {best} serves "
+        f"{served(best):.2f} req/s"
+    )
+    if current.total == total:
+        why += f" against {served(current):.2f} at {current}"
+    return Decision(best, best != current, why, numbers)
+
+
+# ---------------------------------------------------------------------------- the feedback
+@dataclass(frozen=True)
+class Signal:
+    """One window's feedback inputs: E2E and T_p as the clients saw them (the gateway's wait
+    included), and the fraction of prefill offers refused."""
+
+    e2e: float
+    t_p: float
+    rejected: float = 0.0  # refused offers / all offers to the prefills, 0..1
+    # of the prefills' slot time, the share spent holding a finished prompt's KV until a decode
+    # took it (P/D-Serve §3.5: "a prompt continuously occupies one slot in prefill if it is
+    # waiting for KVCache transfer to a decoding"): refusals with most slots waiting are the
+    # decodes' back-pressure, not the prefills' weakness
+    kv_wait: float = 0.0
+
+    @property
+    def prefill_share(self) -> float:
+        """T_p / E2E, the "proportion of TTFT"."""
+        return self.t_p / self.e2e if self.e2e > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class FeedbackParams:
+    """The feedback rule's knobs (``[design]``: the paper gives none)."""
+
+    e2e_rise: float = 0.2  # "E2E increases dramatically": this fraction over its baseline
+    share_delta: float = 0.05  # T_p/E2E moved by this much (absolute) from its baseline
+    rejection: float = 0.05  # this fraction of offers refused is an alarm by itself: for ...
+    kv_wait: float = 0.5  # ... decode if the prefills' slots waited this much for decodes
+    windows: int = 3  # an alarm must hold this many windows in a row (the trend)
+    improve: float = 0.05  # after a move, E2E this much better: another move the same way
+    cooldown: float = 300.0  # seconds between two changes
+
+
+@dataclass(frozen=True)
+class FeedbackState:
+    """What the rule remembers between windows (kept in the group's status)."""
+
+    baseline_e2e: float | None = None
+    baseline_share: float | None = None
+    alarm: str | None = None  # the role the current alarm asks for
+    streak: int = 0  # windows in a row with that alarm
+    last_change: float | None = None  # when the split last changed (the caller's clock)
+    moving: str | None = None  # the role the last move added, while its effect is judged
+    before_move: float | None = None  # E2E just before that move
+    # the role whose move was taken back (it made E2E worse): refusals alone no longer ask for
+    # it (a group past its capacity refuses at every split), only a rise of E2E does
+    refuted: str | None = None
+
+    def to_status(self) -> dict[str, object]:
+        return {
+            "baselineE2E": self.baseline_e2e,
+            "baselineShare": self.baseline_share,
+            "alarm": self.alarm,
+            "streak": self.streak,
+            "lastChange": self.last_change,
+            "moving": self.moving,
+            "beforeMove": self.before_move,
+            "refuted": self.refuted,
+        }
+
+    @classmethod
+    def from_status(cls, raw: Mapping[str, object] | None) -> FeedbackState:
+        """Read back what :meth:`to_status` wrote; anything unreadable starts afresh."""
+        if not raw:
+            return cls()
+
+        def num(key: str) -> float | None:
+            value = raw.get(key)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                return None
+            return float(value) if math.isfinite(value) else None
+
+        def role(key: str) -> str | None:
+            value = raw.get(key)
+            return value if isinstance(value, str) and value in (PREFILL, DECODE) else None
+
+        streak = raw.get("streak")
+        return cls(
+            num("baselineE2E"),
+            num("baselineShare"),
+            role("alarm"),
+            streak if isinstance(streak, int) and not isinstance(streak, bool) else 0,
+            num("lastChange"),
+            role("moving"),
+            num("beforeMove"),
+            role("refuted"),
+        )
+
+
+def _other(role: str) -> str:
+    return DECODE if role == PREFILL else PREFILL
+
+
+def moved(split: Split, role: str, total: int) -> Split:
+    """``split`` with one instance more of ``role`` in a group of ``total`` (fixed total: one
+    fewer of the other; a total grown or shrunk meanwhile is met by the other role)."""
+    p = split.prefill + (1 if role == PREFILL else 0)
+    d = split.decode + (1 if role == DECODE else 0)
+    if role == PREFILL:
+        d = total - p
+    else:
+        p = total - d
+    return Split(p, d)
+
+
+class Feedback:
+    """The §3.3 rule over a stream of windows (pure: state in, decision and state out)."""
+
+    def __init__(self, params: FeedbackParams, bounds: Bounds) -> None:
+        self.params = params
+        self.bounds = bounds
+
+    def decide(
+        self, state: FeedbackState, signal: Signal, current: Split, total: int, now: float
+    ) -> tuple[Decision, FeedbackState]:
+        p = self.params
+        numbers = {
+            "E2E": _round(signal.e2e),
+            "Tp": _round(signal.t_p),
+            "TpShare": _round(signal.prefill_share),
+            "rejected": _round(signal.rejected),
+        }
+        if current.total != total or not self.bounds.allows(current):
+            # the total changed (a scale of the group) or the split is out of bounds: the
+            # split of the new total nearest the current ratio, and a fresh baseline after it
+            target = fallback_split(total, self.bounds, current)
+            return (
+                Decision(target, target != current, f"the total is {total}: {target}", numbers),
+                replace(FeedbackState(), last_change=now if target != current else None),
+            )
+        cooling = state.last_change is not None and now - state.last_change < p.cooldown
+        if state.baseline_e2e is None or state.baseline_share is None:
+            fresh = replace(
+                state, baseline_e2e=signal.e2e, baseline_share=signal.prefill_share, streak=0
+            )
+            return Decision(current, False, "baseline taken", numbers), fresh
+
+        # after a move: judged once the cooldown is over (the figures have settled)
+        if state.moving is not None and state.before_move is not None:
+            if cooling:
+                return Decision(current, False, "cooling down after a move", numbers), state
+            return self._judge(
+                state.moving, state.before_move, state, signal, current, total, now, numbers
+            )
+
+        alarm, why = self._alarm(state.baseline_e2e, state.baseline_share, state.refuted, signal)
+        streak = (
+            state.streak + 1 if alarm is not None and alarm == state.alarm else int(bool(alarm))
+        )
+        # E2E lower than the baseline: the baseline follows it down (a later rise is measured
+        # from the best the group has done since it settled)
+        baseline = min(state.baseline_e2e, signal.e2e)
+        state = replace(state, alarm=alarm, streak=streak, baseline_e2e=baseline)
+        if alarm is None:
+            return Decision(current, False, "no alarm", numbers), state
+        numbers = {**numbers, "baselineE2E": _round(baseline), "streak": float(streak)}
+        if streak < p.windows:
+            return Decision(current, False, f"{why} ({streak}/{p.windows} windows)", numbers), state
+        if cooling:
+            return Decision(current, False, f"{why}; cooling down", numbers), state
+        target = moved(current, alarm, total)
+        if not self.bounds.allows(target):
+            return Decision(current, False, f"{why}; {target} is out of bounds", numbers), state
+        after = FeedbackState(
+            baseline_e2e=None,
+            baseline_share=None,
+            last_change=now,
+            moving=alarm,
+            before_move=signal.e2e,
+        )
+        return Decision(target, True, f"{why}: one more {alarm}", numbers), after
+
+    def _alarm(
+        self, base_e2e: float, base: float, refuted: str | None, signal: Signal
+    ) -> tuple[str | None, str]:
+        p = self.params
+        if signal.rejected >= p.rejection:
+            refused = f"prefills refused {signal.rejected:.0%} of offers"
+            waiting = (
+                f"their slots held by KV waiting for a decode {signal.kv_wait:.0%} of the time"
+            )
+            role = DECODE if signal.kv_wait >= p.kv_wait else PREFILL
+            if role != refuted:
+                return role, f"{refused}, {waiting}"
+        if signal.e2e < base_e2e * (1 + p.e2e_rise):
+            return None, ""
+        rise = f"E2E rose from {base_e2e:.3f} s to {signal.e2e:.3f} s"
+        share = signal.prefill_share
+        if share >= base + p.share_delta:
+            return PREFILL, f"{rise} and T_p/E2E from {base:.2f} to {share:.2f}"
+        if share <= base - p.share_delta:
+            return DECODE, f"{rise} and T_p/E2E fell from {base:.2f} to {share:.2f}"
+        return None, ""
+
+    def _judge(
+        self,
+        role: str,
+        before: float,
+        state: FeedbackState,
+        signal: Signal,
+        current: Split,
+        total: int,
+        now: float,
+        numbers: dict[str, float],
+    ) -> tuple[Decision, FeedbackState]:
+        """The last move's effect: better by ``improve`` -> one more the same way (if allowed);
+        worse by ``e2e_rise`` -> one back, then settled; else settled. Settling takes the
+        window's figures as the new baseline."""
+        p = self.params
+        numbers = {**numbers, "E2EBeforeMove": _round(before)}
+        settled = FeedbackState(
+            baseline_e2e=signal.e2e, baseline_share=signal.prefill_share, last_change=now
+        )
+        if signal.e2e <= before * (1 - p.improve):
+            target = moved(current, role, total)
+            if self.bounds.allows(target):
+                why = (
+                    f"E2E fell from {before:.3f} s to {signal.e2e:.3f} s after one more {role}: "
+                    f"one more {role}"
+                )
+                keep = replace(settled, baseline_e2e=None, baseline_share=None)
+                return Decision(target, True, why, numbers), replace(
+                    keep, moving=role, before_move=signal.e2e
+                )
+            why = f"E2E fell to {signal.e2e:.3f} s; {target} is out of bounds: settled"
+            return Decision(current, False, why, numbers), replace(
+                settled, last_change=state.last_change
+            )
+        if signal.e2e >= before * (1 + p.e2e_rise):
+            target = moved(current, _other(role), total)
+            if self.bounds.allows(target):
+                why = (
+                    f"E2E rose from {before:.3f} s to {signal.e2e:.3f} s after one more {role}: "
+                    "moved back"
+                )
+                # settled after the step back: its figures are the next baseline
+                return Decision(target, True, why, numbers), replace(
+                    settled, baseline_e2e=None, baseline_share=None, refuted=role
+                )
+        why = f"E2E {signal.e2e:.3f} s after one more {role} (before {before:.3f} s): settled"
+        return Decision(current, False, why, numbers), replace(
+            settled, last_change=state.last_change
+        )
+
+
+# ------------------------------------------------------------------------------ execution
+def toward(current: Split, target: Split, step: int, bounds: Bounds) -> Split:
+    """At most ``step`` instances of the way from ``current`` to ``target`` (one change: a
+    policy moves the split this far, then observes again). With a ladder, the next rung on the
+    way (a split between two rungs is not allowed); a split outside the bounds is never
+    returned (``current`` if nothing on the way is allowed)."""
+    if current == target or current.total != target.total:
+        return target
+    sign = 1 if target.prefill > current.prefill else -1
+    ahead = [
+        s
+        for s in bounds.splits(target.total)
+        if 0 < (s.prefill - current.prefill) * sign <= abs(target.prefill - current.prefill)
+    ]
+    if not ahead:
+        return current
+    if bounds.ladder:
+        return min(ahead, key=lambda s: abs(s.prefill - current.prefill))
+    within = [s for s in ahead if abs(s.prefill - current.prefill) <= step]
+    if not within:
+        return min(ahead, key=lambda s: abs(s.prefill - current.prefill))
+    return max(within, key=lambda s: abs(s.prefill - current.prefill))
+
+
+def next_step(current: Split, target: Split, transition: Transition) -> Split:
+    """The next split on the way from ``current`` to ``target``, one instance at a time:
+    ``FixedTotal`` releases an instance of a role that has too many first (the group never
+    holds more instances than the larger of the two totals), ``Elastic`` adds one of a role that
+    has too few first (its capacity never dips). ``current`` when there. Of two roles to add (or
+    release), the one further from its target goes first, prefill on a tie."""
+    if current == target:
+        return current
+    excess = {PREFILL: current.prefill - target.prefill, DECODE: current.decode - target.decode}
+    release = [r for r in (PREFILL, DECODE) if excess[r] > 0]
+    add = [r for r in (PREFILL, DECODE) if excess[r] < 0]
+    if release and (transition is Transition.FIXED_TOTAL or not add):
+        role = max(release, key=lambda r: excess[r])
+        step = -1
+    else:
+        role = min(add, key=lambda r: excess[r])
+        step = 1
+    if role == PREFILL:
+        return Split(current.prefill + step, current.decode)
+    return Split(current.prefill, current.decode + step)
+
+
+def parse_ladder(items: Iterable[str]) -> tuple[Split, ...]:
+    """A ladder's ``"P:D"`` rungs, or ValueError naming the first bad one."""
+    return tuple(Split.parse(item) for item in items)
