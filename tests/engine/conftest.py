@@ -1,5 +1,6 @@
 """Engine processes on loopback addresses, started per test and stopped after it; a private
-ZooKeeper for the tests of the resident process (the cluster tests' ``start_zookeeper``)."""
+ZooKeeper for the tests of the resident process (the cluster tests' ``start_zookeeper``), and a
+P/D group in it whose operator the test plays (:class:`Group`)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from kazoo.client import KazooClient
 
 from cluster.conftest import start_zookeeper  # noqa: F401  (a private ZooKeeper, as fixture)
+from helpers import wait_for, zookeeper
+from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.procs import Supervisor
 
 _hosts = itertools.count(1)
@@ -108,3 +113,76 @@ def sse_post(
             json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")
         ]
         return 200, events
+
+
+# ------------------------------------------------------------------ a group, the test its operator
+@dataclass
+class Group:
+    """One P/D group in the private ZooKeeper; the test is its operator."""
+
+    zk: KazooClient
+    paths: zl.GroupPaths
+    name: str  # <namespace>/<group>
+    hosts: str  # ZooKeeper, for the engines
+
+    def env(self, roce: str, **extra: str) -> dict[str, str]:
+        return {
+            "MATRIXSERVE_GROUP": self.name,
+            "MATRIXSERVE_ZK": self.hosts,
+            "MATRIXSERVE_ROCE_IPS": roce,
+            # open znodes, whatever the environment says (this ZooKeeper has no identity)
+            "MATRIXSERVE_ZK_AUTH": "",
+            "MATRIXSERVE_ZK_AUTH_FILE": "",
+            **extra,
+        }
+
+    def form(self, prefills: list[str], decodes: list[str]) -> zl.RoceMap:
+        """Gather the reports, write the map, the init order and the decode meta; wait until
+        every member serves."""
+        names = [*prefills, *decodes]
+        wait_for(
+            lambda: (
+                self.zk.exists(self.paths.reports)
+                and set(names) <= set(self.zk.get_children(self.paths.reports))
+            ),
+            timeout=30,
+            what=f"reports from {names}",
+            every=0.05,
+        )
+        reports = [zl.Report.parse(self.zk.get(self.paths.report(n))[0]) for n in names]
+        roles = dict.fromkeys(prefills, zl.Role.PREFILL) | dict.fromkeys(decodes, zl.Role.DECODE)
+        roce_map = zl.build_roce_map(reports, roles, version=1)
+        self.zk.create(self.paths.roce_map, roce_map.dump(), makepath=True)
+        self.zk.create(
+            self.paths.decode_meta, zl.DecodeMeta(version=1, decodes=roce_map.decode).dump()
+        )
+        self.zk.create(self.paths.init_order, zl.InitOrder(epoch=1, roceMapVersion=1).dump())
+        for name in names:
+            wait_for(
+                lambda n=name: (
+                    (h := self.health(n)) is not None and h.state is zl.HealthState.SERVING
+                ),
+                timeout=60,
+                what=f"{name} serving",
+                every=0.05,
+            )
+        return roce_map
+
+    def health(self, name: str) -> zl.Health | None:
+        stat = self.zk.exists(self.paths.health_of(name))
+        return zl.Health.parse(self.zk.get(self.paths.health_of(name))[0]) if stat else None
+
+    def report_kept(self, name: str) -> bool:
+        return bool(self.zk.exists(self.paths.report(name)))
+
+    def remove(self, name: str) -> None:
+        removal = zl.Removal(instance=name, reason="test: logical removal", at=time.time())
+        self.zk.create(self.paths.removed_of(name), removal.dump(), makepath=True)
+
+
+@pytest.fixture
+def group(start_zookeeper: Callable[[], Any], request: pytest.FixtureRequest) -> Iterator[Group]:  # noqa: F811
+    server = start_zookeeper()
+    with zookeeper(server.address, auth="") as zk:
+        name = request.node.name.lower().replace("_", "-")[-40:].strip("-")
+        yield Group(zk, zl.GroupPaths("t", name), f"t/{name}", server.address)

@@ -20,21 +20,19 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from kazoo.client import KazooClient
 
+from engine.conftest import Group
 from enginestub import calibration as cal
 from enginestub.engine.faults import STATUS_POLL_SECONDS
 from enginestub.engine.heartbeat import RECHECK_WALL_SECONDS
 from enginestub.node import devicestatus
 from enginestub.node.topology import SuperPodSpec, TopologySpec, build
-from helpers import wait_for, zookeeper
 from matrixserve.api import zk_layout as zl
 
 # No TE-Pre-Load (issue 18): at time scale 1 its 20 emulated s would be 20 wall s per engine, and
@@ -47,78 +45,6 @@ MODEL = (
 # bound leaves room for the pauses other tests' processes cause.
 WRITE_BOUND = 0.5
 PROBE_INTERVAL = 0.5  # emulated s, at time scale 1 (the wall floor)
-
-
-@dataclass
-class Group:
-    """One P/D group in the private ZooKeeper; the test is its operator."""
-
-    zk: KazooClient
-    paths: zl.GroupPaths
-    name: str  # <namespace>/<group>
-    hosts: str  # ZooKeeper, for the engines
-
-    def env(self, roce: str, **extra: str) -> dict[str, str]:
-        return {
-            "MATRIXSERVE_GROUP": self.name,
-            "MATRIXSERVE_ZK": self.hosts,
-            "MATRIXSERVE_ROCE_IPS": roce,
-            # open znodes, whatever the environment says (this ZooKeeper has no identity)
-            "MATRIXSERVE_ZK_AUTH": "",
-            "MATRIXSERVE_ZK_AUTH_FILE": "",
-            **extra,
-        }
-
-    def form(self, prefills: list[str], decodes: list[str]) -> zl.RoceMap:
-        """Gather the reports, write the map, the init order and the decode meta; wait until
-        every member serves."""
-        names = [*prefills, *decodes]
-        wait_for(
-            lambda: (
-                self.zk.exists(self.paths.reports)
-                and set(names) <= set(self.zk.get_children(self.paths.reports))
-            ),
-            timeout=30,
-            what=f"reports from {names}",
-            every=0.05,
-        )
-        reports = [zl.Report.parse(self.zk.get(self.paths.report(n))[0]) for n in names]
-        roles = dict.fromkeys(prefills, zl.Role.PREFILL) | dict.fromkeys(decodes, zl.Role.DECODE)
-        roce_map = zl.build_roce_map(reports, roles, version=1)
-        self.zk.create(self.paths.roce_map, roce_map.dump(), makepath=True)
-        self.zk.create(
-            self.paths.decode_meta, zl.DecodeMeta(version=1, decodes=roce_map.decode).dump()
-        )
-        self.zk.create(self.paths.init_order, zl.InitOrder(epoch=1, roceMapVersion=1).dump())
-        for name in names:
-            wait_for(
-                lambda n=name: (
-                    (h := self.health(n)) is not None and h.state is zl.HealthState.SERVING
-                ),
-                timeout=60,
-                what=f"{name} serving",
-                every=0.05,
-            )
-        return roce_map
-
-    def health(self, name: str) -> zl.Health | None:
-        stat = self.zk.exists(self.paths.health_of(name))
-        return zl.Health.parse(self.zk.get(self.paths.health_of(name))[0]) if stat else None
-
-    def report_kept(self, name: str) -> bool:
-        return bool(self.zk.exists(self.paths.report(name)))
-
-    def remove(self, name: str) -> None:
-        removal = zl.Removal(instance=name, reason="test: logical removal", at=time.time())
-        self.zk.create(self.paths.removed_of(name), removal.dump(), makepath=True)
-
-
-@pytest.fixture
-def group(start_zookeeper: Callable[[], Any], request: pytest.FixtureRequest) -> Iterator[Group]:
-    server = start_zookeeper()
-    with zookeeper(server.address, auth="") as zk:
-        name = request.node.name.lower().replace("_", "-")[-40:].strip("-")
-        yield Group(zk, zl.GroupPaths("t", name), f"t/{name}", server.address)
 
 
 def _until(what: str, check: Callable[[], Any], bound: float, every: float = 0.01) -> float:
@@ -217,7 +143,9 @@ def test_a_device_fault_makes_the_health_faulty_at_once_and_keeps_the_report(
         lambda: _state(group, "p-die") is zl.HealthState.SERVING,
         bound=STATUS_POLL_SECONDS + WRITE_BOUND,
     )
-    assert group.health("p-die").faults == []  # type: ignore[union-attr]
+    healed = group.health("p-die")
+    assert healed is not None
+    assert healed.faults == []
     _, health = faults_after(devicestatus.Fault(devicestatus.FaultKind.HBM_ERROR, 2, "t4"), "t4")
     assert [(f.kind, f.dies) for f in health.faults] == [(zl.EngineFaultKind.HBM, [2])]
 

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from matrixserve.api import zk_layout as zl
 from matrixserve.domain import ratio as r
 from matrixserve.domain.ratio import Bounds, Feedback, FeedbackParams, FeedbackState, Split
 
@@ -434,3 +435,56 @@ def test_an_unreachable_slo_neither_freezes_the_ratio_nor_blocks_a_scale_down() 
     assert d.target.total == 4
     d = r.model_target(slow.figures(), 4, Bounds(), moved)
     assert d.target.total == 4
+
+
+# ------------------------------------------------------------------------- the observation
+def load(**kw: float) -> zl.Load:
+    return zl.Load.model_validate(kw)
+
+
+def test_a_window_is_the_difference_of_two_reports_of_one_process() -> None:
+    old = load(offered=10, refused=1, prefilled=9, ttft_s=4.5, busy_s=3.0)
+    new = load(offered=30, refused=6, prefilled=24, ttft_s=12.0, busy_s=8.0)
+    d = r.load_delta(old, new)
+    assert d is not None
+    assert (d.offered, d.refused, d.prefilled) == (20, 5, 15)
+    assert d.ttft_s == pytest.approx(7.5)
+    # a counter that went back is another process (a restart): no window
+    assert r.load_delta(new, load(offered=3, prefilled=2)) is None
+    total = r.load_sum([d, d, load(decoded=4)])
+    assert (total.offered, total.prefilled, total.decoded) == (40, 30, 4)
+    assert total.busy_s == pytest.approx(10.0)
+
+
+def test_figures_and_signal_from_a_window() -> None:
+    prefill = load(
+        offered=100, refused=20, prefilled=80, ttft_s=40.0, busy_s=20.0, slot_s=60.0, kv_wait_s=15.0
+    )
+    decode = load(
+        decoded=80,
+        output_tokens=8000,
+        tokens=8000,
+        tpot_s=400.0,
+        kv_pulls=80,
+        kv_s=8.0,
+        decode_s=420.0,
+    )
+    f = r.figures_of(prefill, decode, decode_batch=32)
+    assert f is not None
+    assert f.ttft_bs == pytest.approx(0.5)  # 40 s over 80 prompts
+    assert f.c_prefill == pytest.approx(4.0)  # 80 prompts in 20 busy seconds
+    assert f.tpot_bs == pytest.approx(0.05)
+    assert f.g == pytest.approx(100)
+    assert f.xi == pytest.approx(0.1)
+    assert f.t_d == pytest.approx(0.1 + 0.05 * 100)
+    assert f.c_decode == pytest.approx(32 / 5.1)
+    sig = r.signal_of(prefill, decode)
+    assert sig is not None
+    assert sig.t_p == pytest.approx(0.5)
+    assert sig.e2e == pytest.approx(0.5 + 420 / 80)
+    assert sig.rejected == pytest.approx(0.2)
+    assert sig.kv_wait == pytest.approx(0.25)
+    # too few requests through a role: nothing to say
+    assert r.figures_of(prefill, load(), 32) is None
+    assert r.signal_of(load(), decode) is None
+    assert r.figures_of(prefill, decode, 32, least=81) is None

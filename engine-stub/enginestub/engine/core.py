@@ -455,6 +455,8 @@ class Engine:
         the ticket in a ``with`` block around the whole exchange (it gives the slot back)."""
         self.check_serving()
         self.require_role("prefill", "colocated")
+        stats = self.metrics.load
+        stats.offered += 1
         if (
             self.role == "prefill"
             and req.max_tokens > 1
@@ -464,10 +466,16 @@ class Engine:
             # Every decode it knows removed or behind a blocked sub-link (issue 17): refused
             # now, while the gateway can still try another prefill, rather than failed after the
             # prompt's prefill (a prefill told of no decode yet serves as it always did).
+            stats.refused += 1
             raise EngineError(
                 503, "no_decode", "no decode instance is available to this prefill now"
             )
-        return self.prefill.admit(req)
+        try:
+            return self.prefill.admit(req)
+        except EngineError as exc:
+            if exc.code == "rejected":  # busy (a prompt too long is not the prefills' weakness)
+                stats.refused += 1
+            raise
 
     async def generate(self, ticket: PrefillTicket) -> AsyncGenerator[Event, None]:
         """A request accepted by :meth:`admit_prefill`: prefill, then decode (here or remote).
@@ -486,6 +494,7 @@ class Engine:
         progress.prefill = await self.prefill.run(ticket)
         progress.ttft = ttft = progress.elapsed()
         self.metrics.ttft.observe(ttft)
+        ticket.prefilled(ttft)
         # P/D-Serve §3.3: timeouts are checked before and after prefill, not during.
         late = self._ttft_timeout(budget, ttft, _LATE_FIRST_TOKEN)
         if late is not None:
@@ -601,6 +610,8 @@ class Engine:
         progress = Progress(self.clock, self.config.instance, self.clock.now())
         try:
             kv_seconds = await self.puller.pull(req.request_id, prefill)
+            self.metrics.load.kv_pulls += 1
+            self.metrics.load.kv_s += kv_seconds
         except EngineError as exc:
             yield error_event(exc.code, exc.message)
             return

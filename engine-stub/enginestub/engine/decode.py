@@ -123,6 +123,10 @@ class DecodeBatch(Part):
                 index, text, tpot = item
                 tpots.append(tpot)
                 yield token_event(index + offset, text, progress.elapsed())
+            stats = self.metrics.load
+            stats.decoded += 1
+            stats.output_tokens += seq.emitted + offset
+            stats.decode_s += progress.elapsed()
             yield progress.done(req, seq.emitted + offset, tpots, kv, instance)
         finally:  # its end, or its caller gone: out of the batch at once
             self.leave(seq)
@@ -154,6 +158,9 @@ class DecodeBatch(Part):
                 deadline = max(deadline + step, self.clock.now() - step)  # never burst to catch up
                 await self.clock.sleep_until(deadline)
             now = self.clock.now()
+            stats = self.metrics.load
+            stats.iterations += 1
+            stats.batch_sum += len(batch)
             for seq in batch:
                 if seq.ended:
                     continue
@@ -167,6 +174,8 @@ class DecodeBatch(Part):
                 seq.emitted += 1
                 seq.hold.progressed()
                 self.metrics.tpot.observe(tpot)
+                stats.tokens += 1
+                stats.tpot_s += tpot
                 if seq.remaining <= 0:
                     seq.events.put_nowait(None)
                     seq.hold.release()

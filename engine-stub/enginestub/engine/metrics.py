@@ -7,13 +7,47 @@ wires both."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from matrixserve.api import zk_layout as zl
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 
 
+@dataclass
+class LoadStats:
+    """Cumulative counters of what this engine process served (issue 19), in the health
+    report's :class:`~matrixserve.api.zk_layout.Load`: the operator's ratio control observes
+    the engines through them, one ZooKeeper write per health report, no scraping."""
+
+    offered: int = 0
+    refused: int = 0
+    prefilled: int = 0
+    ttft_s: float = 0.0
+    prompt_tokens: int = 0
+    slot_s: float = 0.0
+    kv_wait_s: float = 0.0
+    decoded: int = 0
+    output_tokens: int = 0
+    tokens: int = 0
+    tpot_s: float = 0.0
+    kv_pulls: int = 0
+    kv_s: float = 0.0
+    decode_s: float = 0.0
+    iterations: int = 0
+    batch_sum: float = 0.0
+
+    def report(self, busy_s: float) -> zl.Load:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        rounded = {k: round(v, 6) if isinstance(v, float) else v for k, v in values.items()}
+        return zl.Load.model_validate({**rounded, "busy_s": round(busy_s, 6)})
+
+
 class EngineMetrics:
     def __init__(self, role: str) -> None:
+        self.load = LoadStats()
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(

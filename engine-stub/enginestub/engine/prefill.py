@@ -32,10 +32,20 @@ class PrefillTicket(Releasable):
         self.deadline = deadline  # emulated time its first token is due by
         self.queued = False  # in the local queue (admission "queue"): no slot yet
         self.hold: Hold | None = None  # its slot and the prompt's KV, while it has them
+        self.slot_since: float | None = None  # when it took its slot (emulated)
+        self.prefilled_at: float | None = None  # when its prefill ended
 
     def progressed(self) -> None:
         if self.hold is not None:
             self.hold.progressed()
+
+    def prefilled(self, ttft: float) -> None:
+        """Its prefill is done: counted (issue 19), and its slot's wait for a decode begins."""
+        stats = self._prefill.metrics.load
+        stats.prefilled += 1
+        stats.ttft_s += ttft
+        stats.prompt_tokens += self.request.prompt_tokens
+        self.prefilled_at = self._prefill.clock.now()
 
     def release(self) -> None:
         """Leave the queue, or give back the slot and the prompt's KV; once."""
@@ -43,6 +53,11 @@ class PrefillTicket(Releasable):
             self.queued = False
             self._prefill.queue -= 1
         if self.hold is not None:
+            if not self.hold.released and self.slot_since is not None:
+                now, stats = self._prefill.clock.now(), self._prefill.metrics.load
+                stats.slot_s += now - self.slot_since
+                if self.prefilled_at is not None:
+                    stats.kv_wait_s += now - self.prefilled_at
             self.hold.release()
 
 
@@ -116,6 +131,7 @@ class Prefill(Part):
 
     def _take_slot(self, ticket: PrefillTicket, lease: KvLease) -> None:
         ticket.hold = Hold(self.clock, lease, self._free)
+        ticket.slot_since = self.clock.now()
         self.held.add(ticket.hold)
 
     def _free(self, hold: Hold) -> None:

@@ -501,6 +501,7 @@ class Resident:
             loadSource=engine.load_source,
             loadShare=round(engine.load_share, 3),
             warm=engine.warm,
+            load=engine.metrics.load.report(engine.prefill.compute.busy_seconds()),
         )
 
     async def _write_health(self) -> None:

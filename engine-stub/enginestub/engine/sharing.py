@@ -50,10 +50,18 @@ class SharedResource:
         self.capacity = capacity
         self._jobs: list[_Job] = []
         self._changed = asyncio.Event()
+        self._busy = 0.0  # emulated seconds with a job in it, until ``_busy_since``
+        self._busy_since: float | None = None  # since when it has had one (None: idle)
 
     @property
     def active(self) -> int:
         return len(self._jobs)
+
+    def busy_seconds(self) -> float:
+        """Emulated seconds it has had at least one job in it (issue 19: the prefill's
+        throughput while busy is what it can serve)."""
+        since = self._busy_since
+        return self._busy + (self.clock.now() - since if since is not None else 0.0)
 
     def _rates(self) -> dict[_Job, float]:
         """Max-min fair split of the capacity, respecting each job's cap."""
@@ -110,6 +118,8 @@ class SharedResource:
         if amount <= 0:
             return 0.0
         job = _Job(amount, cap, deadline)
+        if not self._jobs:
+            self._busy_since = started
         self._jobs.append(job)
         self._notify()
         try:
@@ -124,5 +134,8 @@ class SharedResource:
                 job.rate = 0.0
         finally:
             self._jobs.remove(job)
+            if not self._jobs and self._busy_since is not None:
+                self._busy += self.clock.now() - self._busy_since
+                self._busy_since = None
             self._notify()
         return self.clock.now() - started

@@ -430,6 +430,33 @@ class LinkProbe(_Payload):
         return bool(self.down_at)
 
 
+class Load(_Payload):
+    """What an engine has served since its process started (issue 19): cumulative counters
+    the operator's ratio control differences between two health reports of one incarnation
+    (P/D-Serve §3.3: "The monitor records the averaged E2E latency and TTFT"). Emulated
+    seconds; a role's counters stay 0 on the other role."""
+
+    offered: int = 0  # prefill: requests offered (admitted or refused)
+    refused: int = 0  # ... refused at admission (busy: no slot, no HBM, a TTFT budget)
+    prefilled: int = 0  # ... prompts prefilled
+    ttft_s: float = Field(default=0.0, alias="ttftSeconds")  # the sum of their TTFTs
+    prompt_tokens: int = Field(default=0, alias="promptTokens")
+    busy_s: float = Field(default=0.0, alias="busySeconds")  # prefill compute with a prompt in it
+    slot_s: float = Field(default=0.0, alias="slotSeconds")  # slot time held, admission to release
+    # ... of which after the prompt's prefill, until a decode took its KV (§3.5 back-pressure)
+    kv_wait_s: float = Field(default=0.0, alias="kvWaitSeconds")
+    decoded: int = 0  # decode: requests finished
+    # ... the tokens it generated for them (§2.1's G; the first token is the prefill's)
+    output_tokens: int = Field(default=0, alias="outputTokens")
+    tokens: int = 0  # decode steps taken by requests (TPOT samples)
+    tpot_s: float = Field(default=0.0, alias="tpotSeconds")  # ... their sum
+    kv_pulls: int = Field(default=0, alias="kvPulls")  # KV transfers pulled in
+    kv_s: float = Field(default=0.0, alias="kvSeconds")  # ... their sum (ξ)
+    decode_s: float = Field(default=0.0, alias="decodeSeconds")  # per request, KV pull to done
+    iterations: int = 0  # decode loop steps
+    batch_sum: float = Field(default=0.0, alias="batchSum")  # ... their batch sizes' sum
+
+
 class Health(_Payload):
     instance: str
     role: Role
@@ -463,6 +490,7 @@ class Health(_Payload):
     # is TE-Load / loadShare
     load_share: float = Field(default=0.0, alias="loadShare", ge=0)
     warm: bool = False  # a claimed warm pod (its engine was up before the claim)
+    load: Load | None = None  # issue 19: what it has served (None: an older engine)
 
 
 class DecodeMeta(_Payload):

@@ -49,6 +49,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from matrixserve.api import zk_layout as zl
+
 PREFILL = "prefill"
 DECODE = "decode"
 TRAFFIC = "traffic"
@@ -166,6 +168,73 @@ def capacity(figures: Figures, split: Split) -> Capacity:
     if figures.traffic is not None and figures.traffic < served:
         served, bottleneck = figures.traffic, TRAFFIC
     return Capacity(c_p, c_d, served / split.total, bottleneck)
+
+
+# ------------------------------------------------------------------------ the observation
+# The engines' health reports carry what each has served since its process started
+# (zk_layout.Load); a window is the difference of two reports of one process, summed over a
+# role's instances. Emulated seconds throughout.
+def load_delta(old: zl.Load, new: zl.Load) -> zl.Load | None:
+    """What was served between two reports; None if a counter went back (another process)."""
+    diff = {}
+    for f in fields_of_load():
+        a, b = getattr(old, f), getattr(new, f)
+        if b < a:
+            return None
+        diff[f] = b - a
+    return zl.Load.model_validate(diff)
+
+
+def load_sum(loads: Iterable[zl.Load]) -> zl.Load:
+    total = dict.fromkeys(fields_of_load(), 0)
+    for load in loads:
+        for f in total:
+            total[f] += getattr(load, f)
+    return zl.Load.model_validate(total)
+
+
+def fields_of_load() -> list[str]:
+    return list(zl.Load.model_fields)
+
+
+def figures_of(
+    prefill: zl.Load, decode: zl.Load, decode_batch: int, least: int = 1
+) -> Figures | None:
+    """§2.1's inputs from a window's sums, or None with fewer than ``least`` requests through
+    either role. ``TTFT_bs`` is the prefills' mean TTFT; their capacity is what they served per
+    busy second (prompts share a prefill's compute, so that is its throughput at any batch) and
+    ``b_p`` the batch that gives it at that TTFT; ``TPOT_bs``, ``ξ`` and ``G`` the decodes'
+    means, ``b_d`` their configured batch (an underloaded decode's TPOT is below its full
+    batch's, so its capacity reads high: ``[design]``, docs/operator.md)."""
+    if prefill.prefilled < least or decode.decoded < least or decode.tokens < 1:
+        return None
+    if prefill.busy_s <= 0 or prefill.ttft_s <= 0 or decode.tpot_s <= 0:
+        return None
+    ttft = prefill.ttft_s / prefill.prefilled
+    c_p = prefill.prefilled / prefill.busy_s
+    return Figures(
+        ttft_bs=ttft,
+        b_p=c_p * ttft,
+        tpot_bs=decode.tpot_s / decode.tokens,
+        b_d=float(decode_batch),
+        xi=decode.kv_s / decode.kv_pulls if decode.kv_pulls else 0.0,
+        g=max(decode.output_tokens / decode.decoded, 1.0),
+    )
+
+
+def signal_of(prefill: zl.Load, decode: zl.Load, least: int = 1) -> Signal | None:
+    """The feedback rule's inputs from a window's sums, or None with too few requests: T_p the
+    prefills' mean TTFT, E2E that plus the decodes' mean time per request (KV pull to the last
+    token), the refused share of the offers, the slots' share waiting for a decode."""
+    if prefill.prefilled < least or decode.decoded < least:
+        return None
+    t_p = prefill.ttft_s / prefill.prefilled
+    return Signal(
+        e2e=t_p + decode.decode_s / decode.decoded,
+        t_p=t_p,
+        rejected=prefill.refused / prefill.offered if prefill.offered else 0.0,
+        kv_wait=prefill.kv_wait_s / prefill.slot_s if prefill.slot_s > 0 else 0.0,
+    )
 
 
 # ------------------------------------------------------------------------------ the bounds
