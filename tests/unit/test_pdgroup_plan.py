@@ -19,6 +19,7 @@ from matrixserve.domain.enginepod import FIRST_PROBE_GRACE_SECONDS, EngineSettin
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.pdgroup import GroupView, ZkView
 from matrixserve.domain.pdgroup.actions import (
+    ClearDrain,
     ClearRemoved,
     CreatePod,
     DeleteEntrance,
@@ -26,10 +27,12 @@ from matrixserve.domain.pdgroup.actions import (
     EraseInstance,
     ReportPodTrouble,
     SetEntrance,
+    StartDrain,
     WriteDecodeMeta,
     WriteInitOrder,
     WriteRoceMap,
 )
+from matrixserve.domain.pdgroup.membership import DRAIN_SECONDS
 from matrixserve.domain.pdgroup.pods import pod_labels
 from matrixserve.domain.pdgroup.status import hold
 from matrixserve.domain.pdgroup.validation import validate_pdgroup
@@ -199,11 +202,45 @@ def test_scale_out_joins_through_the_map_and_disturbs_nobody() -> None:
     ), "nothing else changes until the newcomer is healthy"
 
 
-def test_scale_in_removes_the_map_entry_before_releasing_the_pod() -> None:
+def drained(
+    zk: ZkView, name: str, at: float = 10.0, inflight: int = 0, reported: float | None = None
+) -> ZkView:
+    """``name`` asked to drain at ``at``, and its health since (written at ``reported``, ``at``
+    unless given, and so for every member): draining, ``inflight`` left."""
+    ts = at if reported is None else reported
+    health = zk.health[name].model_copy(update={"draining": True, "inflight": inflight, "ts": ts})
+    others = {n: h.model_copy(update={"ts": ts}) for n, h in zk.health.items() if n != name}
+    return dataclasses.replace(
+        zk,
+        draining={**zk.draining, name: zl.Drain(instance=name, reason="scale-in", at=at)},
+        health={**others, name: health},
+        entrances=zk.entrances - {name},
+    )
+
+
+def test_scale_in_drains_then_removes_the_map_entry_then_releases_the_pod() -> None:
     pods = ["g-p-0", "g-p-1", "g-d-0"]
     zk = serving_group(pods)
-    first = pdgroup.plan(view(spec(p=1), pods, zk))
-    assert kinds(first) == ["WriteRoceMap", "MarkRemoved", "DeleteEntrance"]
+    # First the instance drains: no new work (its entrance closed), still in the map
+    start = pdgroup.plan(view(spec(p=1), pods, zk))
+    assert kinds(start) == ["StartDrain", "DeleteEntrance"]
+    assert isinstance(start.actions[0], StartDrain)
+    assert start.actions[0].drain.instance == "g-p-1"
+    # ... holding requests still: it stays
+    busy = pdgroup.plan(view(spec(p=1), pods, drained(zk, "g-p-1", inflight=3), now=20.0))
+    assert busy.actions == []
+    # ... until it holds none (or DRAIN_SECONDS pass)
+    late = pdgroup.plan(
+        view(
+            spec(p=1),
+            pods,
+            drained(zk, "g-p-1", inflight=3, reported=DRAIN_SECONDS),
+            now=10.0 + DRAIN_SECONDS,
+        )
+    )
+    assert kinds(late) == ["WriteRoceMap", "MarkRemoved"]
+    first = pdgroup.plan(view(spec(p=1), pods, drained(zk, "g-p-1"), now=20.0))
+    assert kinds(first) == ["WriteRoceMap", "MarkRemoved"]
     write = first.actions[0]
     assert isinstance(write, WriteRoceMap)
     assert write.removed == ("g-p-1",)
@@ -360,10 +397,31 @@ def test_long_group_names_are_rejected() -> None:
     assert any("metadata.name" in e for e in validate_pdgroup(spec(), "x" * 60))
 
 
+def test_a_decode_drains_out_of_the_decode_meta_and_a_dead_one_leaves_at_once() -> None:
+    pods = ["g-p-0", "g-d-0", "g-d-1"]
+    zk = serving_group(pods)
+    start = pdgroup.plan(view(spec(p=1, d=1), pods, zk))
+    assert kinds(start) == ["StartDrain", "WriteDecodeMeta"]
+    meta = start.actions[1]
+    assert isinstance(meta, WriteDecodeMeta)
+    assert [d.instance for d in meta.meta.decodes] == ["g-d-0"]  # prefills forward no more
+    # an instance that does not serve has nothing to finish: it leaves at once
+    dead = dataclasses.replace(zk, health={n: h for n, h in zk.health.items() if n != "g-d-1"})
+    assert "WriteRoceMap" in kinds(pdgroup.plan(view(spec(p=1, d=1), pods, dead)))
+
+
+def test_a_draining_instance_wanted_again_takes_work_again() -> None:
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    zk = drained(serving_group(pods), "g-p-1", inflight=2)
+    back = pdgroup.plan(view(spec(p=2), pods, zk, now=20.0))
+    assert ClearDrain("g-p-1") in back.actions
+    assert not any(isinstance(a, DeletePod | WriteRoceMap) for a in back.actions)
+
+
 def test_scaling_back_up_before_the_old_pod_is_gone_recreates_it() -> None:
     pods = ["g-p-0", "g-p-1", "g-d-0"]
-    zk = serving_group(pods)
-    first = pdgroup.plan(view(spec(p=1), pods, zk))
+    zk = drained(serving_group(pods), "g-p-1")
+    first = pdgroup.plan(view(spec(p=1), pods, zk, now=20.0))
     write = first.actions[0]
     assert isinstance(write, WriteRoceMap)
     after = ZkView(

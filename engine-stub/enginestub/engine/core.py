@@ -133,6 +133,8 @@ class Engine:
         self.decode_entries: list[zl.MapEntry] = []  # the decode meta's, when there is one
         self.removed: set[str] = set()  # host:port of logically removed instances
         self.removal: str | None = None  # why this instance is logically removed, if it is
+        # Issue 19: why it is draining (no new requests; it finishes those it has), if it is
+        self.draining: str | None = None
         self.devices = DeviceFaults(config, self.metrics)
         self.heartbeat = Heartbeat(config, self.clock, self.devices.not_hung)
         self.heartbeat.on_change = self._health_changed
@@ -154,6 +156,8 @@ class Engine:
         self.prober.on_change = self._health_changed
         self.receiver = ProbeReceiver(shared, self.kv_ingress, self._backpressure)
         self.streams = OpenStreams()
+        # a draining instance says at once that it holds nothing more (it may then leave)
+        self.streams.on_empty = lambda: self._health_changed() if self.draining else None
         self.forks = fork.ForkServer(
             config,
             self.clock,
@@ -367,6 +371,7 @@ class Engine:
             "links": [p.model_dump(by_alias=True) for p in self.link_probes()],
             "linkProbeRounds": self.prober.rounds,
             "removed": self.removal,
+            "draining": self.draining,
             "streams": len(self.streams),
         }
 
@@ -455,6 +460,7 @@ class Engine:
         the ticket in a ``with`` block around the whole exchange (it gives the slot back)."""
         self.check_serving()
         self.require_role("prefill", "colocated")
+        self._check_not_draining()
         stats = self.metrics.load
         stats.offered += 1
         if (
@@ -541,6 +547,26 @@ class Engine:
             "ttft_timeout", why.format(seconds=seconds, budget=budget.emulated_seconds)
         )
 
+    # ================================================================ draining (issue 19)
+    def _check_not_draining(self) -> None:
+        """A draining instance takes no new request (503: the gateway tries another prefill,
+        a prefill another decode); what it holds, KV pulls included, it finishes."""
+        if self.draining is not None:
+            raise EngineError(
+                503, "draining", f"{self.draining}: finishing its requests, taking no new ones"
+            )
+
+    def drain(self, why: str) -> None:
+        if self.draining is None:
+            self.draining = why
+            log.info("%s; %d stream(s) to finish", why, len(self.streams))
+            self._health_changed()
+
+    def undrain(self) -> None:
+        if self.draining is not None:
+            self.draining = None
+            self._health_changed()
+
     # ================================================================ logical removal
     def withdraw(self, why: str) -> None:
         """This instance is logically removed (issue 17 item 4): its entrance side closes (new
@@ -601,6 +627,7 @@ class Engine:
         ``with`` block around the whole exchange."""
         self.check_serving()
         self.require_role("decode")
+        self._check_not_draining()
         return self.batch.admit(req.prompt_tokens + req.max_tokens)
 
     async def decode(

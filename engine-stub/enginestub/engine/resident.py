@@ -243,10 +243,14 @@ class Resident:
         def on_removed(children: list[str]) -> None:
             self.bridge.call(self._set_removed, children)
 
+        def on_draining(children: list[str]) -> None:
+            self.bridge.call(self._set_draining, children)
+
         self.zk.watch_data(self.paths.init_order, on_init)
         self.zk.watch_data(self.paths.roce_map, on_map)
         self.zk.watch_data(self.paths.decode_meta, on_meta)
         self.zk.watch_children(self.paths.removed, on_removed)
+        self.zk.watch_children(self.paths.draining, on_draining)
 
     def _set_init(self, data: bytes | None) -> None:
         self.init_order = zl.InitOrder.parse(data) if data else None
@@ -283,6 +287,16 @@ class Resident:
         else:
             self.engine.readmit()
         self._removed_addresses()
+
+    def _set_draining(self, children: list[str]) -> None:
+        """Issue 19: named under ``draining/``, this instance takes no new request and
+        finishes those it has (its health says how many are left)."""
+        if self.instance in children:
+            self.engine.drain(
+                f"instance {self.instance} is draining out of group {self.namespace}/{self.group}"
+            )
+        else:
+            self.engine.undrain()
 
     def _removed_addresses(self) -> None:
         names = self._removed_names
@@ -502,6 +516,8 @@ class Resident:
             loadShare=round(engine.load_share, 3),
             warm=engine.warm,
             load=engine.metrics.load.report(engine.prefill.compute.busy_seconds()),
+            draining=engine.draining is not None,
+            inflight=len(engine.streams),
         )
 
     async def _write_health(self) -> None:

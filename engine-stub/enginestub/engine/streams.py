@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from matrixserve.api.engine_protocol import Event
 
@@ -24,6 +24,7 @@ class OpenStreams:
         self._tasks: set[asyncio.Task[object]] = set()
         self._ending: dict[asyncio.Task[object], Event] = {}  # cancelled by end_all, and why
         self._taken: set[asyncio.Task[object]] = set()  # those that took their cancel back
+        self.on_empty: Callable[[], None] = lambda: None  # the last stream ended
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -40,6 +41,8 @@ class OpenStreams:
             self._tasks.discard(task)
             self._ending.pop(task, None)
             self._taken.discard(task)
+            if not self._tasks:
+                self.on_empty()
 
     def end_all(self, event: Event) -> int:
         """End every stream with ``event`` (each once); returns how many are ending. Called from

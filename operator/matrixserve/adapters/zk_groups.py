@@ -32,8 +32,9 @@ _UNSEEN = object()
 
 
 def _verdict(data: bytes | None) -> Any:
-    """What a health znode says that recovery acts on (state, faults, unhealthy sub-links,
-    incarnation), without what every refresh changes (``seq``, ``ts``, ``loopBeat``)."""
+    """What a health znode says that the plan acts on (state, faults, unhealthy sub-links,
+    incarnation, a drain done), without what every refresh changes (``seq``, ``ts``,
+    ``loopBeat``, the load counters)."""
     if data is None:
         return None
     try:
@@ -43,6 +44,7 @@ def _verdict(data: bytes | None) -> Any:
     return (
         health.state,
         health.incarnation,
+        health.draining and health.inflight == 0,  # issue 19: drained, it may leave the map
         tuple((f.kind, tuple(f.dies)) for f in health.faults),
         tuple((link.peer, link.device, link.state, link.down_at) for link in health.links),
     )
@@ -109,6 +111,11 @@ class GroupStore:
             decode_meta=parse(zl.DecodeMeta, paths.decode_meta),
             entrances=frozenset(zk.children(paths.entrances)),
             removed=frozenset(zk.children(paths.removed)),
+            draining={
+                n: d
+                for n in zk.children(paths.draining)
+                if (d := parse(zl.Drain, paths.draining_of(n)))
+            },
             present=zk.exists(paths.reports),
             entrances_present=zk.exists(paths.entrances),
         )

@@ -17,6 +17,7 @@ JSON payloads (pydantic), no client. ``docs/zookeeper.md`` has the table of who 
         entrances/<instance>   PERSISTENT Entrance: a prefill open for requests    (operator)
         joining/<instance>     EPHEMERAL  Report of a role-less container joining  (engine)
         removed/<instance>     PERSISTENT Removal: logically removed, no traffic   (operator)
+        draining/<instance>    PERSISTENT Drain: no new work, finish what it has  (operator)
     /matrixserve/v1/warm/<ns>/
         pods/<pod>             EPHEMERAL  WarmReport: a warm pod past TE-Pre-Load   (engine)
         assignments/<pod>      PERSISTENT Assignment: what a claimed pod becomes   (operator)
@@ -101,6 +102,7 @@ class GroupPaths:
         self.entrances = f"{self.root}/entrances"
         self.joining = f"{self.root}/joining"
         self.removed = f"{self.root}/removed"
+        self.draining = f"{self.root}/draining"
 
     def report(self, instance: str) -> str:
         return f"{self.reports}/{_check(instance, 'instance')}"
@@ -120,12 +122,15 @@ class GroupPaths:
     def removed_of(self, instance: str) -> str:
         return f"{self.removed}/{_check(instance, 'instance')}"
 
+    def draining_of(self, instance: str) -> str:
+        return f"{self.draining}/{_check(instance, 'instance')}"
+
     def all_folders(self) -> list[str]:
         """The folders engines write into (made by whoever starts first: an engine at start, or
         the operator). ``entrances/`` is not one: it appears with the first entrance, so the
         gateway can tell "no entrance open" from "not known here" (a server that lost the
         group's data) and keep routing by the group's status meanwhile."""
-        return [self.reports, self.links, self.health, self.joining, self.removed]
+        return [self.reports, self.links, self.health, self.joining, self.removed, self.draining]
 
 
 def warm_root() -> str:
@@ -457,6 +462,18 @@ class Load(_Payload):
     batch_sum: float = Field(default=0.0, alias="batchSum")  # ... their batch sizes' sum
 
 
+class Drain(_Payload):
+    """An instance leaving the group in order (a scale-in or a ratio move; issue 19): it gets no
+    new work (its entrance closed, out of the decode meta, and it refuses with 503
+    ``draining``) and finishes what it has; it leaves the map once its health says it holds
+    nothing (``inflight`` 0) or ``at`` + the drain bound has passed. A fault's removal is not a
+    drain: it ends the instance's streams at once (:class:`Removal`)."""
+
+    instance: str
+    reason: str
+    at: float  # wall time (epoch s) the operator asked
+
+
 class Health(_Payload):
     instance: str
     role: Role
@@ -491,6 +508,10 @@ class Health(_Payload):
     load_share: float = Field(default=0.0, alias="loadShare", ge=0)
     warm: bool = False  # a claimed warm pod (its engine was up before the claim)
     load: Load | None = None  # issue 19: what it has served (None: an older engine)
+    # Issue 19: asked to drain (its ``draining/`` znode), and the requests it still holds (its
+    # open streams: a prefill's last until its decode ends, as it relays them)
+    draining: bool = False
+    inflight: int = Field(default=0, ge=0)
 
 
 class DecodeMeta(_Payload):

@@ -71,6 +71,16 @@ class ReportRecovery(Notice):
         return Event(self.reason, self.message, warning=self.warning)
 
 
+@dataclass(frozen=True)
+class ReportRatioChange(Notice):
+    """The ratio policy moved the group's target split (issue 19): why, with the numbers."""
+
+    message: str
+
+    def describe(self) -> Event:
+        return Event("RatioChange", self.message)
+
+
 # --------------------------------------------------------------------------- ZooKeeper
 class _GroupZnodes(ZnodeChange[zl.GroupPaths]):
     """A write to the group's subtree. ``reason`` and ``message`` (a format string over the
@@ -205,7 +215,31 @@ class ClearRemoved(_GroupZnodes):
     name: str
 
     def znodes(self, paths: zl.GroupPaths) -> list[zl.ZnodeOp]:
-        return [zl.Delete(paths.removed_of(self.name))]
+        return [zl.Delete(paths.removed_of(self.name)), zl.Delete(paths.draining_of(self.name))]
+
+
+@dataclass(frozen=True)
+class StartDrain(_GroupZnodes):
+    """An instance leaving in order (issue 19): no new work, it finishes what it has."""
+
+    drain: zl.Drain
+    reason = "Draining"
+    message = "Draining {drain.instance} before it leaves the group ({drain.reason})"
+
+    def znodes(self, paths: zl.GroupPaths) -> list[zl.ZnodeOp]:
+        return [zl.Put(paths.draining_of(self.drain.instance), self.drain.dump())]
+
+
+@dataclass(frozen=True)
+class ClearDrain(_GroupZnodes):
+    """A draining instance wanted again (scaled back up before it left): it takes work again."""
+
+    name: str
+    reason = "DrainCancelled"
+    message = "{name} is wanted again: no longer draining"
+
+    def znodes(self, paths: zl.GroupPaths) -> list[zl.ZnodeOp]:
+        return [zl.Delete(paths.draining_of(self.name))]
 
 
 # --------------------------------------------------------------------------- warm pods (issue 18)
@@ -266,6 +300,7 @@ Action = (
     | DeletePod
     | ReportPodTrouble
     | ReportRecovery
+    | ReportRatioChange
     | WriteRoceMap
     | WriteInitOrder
     | WriteDecodeMeta
@@ -275,4 +310,6 @@ Action = (
     | EraseInstance
     | ForgetLink
     | ClearRemoved
+    | StartDrain
+    | ClearDrain
 )

@@ -11,8 +11,13 @@ P/D-Serve §3.2-3.3 as stages of a level-based plan (pure; ``now`` comes with th
   restarted: a new pod IP, new RoCE IPs or a new incarnation) rejoins: its entry is replaced in
   the same way, its entrance closed, and its links count again only once verified between the
   current incarnations. Nobody else restarts.
+- **Drain** (issue 19, ``[design]``: the paper's removal is for faults): an instance no longer
+  desired first gets no new work (its entrance closed, out of the decode meta, a ``draining/``
+  marker it answers by refusing new requests) and finishes the requests it holds; it leaves the
+  map once its health says it holds none, or after ``DRAIN_SECONDS``, or at once if it is not
+  serving anyway (nothing of it to finish). A fault's removal does not drain.
 - **Release** (§3.3, in this order): an instance out of the map has its links erased, then its
-  pods deleted; once they are gone its removal marker is cleared.
+  pods deleted; once they are gone its removal and drain markers are cleared.
 - **Traffic**: once *every* member is healthy the decode meta (the healthy decodes) is pushed to
   the prefills and the healthy prefills become entrances; later, only healthy members get
   traffic, and while no decode serves, no prefill is an entrance (a request would be accepted
@@ -29,12 +34,14 @@ from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain.observed import InstanceView
 from matrixserve.domain.pdgroup.actions import (
     Action,
+    ClearDrain,
     ClearRemoved,
     DeleteEntrance,
     DeletePod,
     EraseInstance,
     MarkRemoved,
     SetEntrance,
+    StartDrain,
     WriteDecodeMeta,
     WriteInitOrder,
     WriteRoceMap,
@@ -42,6 +49,9 @@ from matrixserve.domain.pdgroup.actions import (
 from matrixserve.domain.pdgroup.view import GroupView
 
 GATHER_TIMEOUT_SECONDS = 300.0
+# [design] The longest a draining instance keeps the group waiting for its requests to end: a
+# stream of thousands of tokens lasts minutes; past this the instance leaves with what it holds.
+DRAIN_SECONDS = 300.0
 
 
 # --------------------------------------------------------------------------- naming
@@ -144,6 +154,7 @@ class Change:
     members: dict[str, zl.Role]  # the new map's members
     observed: frozenset[str]  # the map's members as ZooKeeper holds it now
     leaving: tuple[str, ...]
+    draining: frozenset[str] = frozenset()  # members not desired, finishing their requests
 
 
 def _as_report(entry: zl.MapEntry) -> zl.Report:
@@ -177,9 +188,19 @@ def change_map(view: GroupView, roce_map: zl.RoceMap, desired: Mapping[str, zl.R
         for e in (*roce_map.prefill, *roce_map.decode)
         if e.instance in usable and not view.current(e)
     ]
-    # Not desired any more, or logically removed for a fault (recovery wrote the marker): out.
-    leaving = [n for n in members if n not in desired or n in zk.removed]
+    # Logically removed for a fault (recovery wrote the marker), or not desired any more and
+    # drained: out. Not desired and not drained yet: draining (kept in the map meanwhile).
+    leaving = [n for n in members if n in zk.removed or (n not in desired and drained(view, n))]
     actions: list[Action] = []
+    draining = frozenset(n for n in members if n not in desired and n not in leaving)
+    for name in sorted(draining):
+        if name not in zk.draining:
+            actions.append(StartDrain(zl.Drain(instance=name, reason="scale-in", at=view.now)))
+        if name in zk.entrances:
+            actions.append(DeleteEntrance(name))
+    for name in zk.draining:  # wanted again before it left: it takes work again
+        if name in desired and name in members and name not in zk.removed:
+            actions.append(ClearDrain(name))
     if joining or rejoining or leaving:
         kept = [
             e
@@ -209,7 +230,22 @@ def change_map(view: GroupView, roce_map: zl.RoceMap, desired: Mapping[str, zl.R
             if name in zk.entrances:
                 actions.append(DeleteEntrance(name))
         members = roles
-    return Change(actions, roce_map, members, observed, tuple(leaving))
+    return Change(actions, roce_map, members, observed, tuple(leaving), draining)
+
+
+def drained(view: GroupView, name: str) -> bool:
+    """A member that is no longer desired may leave the map: its health (written after the
+    drain began) says it holds no request, or it has drained for ``DRAIN_SECONDS``, or it does
+    not serve (nothing of it to finish: a dead or faulty engine, or one never open)."""
+    drain = view.zk.draining.get(name)
+    if not view.healthy(name):
+        return True
+    if drain is None:
+        return False
+    health = view.zk.health[name]
+    if health.draining and health.inflight == 0 and health.ts >= drain.at:
+        return True
+    return view.now - drain.at >= DRAIN_SECONDS
 
 
 # --------------------------------------------------------------------------- release
@@ -231,20 +267,22 @@ def release(view: GroupView, desired: Mapping[str, zl.Role], change: Change) -> 
         if mine:
             actions.append(EraseInstance(name, mine))
         actions += release_pods(instance, "scale-in: removed from the RoCE map")
-    for name in zk.removed:
+    for name in zk.removed | set(zk.draining):  # (clears both markers)
         if name not in view.instances and name not in change.members:
             actions.append(ClearRemoved(name))
     return actions
 
 
 # --------------------------------------------------------------------------- traffic
-def serving(view: GroupView, entry: zl.MapEntry) -> bool:
+def serving(view: GroupView, entry: zl.MapEntry, draining: frozenset[str] = frozenset()) -> bool:
     """A member that may get traffic: the map names it as it is now, its engine is healthy, and
-    it is not being removed."""
+    it is not being removed or drained (``draining``: those this pass starts to drain)."""
     return (
         view.current(entry)
         and view.healthy(entry.instance)
         and entry.instance not in view.zk.removed
+        and entry.instance not in view.zk.draining
+        and entry.instance not in draining
     )
 
 
@@ -256,7 +294,7 @@ def open_traffic(view: GroupView, change: Change, earlier: list[Action]) -> list
     roce_map, members = change.roce_map, change.members
     actions: list[Action] = []
     all_healthy = bool(members) and all(view.healthy(n) for n in members)
-    serving_decodes = [e for e in roce_map.decode if serving(view, e)]
+    serving_decodes = [e for e in roce_map.decode if serving(view, e, change.draining)]
     current = list(zk.decode_meta.decodes) if zk.decode_meta else []
     # Opened before: entrances now, or (ZooKeeper lost them with its data) in the last status.
     opened = bool(zk.entrances - set(change.leaving)) or (
@@ -267,7 +305,7 @@ def open_traffic(view: GroupView, change: Change, earlier: list[Action]) -> list
         actions.append(WriteDecodeMeta(zl.DecodeMeta(version=version, decodes=serving_decodes)))
     if (opened or all_healthy) and serving_decodes:
         for entry in roce_map.prefill:
-            if serving(view, entry) and entry.instance not in zk.entrances:
+            if serving(view, entry, change.draining) and entry.instance not in zk.entrances:
                 actions.append(
                     SetEntrance(
                         zl.Entrance(instance=entry.instance, podIP=entry.pod_ip, port=entry.port)
@@ -279,7 +317,7 @@ def open_traffic(view: GroupView, change: Change, earlier: list[Action]) -> list
         if (
             member is None
             or not serving_decodes
-            or (not serving(view, member) and name not in change.leaving)
+            or (not serving(view, member, change.draining) and name not in change.leaving)
         ):
             actions.append(DeleteEntrance(name))
     return actions

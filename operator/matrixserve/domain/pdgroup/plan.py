@@ -2,9 +2,10 @@
 
 The stages, in order (P/D-Serve §3.2-3.4):
 
-1. **Desired counts** — seam ``Seams.counts``: how many prefill and decode instances the group
-   should have. Today the spec's replicas; the ratio policy (Eq. (1), the feedback rule) plugs in
-   here.
+1. **Desired counts** — seam ``Seams.ratio``: how many prefill and decode instances the group
+   should have: the spec's replicas under the ``Fixed`` policy; under ``Model`` and
+   ``Feedback`` the replicas' total, split by the policy and walked to one instance at a time
+   (:mod:`.split`, issue 19), which also says ``status.ratio`` and a change's Event.
 2. **Obtaining instances** — seam ``Seams.obtain``: how the missing instances' pods come to be
    (all of this pass's at once): a warm pod claimed (loading by NPU-fork, DRAM, SSD or the
    shared file service) where faster by estimate, else a cold start (a new role-less pod)
@@ -32,7 +33,7 @@ from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain.conditions import Condition, find, seconds_since
-from matrixserve.domain.pdgroup import membership, recovery, status
+from matrixserve.domain.pdgroup import membership, recovery, split, status
 from matrixserve.domain.pdgroup.actions import Action, DeletePod
 from matrixserve.domain.pdgroup.membership import RoleCounts
 from matrixserve.domain.pdgroup.obtain import (
@@ -54,9 +55,9 @@ class Plan:
 
 
 # --------------------------------------------------------------------------- today's seams
-def counts_from_spec(view: GroupView) -> RoleCounts:
-    """The ``Fixed`` ratio policy: the replicas the spec asks for."""
-    return RoleCounts(view.spec.prefill.replicas, view.spec.decode.replicas)
+def counts(view: GroupView, seams: Seams | None = None) -> RoleCounts:
+    """This pass's desired counts (the ratio seam's)."""
+    return (seams or TODAY).ratio(view).counts
 
 
 def spec_pod_names(group: str, spec: PDGroupSpec) -> list[str]:
@@ -77,7 +78,7 @@ def warm_needed(view: GroupView, seams: Seams | None = None) -> tuple[bool, list
     """What this pass must read of the warm pods (issue 18): whether an instance is missing a
     pod (the warm pods and fork sources are then read), and the claimed pods that have not
     reported (their assignments are then read)."""
-    desired = membership.desired_instances(view.name, (seams or TODAY).counts(view))
+    desired = membership.desired_instances(view.name, counts(view, seams))
     missing = any(missing_pods(view, n, r) for n, r in desired.items())
     waiting = [
         p.name
@@ -95,7 +96,7 @@ def no_faults(view: GroupView, roce_map: zl.RoceMap | None) -> recovery.Recovery
 class Seams:
     """Where the ratio policy, the scale-out path and recovery plug into the plan."""
 
-    counts: Callable[[GroupView], RoleCounts] = counts_from_spec
+    ratio: Callable[[GroupView], split.RatioPass] = split.ratio_pass
     # All the instances missing a pod this pass at once, so one source (a warm pod, a fork
     # peer) is never promised to two of them.
     obtain: Callable[[GroupView, Mapping[str, zl.Role]], list[Action]] = warm_or_cold
@@ -133,7 +134,8 @@ def rebuilding(view: GroupView) -> bool:
 
 # --------------------------------------------------------------------------- the plan
 def plan(view: GroupView, seams: Seams = TODAY) -> Plan:
-    desired = membership.desired_instances(view.name, seams.counts(view))
+    ratio = seams.ratio(view)
+    desired = membership.desired_instances(view.name, ratio.counts)
     for name in recovery.sacrificed(view):  # a shrink under way gives up its prefill
         desired.pop(name, None)
     rebuilding_now = rebuilding(view)
@@ -161,6 +163,8 @@ def plan(view: GroupView, seams: Seams = TODAY) -> Plan:
         out["lastRecovery"] = healing.last
         out["deferred"] = sorted(healing.deferred)
         out["lastScale"] = last_scale(view)
+        out["ratio"] = {**out.get("ratio", {}), **ratio.status}
+        actions += ratio.notices  # said once: the next pass reads the new target
         conditions = status.recovering(conditions, healing.recovering)
     return Plan(actions, out, conditions, derived.ready and not healing.recovering)
 

@@ -75,6 +75,11 @@ def rfc3339(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def parse_time(text: Any) -> float | None:
+    """An RFC 3339 time (as :func:`rfc3339` writes) in epoch seconds; None if it is not one."""
+    return _parse_time(text)
+
+
 def _parse_time(text: Any) -> float | None:
     if not isinstance(text, str) or not text:
         return None

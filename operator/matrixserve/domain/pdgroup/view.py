@@ -34,6 +34,7 @@ class ZkView:
     decode_meta: zl.DecodeMeta | None = None
     entrances: frozenset[str] = frozenset()
     removed: frozenset[str] = frozenset()
+    draining: Mapping[str, zl.Drain] = field(default_factory=dict)  # issue 19: leaving in order
     present: bool = True  # the group's subtree exists (it is gone after a server lost its data)
     entrances_present: bool = True  # entrances/ exists (it appears with the first entrance)
 

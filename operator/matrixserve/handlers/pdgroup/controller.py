@@ -5,6 +5,7 @@ new ZooKeeper session (issue 15)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -91,9 +92,44 @@ class PDGroupMetrics:
             buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300),
             registry=registry,
         )
+        # Issue 19: the P/D split, as the ratio policy has it.
+        self.ratio_instances = Gauge(
+            "matrixserve_operator_ratio_instances",
+            "Instances per role: serving now (current) and the policy's target",
+            ["namespace", "group", "role", "which"],
+            registry=registry,
+        )
+        self.ratio_changes = Counter(
+            "matrixserve_operator_ratio_changes_total",
+            "Target splits the ratio policy moved to, by policy",
+            ["namespace", "group", "policy"],
+            registry=registry,
+        )
+        self.ratio_phi = Gauge(
+            "matrixserve_operator_ratio_phi",
+            "Φ from the last observation window (requests per second per instance, P/D-Serve §2.1)",
+            ["namespace", "group"],
+            registry=registry,
+        )
+        self.per_group: list[tuple[Gauge | Counter, list[tuple[str, ...]]]] = [
+            (self.links_verified, [()]),
+            (self.ratio_phi, [()]),
+            (self.ratio_changes, [(p,) for p in ("Fixed", "Model", "Feedback")]),
+            (
+                self.ratio_instances,
+                [(r, w) for r in ("prefill", "decode") for w in ("current", "target")],
+            ),
+        ]
         self.setup = Milestones(
             self.setup_phase_seconds, [("mapped", "gather"), ("linked", "link"), ("ready", "serve")]
         )
+
+    def forget_group(self, namespace: str, group: str) -> None:
+        """A deleted group's series go with it (a dashboard must not show it serving)."""
+        for metric, rests in self.per_group:
+            for rest in rests:
+                with contextlib.suppress(KeyError):
+                    metric.remove(namespace, group, *rest)
 
 
 @dataclass
@@ -120,6 +156,7 @@ class PDGroups:
         self.ready.discard(key)
         self.closed.discard(key)
         self.metrics.groups_ready.set(len(self.ready))
+        self.metrics.forget_group(*key)
 
 
 def install(rt: Runtime) -> PDGroups:

@@ -27,7 +27,7 @@ from matrixserve.domain.enginepod import (
 )
 from matrixserve.domain.observed import on_nodes
 from matrixserve.domain.pdgroup import cleanup
-from matrixserve.domain.pdgroup.actions import ReportRecovery
+from matrixserve.domain.pdgroup.actions import ReportRatioChange, ReportRecovery
 from matrixserve.domain.pdgroup.validation import parse_spec, running_template_changes
 from matrixserve.domain.scaleout import Path, Phase
 from matrixserve.handlers.pdgroup.controller import API, KIND, PDGroups, groups_of
@@ -162,6 +162,7 @@ async def reconcile(groups: PDGroups, namespace: str, name: str, logger: logging
     _track_setup(groups, (namespace, name), plan)
     _track_recovery(groups, plan.actions)
     _track_scale(groups, body.get("status") or {}, plan.status)
+    _track_ratio(groups, namespace, name, plan)
     groups.metrics.links_verified.labels(namespace=namespace, group=name).set(
         plan.status["links"]["verified"]
     )
@@ -231,6 +232,21 @@ def _track_recovery(groups: PDGroups, actions: Sequence[Effect]) -> None:
             m.recoveries.labels(kind, how, "restored").inc()
         elif action.reason == "RecoveryFailed":
             m.recoveries.labels(kind, how, "failed").inc()
+
+
+def _track_ratio(groups: PDGroups, namespace: str, name: str, plan: pd.Plan) -> None:
+    """The split's metrics (issue 19): serving and target counts, Φ, and each change."""
+    m, ratio = groups.metrics, plan.status.get("ratio") or {}
+    for which in ("current", "target"):
+        parts = str(ratio.get(which) or "").split(":")
+        if len(parts) == 2 and all(p.isdigit() for p in parts):
+            for role, value in zip(("prefill", "decode"), parts, strict=True):
+                m.ratio_instances.labels(namespace, name, role, which).set(int(value))
+    if isinstance(ratio.get("phi"), int | float):
+        m.ratio_phi.labels(namespace, name).set(float(ratio["phi"]))
+    changes = sum(1 for a in plan.actions if isinstance(a, ReportRatioChange))
+    if changes:
+        m.ratio_changes.labels(namespace, name, str(ratio.get("policy") or "")).inc(changes)
 
 
 def _track_scale(groups: PDGroups, before: Mapping[str, Any], after: Mapping[str, Any]) -> None:

@@ -1,0 +1,306 @@
+"""The P/D ratio policy in a group's plan (issue 19): the plan's ``ratio`` seam (pure).
+
+Under ``Fixed`` the spec's replicas are the counts. Under ``Model`` and ``Feedback`` the
+replicas set the **total** and the policy splits it (P/D-Serve §2.1, §3.3;
+:mod:`matrixserve.domain.ratio`):
+
+1. **Observation**: each engine's health report carries what it has served since its process
+   started (``zl.Load``). A window starts with the serving members' counters summed per role
+   (and each member's incarnation) in ``status.ratio.window``; after ``windowSeconds`` the
+   difference is the window's figures (Model: §2.1's inputs; Feedback: E2E, T_p, refusals). A
+   member that came, went or restarted meanwhile starts a new window (its counters are another
+   process's), as does a group that is not steady: figures from the middle of a move, or of a
+   recovery, say nothing about a split.
+2. **Decision**, at the end of a window of a steady group (Ready, ZooKeeper connected, no
+   recovery under way, the target reached): the policy's target split, its reason and numbers.
+   Model moves at most ``step`` instances per change and waits ``cooldownSeconds`` between
+   changes (so does Feedback, by its own rule). A change is said once, as an Event ("Moving one
+   instance from decode to prefill: ..."), and dated (``lastChangeTime``).
+3. **Walk**: this pass's counts, one instance at a time from the serving split toward the
+   target (``transition``), counted from the map's serving members: under ``FixedTotal`` the
+   instance of the other role is added only once the released one has left the map, under
+   ``Elastic`` one is released only once the added one serves. A group that is not steady holds
+   its last counts (recovery owns its instances then). A new total (the spec's replicas or the
+   scale subresource changed) is split at once and obtained at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from matrixserve.api import zk_layout as zl
+from matrixserve.api.resources import RatioMode
+from matrixserve.domain import ratio
+from matrixserve.domain.conditions import is_true
+from matrixserve.domain.pdgroup import recovery
+from matrixserve.domain.pdgroup.actions import Action, ReportRatioChange
+from matrixserve.domain.pdgroup.membership import RoleCounts
+from matrixserve.domain.pdgroup.validation import ratio_bounds
+from matrixserve.domain.pdgroup.view import GroupView
+from matrixserve.domain.ratio import Split
+
+# A window's figures need this many requests through each role (fewer say nothing).
+LEAST_REQUESTS = 5
+
+
+@dataclass(frozen=True)
+class RatioPass:
+    """This pass's counts, ``status.ratio``, and the Event of a change (if one was decided)."""
+
+    counts: RoleCounts
+    status: dict[str, Any]
+    notices: list[Action] = field(default_factory=list)
+
+
+def serving_split(view: GroupView) -> Split | None:
+    """The map's members that serve now, per role; None before the group has a map (or while
+    a role has none serving)."""
+    roce_map = view.zk.roce_map
+    if roce_map is None:
+        return None
+
+    def serving(entries: list[zl.MapEntry]) -> int:
+        return sum(
+            1 for e in entries if e.instance not in view.zk.removed and view.healthy(e.instance)
+        )
+
+    p, d = serving(roce_map.prefill), serving(roce_map.decode)
+    return Split(p, d) if p and d else None
+
+
+def steady(view: GroupView) -> bool:
+    """Ready, ZooKeeper connected, no recovery under way, every member of the map serving."""
+    roce_map = view.zk.roce_map
+    return (
+        view.zk.connected
+        and roce_map is not None
+        and is_true(view.previous, "Ready")
+        and not recovery.records(view)
+        and all(view.healthy(e.instance) for e in [*roce_map.prefill, *roce_map.decode])
+        and not any(e.instance in view.zk.removed for e in [*roce_map.prefill, *roce_map.decode])
+    )
+
+
+def _split(text: Any) -> Split | None:
+    if not isinstance(text, str):
+        return None
+    try:
+        return Split.parse(text)
+    except ValueError:
+        return None
+
+
+def _members(view: GroupView) -> dict[str, str]:
+    """The serving members with a load report: instance -> incarnation."""
+    roce_map = view.zk.roce_map
+    if roce_map is None:
+        return {}
+    out = {}
+    for e in [*roce_map.prefill, *roce_map.decode]:
+        health = view.zk.health.get(e.instance)
+        if health is not None and health.load is not None and view.healthy(e.instance):
+            out[e.instance] = health.incarnation
+    return out
+
+
+def _member_list(members: Mapping[str, str]) -> list[str]:
+    return [f"{name}@{incarnation}" for name, incarnation in sorted(members.items())]
+
+
+def _sums(view: GroupView, members: Mapping[str, str]) -> tuple[zl.Load, zl.Load]:
+    def loads(role: zl.Role) -> list[zl.Load]:
+        out = []
+        for name in members:
+            health = view.zk.health[name]
+            if health.role is role and health.load is not None:
+                out.append(health.load)
+        return out
+
+    return ratio.load_sum(loads(zl.Role.PREFILL)), ratio.load_sum(loads(zl.Role.DECODE))
+
+
+def _window(view: GroupView, members: Mapping[str, str]) -> dict[str, Any]:
+    prefill, decode = _sums(view, members)
+    return {
+        "start": view.now,
+        # a list (a merge patch replaces it whole; a map would keep a member that left)
+        "members": _member_list(members),
+        "prefill": prefill.model_dump(by_alias=True),
+        "decode": decode.model_dump(by_alias=True),
+    }
+
+
+def _load(raw: Any) -> zl.Load | None:
+    try:
+        return zl.Load.model_validate(raw) if isinstance(raw, dict) else None
+    except ValueError:
+        return None
+
+
+def _moving(old: Split, new: Split) -> str:
+    if old.total != new.total:
+        return f"Splitting the total of {new.total} as {new}"
+    k = abs(new.prefill - old.prefill)
+    donor, receiver = ("decode", "prefill") if new.prefill > old.prefill else ("prefill", "decode")
+    what = "one instance" if k == 1 else f"{k} instances"
+    return f"Moving {what} from {donor} to {receiver} ({old} -> {new})"
+
+
+def ratio_pass(view: GroupView) -> RatioPass:
+    spec = view.spec
+    rp = spec.ratio_policy
+    spec_split = Split(spec.prefill.replicas, spec.decode.replicas)
+    if not rp.total_driven:
+        return RatioPass(
+            RoleCounts(spec_split.prefill, spec_split.decode),
+            {
+                "target": str(spec_split),
+                "policy": str(rp.mode),
+                "reason": "Fixed policy: the spec's replicas",
+            },
+        )
+    prev: Mapping[str, Any] = view.previous.get("ratio") or {}
+    total = spec_split.total
+    bounds = ratio_bounds(spec)
+    serving = serving_split(view)
+    is_steady = steady(view)
+    same_policy = prev.get("policy") == str(rp.mode)
+    target = _split(prev.get("target")) if same_policy else None
+    last_change = recovery.parse_time(prev.get("lastChangeTime")) if same_policy else None
+    reason = str(prev.get("reason") or "") if same_policy else ""
+    numbers: dict[str, Any] = dict(prev.get("numbers") or {}) if same_policy else {}
+    feedback = (
+        ratio.FeedbackState.from_status(prev.get("feedback"))
+        if same_policy
+        else ratio.FeedbackState()
+    )
+    notices: list[Action] = []
+    old_target = target
+
+    # the target: kept while it is a split of the total within the bounds
+    if target is None or target.total != total or not bounds.allows(target):
+        base = serving or target or spec_split
+        target = ratio.fallback_split(total, bounds, base) if bounds.splits(total) else spec_split
+        if old_target is None:
+            reason = f"{rp.mode} policy: starting from {target}"
+        else:
+            reason = f"the total is {total}: {target}, the split nearest {base}"
+            last_change = view.now
+
+    # the window, and a decision at its end
+    members = _members(view)
+    window = prev.get("window") if same_policy else None
+    capacity: dict[str, Any] = {
+        k: prev[k]
+        for k in ("phi", "prefillCapacity", "decodeCapacity", "bottleneck")
+        if same_policy and k in prev
+    }
+    if (
+        not is_steady
+        or serving != target
+        or not isinstance(window, dict)
+        or window.get("members") != _member_list(members)
+    ):
+        window = _window(view, members)
+    elif view.now - float(window.get("start") or 0) >= rp.window_seconds:
+        p0, d0 = _load(window.get("prefill")), _load(window.get("decode"))
+        p1, d1 = _sums(view, members)
+        dp = ratio.load_delta(p0, p1) if p0 is not None else None
+        dd = ratio.load_delta(d0, d1) if d0 is not None else None
+        if dp is not None and dd is not None:
+            decode_batch = spec.decode.batch_size
+            figures = ratio.figures_of(dp, dd, decode_batch, LEAST_REQUESTS)
+            if figures is not None:
+                cap = ratio.capacity(figures, serving)
+                capacity = cap.as_status()
+            decided = _decide(
+                view, rp, bounds, serving, total, figures, dp, dd, feedback, last_change
+            )
+            if decided is not None:
+                decision, feedback = decided
+                numbers = dict(decision.numbers)
+                reason = decision.reason
+                if decision.changed and decision.target != target:
+                    notices.append(
+                        ReportRatioChange(f"{_moving(serving, decision.target)}: {decision.reason}")
+                    )
+                    target = decision.target
+                    last_change = view.now
+        window = _window(view, members)
+
+    # the walk
+    if serving is None or serving.total != target.total:
+        # no map yet (the group forms with the target), or another total: all of it at once (a
+        # move's one instance in flight is the same either way)
+        counts = target
+    elif is_steady:
+        counts = ratio.next_step(serving, target, ratio.Transition(str(rp.transition)))
+    else:
+        counts = _split(prev.get("desired")) or target
+    if old_target is not None and target != old_target and not notices:
+        notices.append(ReportRatioChange(f"{_moving(old_target, target)}: {reason}"))
+    out: dict[str, Any] = {
+        "target": str(target),
+        "desired": str(counts),
+        "policy": str(rp.mode),
+        "reason": reason,
+        "numbers": numbers,
+        "window": window,
+        **capacity,
+    }
+    if last_change is not None:
+        out["lastChangeTime"] = recovery.rfc3339(last_change)
+    if rp.mode is RatioMode.FEEDBACK:
+        out["feedback"] = feedback.to_status()
+    return RatioPass(RoleCounts(counts.prefill, counts.decode), out, notices)
+
+
+def _decide(
+    view: GroupView,
+    rp: Any,
+    bounds: ratio.Bounds,
+    serving: Split,
+    total: int,
+    figures: ratio.Figures | None,
+    prefill: zl.Load,
+    decode: zl.Load,
+    feedback: ratio.FeedbackState,
+    last_change: float | None,
+) -> tuple[ratio.Decision, ratio.FeedbackState] | None:
+    """The policy's decision on a window, or None when the window says too little."""
+    if rp.mode is RatioMode.MODEL:
+        if figures is None:
+            return (
+                ratio.Decision(
+                    serving,
+                    False,
+                    f"too few requests in the window ({prefill.prefilled} prefilled, "
+                    f"{decode.decoded} decoded; {LEAST_REQUESTS} each needed)",
+                ),
+                feedback,
+            )
+        decision = ratio.model_target(figures, total, bounds, serving, rp.margin)
+        if not decision.changed:
+            return decision, feedback
+        if last_change is not None and view.now - last_change < rp.cooldown_seconds:
+            return ratio.Decision(
+                serving, False, f"{decision.reason}; cooling down", decision.numbers
+            ), feedback
+        step = ratio.toward(serving, decision.target, rp.step, bounds)
+        return ratio.Decision(step, step != serving, decision.reason, decision.numbers), feedback
+    signal = ratio.signal_of(prefill, decode, LEAST_REQUESTS)
+    if signal is None:
+        return None
+    tuning = rp.feedback
+    params = ratio.FeedbackParams(
+        e2e_rise=tuning.e2e_rise,
+        share_delta=tuning.tp_share_delta,
+        rejection=tuning.rejection,
+        kv_wait=tuning.kv_wait,
+        windows=tuning.windows,
+        improve=tuning.improve,
+        cooldown=float(rp.cooldown_seconds),
+    )
+    return ratio.Feedback(params, bounds).decide(feedback, signal, serving, total, view.now)

@@ -1,0 +1,240 @@
+"""The ratio policy in a group's plan (issue 19, :mod:`matrixserve.domain.pdgroup.split`): the
+window kept in the status, the decision at its end, the Event of a change, the walk one instance
+at a time, and what holds it (a group not steady, a cooldown)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fakes import engine_report
+from matrixserve.api import zk_layout as zl
+from matrixserve.api.resources import PDGroupSpec
+from matrixserve.domain import pdgroup
+from matrixserve.domain.enginepod import EngineSettings
+from matrixserve.domain.observed import PodView
+from matrixserve.domain.pdgroup import GroupView, ZkView
+from matrixserve.domain.pdgroup.actions import (
+    CreatePod,
+    MarkRemoved,
+    ReportRatioChange,
+    StartDrain,
+)
+from matrixserve.domain.pdgroup.pods import pod_labels
+from matrixserve.domain.pdgroup.split import ratio_pass
+
+P, D = zl.Role.PREFILL, zl.Role.DECODE
+ENGINE = EngineSettings(zookeeper="127.0.0.1:2181")
+T0 = 1_000_000.0
+READY = {"conditions": [{"type": "Ready", "status": "True"}]}
+
+
+def spec(p: int, d: int, **policy: Any) -> PDGroupSpec:
+    return PDGroupSpec.model_validate(
+        {
+            "service": "chat",
+            "scenario": "general",
+            "model": {"name": "llama3-8b"},
+            "prefill": {"replicas": p, "devicesPerInstance": 2},
+            "decode": {"replicas": d, "devicesPerInstance": 2, "batchSize": 32},
+            "ratioPolicy": policy,
+        }
+    )
+
+
+def names(p: int, d: int) -> dict[str, zl.Role]:
+    return {f"g-p-{i}": P for i in range(p)} | {f"g-d-{i}": D for i in range(d)}
+
+
+def load_of(role: zl.Role, heavy_prompts: bool, t: float) -> zl.Load:
+    """Counters ``t`` emulated seconds into a steady load: prompt-heavy (long prefills, short
+    outputs) or output-heavy. Per instance."""
+    n = int(t)  # a request a second each
+    if role is P:
+        ttft = 2.0 if heavy_prompts else 0.2
+        return zl.Load.model_validate(
+            {
+                "offered": n,
+                "prefilled": n,
+                "ttft_s": ttft * n,
+                "busy_s": ttft * n / 4,  # 4 prompts share the compute: 2 req/s busy (heavy)
+                "slot_s": ttft * n,
+            }
+        )
+    g = 10 if heavy_prompts else 400
+    return zl.Load.model_validate(
+        {
+            "decoded": n,
+            "output_tokens": g * n,
+            "tokens": g * n,
+            "tpot_s": 0.02 * g * n,
+            "kv_pulls": n,
+            "kv_s": 0.01 * n,
+            "decode_s": 0.02 * g * n,
+        }
+    )
+
+
+def group(
+    s: PDGroupSpec,
+    members: dict[str, zl.Role],
+    *,
+    now: float,
+    previous: dict[str, Any] | None = None,
+    heavy_prompts: bool = True,
+    incarnation: str = "i1",
+    pods: dict[str, zl.Role] | None = None,
+) -> GroupView:
+    """A formed group of ``members`` serving, their health carrying ``load_of`` at ``now``."""
+    index = {n: i for i, n in enumerate(sorted(set(members) | set(pods or {})))}
+    reports = {n: engine_report(n, index[n], incarnation=incarnation) for n in members}
+    roce_map = zl.build_roce_map(reports.values(), dict(members), version=1)
+    health = {
+        n: zl.Health(
+            instance=n,
+            role=r,
+            state=zl.HealthState.SERVING,
+            seq=1,
+            ts=now,
+            podIP=f"127.64.0.{index[n] + 2}",
+            port=8000,
+            incarnation=incarnation,
+            load=load_of(r, heavy_prompts, now - T0 + 100),
+        )
+        for n, r in members.items()
+    }
+    zk = ZkView(
+        connected=True,
+        reports=reports,
+        roce_map=roce_map,
+        init_order=zl.InitOrder(epoch=1, roceMapVersion=1),
+        health=health,
+        decode_meta=zl.DecodeMeta(version=1, decodes=roce_map.decode),
+        entrances=frozenset(e.instance for e in roce_map.prefill),
+    )
+    pod_views = {
+        n: PodView(n, f"uid-{n}", pod_labels("g", r, n), "Running", True, False, "n1", "sp0", 0.0)
+        for n, r in (pods or members).items()
+    }
+    return GroupView(
+        "ns",
+        "g",
+        1,
+        s,
+        pod_views,
+        zk,
+        now=now,
+        uid="uid-g",
+        engine=ENGINE,
+        previous={**READY, **(previous or {})},
+    )
+
+
+def test_fixed_counts_are_the_spec_replicas() -> None:
+    s = spec(2, 2)
+    out = ratio_pass(group(s, names(2, 2), now=T0))
+    assert (out.counts.prefill, out.counts.decode) == (2, 2)
+    assert out.status["policy"] == "Fixed"
+    assert out.notices == []
+
+
+def test_model_moves_a_prompt_heavy_group_toward_prefill_one_instance_at_a_time() -> None:
+    s = spec(2, 2, mode="Model", windowSeconds=30, cooldownSeconds=60)
+    first = ratio_pass(group(s, names(2, 2), now=T0))
+    assert first.status["target"] == "2:2"
+    assert (first.counts.prefill, first.counts.decode) == (2, 2)
+    window = first.status["window"]
+    assert window["start"] == T0
+    assert window["members"] == sorted(f"{n}@i1" for n in names(2, 2))
+    # within the window: nothing decided, the window kept
+    mid = ratio_pass(group(s, names(2, 2), now=T0 + 10, previous={"ratio": first.status}))
+    assert mid.status["window"] == window
+    assert mid.notices == []
+    # the window over: prompts of 2 s at 2 req/s busy per prefill, decodes of 0.21 s at 32:
+    # Eq. (1) wants nearly every instance in prefill; one moves (step 1)
+    end = ratio_pass(group(s, names(2, 2), now=T0 + 31, previous={"ratio": mid.status}))
+    assert end.status["target"] == "3:1"
+    (event,) = end.notices
+    assert isinstance(event, ReportRatioChange)
+    assert event.message.startswith("Moving one instance from decode to prefill (2:2 -> 3:1): ")
+    assert "Eq. (1)" in event.message
+    assert end.status["bottleneck"] == "prefill"
+    assert end.status["prefillCapacity"] < end.status["decodeCapacity"]
+    assert end.status["lastChangeTime"]
+    # FixedTotal: the decode is released first
+    assert (end.counts.prefill, end.counts.decode) == (2, 1)
+    plan = pdgroup.plan(group(s, names(2, 2), now=T0 + 31, previous={"ratio": mid.status}))
+    # ... drained first (it finishes its requests, no new ones), then out of the map
+    assert [a.drain.instance for a in plan.actions if isinstance(a, StartDrain)] == ["g-d-1"]
+    assert not any(isinstance(a, MarkRemoved) for a in plan.actions)
+    assert any(isinstance(a, ReportRatioChange) for a in plan.actions)
+    # ... the decode gone from the map: the prefill is added (a new pod for g-p-2)
+    after = ratio_pass(group(s, names(2, 1), now=T0 + 40, previous={"ratio": end.status}))
+    assert after.status["target"] == "3:1"
+    assert (after.counts.prefill, after.counts.decode) == (3, 1)
+    assert after.notices == []
+    plan = pdgroup.plan(group(s, names(2, 1), now=T0 + 40, previous={"ratio": end.status}))
+    assert [a.name for a in plan.actions if isinstance(a, CreatePod)] == ["g-p-2"]
+
+
+def test_elastic_adds_first_and_releases_once_the_new_one_serves() -> None:
+    s = spec(2, 2, mode="Model", transition="Elastic")
+    ratio = {"ratio": {"policy": "Model", "target": "3:1", "desired": "2:2"}}
+    out = ratio_pass(group(s, names(2, 2), now=T0, previous=ratio))
+    assert (out.counts.prefill, out.counts.decode) == (3, 2)
+    # the new prefill in the map and serving: now the decode goes
+    out = ratio_pass(group(s, names(3, 2), now=T0, previous={"ratio": out.status}))
+    assert (out.counts.prefill, out.counts.decode) == (3, 1)
+
+
+def test_no_decision_while_cooling_down_or_not_steady() -> None:
+    s = spec(2, 2, mode="Model", windowSeconds=30, cooldownSeconds=600)
+    first = ratio_pass(group(s, names(2, 2), now=T0))
+    recent = {**first.status, "lastChangeTime": "1970-01-12T13:46:30.000000Z"}  # T0 - 10
+    end = ratio_pass(group(s, names(2, 2), now=T0 + 31, previous={"ratio": recent}))
+    assert end.status["target"] == "2:2"
+    assert "cooling down" in end.status["reason"]
+    assert end.notices == []
+    # a recovery under way: the window starts again, the counts hold
+    held = ratio_pass(
+        group(
+            s,
+            names(2, 2),
+            now=T0 + 31,
+            previous={"ratio": {**first.status, "desired": "2:2"}, "recovering": [{"plan": {}}]},
+        )
+    )
+    assert held.status["window"]["start"] == T0 + 31
+    assert held.notices == []
+    assert (held.counts.prefill, held.counts.decode) == (2, 2)
+
+
+def test_a_restarted_member_starts_a_new_window() -> None:
+    s = spec(2, 2, mode="Model", windowSeconds=30)
+    first = ratio_pass(group(s, names(2, 2), now=T0))
+    out = ratio_pass(
+        group(s, names(2, 2), now=T0 + 31, previous={"ratio": first.status}, incarnation="i2")
+    )
+    assert out.status["window"]["start"] == T0 + 31
+    assert out.notices == []
+    assert out.status["target"] == "2:2"
+
+
+def test_a_new_total_is_split_at_once() -> None:
+    s = spec(2, 2, mode="Model")
+    first = ratio_pass(group(s, names(2, 2), now=T0))
+    bigger = spec(3, 3, mode="Model")
+    out = ratio_pass(group(bigger, names(2, 2), now=T0 + 5, previous={"ratio": first.status}))
+    assert out.status["target"] == "3:3"
+    assert (out.counts.prefill, out.counts.decode) == (3, 3)  # obtained at once, not one by one
+    (event,) = out.notices
+    assert isinstance(event, ReportRatioChange)
+    assert event.message.startswith("Splitting the total of 6 as 3:3")
+
+
+def test_feedback_keeps_its_state_in_the_status() -> None:
+    s = spec(2, 2, mode="Feedback", windowSeconds=30)
+    first = ratio_pass(group(s, names(2, 2), now=T0))
+    end = ratio_pass(group(s, names(2, 2), now=T0 + 31, previous={"ratio": first.status}))
+    assert end.status["feedback"]["baselineE2E"] is not None  # the first window: its baseline
+    assert end.status["target"] == "2:2"
+    assert end.notices == []
