@@ -141,10 +141,12 @@ class Traffic:
         ready: Callable[[], bool] | None = None,
         clients: int = CLIENTS,
         max_tokens: int = MAX_TOKENS,
+        prompt_repeat: int = 8,
     ) -> None:
         self.gateway = gateway
         self.ready = ready
         self.max_tokens = max_tokens
+        self.prompt_repeat = prompt_repeat  # the prompt's phrase this many times (~6 tokens each)
         self.requests: list[Request] = []
         self.samples: list[Sample] = []
         self.lock = threading.Lock()
@@ -169,7 +171,7 @@ class Traffic:
         with httpx.Client(timeout=20, trust_env=False) as http:
             n = 0
             while not self.stopping.is_set():
-                prompt = f"client {index} request {n} " * 8
+                prompt = f"client {index} request {n} " * self.prompt_repeat
                 request = complete(http, self.gateway, prompt, self.max_tokens)
                 with self.lock:
                     self.requests.append(request)

@@ -76,6 +76,7 @@ def health(name: str, role: zl.Role, i: int) -> zl.Health:
         ts=0.0,
         podIP=f"127.64.0.{i + 2}",
         port=8000,
+        load=zl.Load(),  # an engine that reports its load drains (issue 19)
     )
 
 
@@ -208,7 +209,9 @@ def drained(
     """``name`` asked to drain at ``at``, and its health since (written at ``reported``, ``at``
     unless given, and so for every member): draining, ``inflight`` left."""
     ts = at if reported is None else reported
-    health = zk.health[name].model_copy(update={"draining": True, "inflight": inflight, "ts": ts})
+    health = zk.health[name].model_copy(
+        update={"draining": True, "drain_at": at, "inflight": inflight, "ts": ts}
+    )
     others = {n: h.model_copy(update={"ts": ts}) for n, h in zk.health.items() if n != name}
     return dataclasses.replace(
         zk,
@@ -408,6 +411,26 @@ def test_a_decode_drains_out_of_the_decode_meta_and_a_dead_one_leaves_at_once() 
     # an instance that does not serve has nothing to finish: it leaves at once
     dead = dataclasses.replace(zk, health={n: h for n, h in zk.health.items() if n != "g-d-1"})
     assert "WriteRoceMap" in kinds(pdgroup.plan(view(spec(p=1, d=1), pods, dead)))
+
+
+def test_a_drain_answered_for_another_marker_is_not_this_one() -> None:
+    """The engine echoes the marker's time it drains for: a report for an earlier drain (the
+    instance was wanted again, then not) does not let it leave."""
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    zk = drained(serving_group(pods), "g-p-1", at=10.0)
+    later = dataclasses.replace(
+        zk, draining={"g-p-1": zl.Drain(instance="g-p-1", reason="scale-in", at=15.0)}
+    )
+    assert "WriteRoceMap" not in kinds(pdgroup.plan(view(spec(p=1), pods, later, now=20.0)))
+
+
+def test_an_engine_that_cannot_drain_leaves_at_once() -> None:
+    """An older engine (no load in its health) never says it drained: not waited for."""
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    zk = serving_group(pods)
+    old = {n: h.model_copy(update={"load": None}) for n, h in zk.health.items()}
+    plan = pdgroup.plan(view(spec(p=1), pods, dataclasses.replace(zk, health=old)))
+    assert kinds(plan)[:2] == ["WriteRoceMap", "MarkRemoved"]
 
 
 def test_a_draining_instance_wanted_again_takes_work_again() -> None:

@@ -20,7 +20,7 @@ from matrixserve.domain.pdgroup.actions import (
     StartDrain,
 )
 from matrixserve.domain.pdgroup.pods import pod_labels
-from matrixserve.domain.pdgroup.split import ratio_pass
+from matrixserve.domain.pdgroup.split import WALK_SECONDS, ratio_pass
 
 P, D = zl.Role.PREFILL, zl.Role.DECODE
 ENGINE = EngineSettings(zookeeper="127.0.0.1:2181")
@@ -45,12 +45,14 @@ def names(p: int, d: int) -> dict[str, zl.Role]:
     return {f"g-p-{i}": P for i in range(p)} | {f"g-d-{i}": D for i in range(d)}
 
 
-def load_of(role: zl.Role, heavy_prompts: bool, t: float) -> zl.Load:
+def load_of(
+    role: zl.Role, heavy_prompts: bool, t: float, shape: tuple[float, int] | None = None
+) -> zl.Load:
     """Counters ``t`` emulated seconds into a steady load: prompt-heavy (long prefills, short
-    outputs) or output-heavy. Per instance."""
+    outputs) or output-heavy, or ``shape`` (TTFT, tokens generated). Per instance."""
     n = int(t)  # a request a second each
+    ttft, g = shape or ((2.0, 10) if heavy_prompts else (0.2, 400))
     if role is P:
-        ttft = 2.0 if heavy_prompts else 0.2
         return zl.Load.model_validate(
             {
                 "offered": n,
@@ -60,7 +62,6 @@ def load_of(role: zl.Role, heavy_prompts: bool, t: float) -> zl.Load:
                 "slot_s": ttft * n,
             }
         )
-    g = 10 if heavy_prompts else 400
     return zl.Load.model_validate(
         {
             "decoded": n,
@@ -83,6 +84,7 @@ def group(
     heavy_prompts: bool = True,
     incarnation: str = "i1",
     pods: dict[str, zl.Role] | None = None,
+    shape: tuple[float, int] | None = None,
 ) -> GroupView:
     """A formed group of ``members`` serving, their health carrying ``load_of`` at ``now``."""
     index = {n: i for i, n in enumerate(sorted(set(members) | set(pods or {})))}
@@ -98,7 +100,7 @@ def group(
             podIP=f"127.64.0.{index[n] + 2}",
             port=8000,
             incarnation=incarnation,
-            load=load_of(r, heavy_prompts, now - T0 + 100),
+            load=load_of(r, heavy_prompts, now - T0 + 100, shape),
         )
         for n, r in members.items()
     }
@@ -238,3 +240,100 @@ def test_feedback_keeps_its_state_in_the_status() -> None:
     assert end.status["feedback"]["baselineE2E"] is not None  # the first window: its baseline
     assert end.status["target"] == "2:2"
     assert end.notices == []
+
+
+def test_a_move_of_several_instances_alternates_and_never_exceeds_the_total() -> None:
+    """FixedTotal from 4:1 to 2:3: release, add, release, add (never 6 instances for 5)."""
+    s = spec(4, 1, mode="Model")
+    prev: dict[str, Any] = {"policy": "Model", "target": "2:3", "desired": "4:1"}
+    serving = names(4, 1)
+    seen = []
+    for _ in range(8):
+        out = ratio_pass(group(s, serving, now=T0, previous={"ratio": prev}))
+        counts = (out.counts.prefill, out.counts.decode)
+        seen.append(counts)
+        assert sum(counts) <= 5
+        serving = names(*counts)
+        prev = out.status
+        if counts == (2, 3):
+            break
+    assert seen == [(3, 1), (3, 2), (2, 2), (2, 3)]
+
+
+def test_a_new_total_restarts_the_feedback_rule() -> None:
+    """A scale to 5 while the rule judged a move of a 4-instance group: the judgement (E2E
+    before the move) says nothing about 5 instances; it starts afresh."""
+    judging = {
+        "policy": "Feedback",
+        "target": "2:2",
+        "feedback": {"moving": "prefill", "beforeMove": 5.0, "lastChange": T0 - 100},
+    }
+    out = ratio_pass(
+        group(spec(3, 2, mode="Feedback"), names(2, 2), now=T0, previous={"ratio": judging})
+    )
+    assert out.status["target"] == "2:3"  # the split of 5 nearest 2:2's ratio
+    assert out.status["feedback"]["moving"] is None
+    assert out.status["feedback"]["beforeMove"] is None
+
+
+def test_a_move_that_never_arrives_is_given_up() -> None:
+    """2:2 -> 3:1 released g-d-1 but g-p-2 never serves: after WALK_SECONDS, back to 2:2."""
+    s = spec(2, 2, mode="Model")
+    moving = {
+        "policy": "Model",
+        "target": "3:1",
+        "from": "2:2",
+        "desired": "3:1",
+        "lastChangeTime": "1970-01-12T13:46:40.000000Z",  # T0
+    }
+    early = ratio_pass(group(s, names(2, 1), now=T0 + 60, previous={"ratio": moving}))
+    assert early.status["target"] == "3:1"
+    assert early.notices == []
+    late = ratio_pass(group(s, names(2, 1), now=T0 + WALK_SECONDS + 1, previous={"ratio": moving}))
+    assert late.status["target"] == "2:2"
+    (event,) = late.notices
+    assert isinstance(event, ReportRatioChange)
+    assert event.reason == "RatioMoveAbandoned"
+    assert event.warning
+    assert (late.counts.prefill, late.counts.decode) == (2, 2)
+
+
+def test_the_cooldown_counts_from_the_arrival() -> None:
+    s = spec(3, 1, mode="Model", windowSeconds=30, cooldownSeconds=60)
+    arrived = {
+        "policy": "Model",
+        "target": "3:1",
+        "from": "2:2",
+        "lastChangeTime": "1970-01-12T13:45:00.000000Z",  # long before T0
+    }
+    out = ratio_pass(group(s, names(3, 1), now=T0, previous={"ratio": arrived}))
+    assert out.status["reachedTime"] == "1970-01-12T13:46:40.000000Z"  # T0
+
+
+def test_model_does_not_swing_back_to_the_split_it_just_left() -> None:
+    """Figures by which 2:2 serves 5 % more than 3:1 (one prefill serves 4 req/s, one decode
+    7.6): past the margin, so Model would move; but 2:2 is the split it left 105 s ago (less
+    than three cooldowns), and 5 % is less than three margins: it stays. Later it may go."""
+    s = spec(3, 1, mode="Model", windowSeconds=30, cooldownSeconds=60)
+    shape = (1.0, 210)
+    first = ratio_pass(group(s, names(3, 1), now=T0, shape=shape))
+    left = {
+        **first.status,
+        "from": "2:2",
+        "lastChangeTime": "1970-01-12T13:46:30.000000Z",  # T0 - 10
+        "reachedTime": "1970-01-12T13:46:35.000000Z",  # T0 - 5
+    }
+    stay = ratio_pass(group(s, names(3, 1), now=T0 + 100, previous={"ratio": left}, shape=shape))
+    assert stay.status["target"] == "3:1"
+    assert "not back to 2:2" in stay.status["reason"]
+    assert stay.status["numbers"]["capacityTarget"] > stay.status["numbers"]["capacityNow"]
+    # long after leaving it, the same figures move it back
+    long_ago = {
+        **left,
+        "lastChangeTime": "1970-01-12T13:30:00.000000Z",
+        "reachedTime": "1970-01-12T13:31:00.000000Z",
+    }
+    back = ratio_pass(
+        group(s, names(3, 1), now=T0 + 100, previous={"ratio": long_ago}, shape=shape)
+    )
+    assert back.status["target"] == "2:2"

@@ -160,10 +160,13 @@ def test_next_step_walks_one_instance_at_a_time(
         assert len(path) <= 50
     assert len(path) - 1 == abs(p1 - p0) + abs(d1 - d0)  # never a step away from the target
     totals = [s.total for s in path]
+    lo, hi = min(current.total, target.total), max(current.total, target.total)
     if transition is r.Transition.FIXED_TOTAL:  # release first: never above either total
-        assert max(totals) <= max(current.total, target.total)
+        assert max(totals) <= hi
+        assert min(totals) >= lo - 1  # releases and additions alternate: one short at most
     else:  # add first: never below either total
-        assert min(totals) >= min(current.total, target.total)
+        assert min(totals) >= lo
+        assert max(totals) <= hi + 1
 
 
 def test_one_change_moves_at_most_step_instances_and_rung_by_rung() -> None:

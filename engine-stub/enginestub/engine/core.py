@@ -133,8 +133,10 @@ class Engine:
         self.decode_entries: list[zl.MapEntry] = []  # the decode meta's, when there is one
         self.removed: set[str] = set()  # host:port of logically removed instances
         self.removal: str | None = None  # why this instance is logically removed, if it is
-        # Issue 19: why it is draining (no new requests; it finishes those it has), if it is
+        # Issue 19: why it is draining (no new requests; it finishes those it has), if it is,
+        # and the marker's time it answers (echoed in its health)
         self.draining: str | None = None
+        self.drain_at = 0.0
         self.devices = DeviceFaults(config, self.metrics)
         self.heartbeat = Heartbeat(config, self.clock, self.devices.not_hung)
         self.heartbeat.on_change = self._health_changed
@@ -408,9 +410,12 @@ class Engine:
         self.on_health_change()  # looked up now: the resident process sets it after start
 
     def _why_not_serving(self) -> str | None:
-        """Why this instance cannot serve (or fork) now, or None."""
+        """Why this instance cannot serve (or fork) now, or None. A draining instance forks
+        nobody: its pod may go before a broadcast ends."""
         if self.closing is not None:
             return self.closing
+        if self.draining is not None:
+            return self.draining
         try:
             self.check_serving()
         except EngineError as exc:
@@ -556,15 +561,15 @@ class Engine:
                 503, "draining", f"{self.draining}: finishing its requests, taking no new ones"
             )
 
-    def drain(self, why: str) -> None:
-        if self.draining is None:
-            self.draining = why
+    def drain(self, why: str, at: float) -> None:
+        if self.draining is None or self.drain_at != at:
+            self.draining, self.drain_at = why, at
             log.info("%s; %d stream(s) to finish", why, len(self.streams))
             self._health_changed()
 
     def undrain(self) -> None:
         if self.draining is not None:
-            self.draining = None
+            self.draining, self.drain_at = None, 0.0
             self._health_changed()
 
     # ================================================================ logical removal

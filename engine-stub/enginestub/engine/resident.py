@@ -243,14 +243,14 @@ class Resident:
         def on_removed(children: list[str]) -> None:
             self.bridge.call(self._set_removed, children)
 
-        def on_draining(children: list[str]) -> None:
-            self.bridge.call(self._set_draining, children)
+        def on_drain(data: bytes | None, _stat: Any) -> None:
+            self.bridge.call(self._set_drain, data)
 
         self.zk.watch_data(self.paths.init_order, on_init)
         self.zk.watch_data(self.paths.roce_map, on_map)
         self.zk.watch_data(self.paths.decode_meta, on_meta)
         self.zk.watch_children(self.paths.removed, on_removed)
-        self.zk.watch_children(self.paths.draining, on_draining)
+        self.zk.watch_data(self.paths.draining_of(self.instance), on_drain)
 
     def _set_init(self, data: bytes | None) -> None:
         self.init_order = zl.InitOrder.parse(data) if data else None
@@ -288,15 +288,23 @@ class Resident:
             self.engine.readmit()
         self._removed_addresses()
 
-    def _set_draining(self, children: list[str]) -> None:
+    def _set_drain(self, data: bytes | None) -> None:
         """Issue 19: named under ``draining/``, this instance takes no new request and
-        finishes those it has (its health says how many are left)."""
-        if self.instance in children:
-            self.engine.drain(
-                f"instance {self.instance} is draining out of group {self.namespace}/{self.group}"
-            )
-        else:
+        finishes those it has (its health says how many are left, and which drain it
+        answers: the marker's ``at``)."""
+        try:
+            drain = zl.Drain.parse(data) if data else None
+        except ValueError:
+            log.error("ignoring an unreadable drain marker")
+            return
+        if drain is None:
             self.engine.undrain()
+            return
+        self.engine.drain(
+            f"instance {self.instance} is draining out of group {self.namespace}/{self.group}"
+            f" ({drain.reason})",
+            drain.at,
+        )
 
     def _removed_addresses(self) -> None:
         names = self._removed_names
@@ -517,6 +525,7 @@ class Resident:
             warm=engine.warm,
             load=engine.metrics.load.report(engine.prefill.compute.busy_seconds()),
             draining=engine.draining is not None,
+            drainAt=engine.drain_at,
             inflight=len(engine.streams),
         )
 

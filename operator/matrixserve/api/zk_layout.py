@@ -511,6 +511,7 @@ class Health(_Payload):
     # Issue 19: asked to drain (its ``draining/`` znode), and the requests it still holds (its
     # open streams: a prefill's last until its decode ends, as it relays them)
     draining: bool = False
+    drain_at: float = Field(default=0.0, alias="drainAt")  # the marker's ``at`` it answers
     inflight: int = Field(default=0, ge=0)
 
 

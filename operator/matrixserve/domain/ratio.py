@@ -612,22 +612,25 @@ def toward(current: Split, target: Split, step: int, bounds: Bounds) -> Split:
 
 
 def next_step(current: Split, target: Split, transition: Transition) -> Split:
-    """The next split on the way from ``current`` to ``target``, one instance at a time:
-    ``FixedTotal`` releases an instance of a role that has too many first (the group never
-    holds more instances than the larger of the two totals), ``Elastic`` adds one of a role that
-    has too few first (its capacity never dips). ``current`` when there. Of two roles to add (or
+    """The next split on the way from ``current`` to ``target``, one instance at a time,
+    releases and additions alternating: ``FixedTotal`` releases first (an instance of a role
+    that has too many) whenever the group is not below the target's total, so it never holds
+    more than the larger of the two totals; ``Elastic`` adds first whenever it is not above it,
+    so it never holds fewer than the smaller. ``current`` when there. Of two roles to add (or
     release), the one further from its target goes first, prefill on a tie."""
     if current == target:
         return current
     excess = {PREFILL: current.prefill - target.prefill, DECODE: current.decode - target.decode}
     release = [r for r in (PREFILL, DECODE) if excess[r] > 0]
     add = [r for r in (PREFILL, DECODE) if excess[r] < 0]
-    if release and (transition is Transition.FIXED_TOTAL or not add):
-        role = max(release, key=lambda r: excess[r])
-        step = -1
+    if transition is Transition.FIXED_TOTAL:
+        releasing = bool(release) and (current.total >= target.total or not add)
     else:
-        role = min(add, key=lambda r: excess[r])
-        step = 1
+        releasing = not add or (current.total > target.total and bool(release))
+    if releasing:
+        role, step = max(release, key=lambda r: excess[r]), -1
+    else:
+        role, step = min(add, key=lambda r: excess[r]), 1
     if role == PREFILL:
         return Split(current.prefill + step, current.decode)
     return Split(current.prefill, current.decode + step)

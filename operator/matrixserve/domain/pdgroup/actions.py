@@ -76,9 +76,11 @@ class ReportRatioChange(Notice):
     """The ratio policy moved the group's target split (issue 19): why, with the numbers."""
 
     message: str
+    reason: str = "RatioChange"
+    warning: bool = False
 
     def describe(self) -> Event:
-        return Event("RatioChange", self.message)
+        return Event(self.reason, self.message, warning=self.warning)
 
 
 # --------------------------------------------------------------------------- ZooKeeper

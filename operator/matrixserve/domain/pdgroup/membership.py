@@ -171,7 +171,12 @@ def _as_report(entry: zl.MapEntry) -> zl.Report:
     )
 
 
-def change_map(view: GroupView, roce_map: zl.RoceMap, desired: Mapping[str, zl.Role]) -> Change:
+def change_map(
+    view: GroupView,
+    roce_map: zl.RoceMap,
+    desired: Mapping[str, zl.Role],
+    sacrificed: frozenset[str] = frozenset(),
+) -> Change:
     """Joiners (desired, reported, not in the map, not marked removed) enter the map, rejoiners
     (members whose current report is someone else than their entry) replace their entries, and
     leavers (in the map, not desired) go, in one new version; leavers are marked removed and
@@ -190,7 +195,9 @@ def change_map(view: GroupView, roce_map: zl.RoceMap, desired: Mapping[str, zl.R
     ]
     # Logically removed for a fault (recovery wrote the marker), or not desired any more and
     # drained: out. Not desired and not drained yet: draining (kept in the map meanwhile).
-    leaving = [n for n in members if n in zk.removed or (n not in desired and drained(view, n))]
+    leaving = [
+        n for n in members if n in zk.removed or (n not in desired and drained(view, n, sacrificed))
+    ]
     actions: list[Action] = []
     draining = frozenset(n for n in members if n not in desired and n not in leaving)
     for name in sorted(draining):
@@ -233,17 +240,19 @@ def change_map(view: GroupView, roce_map: zl.RoceMap, desired: Mapping[str, zl.R
     return Change(actions, roce_map, members, observed, tuple(leaving), draining)
 
 
-def drained(view: GroupView, name: str) -> bool:
-    """A member that is no longer desired may leave the map: its health (written after the
-    drain began) says it holds no request, or it has drained for ``DRAIN_SECONDS``, or it does
-    not serve (nothing of it to finish: a dead or faulty engine, or one never open)."""
+def drained(view: GroupView, name: str, sacrificed: frozenset[str] = frozenset()) -> bool:
+    """A member that is no longer desired may leave the map: its health says it drained this
+    drain (``drainAt`` echoes the marker's ``at``: no clocks compared) and holds no request, or
+    it has drained for ``DRAIN_SECONDS``, or there is nothing to wait for: it does not serve (a
+    dead or faulty engine), its engine cannot drain (an older one: no ``load`` in its health),
+    or recovery gave it up (``sacrificed``: a shrink frees its NPUs for a faulty decode now)."""
     drain = view.zk.draining.get(name)
-    if not view.healthy(name):
+    health = view.zk.health.get(name)
+    if not view.healthy(name) or health is None or health.load is None or name in sacrificed:
         return True
     if drain is None:
         return False
-    health = view.zk.health[name]
-    if health.draining and health.inflight == 0 and health.ts >= drain.at:
+    if health.draining and health.drain_at == drain.at and health.inflight == 0:
         return True
     return view.now - drain.at >= DRAIN_SECONDS
 

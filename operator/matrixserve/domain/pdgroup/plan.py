@@ -188,7 +188,7 @@ def _actions(
     if zk.roce_map is None:
         gathered, roce_map = membership.gather(view, desired)
         return actions + gathered, roce_map, None
-    change = membership.change_map(view, zk.roce_map, desired)
+    change = membership.change_map(view, zk.roce_map, desired, frozenset(recovery.sacrificed(view)))
     actions += change.actions
     actions += membership.release(view, desired, change)
     actions += membership.open_traffic(view, change, actions)

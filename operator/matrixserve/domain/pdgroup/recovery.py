@@ -113,7 +113,8 @@ def detect(view: GroupView, roce_map: zl.RoceMap | None) -> list[Fault]:
             by_node.setdefault(node, []).append(name)
             node_since[node] = min(node_since.get(node, view.now), down[0].node_down_since or 0)
             continue
-        if instance.deleting or name in view.zk.removed:
+        # a member draining out (issue 19) leaves anyway: its fault is not one to recover
+        if instance.deleting or name in view.zk.removed or name in view.zk.draining:
             continue
         found = _instance_fault(view, name, members[name])
         if found is not None and not any(found.instances == f.instances for f in faults):

@@ -27,7 +27,7 @@ replicas set the **total** and the policy splits it (P/D-Serve §2.1, §3.3;
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from matrixserve.api import zk_layout as zl
@@ -36,13 +36,20 @@ from matrixserve.domain import ratio
 from matrixserve.domain.conditions import is_true
 from matrixserve.domain.pdgroup import recovery
 from matrixserve.domain.pdgroup.actions import Action, ReportRatioChange
-from matrixserve.domain.pdgroup.membership import RoleCounts
+from matrixserve.domain.pdgroup.membership import DRAIN_SECONDS, RoleCounts
 from matrixserve.domain.pdgroup.validation import ratio_bounds
 from matrixserve.domain.pdgroup.view import GroupView
 from matrixserve.domain.ratio import Split
 
 # A window's figures need this many requests through each role (fewer say nothing).
 LEAST_REQUESTS = 5
+# [design] A move that has not arrived after this long is given up (back to the split it left):
+# a drain's bound, and as long again for the new instance to start.
+WALK_SECONDS = 2 * DRAIN_SECONDS
+# [design] Model goes back to the split it just left only for this many times its margin, within
+# this many cooldowns of leaving it.
+RETURN_MARGINS = 3
+RETURN_COOLDOWNS = 3
 
 
 @dataclass(frozen=True)
@@ -178,6 +185,8 @@ def ratio_pass(view: GroupView) -> RatioPass:
     )
     notices: list[Action] = []
     old_target = target
+    left = _split(prev.get("from")) if same_policy else None  # the split the last move left
+    reached = recovery.parse_time(prev.get("reachedTime")) if same_policy else None
 
     # the target: kept while it is a split of the total within the bounds
     if target is None or target.total != total or not bounds.allows(target):
@@ -187,7 +196,41 @@ def ratio_pass(view: GroupView) -> RatioPass:
             reason = f"{rp.mode} policy: starting from {target}"
         else:
             reason = f"the total is {total}: {target}, the split nearest {base}"
-            last_change = view.now
+            last_change, left, reached = view.now, None, None
+            # the feedback rule judges splits of one total: a new total starts it afresh
+            feedback = ratio.FeedbackState(last_change=view.now)
+    elif (
+        serving is not None
+        and serving != target
+        and last_change is not None
+        and reached is None
+        and view.now - last_change > WALK_SECONDS
+    ):
+        # a move that did not arrive (its new instance never serves: unschedulable, crashing)
+        # is given up: back to the split it left, known to run
+        back = left if left is not None and left.total == total and bounds.allows(left) else None
+        back = back or ratio.fallback_split(total, bounds, serving)
+        notices.append(
+            ReportRatioChange(
+                f"Giving up the move to {target} after {WALK_SECONDS:.0f} s (serving "
+                f"{serving}): back to {back}",
+                reason="RatioMoveAbandoned",
+                warning=True,
+            )
+        )
+        reason = f"the move to {target} did not arrive within {WALK_SECONDS:.0f} s: back to {back}"
+        target, last_change, left = back, view.now, None
+        feedback = ratio.FeedbackState(last_change=view.now)
+    if (
+        serving is not None
+        and serving == target
+        and last_change is not None
+        and (reached is None or reached < last_change)
+    ):
+        # arrived: the cooldown counts from here (a drain and a start can outlast it)
+        reached = view.now
+        if feedback.last_change is not None:
+            feedback = replace(feedback, last_change=view.now)
 
     # the window, and a decision at its end
     members = _members(view)
@@ -215,8 +258,9 @@ def ratio_pass(view: GroupView) -> RatioPass:
             if figures is not None:
                 cap = ratio.capacity(figures, serving)
                 capacity = cap.as_status()
+            since = max(t for t in (last_change, reached, 0.0) if t is not None)
             decided = _decide(
-                view, rp, bounds, serving, total, figures, dp, dd, feedback, last_change
+                view, rp, bounds, serving, total, figures, dp, dd, feedback, since or None, left
             )
             if decided is not None:
                 decision, feedback = decided
@@ -226,16 +270,16 @@ def ratio_pass(view: GroupView) -> RatioPass:
                     notices.append(
                         ReportRatioChange(f"{_moving(serving, decision.target)}: {decision.reason}")
                     )
-                    target = decision.target
-                    last_change = view.now
+                    left, target = serving, decision.target
+                    last_change, reached = view.now, None
         window = _window(view, members)
 
     # the walk
-    if serving is None or serving.total != target.total:
-        # no map yet (the group forms with the target), or another total: all of it at once (a
-        # move's one instance in flight is the same either way)
+    if serving is None or abs(serving.total - target.total) > 1:
+        # no map yet (the group forms with the target), or a new total (a scale): all of it at
+        # once, through the scale-out path choice
         counts = target
-    elif is_steady:
+    elif is_steady or serving.total != target.total:
         counts = ratio.next_step(serving, target, ratio.Transition(str(rp.transition)))
     else:
         counts = _split(prev.get("desired")) or target
@@ -252,6 +296,10 @@ def ratio_pass(view: GroupView) -> RatioPass:
     }
     if last_change is not None:
         out["lastChangeTime"] = recovery.rfc3339(last_change)
+    if reached is not None:
+        out["reachedTime"] = recovery.rfc3339(reached)
+    if left is not None:
+        out["from"] = str(left)
     if rp.mode is RatioMode.FEEDBACK:
         out["feedback"] = feedback.to_status()
     return RatioPass(RoleCounts(counts.prefill, counts.decode), out, notices)
@@ -268,8 +316,12 @@ def _decide(
     decode: zl.Load,
     feedback: ratio.FeedbackState,
     last_change: float | None,
+    left: Split | None,
 ) -> tuple[ratio.Decision, ratio.FeedbackState] | None:
-    """The policy's decision on a window, or None when the window says too little."""
+    """The policy's decision on a window, or None when the window says too little. ``left``:
+    the split the last move left; Model goes back to it within ``RETURN_COOLDOWNS`` cooldowns
+    only for ``RETURN_MARGINS`` times its margin (its capacities are estimates: a decode loaded
+    by the move reads slower than it read underloaded, which must not swing it back)."""
     if rp.mode is RatioMode.MODEL:
         if figures is None:
             return (
@@ -289,6 +341,17 @@ def _decide(
                 serving, False, f"{decision.reason}; cooling down", decision.numbers
             ), feedback
         step = ratio.toward(serving, decision.target, rp.step, bounds)
+        recent = last_change is not None and (
+            view.now - last_change < RETURN_COOLDOWNS * rp.cooldown_seconds
+        )
+        now_cap = float(decision.numbers.get("capacityNow") or 0.0)
+        best_cap = float(decision.numbers.get("capacityTarget") or 0.0)
+        if step == left and recent and best_cap <= now_cap * (1 + RETURN_MARGINS * rp.margin):
+            why = (
+                f"{decision.reason}; not back to {left}, left less than "
+                f"{RETURN_COOLDOWNS} cooldowns ago, for less than {RETURN_MARGINS * rp.margin:.0%}"
+            )
+            return ratio.Decision(serving, False, why, decision.numbers), feedback
         return ratio.Decision(step, step != serving, decision.reason, decision.numbers), feedback
     signal = ratio.signal_of(prefill, decode, LEAST_REQUESTS)
     if signal is None:
