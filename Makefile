@@ -19,7 +19,7 @@ CHECKOV_STAMP := $(CHECKOV_VENV)/.installed-$(CHECKOV_VERSION)
 .PHONY: help venv setup test test-unit lint checkov checkov-venv helm demo cluster-up cluster-down \
         cluster-status bench \
         bench-node-emulator bench-engine-streams bench-operator-setup bench-gateway-overhead bench-ttft-slo \
-        bench-recovery bench-scale-out kind-up kind-down kind-load e2e-kind images clean
+        bench-recovery bench-scale-out bench-ratio kind-up kind-down kind-load e2e-kind images clean
 
 help:
 	@echo "make demo          bring up the local control plane + ZooKeeper and show what runs"
@@ -112,7 +112,7 @@ cluster-status: venv
 # --- benchmarks: each starts its own cluster and processes, prints ours vs the baseline and
 # writes bench/results/<name>.json -------------------------------------------------------------
 bench: bench-node-emulator bench-engine-streams bench-operator-setup bench-gateway-overhead bench-ttft-slo \
-       bench-recovery bench-scale-out
+       bench-recovery bench-scale-out bench-ratio
 
 bench-node-emulator: setup
 	$(PY) bench/node_emulator_scale.py
@@ -134,6 +134,9 @@ bench-recovery: setup
 
 bench-scale-out: setup
 	$(PY) bench/scale_out.py
+
+bench-ratio: setup
+	$(PY) bench/ratio.py
 
 # --- kind (needs Docker; not available on the project's own CI machines) -------------------
 kind-up:

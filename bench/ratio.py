@@ -1,0 +1,486 @@
+"""Benchmark: P/D ratio control (issue 19; P/D-Serve §2.1, §3.3 Eq. (1), §4.2 Fig. 13a).
+
+Setup: a private dev cluster (one SuperPod of 4 servers of 8 NPUs), the operator, the gateway and
+a WarmPool of 2 one-instance pods (new instances come by warm claim + NPU-fork); a PDGroup of
+**8** Llama3-8B instances of 2 NPUs (prefill batch 8, decode batch 4), SLO TTFT 1 s, TPOT 50 ms
+(emulated), engines at **time scale 0.25** (an emulated second lasts 4 wall seconds: the load
+the best split serves stays within what this 2-core machine can drive and relay) with a health
+report every emulated second (4 wall s; the policies' observations travel in them). A closed
+load of ``CLIENTS`` clients (``bench/load_player.py``, a process of its own: one request after
+another per client, P/D-Serve §4.2's method) of one of three mixes:
+
+- ``chat``: 256-token prompts, 64 tokens out (decode-heavy);
+- ``summarize``: 6,000-token prompts, 8 tokens out (prefill-heavy);
+- ``mixed``: half of each.
+
+**Φ** (goodput per instance, §2.1): requests that succeeded within both SLOs (TTFT and mean
+TPOT, client-side, converted to emulated seconds) per emulated second, over the 8 instances.
+
+Runs, one cluster:
+
+1. **Sweep**: a ``Fixed`` group walked through every split of 8 (1:7 ... 7:1) under each mix;
+   ``m_best_phi``, ``m_worst_phi`` and the splits.
+2. **Model's own ratios**: ``Model`` from 4:4 under ``summarize`` and ``chat`` until it settles:
+   each mix's start is the split Model settled at for *another* mix (chat and mixed start from
+   summarize's, summarize from chat's) — a realistic mismatch, not an extreme.
+3. **Convergence**: for each mix and each policy (``Model``, ``Feedback``), a fresh group at that
+   start under load until the policy settles (no change for ``QUIET_S`` after arriving, at most
+   ``CONVERGE_S``): ``m_start_phi`` (measured at the start, before the policy may act: a
+   ``Fixed`` group), ``m_model_phi`` / ``m_feedback_phi`` (measured at the settled split, the
+   policy still on), ``m_model_steps`` / ``m_feedback_steps`` (changes of target),
+   ``m_failed_during_changes`` (requests failed, not merely late, while the policies moved:
+   both policies' runs).
+4. **Shift**: ``Model`` settled on ``chat``, then the load switches to ``summarize``:
+   ``shift_changes`` (target changes after the switch) and whether they went one way.
+
+Writes ``bench/results/ratio.json`` and prints the table. ``BENCH_MIXES=chat`` runs a subset (the
+JSON is then not written).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from common import (
+    REPO,
+    cluster_env,
+    gateway_command,
+    install_crds,
+    make_namespace,
+    run_bench,
+    write_results,
+)
+from kubernetes import client, config
+
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "cluster")]
+from helpers import poll  # noqa: E402
+from matrixserve.api import kinds  # noqa: E402
+from matrixserve.devcluster.cluster import DevCluster, free_ports  # noqa: E402
+from matrixserve.devcluster.procs import Supervisor  # noqa: E402
+from matrixserve.domain.conditions import is_true  # noqa: E402
+
+RESULTS = REPO / "bench" / "results" / "ratio.json"
+SCALE = 0.25  # emulated seconds per wall second
+HEALTH_INTERVAL = "1"  # emulated seconds between health reports (4 wall s)
+TOTAL = 8
+CLIENTS = int(os.environ.get("BENCH_CLIENTS", "40"))
+SLO_TTFT_S, SLO_TPOT_S = 1.0, 0.05  # emulated
+WARMUP_S, MEASURE_S = 8.0, 24.0  # wall
+WINDOW_S, COOLDOWN_S = 16, 20  # the policies' (wall s)
+QUIET_S = 2 * WINDOW_S + COOLDOWN_S  # settled: no change for this long after arriving
+CONVERGE_S = float(os.environ.get("BENCH_CONVERGE_S", "420"))
+GROUP = "g"
+CHAT = {"weight": 1, "promptChars": 1024, "maxTokens": 64}
+SUMMARIZE = {"weight": 1, "promptChars": 24000, "maxTokens": 8}
+MIXES: dict[str, list[dict[str, Any]]] = {
+    "chat": [CHAT],
+    "summarize": [SUMMARIZE],
+    "mixed": [CHAT, SUMMARIZE],
+}
+ONLY = [m for m in os.environ.get("BENCH_MIXES", "").split(",") if m]
+RUN_MIXES = [m for m in MIXES if not ONLY or m in ONLY]
+
+
+@dataclass
+class Env:
+    info: Any
+    api: client.ApiClient
+    namespace: str
+    gateway: str
+
+    @property
+    def custom(self) -> client.CustomObjectsApi:
+        return client.CustomObjectsApi(self.api)
+
+    @property
+    def core(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api)
+
+    def where(self, kind: kinds.Kind = kinds.PDGROUP) -> tuple[str, str, str, str]:
+        return (kind.group, kind.version, self.namespace, kind.plural)
+
+
+# --------------------------------------------------------------------------- the group
+def group_body(p: int, d: int, mode: str = "Fixed") -> dict[str, Any]:
+    body: dict[str, Any] = yaml.safe_load(
+        (REPO / "crds" / "samples" / "pdgroup-2p1d.yaml").read_text()
+    )
+    body["metadata"] = {"name": GROUP}
+    spec = body["spec"]
+    spec["prefill"].update(replicas=p, batchSize=8)
+    spec["decode"].update(replicas=d, batchSize=4)
+    spec["slo"] = {"ttftMilliseconds": int(SLO_TTFT_S * 1000), "tpotMilliseconds": 50}
+    spec["ratioPolicy"] = {
+        "mode": mode,
+        "windowSeconds": WINDOW_S,
+        "cooldownSeconds": COOLDOWN_S,
+    }
+    return body
+
+
+def pool_body() -> dict[str, Any]:
+    return {
+        "apiVersion": kinds.API_VERSION,
+        "kind": kinds.WARMPOOL.kind,
+        "metadata": {"name": "wp"},
+        "spec": {"shapes": [{"name": "two", "size": 2, "devicesPerPod": 2}]},
+    }
+
+
+def status(env: Env) -> dict[str, Any]:
+    try:
+        obj = env.custom.get_namespaced_custom_object(*env.where(), GROUP)
+    except client.ApiException:
+        return {}
+    return dict(obj.get("status") or {})
+
+
+def serving(env: Env, p: int, d: int) -> bool:
+    s = status(env)
+    return (
+        is_true(s, "Ready")
+        and (s.get("prefill") or {}).get("ready") == p
+        and (s.get("decode") or {}).get("ready") == d
+        and (s.get("ratio") or {}).get("current") == f"{p}:{d}"
+    )
+
+
+def create_group(env: Env, p: int, d: int, mode: str) -> None:
+    env.custom.create_namespaced_custom_object(*env.where(), group_body(p, d, mode))
+    poll(lambda: serving(env, p, d), 600, f"the group serving {p}:{d}", every=1.0)
+
+
+def delete_group(env: Env) -> None:
+    env.custom.delete_namespaced_custom_object(*env.where(), GROUP)
+
+    def gone() -> bool:
+        pods = env.core.list_namespaced_pod(
+            env.namespace, label_selector=f"{kinds.LABEL_GROUP}={GROUP}"
+        ).items
+        return not pods and not status(env)
+
+    poll(gone, 300, "the group and its pods gone", every=1.0)
+
+
+def set_split(env: Env, p: int, d: int) -> None:
+    env.custom.patch_namespaced_custom_object(
+        *env.where(), GROUP, {"spec": {"prefill": {"replicas": p}, "decode": {"replicas": d}}}
+    )
+    poll(lambda: serving(env, p, d), 600, f"the group serving {p}:{d}", every=1.0)
+
+
+# --------------------------------------------------------------------------- the load
+class Load:
+    """The load player in the background: ``rows()`` so far (a JSON line per request)."""
+
+    def __init__(self, env: Env, mixes: list[tuple[float, list[dict[str, Any]]]], seconds: float):
+        order = {
+            "gateway": env.gateway,
+            "scenario": "general",
+            "clients": CLIENTS,
+            "seconds": seconds,
+            "mixes": [[t, m] for t, m in mixes],
+            "seed": 7,
+            "timeout": 120,
+        }
+        self.out = Path(os.environ.get("TMPDIR", "/tmp")) / f"ratio-load-{os.getpid()}.jsonl"
+        self.handle = self.out.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "bench" / "load_player.py")],
+            stdin=subprocess.PIPE,
+            stdout=self.handle,
+            text=True,
+        )
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(order))
+        self.proc.stdin.close()
+        self.began = time.time()
+
+    def rows(self) -> list[list[Any]]:
+        self.handle.flush()
+        rows = []
+        for line in self.out.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue  # a line being written
+        return rows
+
+    def stop(self) -> list[list[Any]]:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.handle.close()
+        rows = self.rows()
+        self.out.unlink(missing_ok=True)
+        return rows
+
+
+def good(row: list[Any]) -> bool:
+    start, first, end, outcome, tokens = row[:5]
+    if outcome != "ok" or first is None:
+        return False
+    ttft = (first - start) * SCALE
+    tpot = (end - first) * SCALE / max(tokens - 1, 1)
+    return bool(ttft <= SLO_TTFT_S and (tokens <= 1 or tpot <= SLO_TPOT_S))
+
+
+def failed(row: list[Any]) -> bool:
+    """Failed outright (an error, a cut stream), not merely late or refused as over-budget."""
+    outcome = str(row[3])
+    return outcome != "ok" and "ttft" not in outcome and "no_capacity" not in outcome
+
+
+def phi(rows: list[list[Any]], lo: float, hi: float) -> float:
+    """Goodput per instance: good requests ended in [lo, hi] per emulated second, over TOTAL."""
+    n = sum(1 for r in rows if lo <= r[2] <= hi and good(r))
+    return round(n / ((hi - lo) * SCALE) / TOTAL, 3)
+
+
+def measure(env: Env, mix: str) -> dict[str, Any]:
+    """Φ of the group as it is, under ``mix``: warm-up, then ``MEASURE_S``."""
+    load = Load(env, [(0.0, MIXES[mix])], WARMUP_S + MEASURE_S + 5)
+    time.sleep(WARMUP_S + MEASURE_S)
+    rows = load.stop()
+    lo, hi = load.began + WARMUP_S, load.began + WARMUP_S + MEASURE_S
+    during = [r for r in rows if lo <= r[2] <= hi]
+    return {
+        "phi": phi(rows, lo, hi),
+        "requests": len(during),
+        "failed": sum(1 for r in during if failed(r)),
+        "good_fraction": round(sum(1 for r in during if good(r)) / max(len(during), 1), 3),
+    }
+
+
+# --------------------------------------------------------------------------- the runs
+def sweep(env: Env, mix: str) -> dict[str, float]:
+    """Φ of every split of TOTAL under ``mix`` (a Fixed group walked one split to the next)."""
+    out = {}
+    create_group(env, 1, TOTAL - 1, "Fixed")
+    try:
+        for p in range(1, TOTAL):
+            if p > 1:
+                set_split(env, p, TOTAL - p)
+            figures = measure(env, mix)
+            out[f"{p}:{TOTAL - p}"] = figures["phi"]
+            print(f"  sweep {mix} {p}:{TOTAL - p}: {json.dumps(figures)}", flush=True)
+    finally:
+        delete_group(env)
+    return out
+
+
+def converge(
+    env: Env, mixes: list[tuple[float, list[dict[str, Any]]]], start: str, mode: str
+) -> dict[str, Any]:
+    """A ``mode`` group from ``start`` under the load until the policy settles: its targets
+    over time (wall, from the load's start), the failed requests, and Φ at the end."""
+    p, d = (int(x) for x in start.split(":"))
+    create_group(env, p, d, mode)
+    load = Load(env, mixes, CONVERGE_S + WARMUP_S + MEASURE_S + 60)
+    targets: list[tuple[float, str]] = [(0.0, start)]
+    settled_at = None
+    try:
+        deadline = time.time() + CONVERGE_S
+        while time.time() < deadline:
+            time.sleep(2.0)
+            ratio = status(env).get("ratio") or {}
+            target, current = str(ratio.get("target") or ""), str(ratio.get("current") or "")
+            if target and target != targets[-1][1]:
+                targets.append((round(time.time() - load.began, 1), target))
+                settled_at = None
+            if current == targets[-1][1]:
+                settled_at = settled_at or time.time()
+                last_switch = max(t for t, _ in mixes)
+                if (
+                    time.time() - settled_at >= QUIET_S
+                    and time.time() - load.began > last_switch + QUIET_S
+                ):
+                    break
+            else:
+                settled_at = None
+        end = time.time()
+        time.sleep(WARMUP_S + MEASURE_S)  # Φ at the settled split, the policy still on
+        rows = load.stop()
+    except BaseException:
+        load.stop()
+        raise
+    finally:
+        delete_group(env)
+    moving = [r for r in rows if r[0] <= end]
+    return {
+        "targets": targets,
+        "steps": len(targets) - 1,
+        "settled": targets[-1][1],
+        "converged": settled_at is not None,
+        "failed": sum(1 for r in moving if failed(r)),
+        "requests": len(moving),
+        "phi": phi(rows, end + WARMUP_S, end + WARMUP_S + MEASURE_S),
+    }
+
+
+def main(work: Path) -> int:
+    dev = DevCluster(work / "cluster")
+    info = dev.up(timeout=300, superpods=1, servers=4)
+    sup = Supervisor(work / "processes")
+    namespace = "bench-ratio"
+    metrics, liveness, port = free_ports(3)
+    results: dict[str, Any] = {
+        "total_instances": TOTAL,
+        "engine_time_scale": SCALE,
+        "clients": CLIENTS,
+        "slo_ttft_s": SLO_TTFT_S,
+        "slo_tpot_s": SLO_TPOT_S,
+    }
+    try:
+        with config.new_client_from_config(config_file=info.kubeconfig) as api:
+            install_crds(api)
+            make_namespace(client.CoreV1Api(api), namespace)
+            sup.start(
+                "operator",
+                [
+                    *(sys.executable, "-m", "matrixserve", "--zookeeper", info.zookeeper),
+                    *("--namespace", namespace, "--no-webhook"),
+                    *("--metrics-port", str(metrics), "--liveness-port", str(liveness)),
+                    *("--engine-time-scale", str(SCALE)),
+                    *("--engine-health-interval", HEALTH_INTERVAL),
+                    *("--log-level", "WARNING"),
+                ],
+                env=cluster_env(info),
+            )
+            sup.start(
+                "gateway",
+                gateway_command(info.zookeeper, namespace, port, "--time-scale", str(SCALE)),
+                env=cluster_env(info),
+            )
+            env = Env(info, api, namespace, f"http://127.0.0.1:{port}")
+            env.custom.create_namespaced_custom_object(*env.where(kinds.WARMPOOL), pool_body())
+            run(env, results)
+    finally:
+        sup.stop("gateway", grace=5)
+        sup.stop("operator", grace=10)
+        dev.down()
+    return report(results)
+
+
+def run(env: Env, results: dict[str, Any]) -> None:
+    best: dict[str, str] = {}
+    for mix in RUN_MIXES:
+        phis = sweep(env, mix)
+        best[mix] = max(phis, key=lambda k: phis[k])
+        worst = min(phis, key=lambda k: phis[k])
+        results |= {
+            f"{mix}_sweep": phis,
+            f"{mix}_best_phi": phis[best[mix]],
+            f"{mix}_best_split": best[mix],
+            f"{mix}_worst_phi": phis[worst],
+            f"{mix}_worst_split": worst,
+        }
+    # the Model policy's own ratios, from 4:4: the mismatched starts
+    own: dict[str, str] = {}
+    for mix in ("summarize", "chat"):
+        run_ = converge(env, [(0.0, MIXES[mix])], f"{TOTAL // 2}:{TOTAL // 2}", "Model")
+        own[mix] = run_["settled"]
+        results[f"model_own_{mix}"] = own[mix]
+        print(f"  Model's own split for {mix}: {json.dumps(run_)}", flush=True)
+    starts = {"chat": own["summarize"], "mixed": own["summarize"], "summarize": own["chat"]}
+    for mix in RUN_MIXES:
+        start = starts[mix]
+        p, d = (int(x) for x in start.split(":"))
+        create_group(env, p, d, "Fixed")
+        try:
+            at_start = measure(env, mix)
+        finally:
+            delete_group(env)
+        results[f"{mix}_start_split"] = start
+        results[f"{mix}_start_phi"] = at_start["phi"]
+        failed_total = 0
+        for mode in ("Model", "Feedback"):
+            run_ = converge(env, [(0.0, MIXES[mix])], start, mode)
+            key = mode.lower()
+            results |= {
+                f"{mix}_{key}_phi": run_["phi"],
+                f"{mix}_{key}_steps": run_["steps"],
+                f"{mix}_{key}_split": run_["settled"],
+                f"{mix}_{key}_converged": run_["converged"],
+                f"{mix}_{key}_targets": run_["targets"],
+            }
+            failed_total += run_["failed"]
+            print(f"  {mode} on {mix} from {start}: {json.dumps(run_)}", flush=True)
+        results[f"{mix}_failed_during_changes"] = failed_total
+    # the shift: Model settled on chat, then summarize
+    switch = CONVERGE_S / 2
+    shift = converge(
+        env, [(0.0, MIXES["chat"]), (switch, MIXES["summarize"])], own["chat"], "Model"
+    )
+    after = [(t, s) for t, s in shift["targets"] if t >= switch]
+    prefills = [int(s.split(":")[0]) for _, s in [shift["targets"][0], *after]]
+    steps = [b - a for a, b in itertools.pairwise(prefills)]
+    results |= {
+        "shift_changes": len(after),
+        "shift_targets": shift["targets"],
+        "shift_one_way": all(x > 0 for x in steps) or all(x < 0 for x in steps),
+        "shift_failed": shift["failed"],
+    }
+    print(f"  shift chat -> summarize: {json.dumps(shift)}", flush=True)
+
+
+def report(results: dict[str, Any]) -> int:
+    print(
+        f"\nP/D ratio control, {TOTAL} Llama3-8B instances, engines at time scale {SCALE}, "
+        f"{CLIENTS} closed-loop clients; Φ = requests within the SLOs (TTFT {SLO_TTFT_S} s, "
+        f"TPOT {SLO_TPOT_S * 1000:.0f} ms) per emulated second per instance"
+    )
+    head = (
+        f"{'mix':<11}{'best Φ':>12}{'worst Φ':>12}{'best/worst':>11}{'start Φ':>12}"
+        f"{'Model Φ':>14}{'steps':>6}{'Feedback Φ':>16}{'steps':>6}{'failed':>7}"
+    )
+    print(head)
+
+    def cell(mix: str, key: str, split: str | None = None) -> str:
+        value = results.get(f"{mix}_{key}")
+        where = results.get(f"{mix}_{split}") if split else None
+        return "-" if value is None else f"{value}" + (f" ({where})" if where else "")
+
+    for mix in RUN_MIXES:
+        r = results
+
+        best, worst = r.get(f"{mix}_best_phi") or 0, r.get(f"{mix}_worst_phi") or 0
+        ratio = f"{best / worst:.2f}x" if worst else "-"
+        model, feedback = r.get(f"{mix}_model_phi"), r.get(f"{mix}_feedback_phi")
+        of_best = (
+            f" {model / best:.0%}/{feedback / best:.0%}" if best and model and feedback else ""
+        )
+        print(
+            f"{mix:<11}{cell(mix, 'best_phi', 'best_split'):>12}{cell(mix, 'worst_phi', 'worst_split'):>12}"
+            f"{ratio:>11}{cell(mix, 'start_phi', 'start_split'):>12}"
+            f"{cell(mix, 'model_phi', 'model_split'):>14}{cell(mix, 'model_steps'):>6}"
+            f"{cell(mix, 'feedback_phi', 'feedback_split'):>16}{cell(mix, 'feedback_steps'):>6}"
+            f"{cell(mix, 'failed_during_changes'):>7}{of_best}"
+        )
+    print(
+        f"shift chat -> summarize: {results.get('shift_changes')} changes, one way: "
+        f"{results.get('shift_one_way')}, targets {results.get('shift_targets')}. Targets: each "
+        "policy >= 95 % of the best Φ from the mismatched start; best >= 1.6x worst on one mix "
+        "(P/D-Serve Fig. 13a: the optimum 'at least 60 %' over the other ratios); no request "
+        "failed by a change."
+    )
+    flat = {k: v for k, v in results.items() if not isinstance(v, dict | list)}
+    flat |= {k: json.dumps(v) for k, v in results.items() if isinstance(v, dict | list)}
+    write_results(RESULTS, flat, f"BENCH_MIXES={','.join(ONLY)}" if ONLY else "")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_bench(main, "bench-ratio-"))
