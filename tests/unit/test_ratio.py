@@ -9,6 +9,7 @@ scale-down.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from dataclasses import dataclass
@@ -263,6 +264,35 @@ def test_refusals_alone_are_an_alarm() -> None:
     assert "waiting for a decode 80%" in decisions[-1].reason
 
 
+def test_slots_waiting_for_decodes_are_a_decode_alarm_without_refusals() -> None:
+    """A closed load that never fills the prefills' slots: no refusal, yet the slots wait for
+    the decodes to take their KV most of the time (§4.2) — one more decode; not when it was just
+    taken back."""
+    fb = Feedback(PARAMS, Bounds())
+    waiting = r.Signal(1.0, 0.3, rejected=0.0, kv_wait=0.7)
+    decisions, _ = run(fb, settled(), waiting, Split(6, 2), 1000.0, 2)
+    assert decisions[-1].target == Split(5, 3)
+    assert "waiting for a decode 70%" in decisions[-1].reason
+    refuted = dataclasses.replace(settled(), refuted=r.DECODE)
+    decisions, _ = run(fb, refuted, waiting, Split(6, 2), 1000.0, 4)
+    assert not any(d.changed for d in decisions)
+
+
+def test_full_prefill_slots_are_a_prefill_alarm_without_refusals() -> None:
+    """A gateway that counts the slots it holds offers a full prefill nothing: no refusal at
+    the engines, the requests wait at the gateway; the prefills' slots are held all the time,
+    prefilling (not waiting for decodes) — one more prefill."""
+    fb = Feedback(PARAMS, Bounds())
+    full = r.Signal(1.0, 0.3, rejected=0.0, kv_wait=0.1, slots_held=0.97)
+    decisions, _ = run(fb, settled(), full, Split(2, 6), 1000.0, 2)
+    assert decisions[-1].target == Split(3, 5)
+    assert "slots held 97% of the time, 90% of it prefilling" in decisions[-1].reason
+    # full because they wait for decodes: a decode alarm instead
+    waiting = r.Signal(1.0, 0.3, rejected=0.0, kv_wait=0.8, slots_held=0.97)
+    decisions, _ = run(fb, settled(), waiting, Split(6, 2), 1000.0, 2)
+    assert decisions[-1].target == Split(5, 3)
+
+
 def test_feedback_respects_cooldown_and_bounds() -> None:
     fb = Feedback(PARAMS, Bounds(max_prefill=4))
     decisions, state = run(fb, settled(), r.Signal(1.5, 0.6), Split(4, 4), 1000.0, 5)
@@ -381,6 +411,45 @@ def converges(plant: Plant, start: Split, best: Split, policy: str) -> None:
     assert reversals <= 1, f"{policy}: {changes}"
 
 
+@dataclass
+class ClosedPlant(Plant):
+    """``clients`` requests in flight, never more than the prefills' slots: nothing refused;
+    the group serves what its weaker role does, and when that is the decodes the prefills'
+    slots wait for them."""
+
+    def signal(self, split: Split) -> r.Signal:
+        c_p, c_d = split.prefill * self.c_p, split.decode * self.c_d
+        served = min(c_p, c_d)
+        jitter = 1 + self.rng.uniform(-self.noise, self.noise)
+        # a closed loop of 10 clients: E2E is their number over what is served (Little's law)
+        e2e = 10.0 / served * jitter
+        t_p = self.t_p0 * (1 + c_d / c_p) * jitter
+        kv_wait = max(0.0, 1 - c_d / c_p) if c_d < c_p else 0.0
+        # the weaker role is saturated: if it is the prefills, their slots are full
+        slots = 1.0 if c_p <= c_d else min(c_d / c_p + kv_wait, 1.0)
+        return r.Signal(e2e, min(t_p, e2e / 2), 0.0, kv_wait, slots)
+
+
+@pytest.mark.parametrize(
+    ("start", "c_p", "c_d"),
+    [(Split(6, 2), 4.0, 1.0), (Split(7, 1), 4.0, 1.0), (Split(2, 6), 1.0, 4.0)],
+)
+def test_feedback_moves_a_closed_load_off_a_steady_shortage(
+    start: Split, c_p: float, c_d: float
+) -> None:
+    """The bench's cases: from a mismatched split with nothing refused (the slots waiting for
+    decodes, or full of prompts), Feedback walks toward the short role and settles within reach
+    of the best split."""
+    plant = ClosedPlant(c_p=c_p, c_d=c_d, offered=0.0)
+    best = plant.best(8)  # 2:6 (min(8, 6)) against 1:7 (4) and 3:5 (5)
+    split, changes = drive(plant, start, 400, "Feedback")
+    cap = min(split.prefill * plant.c_p, split.decode * plant.c_d)
+    assert cap >= 0.8 * min(best.prefill * plant.c_p, best.decode * plant.c_d), changes
+    short = r.DECODE if c_d < c_p else r.PREFILL
+    first = changes[0][1]
+    assert (first.decode > start.decode) if short == r.DECODE else (first.prefill > start.prefill)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_a_group_past_its_capacity_probes_once_then_stays(seed: int) -> None:
     """No split serves 3.2 req/s (the best serves 3): the prefills refuse at every split. The
@@ -481,8 +550,9 @@ def test_figures_and_signal_from_a_window() -> None:
     assert f.xi == pytest.approx(0.1)
     assert f.t_d == pytest.approx(0.1 + 0.05 * 100)
     assert f.c_decode == pytest.approx(32 / 5.1)
-    sig = r.signal_of(prefill, decode)
+    sig = r.signal_of(prefill, decode, slot_capacity_s=80.0)
     assert sig is not None
+    assert sig.slots_held == pytest.approx(0.75)  # 60 slot-seconds of 80
     assert sig.t_p == pytest.approx(0.5)
     assert sig.e2e == pytest.approx(0.5 + 420 / 80)
     assert sig.rejected == pytest.approx(0.2)

@@ -27,7 +27,8 @@ Two policies choose the split (§3.3, "Ratio Adjustment for Changes"):
   forwarding a prefill that is too weak refuses rather than queues, so the wait is at the
   gateway and the engines' TTFT does not rise: NVIDIA Dynamo's planner misses exactly this
   burst) — for prefill, or for decode when the refusing prefills' slots are mostly held by KV
-  that no decode has taken yet (§3.5's back-pressure) — and judging E2E only against its own baseline, never an SLO (an SLO that cannot be met
+  that no decode has taken yet (§3.5's back-pressure); such slots are a decode alarm even
+  without refusals (§4.2: "some KVCaches wait in prefill for idle decoding") — and judging E2E only against its own baseline, never an SLO (an SLO that cannot be met
   must not freeze the ratio or block a scale-down, Dynamo's third bug).
 
 Both give a **target** split; :func:`next_step` walks to it one instance at a time, in one of two
@@ -222,10 +223,14 @@ def figures_of(
     )
 
 
-def signal_of(prefill: zl.Load, decode: zl.Load, least: int = 1) -> Signal | None:
+def signal_of(
+    prefill: zl.Load, decode: zl.Load, least: int = 1, slot_capacity_s: float = 0.0
+) -> Signal | None:
     """The feedback rule's inputs from a window's sums, or None with too few requests: T_p the
     prefills' mean TTFT, E2E that plus the decodes' mean time per request (KV pull to the last
-    token), the refused share of the offers, the slots' share waiting for a decode."""
+    token), the refused share of the offers, the slots' share waiting for a decode, and the
+    share of the prefills' slot capacity held (``slot_capacity_s``: the window's emulated
+    seconds times the prefills' slots; 0: not known)."""
     if prefill.prefilled < least or decode.decoded < least:
         return None
     t_p = prefill.ttft_s / prefill.prefilled
@@ -234,6 +239,7 @@ def signal_of(prefill: zl.Load, decode: zl.Load, least: int = 1) -> Signal | Non
         t_p=t_p,
         rejected=prefill.refused / prefill.offered if prefill.offered else 0.0,
         kv_wait=prefill.kv_wait_s / prefill.slot_s if prefill.slot_s > 0 else 0.0,
+        slots_held=min(prefill.slot_s / slot_capacity_s, 1.0) if slot_capacity_s > 0 else 0.0,
     )
 
 
@@ -355,6 +361,17 @@ class Signal:
     # waiting for KVCache transfer to a decoding"): refusals with most slots waiting are the
     # decodes' back-pressure, not the prefills' weakness
     kv_wait: float = 0.0
+    # the share of the prefills' slot capacity held over the window: a gateway that counts the
+    # slots it holds offers nothing to a full prefill, so a prefill short of slots shows here,
+    # not in refusals (the requests wait at the gateway)
+    slots_held: float = 0.0
+
+    @property
+    def cost(self) -> float:
+        """E2E per offer served: what a move is judged by. Under overload the requests served
+        take as long whatever the split (the queue is full either way); what a better split
+        changes is how many offers the prefills refuse (each one tried again)."""
+        return self.e2e / max(1.0 - self.rejected, 0.05)
 
     @property
     def prefill_share(self) -> float:
@@ -370,8 +387,9 @@ class FeedbackParams:
     share_delta: float = 0.05  # T_p/E2E moved by this much (absolute) from its baseline
     rejection: float = 0.05  # this fraction of offers refused is an alarm by itself: for ...
     kv_wait: float = 0.5  # ... decode if the prefills' slots waited this much for decodes
+    slots_full: float = 0.9  # the prefills' slots held this much, not waiting: a prefill alarm
     windows: int = 3  # an alarm must hold this many windows in a row (the trend)
-    improve: float = 0.05  # after a move, E2E this much better: another move the same way
+    improve: float = 0.05  # after a move, E2E this much better: another the same way; worse: back
     cooldown: float = 300.0  # seconds between two changes
 
 
@@ -510,7 +528,7 @@ class Feedback:
             baseline_share=None,
             last_change=now,
             moving=alarm,
-            before_move=signal.e2e,
+            before_move=signal.cost,
         )
         return Decision(target, True, f"{why}: one more {alarm}", numbers), after
 
@@ -518,14 +536,23 @@ class Feedback:
         self, base_e2e: float, base: float, refuted: str | None, signal: Signal
     ) -> tuple[str | None, str]:
         p = self.params
+        waiting = f"slots held by KV waiting for a decode {signal.kv_wait:.0%} of the time"
         if signal.rejected >= p.rejection:
             refused = f"prefills refused {signal.rejected:.0%} of offers"
-            waiting = (
-                f"their slots held by KV waiting for a decode {signal.kv_wait:.0%} of the time"
-            )
             role = DECODE if signal.kv_wait >= p.kv_wait else PREFILL
             if role != refuted:
-                return role, f"{refused}, {waiting}"
+                return role, f"{refused}, their {waiting}"
+        elif signal.kv_wait >= p.kv_wait and refuted != DECODE:
+            # §4.2: "some KVCaches wait in prefill for idle decoding" — the decodes are short
+            # whether or not the prefills have had to refuse yet (a closed load, spare slots)
+            return DECODE, f"the prefills' {waiting}"
+        elif signal.slots_held >= p.slots_full and refuted != PREFILL:
+            # full, and computing (not waiting for decodes): the prefills are short, the
+            # requests wait at the gateway for a slot
+            return PREFILL, (
+                f"the prefills' slots held {signal.slots_held:.0%} of the time, "
+                f"{1 - signal.kv_wait:.0%} of it prefilling"
+            )
         if signal.e2e < base_e2e * (1 + p.e2e_rise):
             return None, ""
         rise = f"E2E rose from {base_e2e:.3f} s to {signal.e2e:.3f} s"
@@ -548,40 +575,45 @@ class Feedback:
         numbers: dict[str, float],
     ) -> tuple[Decision, FeedbackState]:
         """The last move's effect: better by ``improve`` -> one more the same way (if allowed);
-        worse by ``e2e_rise`` -> one back, then settled; else settled. Settling takes the
-        window's figures as the new baseline."""
+        worse by as much -> one back, then settled (a move that did not pay is not kept); else
+        settled. Settling takes the window's figures as the new baseline."""
         p = self.params
         numbers = {**numbers, "E2EBeforeMove": _round(before)}
         settled = FeedbackState(
             baseline_e2e=signal.e2e, baseline_share=signal.prefill_share, last_change=now
         )
-        if signal.e2e <= before * (1 - p.improve):
+        if signal.cost <= before * (1 - p.improve):
             target = moved(current, role, total)
             if self.bounds.allows(target):
                 why = (
-                    f"E2E fell from {before:.3f} s to {signal.e2e:.3f} s after one more {role}: "
+                    f"E2E per served offer fell from {before:.3f} s to {signal.cost:.3f} s after "
+                    f"one more {role}: "
                     f"one more {role}"
                 )
                 keep = replace(settled, baseline_e2e=None, baseline_share=None)
                 return Decision(target, True, why, numbers), replace(
-                    keep, moving=role, before_move=signal.e2e
+                    keep, moving=role, before_move=signal.cost
                 )
-            why = f"E2E fell to {signal.e2e:.3f} s; {target} is out of bounds: settled"
+            why = f"E2E per served offer fell to {signal.cost:.3f} s; {target} is out of bounds: settled"
             return Decision(current, False, why, numbers), replace(
                 settled, last_change=state.last_change
             )
-        if signal.e2e >= before * (1 + p.e2e_rise):
+        if signal.cost >= before * (1 + p.improve):
             target = moved(current, _other(role), total)
             if self.bounds.allows(target):
                 why = (
-                    f"E2E rose from {before:.3f} s to {signal.e2e:.3f} s after one more {role}: "
+                    f"E2E per served offer rose from {before:.3f} s to {signal.cost:.3f} s after "
+                    f"one more {role}: "
                     "moved back"
                 )
                 # settled after the step back: its figures are the next baseline
                 return Decision(target, True, why, numbers), replace(
                     settled, baseline_e2e=None, baseline_share=None, refuted=role
                 )
-        why = f"E2E {signal.e2e:.3f} s after one more {role} (before {before:.3f} s): settled"
+        why = (
+            f"E2E per served offer {signal.cost:.3f} s after one more {role} (before "
+            f"{before:.3f} s): settled"
+        )
         return Decision(current, False, why, numbers), replace(
             settled, last_change=state.last_change
         )

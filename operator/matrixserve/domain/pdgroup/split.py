@@ -259,8 +259,24 @@ def ratio_pass(view: GroupView) -> RatioPass:
                 cap = ratio.capacity(figures, serving)
                 capacity = cap.as_status()
             since = max(t for t in (last_change, reached, 0.0) if t is not None)
+            # the prefills' slot capacity over the window, in emulated seconds
+            emulated = (view.now - float(window.get("start") or view.now)) * float(
+                view.engine.time_scale
+            )
+            capacity_s = emulated * serving.prefill * spec.prefill.batch_size
             decided = _decide(
-                view, rp, bounds, serving, total, figures, dp, dd, feedback, since or None, left
+                view,
+                rp,
+                bounds,
+                serving,
+                total,
+                figures,
+                dp,
+                dd,
+                feedback,
+                since or None,
+                left,
+                capacity_s,
             )
             if decided is not None:
                 decision, feedback = decided
@@ -317,6 +333,7 @@ def _decide(
     feedback: ratio.FeedbackState,
     last_change: float | None,
     left: Split | None,
+    slot_capacity_s: float = 0.0,
 ) -> tuple[ratio.Decision, ratio.FeedbackState] | None:
     """The policy's decision on a window, or None when the window says too little. ``left``:
     the split the last move left; Model goes back to it within ``RETURN_COOLDOWNS`` cooldowns
@@ -353,7 +370,7 @@ def _decide(
             )
             return ratio.Decision(serving, False, why, decision.numbers), feedback
         return ratio.Decision(step, step != serving, decision.reason, decision.numbers), feedback
-    signal = ratio.signal_of(prefill, decode, LEAST_REQUESTS)
+    signal = ratio.signal_of(prefill, decode, LEAST_REQUESTS, slot_capacity_s)
     if signal is None:
         return None
     tuning = rp.feedback
@@ -362,6 +379,7 @@ def _decide(
         share_delta=tuning.tp_share_delta,
         rejection=tuning.rejection,
         kv_wait=tuning.kv_wait,
+        slots_full=tuning.slots_full,
         windows=tuning.windows,
         improve=tuning.improve,
         cooldown=float(rp.cooldown_seconds),
