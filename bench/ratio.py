@@ -94,6 +94,9 @@ MIXES: dict[str, list[dict[str, Any]]] = {
 ONLY = [m for m in os.environ.get("BENCH_MIXES", "").split(",") if m]
 # a quick look (the JSON is then not written): only these prefill counts swept, no policy run
 SWEEP_ONLY = [int(p) for p in os.environ.get("BENCH_SWEEP_ONLY", "").split(",") if p]
+# BENCH_RERUN=Feedback: that policy's convergence runs again from the starts the last full run
+# recorded (bench/results/ratio.json), its keys replaced there (after a change to the policy)
+RERUN = os.environ.get("BENCH_RERUN", "")
 RUN_MIXES = [m for m in MIXES if not ONLY or m in ONLY]
 
 
@@ -348,7 +351,14 @@ def main(work: Path) -> int:
     sup = Supervisor(work / "processes")
     namespace = "bench-ratio"
     metrics, liveness, port = free_ports(3)
+    recorded: dict[str, Any] = {}
+    if RERUN:
+        recorded = {
+            k: json.loads(v) if isinstance(v, str) and v[:1] in "[{" else v
+            for k, v in json.loads(RESULTS.read_text()).items()
+        }
     results: dict[str, Any] = {
+        **recorded,
         "total_instances": TOTAL,
         "engine_time_scale": SCALE,
         "clients": CLIENTS,
@@ -387,9 +397,34 @@ def main(work: Path) -> int:
     return report(results)
 
 
+def rerun(env: Env, results: dict[str, Any], mode: str) -> None:
+    """``mode``'s convergence runs again from the recorded starts (``BENCH_RERUN``)."""
+    key = mode.lower()
+    for mix in RUN_MIXES:
+        start = str(results[f"{mix}_start_split"])
+        run_ = converge(env, [(0.0, MIXES[mix])], start, mode)
+        before = int(results.get(f"{mix}_{key}_failed", 0))
+        results |= {
+            f"{mix}_{key}_phi": run_["phi"],
+            f"{mix}_{key}_steps": run_["steps"],
+            f"{mix}_{key}_split": run_["settled"],
+            f"{mix}_{key}_converged": run_["converged"],
+            f"{mix}_{key}_targets": run_["targets"],
+            f"{mix}_{key}_failed": run_["failed"],
+            f"{mix}_failed_during_changes": int(results[f"{mix}_failed_during_changes"])
+            - before
+            + run_["failed"],
+            f"{mix}_{key}_rerun": True,
+        }
+        print(f"  {mode} on {mix} from {start} (rerun): {json.dumps(run_)}", flush=True)
+
+
 def run(env: Env, results: dict[str, Any]) -> None:
     if SWEEP_ONLY:
         run_sweeps(env, results)
+        return
+    if RERUN:
+        rerun(env, results, RERUN)
         return
     # the Model policy's own ratios, from 4:4: the mismatched starts
     own: dict[str, str] = {}
@@ -420,6 +455,7 @@ def run(env: Env, results: dict[str, Any]) -> None:
                 f"{mix}_{key}_converged": run_["converged"],
                 f"{mix}_{key}_targets": run_["targets"],
             }
+            results[f"{mix}_{key}_failed"] = run_["failed"]
             failed_total += run_["failed"]
             refused_total += run_["refused"]
             print(f"  {mode} on {mix} from {start}: {json.dumps(run_)}", flush=True)
