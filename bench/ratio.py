@@ -78,7 +78,9 @@ CLIENTS = int(os.environ.get("BENCH_CLIENTS", "40"))
 SLO_TTFT_S, SLO_TPOT_S = 1.0, 0.05  # emulated
 WARMUP_S, MEASURE_S = 8.0, 24.0  # wall
 WINDOW_S, COOLDOWN_S = 16, 20  # the policies' (wall s)
-QUIET_S = 2 * WINDOW_S + COOLDOWN_S  # settled: no change for this long after arriving
+# settled: no change for this long after arriving (the feedback rule's trend is 3 windows, after
+# a window for its baseline)
+QUIET_S = 5 * WINDOW_S + COOLDOWN_S
 CONVERGE_S = float(os.environ.get("BENCH_CONVERGE_S", "420"))
 GROUP = "g"
 # (the stub's calibrated costs put each mix's best split inside the range, not at an end:
