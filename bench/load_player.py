@@ -18,9 +18,13 @@ import json
 import random
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("tests", "tests/cluster")]
+from chaoskit import StreamRead, refused_code  # noqa: E402  (the chaos kit's stream reader)
 
 
 async def one(
@@ -28,37 +32,20 @@ async def one(
 ) -> tuple[float | None, str, int, str, str]:
     """A streamed completion: its first token's time, outcome, tokens, prefill, decode."""
     body = {"model": scenario, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
-    first: float | None = None
-    tokens, error, on, final, done = 0, "", {}, False, False
+    read = StreamRead()
     try:
         async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
-                try:
-                    code = json.loads(await response.aread())["error"]["code"]
-                except (ValueError, KeyError, TypeError):
-                    code = "?"
+                code = refused_code(await response.aread())
                 return None, f"http {response.status_code} {code}", 0, "", ""
             async for line in response.aiter_lines():
-                if line == "data: [DONE]":
-                    done = True
+                if read.feed(line, time.time()):
                     break
-                if not line.startswith("data: "):
-                    continue
-                chunk = json.loads(line[6:])
-                if "matrixserve" in chunk:
-                    on = dict(chunk["matrixserve"].get("instances") or {})
-                if "error" in chunk:
-                    error = str(chunk["error"].get("code") or "error")
-                elif "matrixserve" in chunk:
-                    final = True
-                else:
-                    tokens += 1
-                    if first is None:
-                        first = time.time()
+        outcome = read.outcome
     except httpx.HTTPError as exc:
-        return first, type(exc).__name__, tokens, "", ""
-    outcome = "ok" if not error and final and done else error or "incomplete"
-    return first, outcome, tokens, str(on.get("prefill") or ""), str(on.get("decode") or "")
+        outcome = type(exc).__name__
+    first = read.tokens[0] if read.tokens else None
+    return first, outcome, len(read.tokens), read.prefill, read.decode
 
 
 async def play(order: dict[str, Any]) -> None:

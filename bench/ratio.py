@@ -399,6 +399,18 @@ def main(work: Path) -> int:
     return report(results)
 
 
+def policy_keys(mix: str, key: str, run_: dict[str, Any]) -> dict[str, Any]:
+    """A policy's convergence run under ``mix`` as result keys (``m_model_phi``, ...)."""
+    return {
+        f"{mix}_{key}_phi": run_["phi"],
+        f"{mix}_{key}_steps": run_["steps"],
+        f"{mix}_{key}_split": run_["settled"],
+        f"{mix}_{key}_converged": run_["converged"],
+        f"{mix}_{key}_targets": run_["targets"],
+        f"{mix}_{key}_failed": run_["failed"],
+    }
+
+
 def rerun(env: Env, results: dict[str, Any], mode: str) -> None:
     """``mode``'s convergence runs again from the recorded starts (``BENCH_RERUN``)."""
     key = mode.lower()
@@ -406,16 +418,9 @@ def rerun(env: Env, results: dict[str, Any], mode: str) -> None:
         start = str(results[f"{mix}_start_split"])
         run_ = converge(env, [(0.0, MIXES[mix])], start, mode)
         before = int(results.get(f"{mix}_{key}_failed", 0))
-        results |= {
-            f"{mix}_{key}_phi": run_["phi"],
-            f"{mix}_{key}_steps": run_["steps"],
-            f"{mix}_{key}_split": run_["settled"],
-            f"{mix}_{key}_converged": run_["converged"],
-            f"{mix}_{key}_targets": run_["targets"],
-            f"{mix}_{key}_failed": run_["failed"],
-            f"{mix}_failed_during_changes": int(results[f"{mix}_failed_during_changes"])
-            - before
-            + run_["failed"],
+        failed = int(results[f"{mix}_failed_during_changes"]) - before + run_["failed"]
+        results |= policy_keys(mix, key, run_) | {
+            f"{mix}_failed_during_changes": failed,
             f"{mix}_{key}_rerun": True,
         }
         print(f"  {mode} on {mix} from {start} (rerun): {json.dumps(run_)}", flush=True)
@@ -450,14 +455,7 @@ def run(env: Env, results: dict[str, Any]) -> None:
         for mode in ("Model", "Feedback"):
             run_ = converge(env, [(0.0, MIXES[mix])], start, mode)
             key = mode.lower()
-            results |= {
-                f"{mix}_{key}_phi": run_["phi"],
-                f"{mix}_{key}_steps": run_["steps"],
-                f"{mix}_{key}_split": run_["settled"],
-                f"{mix}_{key}_converged": run_["converged"],
-                f"{mix}_{key}_targets": run_["targets"],
-            }
-            results[f"{mix}_{key}_failed"] = run_["failed"]
+            results |= policy_keys(mix, key, run_)
             failed_total += run_["failed"]
             refused_total += run_["refused"]
             print(f"  {mode} on {mix} from {start}: {json.dumps(run_)}", flush=True)

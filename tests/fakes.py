@@ -24,6 +24,7 @@ from kazoo.security import ACL, OPEN_ACL_UNSAFE
 from kubernetes import client
 
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.resources import PDGroupSpec
 
 
 @dataclass
@@ -270,6 +271,21 @@ class FakeTransaction:
                 self.zk.nodes = saved
                 return [*[RolledBackError() for _ in results], exc]
         return results
+
+
+def pdgroup_spec(p: int = 2, d: int = 1, **extra: Any) -> PDGroupSpec:
+    """A Llama3-8B group of ``p`` prefills and ``d`` decodes of 2 NPUs (decode batch 32),
+    ``extra`` top-level spec fields on top."""
+    return PDGroupSpec.model_validate(
+        {
+            "service": "chat",
+            "scenario": "general",
+            "model": {"name": "llama3-8b"},
+            "prefill": {"replicas": p, "devicesPerInstance": 2},
+            "decode": {"replicas": d, "devicesPerInstance": 2, "batchSize": 32},
+            **extra,
+        }
+    )
 
 
 def engine_report(

@@ -79,48 +79,77 @@ class Request:
         return bool({self.prefill, self.decode} & set(instances))
 
 
+@dataclass
+class StreamRead:
+    """What the gateway's SSE lines of one streamed completion said, fed line by line (the
+    chaos kit's clients and bench-ratio's load player read streams alike)."""
+
+    tokens: list[float] = field(default_factory=list)  # when each token chunk arrived
+    error: str = ""  # an error chunk's code
+    on: dict[str, Any] = field(default_factory=dict)  # the instances it was on
+    final: bool = False  # a choice's last chunk came
+    done: bool = False  # ``data: [DONE]``
+
+    def feed(self, line: str, now: float) -> bool:
+        """One line read at ``now``; True once the stream says it is done."""
+        if line == "data: [DONE]":
+            self.done = True
+            return True
+        if line.startswith("data: "):
+            chunk = json.loads(line[6:])
+            if "matrixserve" in chunk:  # a choice's last chunk, or a failure's
+                self.on = dict(chunk["matrixserve"].get("instances") or {})
+            if "error" in chunk:
+                self.error = str(chunk["error"].get("code") or "error")
+            elif "matrixserve" in chunk:
+                self.final = True
+            else:
+                self.tokens.append(now)
+        return False
+
+    @property
+    def outcome(self) -> str:
+        return "ok" if not self.error and self.final and self.done else self.error or "incomplete"
+
+    @property
+    def prefill(self) -> str:
+        return str(self.on.get("prefill") or "")
+
+    @property
+    def decode(self) -> str:
+        return str(self.on.get("decode") or "")
+
+
+def refused_code(body: bytes) -> str:
+    """An HTTP error answer's code (``"?"`` if it has none)."""
+    try:
+        return str(json.loads(body)["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return "?"
+
+
 def complete(
     http: httpx.Client, gateway: str, prompt: str, max_tokens: int = MAX_TOKENS
 ) -> Request:
     """A streamed completion through the gateway, with its outcome."""
     body = {"model": "general", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
     start = time.time()
-    tokens: list[float] = []
-    final: dict[str, Any] | None = None
-    error = ""
-    on: dict[str, Any] = {}
-    done = False
+    read = StreamRead()
     try:
         with http.stream("POST", f"{gateway}/v1/completions", json=body) as response:
             if response.status_code != 200:
-                try:
-                    code = json.loads(response.read())["error"]["code"]
-                except (ValueError, KeyError, TypeError):
-                    code = "?"
+                code = refused_code(response.read())
                 return Request(start, time.time(), f"http {response.status_code} {code}")
             for line in response.iter_lines():
-                if line == "data: [DONE]":
-                    done = True
+                if read.feed(line, time.time()):
                     break
-                if not line.startswith("data: "):
-                    continue
-                chunk = json.loads(line[6:])
-                if "matrixserve" in chunk:  # a choice's last chunk, or a failure's
-                    on = dict(chunk["matrixserve"].get("instances") or {})
-                if "error" in chunk:
-                    error = str(chunk["error"].get("code") or "error")
-                elif "matrixserve" in chunk:
-                    final = chunk
-                else:
-                    tokens.append(time.time())
     except httpx.HTTPError as exc:
-        first = tokens[0] if tokens else None
-        return Request(start, time.time(), type(exc).__name__, first, tokens=tuple(tokens))
-    end = time.time()
-    first = tokens[0] if tokens else None
-    outcome = "ok" if not error and final is not None and done else error or "incomplete"
-    prefill, decode = str(on.get("prefill") or ""), str(on.get("decode") or "")
-    return Request(start, end, outcome, first, prefill, decode, tuple(tokens))
+        first = read.tokens[0] if read.tokens else None
+        return Request(start, time.time(), type(exc).__name__, first, tokens=tuple(read.tokens))
+    first = read.tokens[0] if read.tokens else None
+    return Request(
+        start, time.time(), read.outcome, first, read.prefill, read.decode, tuple(read.tokens)
+    )
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,9 @@ def test_a_model_group_under_prompt_heavy_load_moves_to_prefill_without_a_failed
     assert ratio["numbers"]["balancedRatio"] > 1, ratio  # prompts dominate: more prefill
     assert ratio["lastChangeTime"]
     messages = [
-        e.message for e in events_of(groups.core, groups.namespace, "g") if e.reason == "RatioChange"
+        e.message
+        for e in events_of(groups.core, groups.namespace, "g")
+        if e.reason == "RatioChange"
     ]
     assert any(
         m.startswith("Moving one instance from decode to prefill (2:2 -> 3:1)") for m in messages

@@ -168,6 +168,21 @@ class Group:
             )
         return roce_map
 
+    def start(
+        self,
+        start_engine: Callable[..., EngineProc],
+        args: tuple[str, ...],
+        *members: tuple[str, ...],
+    ) -> dict[str, EngineProc]:
+        """An engine process per member ``(name, role, RoCE IPs, *its own flags)``, in this
+        group, with ``args`` each (not waited for: :meth:`form` waits until they serve)."""
+        return {
+            name: start_engine(
+                name, "--role", role, *args, *own, env=self.env(roce), wait_ready=False
+            )
+            for name, role, roce, *own in members
+        }
+
     def health(self, name: str) -> zl.Health | None:
         stat = self.zk.exists(self.paths.health_of(name))
         return zl.Health.parse(self.zk.get(self.paths.health_of(name))[0]) if stat else None

@@ -352,14 +352,13 @@ def test_a_prefill_probes_its_sub_links_blocked_and_delayed_and_sends_nothing_ov
 def test_a_removed_instance_ends_its_streams_with_a_clear_error_and_refuses_new_ones(
     group: Group, start_engine: Any, stream: Any
 ) -> None:
-    engines = {
-        name: start_engine(name, "--role", role, *MODEL, env=group.env(roce), wait_ready=False)
-        for name, role, roce in (
-            ("p-1", "prefill", "198.19.1.1,198.19.1.2"),
-            ("p-2", "prefill", "198.19.4.1,198.19.4.2"),
-            ("d-1", "decode", "198.19.2.1,198.19.2.2"),
-        )
-    }
+    engines = group.start(
+        start_engine,
+        MODEL,
+        ("p-1", "prefill", "198.19.1.1,198.19.1.2"),
+        ("p-2", "prefill", "198.19.4.1,198.19.4.2"),
+        ("d-1", "decode", "198.19.2.1,198.19.2.2"),
+    )
     group.form(["p-1", "p-2"], ["d-1"])
     url = {name: f"{e.url}/v1/generate" for name, e in engines.items()}
 

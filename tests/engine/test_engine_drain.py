@@ -30,14 +30,13 @@ def _drain(group: Group, name: str) -> float:
 def test_a_draining_decode_finishes_its_streams_and_refuses_new_ones(
     group: Group, start_engine: Any, stream: Any
 ) -> None:
-    engines = {
-        name: start_engine(name, "--role", role, *MODEL, env=group.env(roce), wait_ready=False)
-        for name, role, roce in (
-            ("p-1", "prefill", "198.19.1.1,198.19.1.2"),
-            ("d-1", "decode", "198.19.2.1,198.19.2.2"),
-            ("d-2", "decode", "198.19.3.1,198.19.3.2"),
-        )
-    }
+    engines = group.start(
+        start_engine,
+        MODEL,
+        ("p-1", "prefill", "198.19.1.1,198.19.1.2"),
+        ("d-1", "decode", "198.19.2.1,198.19.2.2"),
+        ("d-2", "decode", "198.19.3.1,198.19.3.2"),
+    )
     group.form(["p-1"], ["d-1", "d-2"])
     url = f"{engines['p-1'].url}/v1/generate"
     with concurrent.futures.ThreadPoolExecutor(4) as pool:

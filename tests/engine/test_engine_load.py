@@ -45,22 +45,12 @@ def _load(group: Group, name: str, after: float = 0.0) -> zl.Load:
 def test_the_health_report_counts_what_was_served(
     group: Group, start_engine: Any, stream: Any
 ) -> None:
-    engines = {
-        name: start_engine(
-            name,
-            "--role",
-            role,
-            *MODEL,
-            "--max-batch",
-            batch,
-            env=group.env(roce),
-            wait_ready=False,
-        )
-        for name, role, roce, batch in (
-            ("p-1", "prefill", "198.19.1.1,198.19.1.2", "2"),
-            ("d-1", "decode", "198.19.2.1,198.19.2.2", "64"),
-        )
-    }
+    engines = group.start(
+        start_engine,
+        MODEL,
+        ("p-1", "prefill", "198.19.1.1,198.19.1.2", "--max-batch", "2"),
+        ("d-1", "decode", "198.19.2.1,198.19.2.2", "--max-batch", "64"),
+    )
     group.form(["p-1"], ["d-1"])
     before_p, before_d = _load(group, "p-1"), _load(group, "d-1")
     assert before_p.offered == before_p.prefilled == 0

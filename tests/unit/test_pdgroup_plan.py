@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from fakes import engine_report
+from fakes import engine_report, pdgroup_spec
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain import conditions, pdgroup
@@ -40,16 +40,7 @@ from matrixserve.domain.pdgroup.validation import validate_pdgroup
 P, D = zl.Role.PREFILL, zl.Role.DECODE
 
 
-def spec(p: int = 2, d: int = 1, **extra: Any) -> PDGroupSpec:
-    body: dict[str, Any] = {
-        "service": "chat",
-        "scenario": "general",
-        "model": {"name": "llama3-8b"},
-        "prefill": {"replicas": p, "devicesPerInstance": 2},
-        "decode": {"replicas": d, "devicesPerInstance": 2, "batchSize": 32},
-    }
-    body.update(extra)
-    return PDGroupSpec.model_validate(body)
+spec = pdgroup_spec
 
 
 def pod(name: str, role: zl.Role, created: float = 0.0, deleting: bool = False) -> PodView:

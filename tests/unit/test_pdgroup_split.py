@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fakes import engine_report
+from fakes import engine_report, pdgroup_spec
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain import pdgroup
@@ -29,16 +29,8 @@ READY = {"conditions": [{"type": "Ready", "status": "True"}]}
 
 
 def spec(p: int, d: int, **policy: Any) -> PDGroupSpec:
-    return PDGroupSpec.model_validate(
-        {
-            "service": "chat",
-            "scenario": "general",
-            "model": {"name": "llama3-8b"},
-            "prefill": {"replicas": p, "devicesPerInstance": 2},
-            "decode": {"replicas": d, "devicesPerInstance": 2, "batchSize": 32},
-            "ratioPolicy": policy,
-        }
-    )
+    out: PDGroupSpec = pdgroup_spec(p, d, ratioPolicy=policy)
+    return out
 
 
 def names(p: int, d: int) -> dict[str, zl.Role]:

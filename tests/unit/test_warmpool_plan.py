@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from fakes import FakeCore, engine_report
+from fakes import FakeCore, engine_report, pdgroup_spec
 from matrixserve.adapters.kube import KubeAdapter
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
-from matrixserve.api.resources import EngineResources, PDGroupSpec, WarmPoolSpec
+from matrixserve.api.resources import EngineResources, WarmPoolSpec
 from matrixserve.domain import pdgroup
 from matrixserve.domain import warmpool as wp
 from matrixserve.domain.enginepod import EngineSettings
@@ -171,16 +171,7 @@ def test_without_zookeeper_nothing_is_created_and_nothing_counted_warm() -> None
 
 
 # --------------------------------------------------------------------------- the group's claims
-def group_spec(p: int = 2, d: int = 1) -> PDGroupSpec:
-    return PDGroupSpec.model_validate(
-        {
-            "service": "chat",
-            "scenario": "general",
-            "model": {"name": "llama3-8b"},
-            "prefill": {"replicas": p, "devicesPerInstance": 2},
-            "decode": {"replicas": d, "devicesPerInstance": 2, "batchSize": 32},
-        }
-    )
+group_spec = pdgroup_spec
 
 
 def member(name: str, role: zl.Role) -> PodView:

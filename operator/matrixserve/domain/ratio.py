@@ -178,7 +178,7 @@ def capacity(figures: Figures, split: Split) -> Capacity:
 def load_delta(old: zl.Load, new: zl.Load) -> zl.Load | None:
     """What was served between two reports; None if a counter went back (another process)."""
     diff = {}
-    for f in fields_of_load():
+    for f in zl.Load.model_fields:
         a, b = getattr(old, f), getattr(new, f)
         if b < a:
             return None
@@ -187,15 +187,11 @@ def load_delta(old: zl.Load, new: zl.Load) -> zl.Load | None:
 
 
 def load_sum(loads: Iterable[zl.Load]) -> zl.Load:
-    total = dict.fromkeys(fields_of_load(), 0)
+    total: dict[str, float] = dict.fromkeys(zl.Load.model_fields, 0)
     for load in loads:
         for f in total:
             total[f] += getattr(load, f)
     return zl.Load.model_validate(total)
-
-
-def fields_of_load() -> list[str]:
-    return list(zl.Load.model_fields)
 
 
 def figures_of(

@@ -136,7 +136,8 @@ def rebuilding(view: GroupView) -> bool:
 def plan(view: GroupView, seams: Seams = TODAY) -> Plan:
     ratio = seams.ratio(view)
     desired = membership.desired_instances(view.name, ratio.counts)
-    for name in recovery.sacrificed(view):  # a shrink under way gives up its prefill
+    sacrificed = frozenset(recovery.sacrificed(view))
+    for name in sacrificed:  # a shrink under way gives up its prefill
         desired.pop(name, None)
     rebuilding_now = rebuilding(view)
     healing = (
@@ -144,7 +145,7 @@ def plan(view: GroupView, seams: Seams = TODAY) -> Plan:
         if view.zk.connected and not rebuilding_now
         else recovery.RecoveryPass()
     )
-    actions, roce_map, blocked = _actions(view, seams, desired, healing)
+    actions, roce_map, blocked = _actions(view, seams, desired, healing, sacrificed)
     actions += status.trouble_notices(view, desired)
     if blocked:
         held = status.hold(view, desired, blocked)
@@ -174,6 +175,7 @@ def _actions(
     seams: Seams,
     desired: dict[str, zl.Role],
     healing: recovery.RecoveryPass,
+    sacrificed: frozenset[str] = frozenset(),
 ) -> tuple[list[Action], zl.RoceMap | None, str | None]:
     """This pass's actions, the RoCE map after them, and why the plan is blocked (if it is)."""
     zk = view.zk
@@ -188,7 +190,7 @@ def _actions(
     if zk.roce_map is None:
         gathered, roce_map = membership.gather(view, desired)
         return actions + gathered, roce_map, None
-    change = membership.change_map(view, zk.roce_map, desired, frozenset(recovery.sacrificed(view)))
+    change = membership.change_map(view, zk.roce_map, desired, sacrificed)
     actions += change.actions
     actions += membership.release(view, desired, change)
     actions += membership.open_traffic(view, change, actions)

@@ -77,10 +77,6 @@ def rfc3339(t: float) -> str:
 
 def parse_time(text: Any) -> float | None:
     """An RFC 3339 time (as :func:`rfc3339` writes) in epoch seconds; None if it is not one."""
-    return _parse_time(text)
-
-
-def _parse_time(text: Any) -> float | None:
     if not isinstance(text, str) or not text:
         return None
     try:
@@ -461,7 +457,7 @@ def recover(view: GroupView, roce_map: zl.RoceMap | None) -> RecoveryPass:
     relinked_in_vain = _relinked_in_vain(out.last)
     for record in records(view):
         data = dict(record.data)
-        started = _parse_time(data.get("detectedAt")) or view.now
+        started = parse_time(data.get("detectedAt")) or view.now
         predicted = float(data.get("plan", {}).get("predictedRestoreSeconds") or 0.0)
         floor = (
             RELINK_DEADLINE_SECONDS

@@ -146,6 +146,19 @@ def _load(raw: Any) -> zl.Load | None:
         return None
 
 
+def _window_end(
+    view: GroupView, window: Mapping[str, Any], members: Mapping[str, str]
+) -> tuple[zl.Load, zl.Load] | None:
+    """What the prefills and the decodes served over the window (its start's counters against
+    now's, the same members); None if the start is unreadable or a counter went back."""
+    p0, d0 = _load(window.get("prefill")), _load(window.get("decode"))
+    if p0 is None or d0 is None:
+        return None
+    p1, d1 = _sums(view, members)
+    dp, dd = ratio.load_delta(p0, p1), ratio.load_delta(d0, d1)
+    return (dp, dd) if dp is not None and dd is not None else None
+
+
 def _moving(old: Split, new: Split) -> str:
     if old.total != new.total:
         return f"Splitting the total of {new.total} as {new}"
@@ -168,25 +181,22 @@ def ratio_pass(view: GroupView) -> RatioPass:
                 "reason": "Fixed policy: the spec's replicas",
             },
         )
-    prev: Mapping[str, Any] = view.previous.get("ratio") or {}
+    said: Mapping[str, Any] = view.previous.get("ratio") or {}
+    # what the status says under another policy is not this one's
+    prev = said if said.get("policy") == str(rp.mode) else {}
     total = spec_split.total
     bounds = ratio_bounds(spec)
     serving = serving_split(view)
     is_steady = steady(view)
-    same_policy = prev.get("policy") == str(rp.mode)
-    target = _split(prev.get("target")) if same_policy else None
-    last_change = recovery.parse_time(prev.get("lastChangeTime")) if same_policy else None
-    reason = str(prev.get("reason") or "") if same_policy else ""
-    numbers: dict[str, Any] = dict(prev.get("numbers") or {}) if same_policy else {}
-    feedback = (
-        ratio.FeedbackState.from_status(prev.get("feedback"))
-        if same_policy
-        else ratio.FeedbackState()
-    )
+    target = _split(prev.get("target"))
+    last_change = recovery.parse_time(prev.get("lastChangeTime"))
+    reason = str(prev.get("reason") or "")
+    numbers: dict[str, Any] = dict(prev.get("numbers") or {})
+    feedback = ratio.FeedbackState.from_status(prev.get("feedback"))
     notices: list[Action] = []
     old_target = target
-    left = _split(prev.get("from")) if same_policy else None  # the split the last move left
-    reached = recovery.parse_time(prev.get("reachedTime")) if same_policy else None
+    left = _split(prev.get("from"))  # the split the last move left
+    reached = recovery.parse_time(prev.get("reachedTime"))
 
     # the target: kept while it is a split of the total within the bounds
     if target is None or target.total != total or not bounds.allows(target):
@@ -234,11 +244,9 @@ def ratio_pass(view: GroupView) -> RatioPass:
 
     # the window, and a decision at its end
     members = _members(view)
-    window = prev.get("window") if same_policy else None
+    window = prev.get("window")
     capacity: dict[str, Any] = {
-        k: prev[k]
-        for k in ("phi", "prefillCapacity", "decodeCapacity", "bottleneck")
-        if same_policy and k in prev
+        k: prev[k] for k in ("phi", "prefillCapacity", "decodeCapacity", "bottleneck") if k in prev
     }
     if (
         not is_steady
@@ -248,35 +256,18 @@ def ratio_pass(view: GroupView) -> RatioPass:
     ):
         window = _window(view, members)
     elif view.now - float(window.get("start") or 0) >= rp.window_seconds:
-        p0, d0 = _load(window.get("prefill")), _load(window.get("decode"))
-        p1, d1 = _sums(view, members)
-        dp = ratio.load_delta(p0, p1) if p0 is not None else None
-        dd = ratio.load_delta(d0, d1) if d0 is not None else None
-        if dp is not None and dd is not None:
-            decode_batch = spec.decode.batch_size
-            figures = ratio.figures_of(dp, dd, decode_batch, LEAST_REQUESTS)
+        observed = _window_end(view, window, members)
+        if observed is not None:
+            dp, dd = observed
+            figures = ratio.figures_of(dp, dd, spec.decode.batch_size, LEAST_REQUESTS)
             if figures is not None:
-                cap = ratio.capacity(figures, serving)
-                capacity = cap.as_status()
-            since = max(t for t in (last_change, reached, 0.0) if t is not None)
+                capacity = ratio.capacity(figures, serving).as_status()
             # the prefills' slot capacity over the window, in emulated seconds
-            emulated = (view.now - float(window.get("start") or view.now)) * float(
-                view.engine.time_scale
-            )
+            emulated = (view.now - float(window["start"])) * float(view.engine.time_scale)
             capacity_s = emulated * serving.prefill * spec.prefill.batch_size
+            since = max((t for t in (last_change, reached) if t is not None), default=None)
             decided = _decide(
-                view,
-                rp,
-                bounds,
-                serving,
-                total,
-                figures,
-                dp,
-                dd,
-                feedback,
-                since or None,
-                left,
-                capacity_s,
+                view, rp, bounds, serving, total, figures, dp, dd, feedback, since, left, capacity_s
             )
             if decided is not None:
                 decision, feedback = decided
