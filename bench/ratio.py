@@ -81,7 +81,7 @@ WINDOW_S, COOLDOWN_S = 16, 20  # the policies' (wall s)
 # settled: no change for this long after arriving (the feedback rule's trend is 3 windows, after
 # a window for its baseline)
 QUIET_S = 5 * WINDOW_S + COOLDOWN_S
-CONVERGE_S = float(os.environ.get("BENCH_CONVERGE_S", "420"))
+CONVERGE_S = float(os.environ.get("BENCH_CONVERGE_S", "1200"))
 GROUP = "g"
 # (the stub's calibrated costs put each mix's best split inside the range, not at an end:
 # chat ~2:6, summarize ~6:2, mixed ~4:4 — so a mix's start, another mix's split, is a mismatch
@@ -305,16 +305,23 @@ def converge(
     load = Load(env, mixes, CONVERGE_S + WARMUP_S + MEASURE_S + 60)
     targets: list[tuple[float, str]] = [(0.0, start)]
     settled_at = None
+    said = ""
     try:
         deadline = time.time() + CONVERGE_S
         while time.time() < deadline:
             time.sleep(2.0)
             ratio = status(env).get("ratio") or {}
             target, current = str(ratio.get("target") or ""), str(ratio.get("current") or "")
+            reason = str(ratio.get("reason") or "")
+            if reason != said:
+                said = reason
+                print(f"    {time.time() - load.began:6.1f} s {current}: {reason}", flush=True)
             if target and target != targets[-1][1]:
                 targets.append((round(time.time() - load.began, 1), target))
                 settled_at = None
-            if current == targets[-1][1]:
+            # Feedback judges a move over windows after it: not settled while it does
+            judging = bool((ratio.get("feedback") or {}).get("moving"))
+            if current == targets[-1][1] and not judging:
                 settled_at = settled_at or time.time()
                 last_switch = max(t for t, _ in mixes)
                 if (

@@ -258,14 +258,18 @@ def test_a_new_total_restarts_the_feedback_rule() -> None:
     judging = {
         "policy": "Feedback",
         "target": "2:2",
-        "feedback": {"moving": "prefill", "beforeMove": 5.0, "lastChange": T0 - 100},
+        "feedback": {
+            "moving": "prefill",
+            "before": {"windows": 3, "e2e": 15.0, "served": 30.0, "saturated": 0},
+            "lastChange": T0 - 100,
+        },
     }
     out = ratio_pass(
         group(spec(3, 2, mode="Feedback"), names(2, 2), now=T0, previous={"ratio": judging})
     )
     assert out.status["target"] == "2:3"  # the split of 5 nearest 2:2's ratio
     assert out.status["feedback"]["moving"] is None
-    assert out.status["feedback"]["beforeMove"] is None
+    assert out.status["feedback"]["before"] is None
 
 
 def test_a_move_that_never_arrives_is_given_up() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 from dataclasses import dataclass
 
@@ -211,6 +212,8 @@ def test_a_move_between_roles_in_each_mode() -> None:
 
 # ---------------------------------------------------------------------------- the feedback
 PARAMS = FeedbackParams(windows=2, cooldown=60.0)
+WINDOW_S = 10.0  # the plants' windows
+REQUESTS = 10.0  # requests per second in a unit of the plants' rates
 
 
 def settled(e2e: float = 1.0, share: float = 0.3) -> FeedbackState:
@@ -267,13 +270,13 @@ def test_refusals_alone_are_an_alarm() -> None:
 def test_slots_waiting_for_decodes_are_a_decode_alarm_without_refusals() -> None:
     """A closed load that never fills the prefills' slots: no refusal, yet the slots wait for
     the decodes to take their KV most of the time (§4.2) — one more decode; not when it was just
-    taken back."""
+    taken back, and then their slots full of KV waiting are no prefill alarm either."""
     fb = Feedback(PARAMS, Bounds())
-    waiting = r.Signal(1.0, 0.3, rejected=0.0, kv_wait=0.7)
+    waiting = r.Signal(1.0, 0.3, rejected=0.0, kv_wait=0.7, slots_held=0.97)
     decisions, _ = run(fb, settled(), waiting, Split(6, 2), 1000.0, 2)
     assert decisions[-1].target == Split(5, 3)
     assert "waiting for a decode 70%" in decisions[-1].reason
-    refuted = dataclasses.replace(settled(), refuted=r.DECODE)
+    refuted = dataclasses.replace(settled(), refuted=(r.DECODE,))
     decisions, _ = run(fb, refuted, waiting, Split(6, 2), 1000.0, 4)
     assert not any(d.changed for d in decisions)
 
@@ -305,10 +308,106 @@ def test_feedback_respects_cooldown_and_bounds() -> None:
     assert "cooling down" in decisions[-1].reason
 
 
+def test_a_move_is_judged_on_the_mean_of_a_trend_of_windows() -> None:
+    """A move is judged against the windows of the alarm that asked for it, on as many windows
+    after it: one noisy window neither takes a good move back nor sends a bad one further."""
+    fb = Feedback(PARAMS, Bounds())  # two windows a trend
+    state = settled()
+    split = Split(4, 4)
+    for now, e2e in ((1000.0, 1.0), (1010.0, 2.0)):  # slots waiting for decodes: decode alarm
+        d, state = fb.decide(state, r.Signal(e2e, 0.3, kv_wait=0.8), split, 8, now)
+    assert d.target == Split(3, 5)
+    assert state.before == r.Tally(2, 3.0, 0, 0.0, 0)  # not saturated: judged on E2E, mean 1.5
+    split = d.target
+    # after the cooldown: a bad window (E2E 1.65, 10 % worse) then a good one (1.05): their
+    # mean (1.35) is 10 % better -> one more decode, not back
+    d, judging = fb.decide(state, r.Signal(1.65, 0.3), split, 8, 1100.0)
+    assert not d.changed
+    assert "judging one more decode (1/2 windows)" in d.reason
+    d, _ = fb.decide(judging, r.Signal(1.05, 0.3), split, 8, 1110.0)
+    assert d.target == Split(2, 6), d.reason
+    assert d.numbers["E2EAfterMove"] == pytest.approx(1.35)
+    assert "E2E 1.500 s before, 1.350 s after" in d.reason
+    # the same two windows the other way round say the same
+    d, judging = fb.decide(state, r.Signal(1.05, 0.3), split, 8, 1100.0)
+    d, _ = fb.decide(judging, r.Signal(1.65, 0.3), split, 8, 1110.0)
+    assert d.target == Split(2, 6)
+
+
+def test_a_saturated_move_is_judged_by_what_it_serves() -> None:
+    """Slots full (a closed load, a gateway queue the engines do not see): the backlog waits
+    either way, and a split that takes it into the engines shows a higher E2E there while the
+    requests wait less in all — so a saturated group is judged by what it serves per second:
+    30 % more at a 50 % higher engine E2E paid; 30 % less at a lower one did not. Unsaturated,
+    E2E decides (the load is served at either split)."""
+    fb = Feedback(PARAMS, Bounds())
+    full = r.Tally(2, 2.0, 2000, 200.0, 2)  # E2E 1.0, 10 served/s, saturated
+    after = FeedbackState(moving=r.DECODE, before=full, last_change=0.0)
+    split = Split(5, 3)
+
+    def judge(signal: r.Signal) -> tuple[r.Decision, FeedbackState]:
+        state = after
+        for now in (100.0, 110.0):
+            d, state = fb.decide(state, signal, split, 8, now)
+        return d, state
+
+    d, state = judge(r.Signal(1.5, 0.3, slots_held=0.99, finished=1300, seconds=100.0))
+    assert d.target == Split(4, 4), d.reason
+    assert "served 10 requests/s before, 13 after (saturated)" in d.reason
+    assert state.moving == r.DECODE
+    assert state.before == r.Tally(2, 3.0, 2600, 200.0, 2)
+    d, state = judge(r.Signal(0.8, 0.3, slots_held=0.99, finished=700, seconds=100.0))
+    assert d.target == Split(6, 2), d.reason
+    assert state.refuted == (r.DECODE,)
+    assert "made it worse" in d.reason
+    # within 5 %: E2E decides — the same: kept, settled, nothing refuted
+    d, state = judge(r.Signal(1.02, 0.3, slots_held=0.99, finished=1020, seconds=100.0))
+    assert not d.changed
+    assert "no better, no worse" in d.reason
+    assert state.refuted == ()
+    assert state.moving is None
+    # 30 % more, but of too few requests to tell (2 x 13 against 2 x 10): no better
+    few = FeedbackState(moving=r.DECODE, before=r.Tally(2, 2.0, 20, 2.0, 2), last_change=0.0)
+    state = few
+    for now in (100.0, 110.0):
+        d, state = fb.decide(
+            state, r.Signal(1.0, 0.3, slots_held=0.99, finished=13, seconds=1.0), split, 8, now
+        )
+    assert not d.changed
+    assert "no difference" in d.reason
+    # not saturated: E2E decides, whatever is served
+    calm = FeedbackState(moving=r.DECODE, before=r.Tally(2, 2.0, 2000, 200.0, 0), last_change=0.0)
+    state = calm
+    for now in (100.0, 110.0):
+        d, state = fb.decide(state, r.Signal(1.5, 0.3, finished=1300, seconds=100.0), split, 8, now)
+    assert d.target == Split(6, 2), d.reason
+
+
 def test_the_state_survives_the_status_and_garbage_does_not() -> None:
-    state = FeedbackState(1.0, 0.3, r.PREFILL, 2, 50.0, r.DECODE, 1.2, r.PREFILL)
+    state = FeedbackState(
+        1.0,
+        0.3,
+        r.PREFILL,
+        r.Tally(2, 2.1, 90, 10.0, 1.0),
+        50.0,
+        r.DECODE,
+        r.Tally(3, 3.3, 300, 30.0, 3.0),
+        (r.DECODE, r.PREFILL),
+        2,
+        r.Tally(1, 1.2, 110, 10.0, 0.0),
+    )
     assert FeedbackState.from_status(state.to_status()) == state
-    junk = {"baselineE2E": "x", "streak": True, "alarm": "sideways", "lastChange": float("inf")}
+    junk = {
+        "baselineE2E": "x",
+        "trend": {"windows": True, "e2e": 1.0, "finished": 1.0, "seconds": 1.0, "saturated": 0},
+        "alarm": "sideways",
+        "lastChange": float("inf"),
+        "judged": {"windows": 2, "e2e": -1.0, "finished": 1.0, "seconds": 1.0, "saturated": 0},
+        "refuted": "decode",  # not a list
+        "calm": -3,
+        "moving": "decode",  # no windows before it: nothing to judge it against
+        "before": {"windows": 0},
+    }
     assert FeedbackState.from_status(junk) == FeedbackState()
     assert FeedbackState.from_status(None) == FeedbackState()
 
@@ -342,7 +441,15 @@ class Plant:
         jitter = 1 + self.rng.uniform(-self.noise, self.noise)
         t_p = self.t_p0 / (1 - min(u_p, 0.95)) * jitter
         t_d = self.t_d0 / (1 - min(u_d, 0.95)) * jitter
-        return r.Signal(t_p + t_d, t_p, rejected, kv_wait)
+        served = self.count(min(self.offered, c_p, c_d))
+        return r.Signal(t_p + t_d, t_p, rejected, kv_wait, finished=served, seconds=WINDOW_S)
+
+    def count(self, rate: float) -> int:
+        """The requests finished in a window at ``rate``, with their Poisson noise; a unit of
+        the plant's rates is ``REQUESTS`` requests per second (a window holds hundreds of
+        requests, as the bench's do)."""
+        mean = rate * REQUESTS * WINDOW_S
+        return max(0, round(self.rng.gauss(mean, math.sqrt(mean))))
 
     def figures(self) -> r.Figures:
         return figures(self.c_p, self.c_d)
@@ -364,7 +471,7 @@ def drive(
     changes = []
     last_model = -1e9
     for i in range(windows):
-        now = i * 10.0
+        now = i * WINDOW_S
         if policy == "Model":
             if now - last_model < params.cooldown:
                 continue
@@ -427,7 +534,8 @@ class ClosedPlant(Plant):
         kv_wait = max(0.0, 1 - c_d / c_p) if c_d < c_p else 0.0
         # the weaker role is saturated: if it is the prefills, their slots are full
         slots = 1.0 if c_p <= c_d else min(c_d / c_p + kv_wait, 1.0)
-        return r.Signal(e2e, min(t_p, e2e / 2), 0.0, kv_wait, slots)
+        finished = self.count(served)
+        return r.Signal(e2e, min(t_p, e2e / 2), 0.0, kv_wait, slots, finished, WINDOW_S)
 
 
 @pytest.mark.parametrize(
@@ -448,6 +556,28 @@ def test_feedback_moves_a_closed_load_off_a_steady_shortage(
     short = r.DECODE if c_d < c_p else r.PREFILL
     first = changes[0][1]
     assert (first.decode > start.decode) if short == r.DECODE else (first.prefill > start.prefill)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("start", [Split(5, 35), Split(30, 10)])
+def test_a_large_group_under_a_closed_load_does_not_take_turns(seed: int, start: Split) -> None:
+    """40 instances: one instance moves a role's figures by a few per cent, within the noise
+    — near the boundary where the slots go from computing to waiting, a decode alarm and a
+    prefill alarm must not take turns (moves judged "no better" and kept, each undone by the
+    other alarm). The gap between the two alarms' thresholds stops the walk within reach of
+    the best split, one way, with at most one reversal (an overshoot taken back)."""
+    plant = ClosedPlant(c_p=2.0, c_d=1.0, offered=0.0, seed=seed)
+    split, changes = drive(plant, start, 2000, "Feedback")
+    directions = [
+        b.prefill > a.prefill
+        for a, b in zip([start] + [s for _, s in changes], [s for _, s in changes], strict=False)
+    ]
+    assert sum(1 for a, b in itertools.pairwise(directions) if a != b) <= 1, changes
+    assert changes
+    assert changes[-1][0] < 1000 * WINDOW_S, changes  # none in the second half
+    best = plant.best(40)
+    cap = min(split.prefill * plant.c_p, split.decode * plant.c_d)
+    assert cap >= 0.75 * min(best.prefill * plant.c_p, best.decode * plant.c_d), changes
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -550,13 +680,19 @@ def test_figures_and_signal_from_a_window() -> None:
     assert f.xi == pytest.approx(0.1)
     assert f.t_d == pytest.approx(0.1 + 0.05 * 100)
     assert f.c_decode == pytest.approx(32 / 5.1)
-    sig = r.signal_of(prefill, decode, slot_capacity_s=80.0)
+    sig = r.signal_of(prefill, decode, slot_capacity_s=80.0, window_s=40.0)
     assert sig is not None
     assert sig.slots_held == pytest.approx(0.75)  # 60 slot-seconds of 80
     assert sig.t_p == pytest.approx(0.5)
-    assert sig.e2e == pytest.approx(0.5 + 420 / 80)
+    # TTFT, then the KV's wait for a decode (15 s over 80 prompts, less the pull the decode's
+    # time holds: ξ 0.1 s), then the decode
+    assert sig.e2e == pytest.approx(0.5 + (15 / 80 - 0.1) + 420 / 80)
     assert sig.rejected == pytest.approx(0.2)
     assert sig.kv_wait == pytest.approx(0.25)
+    assert sig.served == pytest.approx(2.0)  # 80 finished in 40 s
+    unknown = r.signal_of(prefill, decode)  # the window's length not known
+    assert unknown is not None
+    assert unknown.served == 0.0
     # too few requests through a role: nothing to say
     assert r.figures_of(prefill, load(), 32) is None
     assert r.signal_of(load(), decode) is None

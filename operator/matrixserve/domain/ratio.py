@@ -21,15 +21,19 @@ Two policies choose the split (§3.3, "Ratio Adjustment for Changes"):
 - **Feedback** (:class:`Feedback`): "with the increase on both E2E latency and the proportion of
   TTFT, more prefill instances are needed; ... with the increase on E2E latency but decrease on
   the proportion of TTFT, more decoding instances are needed", and §4.2's "gradually increase the
-  instances" — after a move, another in the same direction while E2E keeps improving, one move
-  back if it got worse, then settled. The paper gives no thresholds, window, step or cooldown:
+  instances" — after a move, another in the same direction while it pays (a lower E2E, or, for
+  a saturated group, more requests served per second: :func:`compare`), one move back if it
+  made things worse, then settled. The paper gives no thresholds, window, step or cooldown:
   those are ours (``[design]``), as is treating prefill refusals as an alarm (with on-demand
   forwarding a prefill that is too weak refuses rather than queues, so the wait is at the
   gateway and the engines' TTFT does not rise: NVIDIA Dynamo's planner misses exactly this
   burst) — for prefill, or for decode when the refusing prefills' slots are mostly held by KV
   that no decode has taken yet (§3.5's back-pressure); such slots are a decode alarm even
-  without refusals (§4.2: "some KVCaches wait in prefill for idle decoding") — and judging E2E only against its own baseline, never an SLO (an SLO that cannot be met
-  must not freeze the ratio or block a scale-down, Dynamo's third bug).
+  without refusals (§4.2: "some KVCaches wait in prefill for idle decoding"), and slots full of
+  prompts a prefill alarm — and judging E2E only against its own baseline, never an SLO (an SLO
+  that cannot be met must not freeze the ratio or block a scale-down, Dynamo's third bug). A
+  role whose move did not pay is *refuted*: the saturation alarms (refusals, slots) no longer
+  ask for it until the load changes (a rise of E2E, a new total, or the saturation gone).
 
 Both give a **target** split; :func:`next_step` walks to it one instance at a time, in one of two
 modes (§3.3: "If the overall number of instances is fixed ..., gradually release part of the
@@ -220,22 +224,34 @@ def figures_of(
 
 
 def signal_of(
-    prefill: zl.Load, decode: zl.Load, least: int = 1, slot_capacity_s: float = 0.0
+    prefill: zl.Load,
+    decode: zl.Load,
+    least: int = 1,
+    slot_capacity_s: float = 0.0,
+    window_s: float = 0.0,
 ) -> Signal | None:
     """The feedback rule's inputs from a window's sums, or None with too few requests: T_p the
-    prefills' mean TTFT, E2E that plus the decodes' mean time per request (KV pull to the last
-    token), the refused share of the offers, the slots' share waiting for a decode, and the
-    share of the prefills' slot capacity held (``slot_capacity_s``: the window's emulated
-    seconds times the prefills' slots; 0: not known)."""
+    prefills' mean TTFT; E2E that plus the mean wait of a prefilled prompt's KV for a decode
+    plus the decodes' mean time per request (KV pull to the last token); the refused share of
+    the offers, the slots' share waiting for a decode, the share of the prefills' slot capacity
+    held (``slot_capacity_s``: the window's emulated seconds times the prefills' slots; 0: not
+    known), and the requests the decodes finished over the window's emulated seconds
+    (``window_s``; 0: not known)."""
     if prefill.prefilled < least or decode.decoded < least:
         return None
     t_p = prefill.ttft_s / prefill.prefilled
+    # a slot is given back once the decode has pulled the KV, and the decode's time starts
+    # before its pull: the pull (ξ) is in both, counted once
+    xi = decode.kv_s / decode.kv_pulls if decode.kv_pulls else 0.0
+    wait = max(prefill.kv_wait_s / prefill.prefilled - xi, 0.0)
     return Signal(
-        e2e=t_p + decode.decode_s / decode.decoded,
+        e2e=t_p + wait + decode.decode_s / decode.decoded,
         t_p=t_p,
         rejected=prefill.refused / prefill.offered if prefill.offered else 0.0,
         kv_wait=prefill.kv_wait_s / prefill.slot_s if prefill.slot_s > 0 else 0.0,
         slots_held=min(prefill.slot_s / slot_capacity_s, 1.0) if slot_capacity_s > 0 else 0.0,
+        finished=decode.decoded if window_s > 0 else 0,
+        seconds=max(window_s, 0.0),
     )
 
 
@@ -346,8 +362,8 @@ def model_target(
 # ---------------------------------------------------------------------------- the feedback
 @dataclass(frozen=True)
 class Signal:
-    """One window's feedback inputs: E2E and T_p as the clients saw them (the gateway's wait
-    included), and the fraction of prefill offers refused."""
+    """One window's feedback inputs, as the engines saw them (a wait at the gateway is not in
+    them): E2E and T_p, the fraction of prefill offers refused, and the rest below."""
 
     e2e: float
     t_p: float
@@ -361,13 +377,14 @@ class Signal:
     # slots it holds offers nothing to a full prefill, so a prefill short of slots shows here,
     # not in refusals (the requests wait at the gateway)
     slots_held: float = 0.0
+    # requests finished over the window's ``seconds`` (0 seconds: not known)
+    finished: int = 0
+    seconds: float = 0.0
 
     @property
-    def cost(self) -> float:
-        """E2E per offer served: what a move is judged by. Under overload the requests served
-        take as long whatever the split (the queue is full either way); what a better split
-        changes is how many offers the prefills refuse (each one tried again)."""
-        return self.e2e / max(1.0 - self.rejected, 0.05)
+    def served(self) -> float:
+        """Requests finished per second (0: not known)."""
+        return self.finished / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def prefill_share(self) -> float:
@@ -385,8 +402,119 @@ class FeedbackParams:
     kv_wait: float = 0.5  # ... decode if the prefills' slots waited this much for decodes
     slots_full: float = 0.9  # the prefills' slots held this much, not waiting: a prefill alarm
     windows: int = 3  # an alarm must hold this many windows in a row (the trend)
-    improve: float = 0.05  # after a move, E2E this much better: another the same way; worse: back
+    # after a move, this much better (served if saturated, else E2E): another the same way;
+    # this much worse: back
+    improve: float = 0.05
     cooldown: float = 300.0  # seconds between two changes
+
+
+def _number(raw: Mapping[str, object], key: str) -> float | None:
+    value = raw.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _count(raw: Mapping[str, object], key: str) -> int:
+    value = raw.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+@dataclass(frozen=True)
+class Tally:
+    """Windows summed, so that a move is judged on their means and not on one window's noise:
+    E2E (the windows' means summed), the requests finished and the seconds they took, and how
+    many windows found the group saturated."""
+
+    windows: int = 0
+    e2e: float = 0.0
+    finished: float = 0.0
+    seconds: float = 0.0
+    saturated: float = 0.0
+
+    def add(self, signal: Signal, saturated: bool, keep: int) -> Tally:
+        """With one more window, as a mean of at most the last ``keep`` windows' worth (an
+        alarm that lasts through a cooldown is judged on its recent windows, not all of it)."""
+        more = Tally(
+            self.windows + 1,
+            self.e2e + signal.e2e,
+            self.finished + signal.finished,
+            self.seconds + signal.seconds,
+            self.saturated + float(saturated),
+        )
+        if more.windows <= keep:
+            return more
+        f = keep / more.windows
+        return Tally(keep, more.e2e * f, more.finished * f, more.seconds * f, more.saturated * f)
+
+    @property
+    def mean_e2e(self) -> float:
+        return self.e2e / self.windows if self.windows else 0.0
+
+    @property
+    def served(self) -> float:
+        """Requests finished per second (0: not known)."""
+        return self.finished / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def is_saturated(self) -> bool:
+        """Saturated in most of its windows."""
+        return 2 * self.saturated > self.windows
+
+    def to_status(self) -> dict[str, object]:
+        return {
+            "windows": self.windows,
+            "e2e": self.e2e,
+            "finished": self.finished,
+            "seconds": self.seconds,
+            "saturated": self.saturated,
+        }
+
+    @classmethod
+    def from_status(cls, raw: object) -> Tally:
+        if not isinstance(raw, Mapping):
+            return cls()
+        windows = _count(raw, "windows")
+        sums = [_number(raw, k) for k in ("e2e", "finished", "seconds", "saturated")]
+        if not windows or any(v is None or v < 0 for v in sums):
+            return cls()
+        e2e, finished, seconds, saturated = (float(v or 0.0) for v in sums)
+        return cls(windows, e2e, finished, seconds, min(saturated, float(windows)))
+
+
+# a difference in requests served per second counts only this many standard deviations out
+# (the counts' Poisson noise: two windows of 20 requests cannot tell 5 %)
+SIGNIFICANT = 2.0
+
+
+def compare(before: Tally, after: Tally, improve: float) -> tuple[int, str]:
+    """+1 if ``after`` is better than ``before`` by ``improve``, -1 if worse by as much, else 0;
+    and the figures that say so. A saturated group (its prefills' slots full, or refusing)
+    has a backlog the engines do not see — a closed load's clients, the gateway's queue, offers
+    tried again — whose wait the engines' E2E does not hold, so it is judged first by what it
+    serves per second (Little's law: the same backlog served faster waits less), a difference
+    that is both ``improve`` and ``SIGNIFICANT`` standard deviations of the counts' Poisson
+    noise; with no such difference, or unsaturated (the load is served either way), by E2E."""
+    served = ""
+    if (before.is_saturated or after.is_saturated) and min(before.served, after.served) > 0:
+        b, a = before.served, after.served
+        noise = math.sqrt(before.finished / before.seconds**2 + after.finished / after.seconds**2)
+        served = f"served {b:.3g} requests/s before, {a:.3g} after (saturated)"
+        if abs(a - b) >= SIGNIFICANT * noise:
+            if a >= b * (1 + improve):
+                return 1, served
+            if a <= b * (1 - improve):
+                return -1, served
+        served += ", no difference; "
+    b, a = before.mean_e2e, after.mean_e2e
+    said = f"{served}E2E {b:.3f} s before, {a:.3f} s after"
+    if b <= 0:
+        return 0, said
+    if a <= b * (1 - improve):
+        return 1, said
+    if a >= b * (1 + improve):
+        return -1, said
+    return 0, said
 
 
 @dataclass(frozen=True)
@@ -396,13 +524,23 @@ class FeedbackState:
     baseline_e2e: float | None = None
     baseline_share: float | None = None
     alarm: str | None = None  # the role the current alarm asks for
-    streak: int = 0  # windows in a row with that alarm
+    trend: Tally = Tally()  # the windows in a row with that alarm
     last_change: float | None = None  # when the split last changed (the caller's clock)
     moving: str | None = None  # the role the last move added, while its effect is judged
-    before_move: float | None = None  # E2E just before that move
-    # the role whose move was taken back (it made E2E worse): refusals alone no longer ask for
-    # it (a group past its capacity refuses at every split), only a rise of E2E does
-    refuted: str | None = None
+    before: Tally | None = None  # the windows that move is judged against
+    # the roles whose move made things worse (taken back): the saturation alarms (refusals,
+    # slots) no longer ask for them — a group past its capacity refuses at every
+    # split, a closed load fills the slots at every split — until the load changes: a rise of
+    # E2E, a new total, or ``windows`` windows in a row without saturation (``calm``)
+    refuted: tuple[str, ...] = ()
+    calm: int = 0
+    # after a move: the windows judged so far (judged once there are ``windows`` of them: one
+    # window's noise neither takes a move back nor sends it further)
+    judged: Tally = Tally()
+
+    @property
+    def streak(self) -> int:
+        return self.trend.windows
 
     def to_status(self) -> dict[str, object]:
         return {
@@ -410,38 +548,42 @@ class FeedbackState:
             "baselineShare": self.baseline_share,
             "alarm": self.alarm,
             "streak": self.streak,
+            "trend": self.trend.to_status(),
             "lastChange": self.last_change,
             "moving": self.moving,
-            "beforeMove": self.before_move,
-            "refuted": self.refuted,
+            "before": self.before.to_status() if self.before is not None else None,
+            "refuted": list(self.refuted),
+            "calm": self.calm,
+            "judged": self.judged.to_status(),
         }
 
     @classmethod
     def from_status(cls, raw: Mapping[str, object] | None) -> FeedbackState:
-        """Read back what :meth:`to_status` wrote; anything unreadable starts afresh."""
+        """Read back what :meth:`to_status` wrote; anything unreadable starts afresh (a status
+        of an earlier operator with a move being judged: that move is kept, not judged)."""
         if not raw:
             return cls()
-
-        def num(key: str) -> float | None:
-            value = raw.get(key)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                return None
-            return float(value) if math.isfinite(value) else None
 
         def role(key: str) -> str | None:
             value = raw.get(key)
             return value if isinstance(value, str) and value in (PREFILL, DECODE) else None
 
-        streak = raw.get("streak")
+        before = Tally.from_status(raw.get("before"))
+        moving = role("moving")
+        refuted = raw.get("refuted")
+        roles = refuted if isinstance(refuted, list) else []
         return cls(
-            num("baselineE2E"),
-            num("baselineShare"),
-            role("alarm"),
-            streak if isinstance(streak, int) and not isinstance(streak, bool) else 0,
-            num("lastChange"),
-            role("moving"),
-            num("beforeMove"),
-            role("refuted"),
+            baseline_e2e=_number(raw, "baselineE2E"),
+            baseline_share=_number(raw, "baselineShare"),
+            alarm=role("alarm"),
+            trend=Tally.from_status(raw.get("trend")),
+            last_change=_number(raw, "lastChange"),
+            # a move is judged only against what asked for it
+            moving=moving if before.windows else None,
+            before=before if before.windows and moving else None,
+            refuted=tuple(sorted({r for r in (PREFILL, DECODE) if r in roles})),
+            calm=_count(raw, "calm"),
+            judged=Tally.from_status(raw.get("judged")),
         )
 
 
@@ -477,6 +619,7 @@ class Feedback:
             "Tp": _round(signal.t_p),
             "TpShare": _round(signal.prefill_share),
             "rejected": _round(signal.rejected),
+            "served": _round(signal.served),
         }
         if current.total != total or not self.bounds.allows(current):
             # the total changed (a scale of the group) or the split is out of bounds: the
@@ -487,30 +630,45 @@ class Feedback:
                 replace(FeedbackState(), last_change=now if target != current else None),
             )
         cooling = state.last_change is not None and now - state.last_change < p.cooldown
+        saturated = self.saturated(signal)
+        # after a move: judged once the cooldown is over (the figures have settled), on as many
+        # windows as an alarm's trend
+        if state.moving is not None and state.before is not None:
+            if cooling:
+                return Decision(current, False, "cooling down after a move", numbers), state
+            judged = state.judged.add(signal, saturated, p.windows)
+            if judged.windows < p.windows:
+                why = f"judging one more {state.moving} ({judged.windows}/{p.windows} windows)"
+                return Decision(current, False, why, numbers), replace(state, judged=judged)
+            return self._judge(
+                state.moving, state.before, state, judged, signal, current, total, now, numbers
+            )
+
+        # the saturation gone for a trend's windows: the load changed, nothing stays refuted
+        calm = 0 if saturated else state.calm + 1
+        refuted = () if calm >= p.windows else state.refuted
+        state = replace(state, calm=calm, refuted=refuted)
         if state.baseline_e2e is None or state.baseline_share is None:
             fresh = replace(
-                state, baseline_e2e=signal.e2e, baseline_share=signal.prefill_share, streak=0
+                state,
+                baseline_e2e=signal.e2e,
+                baseline_share=signal.prefill_share,
+                trend=Tally(),
             )
             return Decision(current, False, "baseline taken", numbers), fresh
 
-        # after a move: judged once the cooldown is over (the figures have settled)
-        if state.moving is not None and state.before_move is not None:
-            if cooling:
-                return Decision(current, False, "cooling down after a move", numbers), state
-            return self._judge(
-                state.moving, state.before_move, state, signal, current, total, now, numbers
-            )
-
-        alarm, why = self._alarm(state.baseline_e2e, state.baseline_share, state.refuted, signal)
-        streak = (
-            state.streak + 1 if alarm is not None and alarm == state.alarm else int(bool(alarm))
-        )
+        alarm, why, rise = self._alarm(state.baseline_e2e, state.baseline_share, refuted, signal)
+        going_on = alarm is not None and alarm == state.alarm
+        trend = (state.trend if going_on else Tally()).add(signal, saturated, p.windows)
         # E2E lower than the baseline: the baseline follows it down (a later rise is measured
         # from the best the group has done since it settled)
         baseline = min(state.baseline_e2e, signal.e2e)
-        state = replace(state, alarm=alarm, streak=streak, baseline_e2e=baseline)
+        state = replace(
+            state, alarm=alarm, trend=trend if alarm else Tally(), baseline_e2e=baseline
+        )
         if alarm is None:
             return Decision(current, False, "no alarm", numbers), state
+        streak = trend.windows
         numbers = {**numbers, "baselineE2E": _round(baseline), "streak": float(streak)}
         if streak < p.windows:
             return Decision(current, False, f"{why} ({streak}/{p.windows} windows)", numbers), state
@@ -520,99 +678,118 @@ class Feedback:
         if not self.bounds.allows(target):
             return Decision(current, False, f"{why}; {target} is out of bounds", numbers), state
         after = FeedbackState(
-            baseline_e2e=None,
-            baseline_share=None,
             last_change=now,
             moving=alarm,
-            before_move=signal.cost,
+            before=trend,
+            # a rise of E2E is a change of the load: what did not pay before may now
+            refuted=() if rise else refuted,
         )
         return Decision(target, True, f"{why}: one more {alarm}", numbers), after
 
+    def saturated(self, signal: Signal) -> bool:
+        """The prefills' slots full or refusing: a backlog waits where the engines cannot see
+        it (the gateway's queue, a closed load's clients, offers tried again)."""
+        p = self.params
+        return signal.slots_held >= p.slots_full or signal.rejected >= p.rejection
+
     def _alarm(
-        self, base_e2e: float, base: float, refuted: str | None, signal: Signal
-    ) -> tuple[str | None, str]:
+        self, base_e2e: float, base: float, refuted: tuple[str, ...], signal: Signal
+    ) -> tuple[str | None, str, bool]:
+        """The role the window asks for, why, and whether it is a rise of E2E (§3.3's own
+        trigger) rather than a saturation alarm."""
         p = self.params
         waiting = f"slots held by KV waiting for a decode {signal.kv_wait:.0%} of the time"
+        # the slots wait for decodes (kvWait of their time): the decodes are short; they
+        # compute (waiting less than half of that): the prefills are; in between, neither —
+        # a gap, so that the two alarms do not take turns about one threshold
+        short = (
+            DECODE
+            if signal.kv_wait >= p.kv_wait
+            else PREFILL
+            if signal.kv_wait < p.kv_wait / 2
+            else None
+        )
         if signal.rejected >= p.rejection:
-            refused = f"prefills refused {signal.rejected:.0%} of offers"
-            role = DECODE if signal.kv_wait >= p.kv_wait else PREFILL
-            if role != refuted:
-                return role, f"{refused}, their {waiting}"
-        elif signal.kv_wait >= p.kv_wait and refuted != DECODE:
+            if short is not None and short not in refuted:
+                refused = f"prefills refused {signal.rejected:.0%} of offers"
+                return short, f"{refused}, their {waiting}", False
+        elif short == DECODE:
             # §4.2: "some KVCaches wait in prefill for idle decoding" — the decodes are short
             # whether or not the prefills have had to refuse yet (a closed load, spare slots)
-            return DECODE, f"the prefills' {waiting}"
-        elif signal.slots_held >= p.slots_full and refuted != PREFILL:
+            if DECODE not in refuted:
+                return DECODE, f"the prefills' {waiting}", False
+        elif short == PREFILL and signal.slots_held >= p.slots_full and PREFILL not in refuted:
             # full, and computing (not waiting for decodes): the prefills are short, the
             # requests wait at the gateway for a slot
-            return PREFILL, (
+            return (
+                PREFILL,
                 f"the prefills' slots held {signal.slots_held:.0%} of the time, "
-                f"{1 - signal.kv_wait:.0%} of it prefilling"
+                f"{1 - signal.kv_wait:.0%} of it prefilling",
+                False,
             )
         if signal.e2e < base_e2e * (1 + p.e2e_rise):
-            return None, ""
+            return None, "", False
         rise = f"E2E rose from {base_e2e:.3f} s to {signal.e2e:.3f} s"
         share = signal.prefill_share
         if share >= base + p.share_delta:
-            return PREFILL, f"{rise} and T_p/E2E from {base:.2f} to {share:.2f}"
+            return PREFILL, f"{rise} and T_p/E2E from {base:.2f} to {share:.2f}", True
         if share <= base - p.share_delta:
-            return DECODE, f"{rise} and T_p/E2E fell from {base:.2f} to {share:.2f}"
-        return None, ""
+            return DECODE, f"{rise} and T_p/E2E fell from {base:.2f} to {share:.2f}", True
+        return None, "", False
 
     def _judge(
         self,
         role: str,
-        before: float,
+        before: Tally,
         state: FeedbackState,
+        after: Tally,
         signal: Signal,
         current: Split,
         total: int,
         now: float,
         numbers: dict[str, float],
     ) -> tuple[Decision, FeedbackState]:
-        """The last move's effect: better by ``improve`` -> one more the same way (if allowed);
-        worse by as much -> one back, then settled (a move that did not pay is not kept); else
-        settled. Settling takes the window's figures as the new baseline."""
-        p = self.params
-        numbers = {**numbers, "E2EBeforeMove": _round(before)}
+        """The last move's effect, the windows after it against those it is judged against
+        (:func:`compare`): better -> one more the same way (if allowed); worse -> one back, its
+        role refuted, then settled (a move that did not pay is not kept); neither -> settled.
+        Settling takes the last window's figures as the new baseline."""
+        verdict, figures = compare(before, after, self.params.improve)
+        numbers = {
+            **numbers,
+            "E2EBeforeMove": _round(before.mean_e2e),
+            "E2EAfterMove": _round(after.mean_e2e),
+            "servedBeforeMove": _round(before.served),
+            "servedAfterMove": _round(after.served),
+        }
         settled = FeedbackState(
-            baseline_e2e=signal.e2e, baseline_share=signal.prefill_share, last_change=now
+            baseline_e2e=signal.e2e,
+            baseline_share=signal.prefill_share,
+            last_change=state.last_change,
+            refuted=state.refuted,
         )
-        if signal.cost <= before * (1 - p.improve):
-            target = moved(current, role, total)
+        target = moved(current, role if verdict > 0 else _other(role), total)
+        if verdict > 0:
             if self.bounds.allows(target):
-                why = (
-                    f"E2E per served offer fell from {before:.3f} s to {signal.cost:.3f} s after "
-                    f"one more {role}: "
-                    f"one more {role}"
+                why = f"one more {role} paid ({figures}): one more {role}"
+                return Decision(target, True, why, numbers), FeedbackState(
+                    last_change=now, moving=role, before=after, refuted=state.refuted
                 )
-                keep = replace(settled, baseline_e2e=None, baseline_share=None)
-                return Decision(target, True, why, numbers), replace(
-                    keep, moving=role, before_move=signal.cost
-                )
-            why = f"E2E per served offer fell to {signal.cost:.3f} s; {target} is out of bounds: settled"
-            return Decision(current, False, why, numbers), replace(
-                settled, last_change=state.last_change
-            )
-        if signal.cost >= before * (1 + p.improve):
-            target = moved(current, _other(role), total)
+            why = f"one more {role} paid ({figures}); {target} is out of bounds: settled"
+            return Decision(current, False, why, numbers), settled
+        if verdict < 0:
+            # worse: not kept, and refuted (the saturation alarms no longer ask for it)
+            refuted = replace(settled, refuted=tuple(sorted({*state.refuted, role})))
             if self.bounds.allows(target):
-                why = (
-                    f"E2E per served offer rose from {before:.3f} s to {signal.cost:.3f} s after "
-                    f"one more {role}: "
-                    "moved back"
-                )
+                why = f"one more {role} made it worse ({figures}): moved back"
                 # settled after the step back: its figures are the next baseline
                 return Decision(target, True, why, numbers), replace(
-                    settled, baseline_e2e=None, baseline_share=None, refuted=role
+                    refuted, baseline_e2e=None, baseline_share=None, last_change=now
                 )
-        why = (
-            f"E2E per served offer {signal.cost:.3f} s after one more {role} (before "
-            f"{before:.3f} s): settled"
-        )
-        return Decision(current, False, why, numbers), replace(
-            settled, last_change=state.last_change
-        )
+            why = f"one more {role} made it worse ({figures}); {target} is out of bounds"
+            return Decision(current, False, why, numbers), refuted
+        # no better, no worse: kept; an alarm that still holds asks again after a new trend
+        why = f"one more {role}: no better, no worse ({figures}): settled"
+        return Decision(current, False, why, numbers), settled
 
 
 # ------------------------------------------------------------------------------ execution

@@ -267,7 +267,19 @@ def ratio_pass(view: GroupView) -> RatioPass:
             capacity_s = emulated * serving.prefill * spec.prefill.batch_size
             since = max((t for t in (last_change, reached) if t is not None), default=None)
             decided = _decide(
-                view, rp, bounds, serving, total, figures, dp, dd, feedback, since, left, capacity_s
+                view,
+                rp,
+                bounds,
+                serving,
+                total,
+                figures,
+                dp,
+                dd,
+                feedback,
+                since,
+                left,
+                capacity_s,
+                emulated,
             )
             if decided is not None:
                 decision, feedback = decided
@@ -325,6 +337,7 @@ def _decide(
     last_change: float | None,
     left: Split | None,
     slot_capacity_s: float = 0.0,
+    window_s: float = 0.0,
 ) -> tuple[ratio.Decision, ratio.FeedbackState] | None:
     """The policy's decision on a window, or None when the window says too little. ``left``:
     the split the last move left; Model goes back to it within ``RETURN_COOLDOWNS`` cooldowns
@@ -361,7 +374,7 @@ def _decide(
             )
             return ratio.Decision(serving, False, why, decision.numbers), feedback
         return ratio.Decision(step, step != serving, decision.reason, decision.numbers), feedback
-    signal = ratio.signal_of(prefill, decode, LEAST_REQUESTS, slot_capacity_s)
+    signal = ratio.signal_of(prefill, decode, LEAST_REQUESTS, slot_capacity_s, window_s)
     if signal is None:
         return None
     tuning = rp.feedback
