@@ -658,14 +658,15 @@ class Feedback:
             return Decision(current, False, "baseline taken", numbers), fresh
 
         alarm, why, rise = self._alarm(state.baseline_e2e, state.baseline_share, refuted, signal)
-        going_on = alarm is not None and alarm == state.alarm
-        trend = (state.trend if going_on else Tally()).add(signal, saturated, p.windows)
+        # the alarm's windows in a row: this one added to the last ones if it asks the same
+        trend = Tally()
+        if alarm is not None:
+            since = state.trend if alarm == state.alarm else Tally()
+            trend = since.add(signal, saturated, p.windows)
         # E2E lower than the baseline: the baseline follows it down (a later rise is measured
         # from the best the group has done since it settled)
         baseline = min(state.baseline_e2e, signal.e2e)
-        state = replace(
-            state, alarm=alarm, trend=trend if alarm else Tally(), baseline_e2e=baseline
-        )
+        state = replace(state, alarm=alarm, trend=trend, baseline_e2e=baseline)
         if alarm is None:
             return Decision(current, False, "no alarm", numbers), state
         streak = trend.windows
