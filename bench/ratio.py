@@ -28,9 +28,10 @@ Runs, one cluster:
 3. **Convergence**: for each mix and each policy (``Model``, ``Feedback``), a fresh group at that
    start under load until the policy settles (no change for ``QUIET_S`` after arriving and no
    move being judged — Feedback's ``status.ratio.feedback.moving`` — at most ``CONVERGE_S``; the
-   policy's reasons are printed as they change): ``m_start_phi`` (measured at the start, before the policy may act: a
-   ``Fixed`` group), ``m_model_phi`` / ``m_feedback_phi`` (measured at the settled split, the
-   policy still on), ``m_model_steps`` / ``m_feedback_steps`` (changes of target),
+   policy's reasons are printed as they change): ``m_start_phi`` (measured at the start,
+   before the policy may act: a ``Fixed`` group), ``m_model_phi`` / ``m_feedback_phi``
+   (measured at the settled split, the policy still on), ``m_model_steps`` /
+   ``m_feedback_steps`` (changes of target),
    ``m_failed_during_changes`` (requests failed, not merely late, while the policies moved:
    both policies' runs).
 4. **Shift**: ``Model`` settled on ``chat``, then the load switches to ``summarize``:
