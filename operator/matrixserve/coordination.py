@@ -400,6 +400,32 @@ class Session:
         """Run a blocking ZooKeeper call (or a function of several) in a worker thread."""
         return await asyncio.to_thread(fn, *args, **kwargs)
 
+    async def read(self, path: str) -> bytes | None:
+        """:meth:`get` without a worker thread: kazoo's asynchronous read, its answer handed to
+        the running event loop. For a read per request on a busy event loop (an engine's fork
+        gate): many at once cost no thread each, nor the hops between them and the loop.
+        Raises what :meth:`get` raises; a caller that stops waiting (a timeout) leaves nothing
+        behind (the answer, when it comes, is dropped)."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[bytes | None] = loop.create_future()
+
+        def settle(result: Any) -> None:  # on kazoo's callback thread
+            try:
+                raw, _ = result.get_nowait()
+                outcome: tuple[bytes | None, BaseException | None] = (
+                    bytes(raw) if raw else None,
+                    None,
+                )
+            except NoNodeError:
+                outcome = (None, None)
+            except Exception as exc:  # the session's error, raised in the caller
+                outcome = (None, exc)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(_settle, answer, *outcome)
+
+        self.client.get_async(path).rawlink(settle)
+        return await answer
+
     def retry(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn`` re-run through connection losses until it succeeds or ``retry_deadline``
         seconds have passed (then kazoo's ``RetryFailedError``)."""
@@ -708,3 +734,15 @@ def _same_acl(current: Iterable[ACL], wanted: Iterable[ACL]) -> bool:
     return {(a.perms, a.id.scheme, a.id.id) for a in current} == {
         (a.perms, a.id.scheme, a.id.id) for a in wanted
     }
+
+
+def _settle(
+    answer: asyncio.Future[bytes | None], value: bytes | None, error: BaseException | None
+) -> None:
+    """:meth:`Session.read`'s answer, on the loop, unless its caller stopped waiting."""
+    if answer.done():
+        return
+    if error is not None:
+        answer.set_exception(error)
+    else:
+        answer.set_result(value)

@@ -23,6 +23,7 @@ compared with the model.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -718,6 +719,48 @@ def test_a_source_serves_only_its_targets_refuses_what_it_must_and_at_most_32_at
     _fault(source, "die-down", die=0)
     refused = _fork(source, key, "t-0")
     assert (refused.status_code, refused.json()["error"]["code"]) == (503, "not_ready")
+
+
+async def test_the_gates_read_needs_no_worker_thread_and_a_caller_may_stop_waiting(
+    operator: Operator,
+) -> None:
+    """The fork gate's read (:meth:`Session.read`: kazoo's asynchronous read handed to the
+    event loop, no worker thread per target): a znode's data, None for an absent or empty one;
+    with the server down the caller's own timeout
+    ends the wait (the gate answers 503), the late answer is dropped without a trace, and once
+    the server is back the next read is answered."""
+    import asyncio
+    import threading
+
+    from matrixserve.coordination import Session
+
+    operator.zk.create("/read/full", b"assigned", makepath=True)
+    operator.zk.create("/read/empty", b"")
+    session = Session(operator.hosts, timeout=4.0)
+    await session.start(timeout=15)
+    try:
+        threads = threading.active_count()
+        reads = [session.read(f"/read/{name}") for name in ("full", "empty", "absent") * 32]
+        answers = await asyncio.gather(*reads)
+        assert answers == [b"assigned", None, None] * 32
+        assert threading.active_count() == threads  # 96 reads at once, not one thread more
+        operator.server.stop()
+        began = time.monotonic()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await session.read("/read/full")
+        assert time.monotonic() - began < 2.0
+        operator.server.start()
+        for _ in range(60):  # the session reconnects (or a new one: no read needs the old)
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    if await session.read("/read/full") == b"assigned":
+                        break
+            await asyncio.sleep(0.5)
+        else:
+            pytest.fail("no read answered after ZooKeeper came back")
+    finally:
+        await session.stop()
 
 
 def test_a_source_keeps_serving_during_a_fork_and_its_kv_shares_the_link(
