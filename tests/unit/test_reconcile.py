@@ -392,6 +392,44 @@ def test_recovery_metrics_count_every_step_of_every_recovery_in_a_pass() -> None
     assert get("matrixserve_operator_recoveries_total", labels | {"outcome": "restored"}) == 2
 
 
+def test_the_split_metrics_follow_the_policy_and_phi_goes_when_no_window_says_it() -> None:
+    """Issue 19's gauges: the serving and target split and Φ as the status says them; after a
+    switch to Fixed (which observes no window) the group's Φ series is gone, not frozen at the
+    last Feedback window's."""
+    from types import SimpleNamespace
+
+    from matrixserve.domain.pdgroup.actions import ReportRatioChange
+    from matrixserve.domain.pdgroup.plan import Plan
+    from matrixserve.handlers.pdgroup.reconcile import _track_ratio
+
+    registry = OperatorMetrics().registry
+    groups = cast(pdgroup.PDGroups, SimpleNamespace(metrics=pdgroup.PDGroupMetrics(registry)))
+    get = registry.get_sample_value
+    group = {"namespace": "ns", "group": "g"}
+
+    def passed(ratio: dict[str, Any], *actions: Any) -> None:
+        _track_ratio(groups, "ns", "g", Plan(list(actions), {"ratio": ratio}, [], True))
+
+    feedback = {"policy": "Feedback", "current": "3:5", "target": "2:6", "phi": 7.5}
+    passed(feedback, ReportRatioChange("Moving one instance from prefill to decode"))
+    assert get("matrixserve_operator_ratio_phi", group) == 7.5
+    assert (
+        get("matrixserve_operator_ratio_instances", group | {"role": "decode", "which": "target"})
+        == 6
+    )
+    changes = group | {"policy": "Feedback"}
+    assert get("matrixserve_operator_ratio_changes_total", changes) == 1
+    passed({"policy": "Fixed", "current": "3:5", "target": "3:5"})
+    assert get("matrixserve_operator_ratio_phi", group) is None
+    assert (
+        get("matrixserve_operator_ratio_instances", group | {"role": "decode", "which": "target"})
+        == 5
+    )
+    assert get("matrixserve_operator_ratio_changes_total", changes) == 1
+    passed({"policy": "Fixed", "current": "3:5", "target": "3:5"})  # nothing to remove: no error
+    assert get("matrixserve_operator_ratio_phi", group) is None
+
+
 def _claiming(kube: KubeAdapter) -> tuple[Reconciler, list[str]]:
     """A PDGroup loop over ``kube``, and the reasons of the Events it posts."""
     posted: list[str] = []

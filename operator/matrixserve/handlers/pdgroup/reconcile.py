@@ -6,6 +6,7 @@ Secret in the namespace, and the group's znodes closed once every pod carries th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -244,6 +245,9 @@ def _track_ratio(groups: PDGroups, namespace: str, name: str, plan: pd.Plan) -> 
                 m.ratio_instances.labels(namespace, name, role, which).set(int(value))
     if isinstance(ratio.get("phi"), int | float):
         m.ratio_phi.labels(namespace, name).set(float(ratio["phi"]))
+    else:  # no window observed under this policy (Fixed observes none): no Φ to show
+        with contextlib.suppress(KeyError):
+            m.ratio_phi.remove(namespace, name)
     changes = sum(1 for a in plan.actions if isinstance(a, ReportRatioChange))
     if changes:
         m.ratio_changes.labels(namespace, name, str(ratio.get("policy") or "")).inc(changes)
