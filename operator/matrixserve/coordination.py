@@ -404,8 +404,10 @@ class Session:
         """:meth:`get` without a worker thread: kazoo's asynchronous read, its answer handed to
         the running event loop. For a read per request on a busy event loop (an engine's fork
         gate): many at once cost no thread each, nor the hops between them and the loop.
-        Raises what :meth:`get` raises; a caller that stops waiting (a timeout) leaves nothing
-        behind (the answer, when it comes, is dropped)."""
+        Raises what :meth:`get` raises. While the connection is down kazoo holds the read until
+        it is back (or the session ends), and a client being stopped may never answer it: the
+        caller bounds its wait (``asyncio.timeout``); a caller that stopped waiting is not
+        answered (the late answer is dropped)."""
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[bytes | None] = loop.create_future()
 
