@@ -7,7 +7,8 @@ targets per source) and answered together; then ``pause`` seconds, then the next
 ``{"served": n, "refused": [...], "spans": [[begin, end], ...]}`` (each round's wall times,
 from its first request to its last answer). A process of its own, so
 the benchmark's clients, whose timestamps are the sources' TTFT and TPOT, do not share an
-interpreter with the fork requests.
+interpreter with the fork requests; bench-scale-out runs it at the lowest CPU priority (the
+targets' side: other servers on a SuperPod).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ every server's local SSD holding the model (``--ssd-models``), the operator and 
 PDGroup of 1 prefill + 1 decode Llama3-8B instances of **one NPU** each (DeepServe's Fig. 11 runs
 Llama3-8B at TP1 on a 910B die; a 910C NPU is two dies, so TP2 here), engines at time scale 1
 (every engine phase takes its emulated time in wall time). Three clients stream completions
-through the gateway throughout.
+through the gateway throughout, chat-sized prompts (~1,500 tokens, bench-ratio's chat mix: a
+TTFT of ~50 ms; a 48-token prompt's ~4 ms TTFT is nothing but the processes' HTTP handling).
 
 One run per path ``p`` (the operator restarted with ``--scale-out-paths Cold,<path>``, so the
 planner may take only that path or a cold start, and takes the path, which its estimate puts
@@ -32,23 +33,32 @@ The group is scaled from 1 to 65 prefills in one patch; per run:
 - for the fork runs, the fork sources under load: TTFT of the requests whose prefill was the
   source prefill and TPOT (the gaps between tokens) of those on the source decode, over the
   source's own forks (from the first fork it served to the last one's answer: its
-  ``/v1/info``'s ``forkWindows``) against the 10 s before (``source_tpot_change``,
-  ``source_ttft_change``: fractions; ``source_*_samples``: how many gaps and first tokens fell
-  in the fork window), and over the whole scale-out (``..._scaleout``: 64 engine processes
+  ``/v1/info``'s ``forkWindows``) against the 10 s before the patch (``p_source_tpot_change``,
+  ``p_source_ttft_change``: fractions; ``p_source_*_samples``: how many gaps and first tokens
+  fell in the fork window; the larger of the two forks' is the top level's, the issue's
+  ``source_tpot_change``), and over the whole scale-out (``..._scaleout``: 64 engine processes
   becoming engines on this machine's two cores slow every process, the sources' included);
 - for every warm path, the same over the new instances' loads (``source_*_change_loads``: from
   the first TE-Load's start to the last one's end, placed by each claim's time, ``readyAfter``
   and phases): the paths without a fork (SSD, DRAM) are the fork paths' baseline in the same
   run, the same processes starting at once without a fork;
 - for the fork runs, before the scale-out, the same sources over **played** forks
-  (``source_*_change_played``): 20 rounds, 1 s apart, of 32 fork targets per source (one
+  (``source_*_change_played``): 80 rounds, 0.5 s apart, of 32 fork targets per source (one
   scale-out's fan-out), each a real ``POST /v1/fork`` from ``bench/fork_player.py`` with the
   assignment the operator would write, but no target engine: the sources share the machine with
   no new engine process, so what they lose is the fabric model's (their links shared with the
-  broadcast) and their own handling of the requests; and the **control**
-  (``source_*_change_control``): the same requests with a key that is not the source's, refused
-  after the same gate (a ZooKeeper read each), which is the requests' own cost on this machine
-  without any broadcast;
+  broadcast) and their own handling of the requests. The player, the targets' side, runs at
+  the lowest CPU priority (``nice 19``): on a SuperPod the targets are other servers, whose work
+  takes nothing from the source's. Each round (from its first request to its last answer)
+  against the pause before it, over the same rounds, a sample touching a round counting as
+  during it: the clients' closed loops drift over tens of seconds, which a window before would
+  count as the fork's; the standard error by a bootstrap over rounds
+  (``source_*_change_se_played``); and against the 30 s before the first round
+  (``..._vs_before``). The **control** (``source_*_change_control``): the same requests with a
+  key that is not the source's, refused after the same gate (a ZooKeeper read each): the
+  requests' own cost on this machine without any broadcast. ``source_tpot_change`` and
+  ``source_ttft_change`` (the issue's, over the scale-out's own forks) and
+  ``source_*_change_played`` at the top level are the larger of UB's and RoCE's;
 - ``p_fallbacks``: new instances whose weights did not come by the path's source.
 
 Then the same five paths for one large model (``large_`` keys): GPT-3 175B (350 GB of FP16
@@ -59,13 +69,15 @@ would be 512 NPUs and 64 engine processes at once), engines at time scale 10 (it
 Writes ``bench/results/scale_out.json`` (issue 18's keys: ``instances``, ``p_emulated_s`` and
 ``p_wall_s`` for ``cold``, ``warm_ssd``, ``warm_dram``, ``fork_ub``, ``fork_roce``, and
 ``source_tpot_change``) and prints the table. ``BENCH_PATHS=fork_ub,cold`` runs a subset (the
-JSON is then not written); ``BENCH_INSTANCES`` changes the 64.
+JSON is then not written); ``BENCH_INSTANCES`` changes the 64; ``BENCH_PLAYED_ONLY=1`` stops each
+fork run after its played forks (no pool, no scale-out).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -133,11 +145,19 @@ if os.environ.get("BENCH_LARGE", "1") == "0":
 # per SuperPod: the group's two instances and every new one (or warm pod), one spare server
 SERVERS = max(-(-(c.instances + 2) * c.npus // NPUS_PER_SERVER) + 1 for c in CASES)
 CLIENTS, MAX_TOKENS = 3, 16
+# ~1,500-token prompts (300 times "client i request n ", ~5 tokens each), bench-ratio's chat mix:
+# a TTFT of ~50 ms at time scale 1. A 48-token prompt's TTFT is ~4 ms, nothing but the processes'
+# own HTTP handling, where a millisecond of a loaded 2-core machine's scheduling is 25 %.
+PROMPT_REPEAT = 300
 BEFORE_S = 10.0
 # the played forks: rounds of FORK_FANOUT targets per source (one scale-out's fan-out), PAUSE_S
 # apart (one round of an 8B model is a fraction of a second: too few tokens to measure)
-PLAYED_ROUNDS = int(os.environ.get("BENCH_PLAYED_ROUNDS", "20"))
-PLAYED_PAUSE_S = 1.0
+PLAYED_ROUNDS = int(os.environ.get("BENCH_PLAYED_ROUNDS", "80"))
+PLAYED_PAUSE_S = 0.5
+# the played forks' "before": long enough that its mean TTFT (3 clients queueing at one prefill:
+# first tokens of ~40 ms or ~80 ms) is known to a few per cent
+PLAYED_BEFORE_S = 30.0
+WARMUP_S = 5.0  # the clients' first seconds, before the played forks' "before": left out
 BOUND_S = float(os.environ.get("BENCH_BOUND_S", "900"))  # the cold run's 64 shared loads: ~8 min
 # (key, the operator's scale-out path, where the warm pool goes, what the new instances' health
 # must say their weights came from)
@@ -150,6 +170,7 @@ PATHS: list[tuple[str, str, str | None, str]] = [
 ]
 EXTRA = [("warm_shared", "WarmSharedFileService", "near", "SharedFileService")]
 ONLY = [p for p in os.environ.get("BENCH_PATHS", "").split(",") if p]
+PLAYED_ONLY = os.environ.get("BENCH_PLAYED_ONLY") == "1"
 if ONLY:
     PATHS = [p for p in PATHS + EXTRA if p[0] in ONLY]
 
@@ -174,6 +195,11 @@ class Env:
     @property
     def custom(self) -> client.CustomObjectsApi:
         return client.CustomObjectsApi(self.api)
+
+
+def streaming(env: Env) -> Traffic:
+    """The clients streaming through the gateway: chat-sized prompts (:data:`PROMPT_REPEAT`)."""
+    return Traffic(env.gateway, clients=CLIENTS, max_tokens=MAX_TOKENS, prompt_repeat=PROMPT_REPEAT)
 
 
 def group_body(case: Case) -> dict[str, Any]:
@@ -303,6 +329,10 @@ def change(before: list[float], during: list[float]) -> float | None:
     return round(statistics.mean(during) / statistics.mean(before) - 1, 4)
 
 
+def mean_ms(values: list[float]) -> float | None:
+    return round(statistics.mean(values) * 1000, 2) if values else None
+
+
 def fork_spans(health: zl.Health, since: float) -> list[tuple[float, float]]:
     """The spans (wall) in which the instance served a fork since ``since``, overlapping forks
     merged: what its ``/v1/info`` says (``forkWindows``)."""
@@ -424,7 +454,11 @@ def play_forks(
             rounds[j // cal.FORK_FANOUT].append({"url": url, "body": body})
     try:
         done = subprocess.run(
-            [sys.executable, str(REPO / "bench" / "fork_player.py")],
+            # the targets' side at the lowest CPU priority: on a SuperPod the targets run on
+            # other servers, so their requests must not take this machine's cores from the
+            # sources, the gateway and the clients (what the sources do for the requests they
+            # are sent is theirs, at their own priority)
+            ["nice", "-n", "19", sys.executable, str(REPO / "bench" / "fork_player.py")],
             input=json.dumps({"pause": PLAYED_PAUSE_S, "rounds": rounds}),
             capture_output=True,
             text=True,
@@ -440,34 +474,107 @@ def play_forks(
     return int(said["served"]), [(float(b), float(e)) for b, e in said["spans"]]
 
 
+Sample = tuple[float, float, float]  # (from, to, value): a TTFT or a gap between tokens, wall
+
+
+def by_rounds(
+    samples: list[Sample], rounds: list[tuple[float, float]]
+) -> tuple[list[list[float]], list[list[float]]]:
+    """The samples of each round: *during* round k if the sample overlaps its span (from its
+    first fork request to its last answer), *between* if it lies whole in the pause before it
+    (none for the first round: the assignments were being written); the rest (before the first
+    round, after the last) is left out. A sample touching a round counts as during it."""
+    during: list[list[float]] = [[] for _ in rounds]
+    between: list[list[float]] = [[] for _ in rounds]
+    for a, b, value in samples:
+        for k, (begin, end) in enumerate(rounds):
+            if a < end and b > begin:
+                during[k].append(value)
+                break
+            if k and a >= rounds[k - 1][1] and b <= begin:
+                between[k].append(value)
+                break
+    return during, between
+
+
+def paired_change(
+    during: list[list[float]], between: list[list[float]], draws: int = 1000
+) -> tuple[float | None, float | None]:
+    """The mean during the rounds against the mean between them, minus 1, and its standard
+    error by a bootstrap over rounds (a round's samples, one request's gaps among them, are
+    not independent of each other: the round is the unit)."""
+
+    def ratio(picked: list[int]) -> float | None:
+        nd, nb = sum(len(during[k]) for k in picked), sum(len(between[k]) for k in picked)
+        if not nd or not nb:
+            return None
+        mean_d = sum(sum(during[k]) for k in picked) / nd
+        return mean_d / (sum(sum(between[k]) for k in picked) / nb) - 1
+
+    rounds = list(range(len(during)))
+    whole = ratio(rounds)
+    if whole is None:
+        return None, None
+    rng = random.Random(0)
+    drawn = [
+        r for _ in range(draws) if (r := ratio(rng.choices(rounds, k=len(rounds)))) is not None
+    ]
+    se = statistics.stdev(drawn) if len(drawn) > 1 else None
+    return round(whole, 4), (round(se, 4) if se is not None else None)
+
+
 def measure_played(env: Env, zk: Any, plane: str, src_p: str, src_d: str) -> dict[str, Any]:
-    """The sources under load over played forks (:func:`play_forks`): TTFT and TPOT inside the
-    spans in which they forked, against the 10 s before (``source_*_change_played``); then the
-    control, the same requests refused (``source_*_change_control``: over each round's span)."""
-    every = healths(env, zk)
+    """The sources under load over played forks (:func:`play_forks`): their TTFT and TPOT
+    during each round (from its first fork request to its last answer: the gate's reads, the
+    broadcast, the answers) against the same sources' in the pause before it, over the same
+    rounds (``source_*_change_played``, with its standard error ``..._se_played``): the
+    clients' closed loops drift over tens of seconds, which a window before would count as the
+    fork's; and against the 30 s before the first round (``..._vs_before``, the clients' first
+    5 s left out). Then the control, the same requests refused (``..._control``)."""
     out: dict[str, Any] = {}
     for suffix in ("played", "control"):
-        with Traffic(env.gateway, clients=CLIENTS, max_tokens=MAX_TOKENS) as traffic:
-            time.sleep(BEFORE_S)
+        with streaming(env) as traffic:
+            time.sleep(WARMUP_S + PLAYED_BEFORE_S)
             t0 = time.time()
             served, rounds = play_forks(env, zk, plane, control=suffix == "control")
             time.sleep(1.0)  # the last answers' tokens
-            requests = [r for r in traffic.snapshot() if r.ok and r.start >= t0 - BEFORE_S]
-        before = (t0 - BEFORE_S, t0)
+            requests = [r for r in traffic.snapshot() if r.start >= t0 - PLAYED_BEFORE_S]
         if suffix == "played":
-            p_spans = fork_spans(every[src_p], t0) if src_p in every else []
-            d_spans = fork_spans(every[src_d], t0) if src_d in every else []
             out["forks_played"] = served
-        else:
-            p_spans = d_spans = rounds
-        during_ttft = [t for span in p_spans for t in ttfts(requests, src_p, *span)]
-        during_tpot = [g for span in d_spans for g in gaps(requests, src_d, *span)]
+        ok = [r for r in requests if r.ok]
+        ttft: list[Sample] = [
+            (r.start, r.first_token, r.first_token - r.start)
+            for r in ok
+            if r.prefill == src_p and r.first_token
+        ]
+        tpot: list[Sample] = [
+            (a, b, b - a)
+            for r in ok
+            if r.decode == src_d
+            for a, b in zip(r.tokens, r.tokens[1:], strict=False)
+        ]
+        before = (t0 - PLAYED_BEFORE_S, t0)
+        first, last = (rounds[0][0], rounds[-1][1]) if rounds else (t0, t0)
+        for name, samples in (("ttft", ttft), ("tpot", tpot)):
+            during, between = by_rounds(samples, rounds)
+            changed, se = paired_change(during, between)
+            earlier = [v for a, b, v in samples if before[0] <= a and b <= before[1]]
+            flat_d = [v for k in during for v in k]
+            flat_b = [v for k in between for v in k]
+            out |= {
+                f"source_{name}_change_{suffix}": changed,
+                f"source_{name}_change_se_{suffix}": se,
+                f"source_{name}_change_{suffix}_vs_before": change(earlier, flat_d),
+                f"source_{name}_between_ms_{suffix}": mean_ms(flat_b),
+                f"source_{name}_before_ms_{suffix}": mean_ms(earlier),
+                f"source_{name}_samples_{suffix}": len(flat_d),
+                f"source_{name}_samples_between_{suffix}": len(flat_b),
+            }
         out |= {
-            f"source_ttft_change_{suffix}": change(ttfts(requests, src_p, *before), during_ttft),
-            f"source_tpot_change_{suffix}": change(gaps(requests, src_d, *before), during_tpot),
-            f"source_ttft_samples_{suffix}": len(during_ttft),
-            f"source_tpot_samples_{suffix}": len(during_tpot),
-            f"spans_s_{suffix}": round(sum(e - b for b, e in p_spans + d_spans), 3),
+            f"rounds_s_{suffix}": round(sum(e - b for b, e in rounds), 3),
+            f"requests_failed_{suffix}": sum(
+                1 for r in requests if not r.ok and first <= r.start <= last
+            ),
         }
     return out
 
@@ -482,12 +589,16 @@ def run_path(
     zk = zk_client(env.info)
     out: dict[str, Any] = {}
     played: dict[str, Any] = {}
+    pool = False  # whether this run made the warm pool (deleted at its end)
     n = case.instances
     src_p, src_d = f"{GROUP}-p-0", f"{GROUP}-d-0"
     try:
         if path.startswith("WarmFork"):
             # first the same sources over played forks, no new engine on this machine
             played = measure_played(env, zk, path.removeprefix("WarmFork"), src_p, src_d)
+            if PLAYED_ONLY:
+                print(f"  {case.prefix}{key}: {json.dumps(played)}", flush=True)
+                return played
         if where is not None:
             home = superpod_of(env, f"{GROUP}-p-0")
             other = next(s for s in superpods(env) if s != home)
@@ -498,6 +609,7 @@ def run_path(
                 kinds.WARMPOOL.plural,
                 pool_body(case, home if where == "near" else other, dram=path == "WarmDRAM"),
             )
+            pool = True
 
             def warm() -> bool:
                 status = pool_status(env)
@@ -508,7 +620,7 @@ def run_path(
                 return all(case.model in row.get("loaded", []) for row in status.get("dram") or [])
 
             poll(warm, 300, f"{key}: {n} warm pods", every=1.0)
-        with Traffic(env.gateway, clients=CLIENTS, max_tokens=MAX_TOKENS) as traffic:
+        with streaming(env) as traffic:
             time.sleep(BEFORE_S)
             t0 = time.time()
             env.custom.patch_namespaced_custom_object(
@@ -592,7 +704,7 @@ def run_path(
     finally:
         zk.stop()
         env.custom.delete_namespaced_custom_object(*where_group, GROUP)
-        if where is not None:
+        if pool:
             env.custom.delete_namespaced_custom_object(
                 kinds.WARMPOOL.group,
                 kinds.WARMPOOL.version,
@@ -669,12 +781,15 @@ def report(runs: dict[Case, dict[str, dict[str, Any]]]) -> int:
     results["deepserve_llama3_8b_cold_s"] = cal.DEEPSERVE_COLD_SCALE_SECONDS
     results["deepserve_llama3_8b_fork_s"] = cal.DEEPSERVE_FORK_SCALE_SECONDS
     main_runs = runs.get(main_case, {})
+    # The issue's source_tpot_change (and TTFT beside it): over the sources' own forks during
+    # the scale-out; and over played forks, no new engine process on this machine (_played).
+    # Each the larger of the two forks' (UB, RoCE).
     for name in (
         "source_tpot_change",
         "source_ttft_change",
         "source_tpot_change_played",
         "source_ttft_change_played",
-    ):  # the larger of the two forks'
+    ):
         seen = [
             float(v)
             for k in ("fork_ub", "fork_roce")
@@ -687,8 +802,10 @@ def report(runs: dict[Case, dict[str, dict[str, Any]]]) -> int:
         )
     for case, by_path in runs.items():
         print_table(case, by_path)
-    write_results(RESULTS, results, f"BENCH_PATHS={','.join(ONLY)}" if ONLY else "")
-    if ONLY:
+    subset = [f"BENCH_PATHS={','.join(ONLY)}"] if ONLY else []
+    subset += ["BENCH_PLAYED_ONLY=1"] if PLAYED_ONLY else []
+    write_results(RESULTS, results, " ".join(subset))
+    if subset:
         return 0
     complete = all(
         figures.get("instances") == case.instances
@@ -710,39 +827,42 @@ def print_table(case: Case, runs: dict[str, dict[str, Any]]) -> None:
     )
     print(
         f"{'path':<12}{'wall':>8}{'engine':>8}{'ctl':>7}{'pre-load':>10}{'load':>8}{'post':>7}"
-        f"{'fallback':>9}{'src TTFT':>10}{'src TPOT':>10}{'(played)':>18}{'(loads)':>10}"
-        f"{'(scale-out)':>12}"
-        f"{'vs cold':>9}"
+        f"{'fallback':>9}{'forking':>16}{'control':>16}{'in scale-out':>16}{'loads':>9}"
+        f"{'scale-out':>11}{'vs cold':>9}"
     )
     cold = runs.get("cold", {}).get("emulated_s")
+    pct: Callable[[Any], str] = lambda v: f"{v:+.1%}"  # noqa: E731
+
+    def pair(figures: dict[str, Any], suffix: str) -> str:
+        ttft, tpot = f"source_ttft_change{suffix}", f"source_tpot_change{suffix}"
+        return f"{cell(figures, ttft, pct)}/{cell(figures, tpot, pct)}"
+
     for key, figures in runs.items():
-        pct: Callable[[Any], str] = lambda v: f"{v:+.1%}"  # noqa: E731
         emulated = figures.get("emulated_s")
         speed = f"{cold / emulated:.1f}x" if cold and emulated else "-"
-        played = (
-            f"{cell(figures, 'source_ttft_change_played', pct)}/"
-            f"{cell(figures, 'source_tpot_change_played', pct)}"
-        )
         print(
             f"{key:<12}{cell(figures, 'wall_s'):>8}{cell(figures, 'emulated_s'):>8}"
             f"{cell(figures, 'control_plane_s'):>7}{cell(figures, 'TEPreLoad_max_s'):>10}"
             f"{cell(figures, 'TELoad_max_s'):>8}{cell(figures, 'TEPostLoad_max_s'):>7}"
-            f"{cell(figures, 'fallbacks'):>9}{cell(figures, 'source_ttft_change', pct):>10}"
-            f"{cell(figures, 'source_tpot_change', pct):>10}"
-            f"{played:>18}"
-            f"{cell(figures, 'source_tpot_change_loads', pct):>10}"
-            f"{cell(figures, 'source_tpot_change_scaleout', pct):>12}{speed:>9}"
+            f"{cell(figures, 'fallbacks'):>9}{pair(figures, '_played'):>16}"
+            f"{pair(figures, '_control'):>16}{pair(figures, ''):>16}"
+            f"{cell(figures, 'source_tpot_change_loads', pct):>9}"
+            f"{cell(figures, 'source_tpot_change_scaleout', pct):>11}{speed:>9}"
         )
     print(
         "engine: the slowest new instance's TE-Pre-Load + TE-Load + TE-Post-Load (emulated); "
         "ctl: the rest of the wall total at time scale 1 (pod start or claim, assignment, "
-        "joining); src TTFT/TPOT: the fork sources' over their forks (first fork served to the "
-        "last answered) against the 10 s before; (played): TTFT/TPOT of the same sources while "
-        f"they fork {PLAYED_ROUNDS} rounds of {cal.FORK_FANOUT} played targets each, before the "
-        "scale-out, with no new engine process on this machine; (loads): the source decode's TPOT over the new "
-        "instances' loads, any warm path (a path without a fork is the fork's baseline); "
-        "(scale-out): over the whole scale-out; vs cold: the engines' emulated speed-up. DeepServe (a secondary "
-        f"source: alphaXiv's reading of Fig. 9): Llama3-8B {cal.DEEPSERVE_COLD_SCALE_SECONDS} s "
+        "joining). The fork sources' TTFT/TPOT change: forking: during each of "
+        f"{PLAYED_ROUNDS} rounds of {cal.FORK_FANOUT} played fork targets per source against "
+        "the pauses between them, before the scale-out, no new engine process on this machine "
+        "(source_*_change_played); control: the same requests refused, no broadcast; in "
+        "scale-out: over the sources' own forks during the scale-out (the issue's "
+        "source_tpot_change), 64 processes becoming engines on the same cores, against the "
+        f"{BEFORE_S:.0f} s before the patch; loads: "
+        "the source decode's TPOT over the new instances' loads, any warm path "
+        "(a path without a fork is the fork's baseline); scale-out: over the whole scale-out. "
+        "vs cold: the engines' emulated speed-up. DeepServe (a secondary source: alphaXiv's "
+        f"reading of Fig. 9): Llama3-8B {cal.DEEPSERVE_COLD_SCALE_SECONDS} s "
         f"-> {cal.DEEPSERVE_FORK_SCALE_SECONDS} s"
     )
 
