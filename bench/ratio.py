@@ -13,7 +13,11 @@ another per client, P/D-Serve §4.2's method) of one of three mixes:
 
 - ``chat``: 1,500-token prompts, 64 tokens out (decode-heavy);
 - ``summarize``: 8,000-token prompts, 16 tokens out (prefill-heavy);
-- ``mixed``: half of each.
+- ``mixed``: half of each;
+- ``bigbatch`` (issue 29): 5,000-token prompts, 48 tokens out, on decodes of batch **48** under
+  ``BIGBATCH_CLIENTS`` clients: the decodes' TPOT rises with their batch (a 48-request step
+  reads 48 prompts' KV), so the best split is where the decodes run a full batch and one fewer
+  decode falls short — the load whose TPOT at half a batch misled Model before issue 29.
 
 **Φ** (goodput per instance, §2.1): requests that succeeded within both SLOs (TTFT and mean
 TPOT, client-side, converted to emulated seconds) per emulated second, over the 8 instances.
@@ -77,6 +81,8 @@ SCALE = 0.25  # emulated seconds per wall second
 HEALTH_INTERVAL = "1"  # emulated seconds between health reports (4 wall s)
 TOTAL = 8
 CLIENTS = int(os.environ.get("BENCH_CLIENTS", "40"))
+# a decode batch of 48 is filled only by more requests in flight than 40 clients hold
+BIGBATCH_CLIENTS = int(os.environ.get("BENCH_BIGBATCH_CLIENTS", "100"))
 SLO_TTFT_S, SLO_TPOT_S = 1.0, 0.05  # emulated
 WARMUP_S, MEASURE_S = 8.0, 24.0  # wall
 WINDOW_S, COOLDOWN_S = 16, 20  # the policies' (wall s)
@@ -90,11 +96,30 @@ GROUP = "g"
 # and not an extreme)
 CHAT = {"weight": 1, "promptChars": 6000, "maxTokens": 64}  # 1,500 tokens in
 SUMMARIZE = {"weight": 1, "promptChars": 32000, "maxTokens": 16}  # 8,000 tokens in
+BIGBATCH = {"weight": 1, "promptChars": 20000, "maxTokens": 48}  # 5,000 tokens in
 MIXES: dict[str, list[dict[str, Any]]] = {
     "chat": [CHAT],
     "summarize": [SUMMARIZE],
     "mixed": [CHAT, SUMMARIZE],
+    "bigbatch": [BIGBATCH],
 }
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The group and the load a mix runs on."""
+
+    decode_batch: int = 4
+    clients: int = CLIENTS
+
+
+SHAPES = {"bigbatch": Shape(decode_batch=48, clients=BIGBATCH_CLIENTS)}
+
+
+def shape_of(mix: str) -> Shape:
+    return SHAPES.get(mix, Shape())
+
+
 ONLY = [m for m in os.environ.get("BENCH_MIXES", "").split(",") if m]
 # a quick look (the JSON is then not written): only these prefill counts swept, no policy run
 SWEEP_ONLY = [int(p) for p in os.environ.get("BENCH_SWEEP_ONLY", "").split(",") if p]
@@ -124,14 +149,14 @@ class Env:
 
 
 # --------------------------------------------------------------------------- the group
-def group_body(p: int, d: int, mode: str = "Fixed") -> dict[str, Any]:
+def group_body(p: int, d: int, mode: str = "Fixed", shape: Shape = Shape()) -> dict[str, Any]:
     body: dict[str, Any] = yaml.safe_load(
         (REPO / "crds" / "samples" / "pdgroup-2p1d.yaml").read_text()
     )
     body["metadata"] = {"name": GROUP}
     spec = body["spec"]
     spec["prefill"].update(replicas=p, batchSize=8)
-    spec["decode"].update(replicas=d, batchSize=4)
+    spec["decode"].update(replicas=d, batchSize=shape.decode_batch)
     spec["slo"] = {"ttftMilliseconds": int(SLO_TTFT_S * 1000), "tpotMilliseconds": 50}
     spec["ratioPolicy"] = {
         "mode": mode,
@@ -168,8 +193,8 @@ def serving(env: Env, p: int, d: int) -> bool:
     )
 
 
-def create_group(env: Env, p: int, d: int, mode: str) -> None:
-    env.custom.create_namespaced_custom_object(*env.where(), group_body(p, d, mode))
+def create_group(env: Env, p: int, d: int, mode: str, shape: Shape = Shape()) -> None:
+    env.custom.create_namespaced_custom_object(*env.where(), group_body(p, d, mode, shape))
     poll(lambda: serving(env, p, d), 600, f"the group serving {p}:{d}", every=1.0)
 
 
@@ -196,11 +221,17 @@ def set_split(env: Env, p: int, d: int) -> None:
 class Load:
     """The load player in the background: ``rows()`` so far (a JSON line per request)."""
 
-    def __init__(self, env: Env, mixes: list[tuple[float, list[dict[str, Any]]]], seconds: float):
+    def __init__(
+        self,
+        env: Env,
+        mixes: list[tuple[float, list[dict[str, Any]]]],
+        seconds: float,
+        clients: int = CLIENTS,
+    ):
         order = {
             "gateway": env.gateway,
             "scenario": "general",
-            "clients": CLIENTS,
+            "clients": clients,
             "seconds": seconds,
             "mixes": [[t, m] for t, m in mixes],
             "seed": 7,
@@ -266,7 +297,7 @@ def phi(rows: list[list[Any]], lo: float, hi: float) -> float:
 
 def measure(env: Env, mix: str) -> dict[str, Any]:
     """Φ of the group as it is, under ``mix``: warm-up, then ``MEASURE_S``."""
-    load = Load(env, [(0.0, MIXES[mix])], WARMUP_S + MEASURE_S + 5)
+    load = Load(env, [(0.0, MIXES[mix])], WARMUP_S + MEASURE_S + 5, shape_of(mix).clients)
     time.sleep(WARMUP_S + MEASURE_S)
     rows = load.stop()
     lo, hi = load.began + WARMUP_S, load.began + WARMUP_S + MEASURE_S
@@ -284,7 +315,7 @@ def sweep(env: Env, mix: str) -> dict[str, float]:
     """Φ of every split of TOTAL under ``mix`` (a Fixed group walked one split to the next)."""
     out = {}
     prefills = SWEEP_ONLY or list(range(1, TOTAL))
-    create_group(env, prefills[0], TOTAL - prefills[0], "Fixed")
+    create_group(env, prefills[0], TOTAL - prefills[0], "Fixed", shape_of(mix))
     try:
         for p in prefills:
             if p != prefills[0]:
@@ -298,13 +329,17 @@ def sweep(env: Env, mix: str) -> dict[str, float]:
 
 
 def converge(
-    env: Env, mixes: list[tuple[float, list[dict[str, Any]]]], start: str, mode: str
+    env: Env,
+    mixes: list[tuple[float, list[dict[str, Any]]]],
+    start: str,
+    mode: str,
+    shape: Shape = Shape(),
 ) -> dict[str, Any]:
     """A ``mode`` group from ``start`` under the load until the policy settles: its targets
     over time (wall, from the load's start), the failed requests, and Φ at the end."""
     p, d = (int(x) for x in start.split(":"))
-    create_group(env, p, d, mode)
-    load = Load(env, mixes, CONVERGE_S + WARMUP_S + MEASURE_S + 60)
+    create_group(env, p, d, mode, shape)
+    load = Load(env, mixes, CONVERGE_S + WARMUP_S + MEASURE_S + 60, shape.clients)
     targets: list[tuple[float, str]] = [(0.0, start)]
     settled_at = None
     said = ""
@@ -373,6 +408,8 @@ def main(work: Path) -> int:
         "total_instances": TOTAL,
         "engine_time_scale": SCALE,
         "clients": CLIENTS,
+        "bigbatch_clients": BIGBATCH_CLIENTS,
+        "bigbatch_decode_batch": SHAPES["bigbatch"].decode_batch,
         "slo_ttft_s": SLO_TTFT_S,
         "slo_tpot_s": SLO_TPOT_S,
     }
@@ -408,11 +445,20 @@ def main(work: Path) -> int:
     return report(results)
 
 
+def reversals(splits: list[str]) -> int:
+    """Moves against the one before (A -> B -> A counts one), over a run's targets."""
+    prefills = [int(s.split(":")[0]) for s in splits]
+    ups = [b > a for a, b in itertools.pairwise(prefills) if b != a]
+    return sum(1 for a, b in itertools.pairwise(ups) if a != b)
+
+
 def policy_keys(mix: str, key: str, run_: dict[str, Any]) -> dict[str, Any]:
     """A policy's convergence run under ``mix`` as result keys (``m_model_phi``, ...)."""
     return {
         f"{mix}_{key}_phi": run_["phi"],
         f"{mix}_{key}_steps": run_["steps"],
+        f"{mix}_{key}_moves": run_["steps"],
+        f"{mix}_{key}_reversals": reversals([s for _, s in run_["targets"]]),
         f"{mix}_{key}_split": run_["settled"],
         f"{mix}_{key}_converged": run_["converged"],
         f"{mix}_{key}_targets": run_["targets"],
@@ -425,7 +471,7 @@ def rerun(env: Env, results: dict[str, Any], mode: str) -> None:
     key = mode.lower()
     for mix in RUN_MIXES:
         start = str(results[f"{mix}_start_split"])
-        run_ = converge(env, [(0.0, MIXES[mix])], start, mode)
+        run_ = converge(env, [(0.0, MIXES[mix])], start, mode, shape_of(mix))
         before = int(results.get(f"{mix}_{key}_failed", 0))
         failed = int(results[f"{mix}_failed_during_changes"]) - before + run_["failed"]
         results |= policy_keys(mix, key, run_) | {
@@ -449,11 +495,16 @@ def run(env: Env, results: dict[str, Any]) -> None:
         own[mix] = run_["settled"]
         results[f"model_own_{mix}"] = own[mix]
         print(f"  Model's own split for {mix}: {json.dumps(run_)}", flush=True)
-    starts = {"chat": own["summarize"], "mixed": own["summarize"], "summarize": own["chat"]}
+    starts = {
+        "chat": own["summarize"],
+        "mixed": own["summarize"],
+        "summarize": own["chat"],
+        "bigbatch": own["chat"],
+    }
     for mix in RUN_MIXES:
         start = starts[mix]
         p, d = (int(x) for x in start.split(":"))
-        create_group(env, p, d, "Fixed")
+        create_group(env, p, d, "Fixed", shape_of(mix))
         try:
             at_start = measure(env, mix)
         finally:
@@ -462,7 +513,7 @@ def run(env: Env, results: dict[str, Any]) -> None:
         results[f"{mix}_start_phi"] = at_start["phi"]
         failed_total = refused_total = 0
         for mode in ("Model", "Feedback"):
-            run_ = converge(env, [(0.0, MIXES[mix])], start, mode)
+            run_ = converge(env, [(0.0, MIXES[mix])], start, mode, shape_of(mix))
             key = mode.lower()
             results |= policy_keys(mix, key, run_)
             failed_total += run_["failed"]
@@ -509,12 +560,14 @@ def run_sweeps(env: Env, results: dict[str, Any]) -> None:
 def report(results: dict[str, Any]) -> int:
     print(
         f"\nP/D ratio control, {TOTAL} Llama3-8B instances, engines at time scale {SCALE}, "
-        f"{CLIENTS} closed-loop clients; Φ = requests within the SLOs (TTFT {SLO_TTFT_S} s, "
+        f"{CLIENTS} closed-loop clients (bigbatch: {BIGBATCH_CLIENTS}, decode batch "
+        f"{SHAPES['bigbatch'].decode_batch}); Φ = requests within the SLOs (TTFT {SLO_TTFT_S} s, "
         f"TPOT {SLO_TPOT_S * 1000:.0f} ms) per emulated second per instance"
     )
     head = (
         f"{'mix':<11}{'best Φ':>12}{'worst Φ':>12}{'best/worst':>11}{'start Φ':>12}"
-        f"{'Model Φ':>14}{'steps':>6}{'Feedback Φ':>16}{'steps':>6}{'failed':>7}"
+        f"{'Model Φ':>14}{'moves':>6}{'rev':>4}{'Feedback Φ':>16}{'moves':>6}{'rev':>4}"
+        f"{'failed':>7}"
     )
     print(head)
 
@@ -535,14 +588,16 @@ def report(results: dict[str, Any]) -> int:
         print(
             f"{mix:<11}{cell(mix, 'best_phi', 'best_split'):>12}{cell(mix, 'worst_phi', 'worst_split'):>12}"
             f"{ratio:>11}{cell(mix, 'start_phi', 'start_split'):>12}"
-            f"{cell(mix, 'model_phi', 'model_split'):>14}{cell(mix, 'model_steps'):>6}"
-            f"{cell(mix, 'feedback_phi', 'feedback_split'):>16}{cell(mix, 'feedback_steps'):>6}"
+            f"{cell(mix, 'model_phi', 'model_split'):>14}{cell(mix, 'model_moves'):>6}"
+            f"{cell(mix, 'model_reversals'):>4}"
+            f"{cell(mix, 'feedback_phi', 'feedback_split'):>16}{cell(mix, 'feedback_moves'):>6}"
+            f"{cell(mix, 'feedback_reversals'):>4}"
             f"{cell(mix, 'failed_during_changes'):>7}{of_best}"
         )
     print(
         f"shift chat -> summarize: {results.get('shift_changes')} changes, one way: "
         f"{results.get('shift_one_way')}, targets {results.get('shift_targets')}. Targets: each "
-        "policy >= 95 % of the best Φ from the mismatched start; best >= 1.6x worst on one mix "
+        "policy >= 95 % of the best Φ from the mismatched start, at most one reversal; best >= 1.6x worst on one mix "
         "(P/D-Serve Fig. 13a: the optimum 'at least 60 %' over the other ratios); no request "
         "failed by a change."
     )

@@ -14,6 +14,7 @@ import itertools
 import math
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -24,7 +25,7 @@ from matrixserve.domain import ratio as r
 from matrixserve.domain.ratio import Bounds, Feedback, FeedbackParams, FeedbackState, Split
 
 
-def figures(c_p: float, c_d: float, **kw: float) -> r.Figures:
+def figures(c_p: float, c_d: float, **kw: Any) -> r.Figures:
     """Figures whose one-instance capacities are ``c_p`` and ``c_d`` (T_p = T_d = 1 s)."""
     return r.Figures(ttft_bs=1.0, b_p=c_p, tpot_bs=0.01, b_d=c_d, xi=0.0, g=100.0, **kw)
 
@@ -52,7 +53,14 @@ def test_the_section_2_1_figures() -> None:
     ("field", "value"), [("ttft_bs", 0.0), ("b_d", -1.0), ("g", float("nan")), ("r_pre", 1.5)]
 )
 def test_figures_that_mean_nothing_are_refused(field: str, value: float) -> None:
-    kw = {"ttft_bs": 1.0, "b_p": 1.0, "tpot_bs": 0.1, "b_d": 8.0, "xi": 0.0, "g": 10.0}
+    kw: dict[str, Any] = {
+        "ttft_bs": 1.0,
+        "b_p": 1.0,
+        "tpot_bs": 0.1,
+        "b_d": 8.0,
+        "xi": 0.0,
+        "g": 10.0,
+    }
     kw[field] = value
     with pytest.raises(ValueError, match=field):
         r.Figures(**kw)

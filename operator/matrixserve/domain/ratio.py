@@ -105,6 +105,10 @@ class Figures:
     g: float  # G: the mean tokens generated per request
     r_pre: float = 1.0  # the prefix caches' benefit (1: none)
     traffic: float | None = None  # I_t, requests per second (None: not known)
+    # how TPOT_bs was had: the decodes' TPOT as a line in their batch (None: TPOT as measured,
+    # whatever the batch it was measured at), and the mean batch it was measured at
+    line: DecodeLine | None = None
+    batch_seen: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("ttft_bs", "b_p", "tpot_bs", "b_d", "g", "r_pre"):
@@ -175,6 +179,72 @@ def capacity(figures: Figures, split: Split) -> Capacity:
     return Capacity(c_p, c_d, served / split.total, bottleneck)
 
 
+# ------------------------------------------------------------------ the decode's cost by batch
+@dataclass(frozen=True)
+class BatchPoint:
+    """The decodes' mean batch over a window and their mean TPOT at it (emulated seconds)."""
+
+    batch: float
+    tpot: float
+
+
+@dataclass(frozen=True)
+class DecodeLine:
+    """TPOT as a line in the decode batch, ``TPOT(b) = fixed + per_request · b``: §2.1 writes
+    ``TPOT_bs``, the TPOT at the batch size ``bs``, and a decode step is memory-bound (001
+    §4.2: it reads the weights once and every request's KV), so each request in the batch adds
+    the same time whatever the batch. ``how`` says where the line came from."""
+
+    fixed: float
+    per_request: float
+    how: str
+
+    def tpot(self, batch: float) -> float:
+        return self.fixed + self.per_request * batch
+
+    def batch_serving(self, rate: float, xi: float, g: float, most: float) -> float:
+        """The batch a decode runs to finish ``rate`` requests per second: Little's law,
+        ``b = rate · (ξ + G · TPOT(b))``, at most ``most`` (then it is saturated)."""
+        room = 1.0 - rate * g * self.per_request
+        if room <= 0:
+            return most
+        return min(most, rate * (xi + g * self.fixed) / room)
+
+
+# [design] measured batches this far apart (a share of the full batch) give the line its slope;
+# closer, the TPOTs' own noise would be most of it
+BATCH_SPREAD = 0.25
+
+
+def decode_line(
+    seen: BatchPoint, others: Iterable[BatchPoint], full: float, shape: float | None
+) -> DecodeLine | None:
+    """The decodes' TPOT by batch from what was measured: ``seen`` (this window) and ``others``
+    (the same load served at other splits), by least squares, when their batches spread over
+    ``BATCH_SPREAD`` of the ``full`` batch and the line rises; else the line through ``seen``
+    with the roofline's shape, ``shape`` being the model's weight bytes over one request's KV
+    bytes (a step reads both: the line is 0 at ``-shape`` requests); else None (nothing says
+    how TPOT moves with the batch)."""
+    if seen.batch <= 0 or seen.tpot <= 0:
+        return None
+    points = [seen, *(p for p in others if p.batch > 0 and p.tpot > 0)]
+    batches = [p.batch for p in points]
+    if len(points) > 1 and max(batches) - min(batches) >= BATCH_SPREAD * full:
+        n = len(points)
+        mean_b = sum(batches) / n
+        mean_t = sum(p.tpot for p in points) / n
+        var = sum((b - mean_b) ** 2 for b in batches)
+        slope = sum((p.batch - mean_b) * (p.tpot - mean_t) for p in points) / var
+        fixed = mean_t - slope * mean_b
+        if slope > 0 and fixed > 0:
+            seen_at = ", ".join(f"{b:.0f}" for b in sorted(batches))
+            return DecodeLine(fixed, slope, f"measured at batches {seen_at}")
+    if shape is not None and shape > 0 and math.isfinite(shape):
+        per = seen.tpot / (shape + seen.batch)
+        return DecodeLine(per * shape, per, f"roofline from batch {seen.batch:.1f}")
+    return None
+
+
 # ------------------------------------------------------------------------ the observation
 # The engines' health reports carry what each has served since its process started
 # (zk_layout.Load); a window is the difference of two reports of one process, summed over a
@@ -199,27 +269,47 @@ def load_sum(loads: Iterable[zl.Load]) -> zl.Load:
 
 
 def figures_of(
-    prefill: zl.Load, decode: zl.Load, decode_batch: int, least: int = 1
+    prefill: zl.Load,
+    decode: zl.Load,
+    decode_batch: int,
+    least: int = 1,
+    kv_share: float | None = None,
+    others: Iterable[BatchPoint] = (),
 ) -> Figures | None:
     """§2.1's inputs from a window's sums, or None with fewer than ``least`` requests through
     either role. ``TTFT_bs`` is the prefills' mean TTFT; their capacity is what they served per
     busy second (prompts share a prefill's compute, so that is its throughput at any batch) and
-    ``b_p`` the batch that gives it at that TTFT; ``TPOT_bs``, ``ξ`` and ``G`` the decodes'
-    means, ``b_d`` their configured batch (an underloaded decode's TPOT is below its full
-    batch's, so its capacity reads high: ``[design]``, docs/operator.md)."""
+    ``b_p`` the batch that gives it at that TTFT; ``ξ`` and ``G`` the decodes' means and ``b_d``
+    their configured batch. ``TPOT_bs`` is the TPOT at ``b_d``, predicted from the TPOT measured
+    at the batch the decodes ran (:func:`decode_line`; ``others``: what other splits of the same
+    load measured; ``kv_share``: the model's KV bytes per token over its weight bytes, for the
+    roofline's shape): an underloaded decode's TPOT is below its full batch's, and taken as it
+    is, it makes the decodes' capacity read high at a split that leaves them half idle — and
+    right at one that fills them (issue 29)."""
     if prefill.prefilled < least or decode.decoded < least or decode.tokens < 1:
         return None
     if prefill.busy_s <= 0 or prefill.ttft_s <= 0 or decode.tpot_s <= 0:
         return None
     ttft = prefill.ttft_s / prefill.prefilled
     c_p = prefill.prefilled / prefill.busy_s
+    g = max(decode.output_tokens / decode.decoded, 1.0)
+    tpot = decode.tpot_s / decode.tokens
+    line = None
+    batch = decode.batch_sum / decode.iterations if decode.iterations else 0.0
+    if batch > 0:
+        # a decode's request holds its prompt's KV and, on average, half its answer's
+        context = prefill.prompt_tokens / prefill.prefilled + g / 2
+        shape = 1.0 / (kv_share * context) if kv_share and context > 0 else None
+        line = decode_line(BatchPoint(batch, tpot), others, float(decode_batch), shape)
     return Figures(
         ttft_bs=ttft,
         b_p=c_p * ttft,
-        tpot_bs=decode.tpot_s / decode.tokens,
+        tpot_bs=line.tpot(decode_batch) if line is not None else tpot,
         b_d=float(decode_batch),
         xi=decode.kv_s / decode.kv_pulls if decode.kv_pulls else 0.0,
-        g=max(decode.output_tokens / decode.decoded, 1.0),
+        g=g,
+        line=line,
+        batch_seen=batch,
     )
 
 
@@ -317,6 +407,17 @@ def fallback_split(total: int, bounds: Bounds, current: Split) -> Split:
     return min(allowed, key=lambda s: (abs(s.prefill / s.decode - ratio), -s.prefill))
 
 
+def _at_full_batch(figures: Figures) -> str:
+    line = figures.line
+    if line is None:
+        return ""
+    return (
+        f" at a full batch of {figures.b_d:.0f}, TPOT {figures.tpot_bs * 1000:.1f} ms "
+        f"against {line.tpot(figures.batch_seen) * 1000:.1f} ms at the {figures.batch_seen:.1f} "
+        f"seen ({line.how})"
+    )
+
+
 def model_target(
     figures: Figures, total: int, bounds: Bounds, current: Split, margin: float = 0.05
 ) -> Decision:
@@ -341,6 +442,20 @@ def model_target(
         "capacityNow": _round(served(current)) if current.total == total else 0.0,
         "capacityTarget": _round(served(best)),
     }
+    line = figures.line
+    if line is not None:
+        # each split at its own load: the batch its decodes would run serving what it serves
+        def batch_at(split: Split) -> float:
+            rate = served(split) / split.decode
+            return line.batch_serving(rate, figures.xi, figures.g, figures.b_d)
+
+        numbers |= {
+            "batchSeen": _round(figures.batch_seen),
+            "tpotSeen": _round(line.tpot(figures.batch_seen)),
+            "tpotFullBatch": _round(figures.tpot_bs),
+            "batchTarget": _round(batch_at(best)),
+            "TdTarget": _round(figures.xi + line.tpot(batch_at(best)) * figures.g),
+        }
     if current in allowed and served(best) <= served(current) * (1 + margin):
         return Decision(
             current,
@@ -351,8 +466,8 @@ def model_target(
         )
     why = (
         f"Eq. (1) balances at {figures.balanced_ratio():.2f} prefill per decode "
-        f"(T_p {figures.t_p:.3f} s, T_d {figures.t_d:.3f} s): {best} serves "
-        f"{served(best):.2f} req/s"
+        f"(T_p {figures.t_p:.3f} s, T_d {figures.t_d:.3f} s{_at_full_batch(figures)}): {best} "
+        f"serves {served(best):.2f} req/s"
     )
     if current.total == total:
         why += f" against {served(current):.2f} at {current}"
@@ -487,14 +602,19 @@ class Tally:
 SIGNIFICANT = 2.0
 
 
-def compare(before: Tally, after: Tally, improve: float) -> tuple[int, str]:
+def compare(
+    before: Tally, after: Tally, improve: float, saturated_by_e2e: bool = True
+) -> tuple[int, str]:
     """+1 if ``after`` is better than ``before`` by ``improve``, -1 if worse by as much, else 0;
     and the figures that say so. A saturated group (its prefills' slots full, or refusing)
     has a backlog the engines do not see — a closed load's clients, the gateway's queue, offers
     tried again — whose wait the engines' E2E does not hold, so it is judged first by what it
     serves per second (Little's law: the same backlog served faster waits less), a difference
     that is both ``improve`` and ``SIGNIFICANT`` standard deviations of the counts' Poisson
-    noise; with no such difference, or unsaturated (the load is served either way), by E2E."""
+    noise; with no such difference, or unsaturated (the load is served either way), by E2E —
+    unless ``saturated_by_e2e`` is False: then a saturated pair without such a difference is
+    neither (two splits under a closed load, where the one that takes less of the backlog into
+    the engines shows the lower E2E there)."""
     served = ""
     if (before.is_saturated or after.is_saturated) and min(before.served, after.served) > 0:
         b, a = before.served, after.served
@@ -505,6 +625,8 @@ def compare(before: Tally, after: Tally, improve: float) -> tuple[int, str]:
                 return 1, served
             if a <= b * (1 - improve):
                 return -1, served
+        if not saturated_by_e2e:
+            return 0, f"{served}, no difference"
         served += ", no difference; "
     b, a = before.mean_e2e, after.mean_e2e
     said = f"{served}E2E {b:.3f} s before, {a:.3f} s after"
@@ -791,6 +913,201 @@ class Feedback:
         # no better, no worse: kept; an alarm that still holds asks again after a new trend
         why = f"one more {role}: no better, no worse ({figures}): settled"
         return Decision(current, False, why, numbers), settled
+
+
+# ------------------------------------------------------------------------- the load's history
+# [design] a load whose prompts or answers (tokens per request) moved this much is another load:
+# what was measured under the old one, and the moves made for it, no longer count
+MIX_CHANGE = 0.2
+
+
+@dataclass(frozen=True)
+class Mix:
+    """What a load's requests are, whatever the split: prompt and answer tokens per request."""
+
+    prompt: float
+    output: float
+
+    def differs(self, other: Mix) -> bool:
+        return any(
+            abs(a - b) > MIX_CHANGE * max(a, b)
+            for a, b in ((self.prompt, other.prompt), (self.output, other.output))
+        )
+
+    def __str__(self) -> str:
+        return f"{self.prompt:.0f} tokens in, {self.output:.0f} out"
+
+
+def mix_of(prefill: zl.Load, decode: zl.Load) -> Mix | None:
+    if prefill.prefilled < 1 or decode.decoded < 1:
+        return None
+    return Mix(prefill.prompt_tokens / prefill.prefilled, decode.output_tokens / decode.decoded)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a split served under the current load: its windows (:class:`Tally`), and the
+    decodes' mean batch and TPOT there (0: not known)."""
+
+    split: Split
+    tally: Tally
+    batch: float = 0.0
+    tpot: float = 0.0
+
+    @property
+    def phi(self) -> float:
+        """Requests finished per second per instance (0: not known)."""
+        return self.tally.served / self.split.total
+
+    def said(self) -> str:
+        if self.tally.served > 0:
+            return f"{self.tally.served:.3g} req/s (Φ {self.phi:.3g}) at {self.split}"
+        return f"E2E {self.tally.mean_e2e:.3f} s at {self.split}"
+
+
+def _move_role(old: Split, new: Split) -> str:
+    """The role a move from ``old`` to ``new`` adds (a split of the same total)."""
+    return PREFILL if new.prefill > old.prefill else DECODE
+
+
+@dataclass(frozen=True)
+class History:
+    """What a group measured and did under the current load, for both policies (issue 29):
+    each split it served at least a window and what it served there; the role its last move
+    added and the reversals (a move against the one before it: a step past the best and
+    back) since the load last changed. Kept in ``status.ratio``; forgotten when the load's
+    :class:`Mix` changes (and by the caller on a new total)."""
+
+    mix: Mix | None = None
+    measured: tuple[Measured, ...] = ()
+    last_move: str | None = None
+    reversals: int = 0
+    flap_said: bool = False  # the Warning of a held flap was said (once per load)
+
+    def at(self, split: Split) -> Measured | None:
+        return next((m for m in self.measured if m.split == split), None)
+
+    def points(self, besides: Split) -> list[BatchPoint]:
+        """The decodes' batch and TPOT measured at splits other than ``besides``."""
+        return [
+            BatchPoint(m.batch, m.tpot)
+            for m in self.measured
+            if m.split != besides and m.batch > 0 and m.tpot > 0
+        ]
+
+    def observe(
+        self,
+        split: Split,
+        mix: Mix | None,
+        signal: Signal | None,
+        saturated: bool,
+        point: BatchPoint | None,
+        keep: int,
+    ) -> History:
+        """With one more window at ``split``: a load of another mix starts afresh; the split's
+        figures are a mean of its last ``keep`` windows."""
+        history = self
+        if mix is not None and self.mix is not None and mix.differs(self.mix):
+            history = History(mix=mix)
+        elif mix is not None and self.mix is None:
+            history = replace(self, mix=mix)
+        if signal is None:
+            return history
+        old = history.at(split) or Measured(split, Tally())
+        tally = old.tally.add(signal, saturated, keep)
+        w = old.tally.windows
+        batch, tpot = old.batch, old.tpot
+        if point is not None and point.batch > 0 and point.tpot > 0:
+            # a mean over the windows the tally holds (the old ones weigh as the tally does)
+            batch = (old.batch * w + point.batch) / (w + 1) if old.batch else point.batch
+            tpot = (old.tpot * w + point.tpot) / (w + 1) if old.tpot else point.tpot
+        rest = tuple(m for m in history.measured if m.split != split)
+        entry = Measured(split, tally, batch, tpot)
+        return replace(
+            history, measured=tuple(sorted((*rest, entry), key=lambda m: -m.split.prefill))
+        )
+
+    def worse(self, current: Split, candidate: Split, improve: float) -> str | None:
+        """Why ``candidate`` is not to be moved to, if both were measured and ``candidate``
+        served worse than ``current`` (:func:`compare`, by ``improve``); else None."""
+        here, there = self.at(current), self.at(candidate)
+        if here is None or there is None:
+            return None
+        verdict, _ = compare(here.tally, there.tally, improve, saturated_by_e2e=False)
+        if verdict >= 0:
+            return None
+        return f"{candidate} was measured worse: {there.said()} against {here.said()}"
+
+    def move(self, current: Split, target: Split) -> tuple[History, str | None]:
+        """The history with a move from ``current`` to ``target`` made, or itself and why not:
+        a second reversal since the load changed (a policy that would flap)."""
+        role = _move_role(current, target)
+        last = self.last_move
+        reversal = last is not None and role != last
+        if last is not None and reversal and self.reversals >= 1:
+            return self, (
+                f"{target} would be a second reversal since the load last changed (one more "
+                f"{_other(last)}, then one more {last}, now one more {role})"
+            )
+        return replace(self, last_move=role, reversals=self.reversals + int(reversal)), None
+
+    def to_status(self) -> dict[str, object]:
+        return {
+            "mix": (
+                {"promptTokens": _round(self.mix.prompt), "outputTokens": _round(self.mix.output)}
+                if self.mix is not None
+                else None
+            ),
+            "measured": [
+                {
+                    "split": str(m.split),
+                    "tally": m.tally.to_status(),
+                    "served": _round(m.tally.served),
+                    "phi": _round(m.phi),
+                    "e2e": _round(m.tally.mean_e2e),
+                    "batch": _round(m.batch),
+                    "tpot": _round(m.tpot),
+                }
+                for m in self.measured
+            ],
+            "lastMove": self.last_move,
+            "reversals": self.reversals,
+            "flapSaid": self.flap_said,
+        }
+
+    @classmethod
+    def from_status(cls, raw: Mapping[str, object] | None) -> History:
+        """Read back what :meth:`to_status` wrote; what is unreadable is left out."""
+        if not raw:
+            return cls()
+        mix = None
+        m = raw.get("mix")
+        if isinstance(m, Mapping):
+            prompt, output = _number(m, "promptTokens"), _number(m, "outputTokens")
+            if prompt is not None and output is not None and prompt > 0 and output > 0:
+                mix = Mix(prompt, output)
+        measured: list[Measured] = []
+        items = raw.get("measured")
+        for item in items if isinstance(items, list) else []:
+            if not isinstance(item, Mapping):
+                continue
+            try:
+                split = Split.parse(str(item.get("split")))
+            except ValueError:
+                continue
+            tally = Tally.from_status(item.get("tally"))
+            if not tally.windows or any(e.split == split for e in measured):
+                continue
+            batch, tpot = _number(item, "batch") or 0.0, _number(item, "tpot") or 0.0
+            measured.append(Measured(split, tally, max(batch, 0.0), max(tpot, 0.0)))
+        last = raw.get("lastMove")
+        return cls(
+            mix=mix,
+            measured=tuple(measured),
+            last_move=last if last in (PREFILL, DECODE) else None,
+            reversals=_count(raw, "reversals"),
+            flap_said=raw.get("flapSaid") is True,
+        )
 
 
 # ------------------------------------------------------------------------------ execution

@@ -37,7 +37,7 @@ from matrixserve.domain.conditions import is_true
 from matrixserve.domain.pdgroup import recovery
 from matrixserve.domain.pdgroup.actions import Action, ReportRatioChange
 from matrixserve.domain.pdgroup.membership import DRAIN_SECONDS, RoleCounts
-from matrixserve.domain.pdgroup.validation import ratio_bounds
+from matrixserve.domain.pdgroup.validation import model_facts, ratio_bounds
 from matrixserve.domain.pdgroup.view import GroupView
 from matrixserve.domain.ratio import Split
 
@@ -197,6 +197,7 @@ def ratio_pass(view: GroupView) -> RatioPass:
     old_target = target
     left = _split(prev.get("from"))  # the split the last move left
     reached = recovery.parse_time(prev.get("reachedTime"))
+    history = ratio.History.from_status(prev.get("history"))
 
     # the target: kept while it is a split of the total within the bounds
     if target is None or target.total != total or not bounds.allows(target):
@@ -207,8 +208,10 @@ def ratio_pass(view: GroupView) -> RatioPass:
         else:
             reason = f"the total is {total}: {target}, the split nearest {base}"
             last_change, left, reached = view.now, None, None
-            # the feedback rule judges splits of one total: a new total starts it afresh
+            # the feedback rule judges splits of one total: a new total starts it afresh, and
+            # what was measured and moved for the old total says nothing of the new one
             feedback = ratio.FeedbackState(last_change=view.now)
+            history = ratio.History()
     elif (
         serving is not None
         and serving != target
@@ -231,6 +234,8 @@ def ratio_pass(view: GroupView) -> RatioPass:
         reason = f"the move to {target} did not arrive within {WALK_SECONDS:.0f} s: back to {back}"
         target, last_change, left = back, view.now, None
         feedback = ratio.FeedbackState(last_change=view.now)
+        # giving up is not a policy's reversal: the next move is counted afresh
+        history = replace(history, last_move=None)
     if (
         serving is not None
         and serving == target
@@ -259,38 +264,85 @@ def ratio_pass(view: GroupView) -> RatioPass:
         observed = _window_end(view, window, members)
         if observed is not None:
             dp, dd = observed
-            figures = ratio.figures_of(dp, dd, spec.decode.batch_size, LEAST_REQUESTS)
-            if figures is not None:
-                capacity = ratio.capacity(figures, serving).as_status()
             # the prefills' slot capacity over the window, in emulated seconds
             emulated = (view.now - float(window["start"])) * float(view.engine.time_scale)
             capacity_s = emulated * serving.prefill * spec.prefill.batch_size
+            params = _feedback_params(rp)
+            signal = ratio.signal_of(dp, dd, LEAST_REQUESTS, capacity_s, emulated)
+            saturated = signal is not None and ratio.Feedback(params, bounds).saturated(signal)
+            history = history.observe(
+                serving,
+                ratio.mix_of(dp, dd) if min(dp.prefilled, dd.decoded) >= LEAST_REQUESTS else None,
+                signal,
+                saturated,
+                _batch_point(dd),
+                params.windows,
+            )
+            facts = model_facts(spec)
+            figures = ratio.figures_of(
+                dp,
+                dd,
+                spec.decode.batch_size,
+                LEAST_REQUESTS,
+                kv_share=facts.kv_bytes_per_token / facts.weight_bytes if facts else None,
+                others=history.points(besides=serving),
+            )
+            if figures is not None:
+                capacity = ratio.capacity(figures, serving).as_status()
             since = max((t for t in (last_change, reached) if t is not None), default=None)
             decided = _decide(
                 view,
                 rp,
+                params,
                 bounds,
                 serving,
                 total,
                 figures,
+                signal,
                 dp,
                 dd,
                 feedback,
                 since,
                 left,
-                capacity_s,
-                emulated,
             )
             if decided is not None:
                 decision, feedback = decided
                 numbers = dict(decision.numbers)
                 reason = decision.reason
                 if decision.changed and decision.target != target:
-                    notices.append(
-                        ReportRatioChange(f"{_moving(serving, decision.target)}: {decision.reason}")
+                    # the walk's two guards, for both policies (issue 29): never to a split
+                    # measured worse under this load; at most one reversal per load
+                    improve = rp.margin if rp.mode is RatioMode.MODEL else params.improve
+                    worse = history.worse(serving, decision.target, improve)
+                    history, refusal = (
+                        (history, None) if worse else history.move(serving, decision.target)
                     )
-                    left, target = serving, decision.target
-                    last_change, reached = view.now, None
+                    if worse is not None:
+                        reason = f"{decision.reason}; not moved: {worse}"
+                        if rp.mode is RatioMode.FEEDBACK:
+                            feedback = _held(feedback, serving, decision.target, view.now)
+                    elif refusal is not None:
+                        reason = f"{decision.reason}; held at {serving}: {refusal}"
+                        if not history.flap_said:
+                            notices.append(
+                                ReportRatioChange(
+                                    f"Holding {serving}: {rp.mode} would move to "
+                                    f"{decision.target}, {refusal}",
+                                    reason="RatioFlapPrevented",
+                                    warning=True,
+                                )
+                            )
+                            history = replace(history, flap_said=True)
+                        if rp.mode is RatioMode.FEEDBACK:
+                            feedback = _held(feedback, serving, decision.target, view.now)
+                    else:
+                        notices.append(
+                            ReportRatioChange(
+                                f"{_moving(serving, decision.target)}: {decision.reason}"
+                            )
+                        )
+                        left, target = serving, decision.target
+                        last_change, reached = view.now, None
         window = _window(view, members)
 
     # the walk
@@ -321,28 +373,59 @@ def ratio_pass(view: GroupView) -> RatioPass:
         out["from"] = str(left)
     if rp.mode is RatioMode.FEEDBACK:
         out["feedback"] = feedback.to_status()
+    out["history"] = history.to_status()
     return RatioPass(RoleCounts(counts.prefill, counts.decode), out, notices)
+
+
+def _feedback_params(rp: Any) -> ratio.FeedbackParams:
+    tuning = rp.feedback
+    return ratio.FeedbackParams(
+        e2e_rise=tuning.e2e_rise,
+        share_delta=tuning.tp_share_delta,
+        rejection=tuning.rejection,
+        kv_wait=tuning.kv_wait,
+        slots_full=tuning.slots_full,
+        windows=tuning.windows,
+        improve=tuning.improve,
+        cooldown=float(rp.cooldown_seconds),
+    )
+
+
+def _batch_point(decode: zl.Load) -> ratio.BatchPoint | None:
+    """The decodes' mean batch and TPOT over a window (None: an engine that does not count)."""
+    if not decode.iterations or not decode.tokens:
+        return None
+    return ratio.BatchPoint(decode.batch_sum / decode.iterations, decode.tpot_s / decode.tokens)
+
+
+def _held(
+    state: ratio.FeedbackState, serving: Split, target: Split, now: float
+) -> ratio.FeedbackState:
+    """The feedback rule after the walk held a move that would flap: settled where it is, the
+    role it asked for refuted (the saturation alarms no longer ask for it until the load
+    changes), a fresh baseline and a cooldown."""
+    role = ratio.PREFILL if target.prefill > serving.prefill else ratio.DECODE
+    return ratio.FeedbackState(last_change=now, refuted=tuple(sorted({*state.refuted, role})))
 
 
 def _decide(
     view: GroupView,
     rp: Any,
+    params: ratio.FeedbackParams,
     bounds: ratio.Bounds,
     serving: Split,
     total: int,
     figures: ratio.Figures | None,
+    signal: ratio.Signal | None,
     prefill: zl.Load,
     decode: zl.Load,
     feedback: ratio.FeedbackState,
     last_change: float | None,
     left: Split | None,
-    slot_capacity_s: float = 0.0,
-    window_s: float = 0.0,
 ) -> tuple[ratio.Decision, ratio.FeedbackState] | None:
     """The policy's decision on a window, or None when the window says too little. ``left``:
     the split the last move left; Model goes back to it within ``RETURN_COOLDOWNS`` cooldowns
-    only for ``RETURN_MARGINS`` times its margin (its capacities are estimates: a decode loaded
-    by the move reads slower than it read underloaded, which must not swing it back)."""
+    only for ``RETURN_MARGINS`` times its margin (its capacities are estimates)."""
     if rp.mode is RatioMode.MODEL:
         if figures is None:
             return (
@@ -374,18 +457,6 @@ def _decide(
             )
             return ratio.Decision(serving, False, why, decision.numbers), feedback
         return ratio.Decision(step, step != serving, decision.reason, decision.numbers), feedback
-    signal = ratio.signal_of(prefill, decode, LEAST_REQUESTS, slot_capacity_s, window_s)
     if signal is None:
         return None
-    tuning = rp.feedback
-    params = ratio.FeedbackParams(
-        e2e_rise=tuning.e2e_rise,
-        share_delta=tuning.tp_share_delta,
-        rejection=tuning.rejection,
-        kv_wait=tuning.kv_wait,
-        slots_full=tuning.slots_full,
-        windows=tuning.windows,
-        improve=tuning.improve,
-        cooldown=float(rp.cooldown_seconds),
-    )
     return ratio.Feedback(params, bounds).decide(feedback, signal, serving, total, view.now)
