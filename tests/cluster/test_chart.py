@@ -119,15 +119,23 @@ def test_the_rendered_chart_runs_locked_down_with_no_wildcard_rbac(
 def _service_account_kubeconfig(
     cluster: ClusterInfo, core: client.CoreV1Api, namespace: str, account: str, path: Path
 ) -> Path:
-    """A kubeconfig that authenticates as the ServiceAccount (its Kubernetes 1.20 token Secret)."""
+    """A kubeconfig that authenticates as the ServiceAccount: a token requested for it (the
+    TokenRequest API; no token Secrets since Kubernetes 1.24)."""
 
     def token() -> str | None:
-        sa = core.read_namespaced_service_account(account, namespace)
-        for ref in sa.secrets or []:
-            secret = core.read_namespaced_secret(ref.name, namespace)
-            if secret.data and "token" in secret.data:
-                return base64.b64decode(secret.data["token"]).decode()
-        return None
+        try:
+            answer = core.create_namespaced_service_account_token(
+                account,
+                namespace,
+                client.AuthenticationV1TokenRequest(
+                    spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600)
+                ),
+            )
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None  # the account is not there yet
+            raise
+        return str(answer.status.token)
 
     value = wait_for(token, timeout=30, what=f"the token of ServiceAccount {account}")
     path.write_text(

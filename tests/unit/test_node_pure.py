@@ -754,3 +754,48 @@ def test_a_container_waiting_in_back_off_shows_the_exit_it_waits_after_as_its_la
     assert podstatus.container_status(running, "emulated")["lastState"]["terminated"][
         "finishedAt"
     ] == rfc3339(4.0)
+
+
+def test_the_projected_service_account_token_of_a_current_api_server() -> None:
+    """Kubernetes >= 1.22 projects the token (kube-api-access-*), the CA ConfigMap and the
+    namespace into one volume; the emulator requests the token as a kubelet does."""
+    pod: dict[str, Any] = {
+        "spec": {
+            "serviceAccountName": "engine",
+            "containers": [
+                {
+                    "name": "c",
+                    "volumeMounts": [
+                        {
+                            "name": "kube-api-access-abcde",
+                            "mountPath": podspec.SERVICE_ACCOUNT_MOUNT,
+                        }
+                    ],
+                }
+            ],
+            "volumes": [
+                {"name": "data", "projected": {"sources": [{"configMap": {"name": "x"}}]}},
+                {
+                    "name": "kube-api-access-abcde",
+                    "projected": {
+                        "sources": [
+                            {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+                            {"configMap": {"name": "kube-root-ca.crt", "items": []}},
+                            {"downwardAPI": {"items": []}},
+                        ]
+                    },
+                },
+            ],
+        }
+    }
+    projected = podspec.service_account_projection(pod)
+    assert projected == podspec.ProjectedToken(
+        volume="kube-api-access-abcde",
+        service_account="engine",
+        expiration_seconds=3607,
+        audience=None,
+        ca_config_map="kube-root-ca.crt",
+    )
+    assert podspec.service_account_secret(pod) is None  # not a Secret
+    pod["spec"]["containers"][0]["volumeMounts"].pop()  # automountServiceAccountToken: false
+    assert podspec.service_account_projection(pod) is None

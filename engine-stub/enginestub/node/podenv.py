@@ -64,26 +64,31 @@ class PodEnvironment:
     async def service_account(
         self, namespace: str, pod: dict[str, Any], workdir: Path
     ) -> dict[str, str]:
-        """The pod's service-account credentials, as a kubelet would mount them: the token Secret
-        the ServiceAccount admission plugin put in the pod's volumes. A process here cannot see
-        /var/run/secrets, so the emulator writes a kubeconfig for that token into the pod's
-        directory and points ``KUBECONFIG`` at it (clients then run as the ServiceAccount, under
-        its RBAC, exactly as in a pod)."""
+        """The pod's service-account credentials, as a kubelet would mount them: the projected
+        token the ServiceAccount admission plugin put in the pod's volumes (a TokenRequest bound
+        to the pod, the cluster's CA from the ConfigMap it names), or on an older API server its
+        token Secret. A process here cannot see /var/run/secrets, so the emulator writes a
+        kubeconfig for that token into the pod's directory and points ``KUBECONFIG`` at it
+        (clients then run as the ServiceAccount, under its RBAC, exactly as in a pod)."""
         secret_name = podspec.service_account_secret(pod)
+        projected = podspec.service_account_projection(pod)
         if not (self.config.apiserver_host and self.config.apiserver_port):
             return {}
-        if secret_name is None:
+        if projected is not None:
+            data = await self._projected_token(namespace, pod, projected)
+        elif secret_name is None:
             # No token (automountServiceAccountToken: false): no credentials at all, rather than
             # a client falling back to the developer's ~/.kube/config through $HOME.
             return {"KUBECONFIG": str(workdir / "no-service-account-token")}
-        try:
-            data = await self._read_secret(namespace, secret_name)
-        except client.ApiException as exc:
-            raise podspec.ContainerConfigError(
-                f'service-account token Secret "{secret_name}": {exc.status} {exc.reason}'
-            ) from exc
-        if not data.get("token"):
-            raise podspec.ContainerConfigError(f'Secret "{secret_name}" holds no token')
+        else:
+            try:
+                data = await self._read_secret(namespace, secret_name)
+            except client.ApiException as exc:
+                raise podspec.ContainerConfigError(
+                    f'service-account token Secret "{secret_name}": {exc.status} {exc.reason}'
+                ) from exc
+            if not data.get("token"):
+                raise podspec.ContainerConfigError(f'Secret "{secret_name}" holds no token')
         folder = workdir / "serviceaccount"
         folder.mkdir(parents=True, exist_ok=True)
         for key in ("token", "ca.crt", "namespace"):
@@ -126,6 +131,48 @@ class PodEnvironment:
             write_files(folder, podspec.secret_files(namespace, volume, data))
             folders[volume.name] = str(folder)
         return folders
+
+    async def _projected_token(
+        self, namespace: str, pod: dict[str, Any], projected: podspec.ProjectedToken
+    ) -> dict[str, bytes]:
+        """The projected volume's files: a token requested for the pod's ServiceAccount and bound
+        to the pod (deleting the pod invalidates it), ``ca.crt`` and ``namespace``."""
+        meta = pod.get("metadata") or {}
+        request = client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(
+                audiences=[projected.audience] if projected.audience else [],
+                expiration_seconds=projected.expiration_seconds,
+                bound_object_ref=client.V1BoundObjectReference(
+                    api_version="v1", kind="Pod", name=meta.get("name"), uid=meta.get("uid")
+                ),
+            )
+        )
+        try:
+            answer = await asyncio.to_thread(
+                self.core.create_namespaced_service_account_token,
+                projected.service_account,
+                namespace,
+                request,
+            )
+        except client.ApiException as exc:
+            raise podspec.ContainerConfigError(
+                f'a token for ServiceAccount "{projected.service_account}": '
+                f"{exc.status} {exc.reason}"
+            ) from exc
+        data = {"token": str(answer.status.token).encode(), "namespace": namespace.encode()}
+        if projected.ca_config_map:
+            try:
+                cm = await asyncio.to_thread(
+                    self.core.read_namespaced_config_map, projected.ca_config_map, namespace
+                )
+            except client.ApiException as exc:
+                raise podspec.ContainerConfigError(
+                    f'ConfigMap "{projected.ca_config_map}": {exc.status} {exc.reason}'
+                ) from exc
+            ca = (cm.data or {}).get("ca.crt")
+            if ca:
+                data["ca.crt"] = ca.encode()
+        return data
 
     async def _read_secret(self, namespace: str, name: str) -> dict[str, bytes]:
         secret = await asyncio.to_thread(self.core.read_namespaced_secret, name, namespace)

@@ -258,6 +258,50 @@ def service_account_secret(pod: Mapping[str, Any]) -> str | None:
 
 
 @dataclass(frozen=True)
+class ProjectedToken:
+    """The service-account token a current API server's ServiceAccount admission puts in a pod
+    (Kubernetes >= 1.22: a ``projected`` volume ``kube-api-access-*`` of a
+    ``serviceAccountToken``, the ``kube-root-ca.crt`` ConfigMap's ``ca.crt`` and the namespace
+    from the downward API), which a kubelet fills by a TokenRequest bound to the pod."""
+
+    volume: str
+    service_account: str
+    expiration_seconds: int = 3607  # the admission plugin's default
+    audience: str | None = None  # None: the API server's own audiences
+    ca_config_map: str | None = None  # the ConfigMap whose ca.crt the volume holds
+
+
+def service_account_projection(pod: Mapping[str, Any]) -> ProjectedToken | None:
+    """The projected service-account token mounted at the service-account path, or None (no
+    token, or a token Secret: :func:`service_account_secret`)."""
+    spec = pod.get("spec") or {}
+    mounted = {
+        m.get("name")
+        for c in spec.get("containers") or []
+        for m in c.get("volumeMounts") or []
+        if m.get("mountPath") == SERVICE_ACCOUNT_MOUNT
+    }
+    for volume in spec.get("volumes") or []:
+        if volume.get("name") not in mounted or "projected" not in volume:
+            continue
+        sources = (volume["projected"] or {}).get("sources") or []
+        token = next(
+            (s["serviceAccountToken"] for s in sources if "serviceAccountToken" in s), None
+        )
+        if token is None:
+            continue
+        ca = next((s["configMap"] for s in sources if "configMap" in s), None)
+        return ProjectedToken(
+            volume=str(volume["name"]),
+            service_account=str(spec.get("serviceAccountName") or "default"),
+            expiration_seconds=int(token.get("expirationSeconds") or 3607),
+            audience=token.get("audience") or None,
+            ca_config_map=str(ca.get("name")) if ca and ca.get("name") else None,
+        )
+    return None
+
+
+@dataclass(frozen=True)
 class SecretVolume:
     """A ``secret`` volume a container mounts: which Secret, which keys as which files."""
 

@@ -2,11 +2,13 @@
 
 Components, in start order, all bound to 127.0.0.1 on free ports:
 
-1. etcd (Debian's etcd-server), data in ``<state>/data/etcd``;
-2. kube-apiserver (RBAC + Node authorization, static-token admin in ``system:masters``, service
-   accounts signed by our key pair, serving certificate from our CA, insecure port off);
-3. kube-controller-manager (all controllers but node lifecycle: there is no kubelet here, so
-   NotReady eviction is the node emulator's business) with the service-account token controller;
+1. etcd (Debian's 3.4 with Kubernetes 1.20, the default; v3.7.3 built beside Kubernetes with
+   ``MATRIXSERVE_KUBERNETES=1.37``), data in ``<state>/data/etcd``;
+2. kube-apiserver (v1.20.2, or v1.37.2: :mod:`.tools`; RBAC + Node authorization, static-token admin in ``system:masters``,
+   service accounts signed by our key pair, serving certificate from our CA);
+3. kube-controller-manager (all controllers but node lifecycle and taint eviction: there is no
+   kubelet here, so NotReady eviction is the node emulator's business), the root CA published
+   to every namespace (``kube-root-ca.crt``) for projected service-account tokens;
 4. kube-scheduler;
 5. ZooKeeper (``ZooKeeperServerMain``, 4-letter ``ruok`` for readiness);
 6. the node emulator (``python -m enginestub.node``): emulated NPU servers that run pods as local
@@ -306,7 +308,7 @@ class DevCluster:
         self.supervisor.start(
             "etcd",
             [
-                shutil.which("etcd") or "/usr/bin/etcd",
+                str(tools.etcd_path()),
                 "--name=devcluster",
                 f"--data-dir={data}",
                 f"--listen-client-urls={client}",
@@ -340,10 +342,21 @@ class DevCluster:
                 f"--bind-address={LOOPBACK}",
                 f"--advertise-address={LOOPBACK}",
                 f"--secure-port={info.ports.apiserver}",
-                "--insecure-port=0",
+                # 1.20 still had an insecure port (removed in 1.24)
+                *(["--insecure-port=0"] if tools.legacy() else []),
                 f"--tls-cert-file={serving.cert}",
                 f"--tls-private-key-file={serving.key}",
                 f"--client-ca-file={ca.cert}",
+                # the controller-manager and the scheduler read the front proxy's CA at start
+                # and log its absence every few seconds since 1.2x: ours, for a name nobody has
+                *(
+                    []
+                    if tools.legacy()
+                    else [
+                        f"--requestheader-client-ca-file={ca.cert}",
+                        "--requestheader-allowed-names=front-proxy-client",
+                    ]
+                ),
                 f"--cert-dir={self.state_dir / 'pki' / 'apiserver'}",
                 f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
                 f"--service-account-key-file={sa.cert}",
@@ -370,7 +383,10 @@ class DevCluster:
             kubeconfig,
             info.ports.controller_manager,
             [
-                "--controllers=*,-nodelifecycle",
+                # no kubelet here: the node emulator keeps the Nodes' status; since 1.29 taint
+                # eviction is a controller of its own (in 1.20 it was node lifecycle's)
+                "--controllers=*,-nodelifecycle"
+                + ("" if tools.legacy() else ",-taint-eviction-controller"),
                 f"--service-account-private-key-file={sa.key}",
                 f"--root-ca-file={ca.cert}",
                 f"--cluster-signing-cert-file={ca.cert}",
@@ -409,7 +425,7 @@ class DevCluster:
                 f"--authorization-kubeconfig={kubeconfig}",
                 f"--bind-address={LOOPBACK}",
                 f"--secure-port={port}",
-                "--port=0",
+                *(["--port=0"] if tools.legacy() else []),  # the insecure port, until 1.24
                 f"--cert-dir={self.state_dir / 'pki' / name.removeprefix('kube-')}",
                 "--leader-elect=false",
                 *own_flags,
@@ -541,12 +557,20 @@ def _apiserver_ready(info: ClusterInfo) -> bool:
 
 
 def _default_service_account_ready(info: ClusterInfo) -> bool:
-    body = _http_get(
-        f"{info.server}/api/v1/namespaces/default/serviceaccounts/default",
-        token=info.admin_token,
-        ca_file=info.ca_file,
-    )
-    return bool(json.loads(body).get("secrets"))
+    """The default ServiceAccount exists and a pod can get its token: the root CA published
+    (``kube-root-ca.crt``, for projected tokens), or on 1.20 the account's token Secret."""
+
+    def get(path: str) -> dict[str, object]:
+        body = _http_get(f"{info.server}{path}", token=info.admin_token, ca_file=info.ca_file)
+        out = json.loads(body)
+        return out if isinstance(out, dict) else {}
+
+    account = get("/api/v1/namespaces/default/serviceaccounts/default")
+    if account.get("secrets"):
+        return True
+    if account.get("kind") != "ServiceAccount":
+        return False
+    return get("/api/v1/namespaces/default/configmaps/kube-root-ca.crt").get("kind") == "ConfigMap"
 
 
 def _four_letter(host: str, port: int, word: bytes) -> bytes:

