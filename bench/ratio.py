@@ -16,8 +16,10 @@ another per client, P/D-Serve §4.2's method) of one of three mixes:
 - ``mixed``: half of each;
 - ``bigbatch`` (issue 29): 5,000-token prompts, 48 tokens out, on decodes of batch **48** under
   ``BIGBATCH_CLIENTS`` clients: the decodes' TPOT rises with their batch (a 48-request step
-  reads 48 prompts' KV), so the best split is where the decodes run a full batch and one fewer
-  decode falls short — the load whose TPOT at half a batch misled Model before issue 29.
+  reads 48 prompts' KV), so the best split is the last before one fewer decode runs out of
+  batch (by the stub's timing model 6:2, its decodes at about half a batch; at 7:1 the one
+  decode is full and short) — a load whose TPOT at a split's own batch misled Model before
+  issue 29.
 
 **Φ** (goodput per instance, §2.1): requests that succeeded within both SLOs (TTFT and mean
 TPOT, client-side, converted to emulated seconds) per emulated second, over the 8 instances.
@@ -470,6 +472,9 @@ def rerun(env: Env, results: dict[str, Any], mode: str) -> None:
     """``mode``'s convergence runs again from the recorded starts (``BENCH_RERUN``)."""
     key = mode.lower()
     for mix in RUN_MIXES:
+        if f"{mix}_start_split" not in results:
+            print(f"  {mode} on {mix}: no recorded start (a full run first)", flush=True)
+            continue
         start = str(results[f"{mix}_start_split"])
         run_ = converge(env, [(0.0, MIXES[mix])], start, mode, shape_of(mix))
         before = int(results.get(f"{mix}_{key}_failed", 0))

@@ -22,8 +22,10 @@ class Clock:
         return emulated / self.scale
 
     async def sleep(self, emulated: float) -> None:
-        if emulated > 0:
-            await asyncio.sleep(emulated / self.scale)
+        """Wait ``emulated`` seconds; a wait already due still yields to the event loop once,
+        so that a loop behind its schedule (a decode after a stall) never runs its steps back to
+        back while its streams' readers and the server wait."""
+        await asyncio.sleep(max(emulated, 0.0) / self.scale)
 
     async def sleep_until(self, emulated_deadline: float) -> None:
         await self.sleep(emulated_deadline - self.now())

@@ -568,7 +568,7 @@ def _default_service_account_ready(info: ClusterInfo) -> bool:
     account = get("/api/v1/namespaces/default/serviceaccounts/default")
     if account.get("secrets"):
         return True
-    if account.get("kind") != "ServiceAccount":
+    if account.get("kind") != "ServiceAccount" or tools.legacy():
         return False
     return get("/api/v1/namespaces/default/configmaps/kube-root-ca.crt").get("kind") == "ConfigMap"
 

@@ -10,6 +10,8 @@ import time
 
 from kubernetes import client
 
+from matrixserve.devcluster import tools
+
 ROOT_CA = "kube-root-ca.crt"  # the root-ca-cert-publisher's ConfigMap in every namespace
 
 
@@ -22,7 +24,11 @@ def wait_for_service_account(core: client.CoreV1Api, namespace: str, timeout: fl
     while True:
         try:
             account = core.read_namespaced_service_account("default", namespace)
-            if account.secrets or core.read_namespaced_config_map(ROOT_CA, namespace):
+            # 1.20 admits a pod only once the account has its token Secret; later releases
+            # project a requested token and the CA published in the namespace
+            if account.secrets or (
+                not tools.legacy() and core.read_namespaced_config_map(ROOT_CA, namespace)
+            ):
                 return
         except client.ApiException as exc:
             if exc.status != 404:
