@@ -25,6 +25,10 @@ from kubernetes import client
 
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
+from matrixserve.domain.enginepod import EngineSettings
+from matrixserve.domain.observed import PodView
+from matrixserve.domain.pdgroup import GroupView, ZkView
+from matrixserve.domain.pdgroup.pods import pod_labels
 
 
 @dataclass
@@ -602,3 +606,51 @@ def merge_patch(target: Any, patch: Any) -> Any:
         else:
             out[key] = merge_patch(out.get(key), value)
     return out
+
+
+def serving_group(
+    spec: PDGroupSpec,
+    members: dict[str, zl.Role],
+    loads: dict[str, zl.Load],
+    incarnations: dict[str, str],
+    *,
+    now: float,
+    previous: dict[str, Any],
+    engine: EngineSettings,
+    pods: dict[str, zl.Role] | None = None,
+) -> GroupView:
+    """Group ``g`` formed by ``members``, each serving with its ``loads`` and its incarnation in
+    its health at ``now``; its pods ``pods`` (the members unless given) Running and ready."""
+    index = {n: i for i, n in enumerate(sorted(set(members) | set(pods or {})))}
+    reports = {n: engine_report(n, index[n], incarnation=incarnations[n]) for n in members}
+    roce_map = zl.build_roce_map(reports.values(), dict(members), version=1)
+    health = {
+        n: zl.Health(
+            instance=n,
+            role=r,
+            state=zl.HealthState.SERVING,
+            seq=1,
+            ts=now,
+            podIP=f"127.64.0.{index[n] + 2}",
+            port=8000,
+            incarnation=incarnations[n],
+            load=loads[n],
+        )
+        for n, r in members.items()
+    }
+    zk = ZkView(
+        connected=True,
+        reports=reports,
+        roce_map=roce_map,
+        init_order=zl.InitOrder(epoch=1, roceMapVersion=1),
+        health=health,
+        decode_meta=zl.DecodeMeta(version=1, decodes=roce_map.decode),
+        entrances=frozenset(e.instance for e in roce_map.prefill),
+    )
+    pod_views = {
+        n: PodView(n, f"uid-{n}", pod_labels("g", r, n), "Running", True, False, "n1", "sp0", 0.0)
+        for n, r in (pods or members).items()
+    }
+    return GroupView(
+        "ns", "g", 1, spec, pod_views, zk, now=now, uid="uid-g", engine=engine, previous=previous
+    )

@@ -21,15 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enginestub import fabric, timing
-from fakes import engine_report
+from fakes import serving_group
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.catalog import LLAMA3_8B, ModelShape
 from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain.enginepod import EngineSettings
-from matrixserve.domain.observed import PodView
-from matrixserve.domain.pdgroup import GroupView, ZkView
+from matrixserve.domain.pdgroup import GroupView
 from matrixserve.domain.pdgroup.actions import ReportRatioChange
-from matrixserve.domain.pdgroup.pods import pod_labels
 from matrixserve.domain.pdgroup.split import ratio_pass
 from matrixserve.domain.ratio import Split
 
@@ -194,53 +192,16 @@ class Driven:
 
     def view(self) -> GroupView:
         members = self._sync()
-        index = {n: i for i, n in enumerate(sorted(members))}
-        reports = {
-            n: engine_report(n, index[n], incarnation=f"i{self.incarnations[n]}") for n in members
-        }
-        roce_map = zl.build_roce_map(reports.values(), dict(members), version=1)
-        health = {
-            n: zl.Health(
-                instance=n,
-                role=r,
-                state=zl.HealthState.SERVING,
-                seq=1,
-                ts=self.now,
-                podIP=f"127.64.0.{index[n] + 2}",
-                port=8000,
-                incarnation=f"i{self.incarnations[n]}",
-                load=self.counters[n],
-            )
-            for n, r in members.items()
-        }
-        zk = ZkView(
-            connected=True,
-            reports=reports,
-            roce_map=roce_map,
-            init_order=zl.InitOrder(epoch=1, roceMapVersion=1),
-            health=health,
-            decode_meta=zl.DecodeMeta(version=1, decodes=roce_map.decode),
-            entrances=frozenset(e.instance for e in roce_map.prefill),
-        )
-        pods = {
-            n: PodView(
-                n, f"uid-{n}", pod_labels("g", r, n), "Running", True, False, "n1", "sp0", 0.0
-            )
-            for n, r in members.items()
-        }
-        previous = {**READY, "ratio": self.status} if self.status else READY
-        return GroupView(
-            "ns",
-            "g",
-            1,
+        view: GroupView = serving_group(
             self.spec,
-            pods,
-            zk,
+            members,
+            self.counters,
+            {n: f"i{self.incarnations[n]}" for n in members},
             now=self.now,
-            uid="uid-g",
+            previous={**READY, "ratio": self.status} if self.status else READY,
             engine=ENGINE,
-            previous=previous,
         )
+        return view
 
     def step(self, seconds: float) -> None:
         """``seconds`` of serving, then one pass."""

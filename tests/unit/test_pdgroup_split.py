@@ -6,20 +6,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from fakes import engine_report, pdgroup_spec
+from fakes import pdgroup_spec, serving_group
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain import pdgroup
 from matrixserve.domain.enginepod import EngineSettings
-from matrixserve.domain.observed import PodView
-from matrixserve.domain.pdgroup import GroupView, ZkView
+from matrixserve.domain.pdgroup import GroupView
 from matrixserve.domain.pdgroup.actions import (
     CreatePod,
     MarkRemoved,
     ReportRatioChange,
     StartDrain,
 )
-from matrixserve.domain.pdgroup.pods import pod_labels
 from matrixserve.domain.pdgroup.split import WALK_SECONDS, ratio_pass
 
 P, D = zl.Role.PREFILL, zl.Role.DECODE
@@ -79,48 +77,17 @@ def group(
     shape: tuple[float, int] | None = None,
 ) -> GroupView:
     """A formed group of ``members`` serving, their health carrying ``load_of`` at ``now``."""
-    index = {n: i for i, n in enumerate(sorted(set(members) | set(pods or {})))}
-    reports = {n: engine_report(n, index[n], incarnation=incarnation) for n in members}
-    roce_map = zl.build_roce_map(reports.values(), dict(members), version=1)
-    health = {
-        n: zl.Health(
-            instance=n,
-            role=r,
-            state=zl.HealthState.SERVING,
-            seq=1,
-            ts=now,
-            podIP=f"127.64.0.{index[n] + 2}",
-            port=8000,
-            incarnation=incarnation,
-            load=load_of(r, heavy_prompts, now - T0 + 100, shape),
-        )
-        for n, r in members.items()
-    }
-    zk = ZkView(
-        connected=True,
-        reports=reports,
-        roce_map=roce_map,
-        init_order=zl.InitOrder(epoch=1, roceMapVersion=1),
-        health=health,
-        decode_meta=zl.DecodeMeta(version=1, decodes=roce_map.decode),
-        entrances=frozenset(e.instance for e in roce_map.prefill),
-    )
-    pod_views = {
-        n: PodView(n, f"uid-{n}", pod_labels("g", r, n), "Running", True, False, "n1", "sp0", 0.0)
-        for n, r in (pods or members).items()
-    }
-    return GroupView(
-        "ns",
-        "g",
-        1,
+    view: GroupView = serving_group(
         s,
-        pod_views,
-        zk,
+        members,
+        {n: load_of(r, heavy_prompts, now - T0 + 100, shape) for n, r in members.items()},
+        dict.fromkeys(members, incarnation),
         now=now,
-        uid="uid-g",
-        engine=ENGINE,
         previous={**READY, **(previous or {})},
+        engine=ENGINE,
+        pods=pods,
     )
+    return view
 
 
 def test_fixed_counts_are_the_spec_replicas() -> None:

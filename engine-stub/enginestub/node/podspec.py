@@ -240,9 +240,8 @@ def npu_request(pod: Mapping[str, Any]) -> int:
 SERVICE_ACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
-def service_account_secret(pod: Mapping[str, Any]) -> str | None:
-    """The token Secret mounted at the service-account path (put there by the ServiceAccount
-    admission plugin), or None when the pod has no service-account token."""
+def _service_account_volumes(pod: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The pod's volumes a container mounts at the service-account path."""
     spec = pod.get("spec") or {}
     mounted = {
         m.get("name")
@@ -250,8 +249,14 @@ def service_account_secret(pod: Mapping[str, Any]) -> str | None:
         for m in c.get("volumeMounts") or []
         if m.get("mountPath") == SERVICE_ACCOUNT_MOUNT
     }
-    for volume in spec.get("volumes") or []:
-        if volume.get("name") in mounted and "secret" in volume:
+    return [v for v in spec.get("volumes") or [] if v.get("name") in mounted]
+
+
+def service_account_secret(pod: Mapping[str, Any]) -> str | None:
+    """The token Secret mounted at the service-account path (put there by the ServiceAccount
+    admission plugin), or None when the pod has no service-account token."""
+    for volume in _service_account_volumes(pod):
+        if "secret" in volume:
             name = volume["secret"].get("secretName")
             return str(name) if name else None
     return None
@@ -275,14 +280,8 @@ def service_account_projection(pod: Mapping[str, Any]) -> ProjectedToken | None:
     """The projected service-account token mounted at the service-account path, or None (no
     token, or a token Secret: :func:`service_account_secret`)."""
     spec = pod.get("spec") or {}
-    mounted = {
-        m.get("name")
-        for c in spec.get("containers") or []
-        for m in c.get("volumeMounts") or []
-        if m.get("mountPath") == SERVICE_ACCOUNT_MOUNT
-    }
-    for volume in spec.get("volumes") or []:
-        if volume.get("name") not in mounted or "projected" not in volume:
+    for volume in _service_account_volumes(pod):
+        if "projected" not in volume:
             continue
         sources = (volume["projected"] or {}).get("sources") or []
         token = next(
