@@ -223,7 +223,7 @@ class FeedbackTuning(_Spec):
     e2e_rise: float = Field(default=0.2, alias="e2eRise", gt=0, le=10)
     tp_share_delta: float = Field(default=0.05, alias="tpShareDelta", gt=0, lt=1)
     rejection: float = Field(default=0.05, gt=0, le=1)
-    kv_wait: float = Field(default=0.5, alias="kvWait", gt=0, le=1)
+    kv_wait: float = Field(default=0.4, alias="kvWait", gt=0, le=1)
     slots_full: float = Field(default=0.9, alias="slotsFull", gt=0, le=1)
     windows: int = Field(default=3, ge=1, le=100)
     improve: float = Field(default=0.05, gt=0, lt=1)

@@ -517,7 +517,7 @@ class FeedbackParams:
     e2e_rise: float = 0.2  # "E2E increases dramatically": this fraction over its baseline
     share_delta: float = 0.05  # T_p/E2E moved by this much (absolute) from its baseline
     rejection: float = 0.05  # this fraction of offers refused is an alarm by itself: for ...
-    kv_wait: float = 0.5  # ... decode if the prefills' slots waited this much for decodes
+    kv_wait: float = 0.4  # ... decode if the prefills' slots waited this much for decodes
     slots_full: float = 0.9  # the prefills' slots held this much, not waiting: a prefill alarm
     windows: int = 3  # an alarm must hold this many windows in a row (the trend)
     # after a move, this much better (served if saturated, else E2E): another the same way;
@@ -609,11 +609,11 @@ def compare(before: Tally, after: Tally, improve: float) -> tuple[int, str]:
     """+1 if ``after`` is better than ``before`` by ``improve``, -1 if worse by as much, else 0;
     and the figures that say so. A saturated group (its prefills' slots full, or refusing)
     has a backlog the engines do not see — a closed load's clients, the gateway's queue, offers
-    tried again — whose wait the engines' E2E does not hold, so it is judged first by what it
-    serves per second (Little's law: the same backlog served faster waits less), a difference
-    that is both ``improve`` and ``SIGNIFICANT`` standard deviations of the counts' Poisson
-    noise; with no such difference, or unsaturated (the load is served either way), by E2E."""
-    served = ""
+    tried again — whose wait the engines' E2E does not hold, so it is judged by what it
+    serves per second (Little's law: the same backlog served faster waits less): better or
+    worse by a difference that is both ``improve`` and ``SIGNIFICANT`` standard deviations of
+    the counts' Poisson noise; without one, worse if it served less. Unsaturated (the load is
+    served either way), by E2E."""
     if (before.is_saturated or after.is_saturated) and min(before.served, after.served) > 0:
         b, a = before.served, after.served
         noise = math.sqrt(before.finished / before.seconds**2 + after.finished / after.seconds**2)
@@ -623,9 +623,16 @@ def compare(before: Tally, after: Tally, improve: float) -> tuple[int, str]:
                 return 1, served
             if a <= b * (1 - improve):
                 return -1, served
-        served += ", no difference; "
+        # no clear difference. Not judged by E2E: saturated, the engines' E2E holds the wait
+        # in the prefills' slots (a decode-short split) but not the one at the gateway (a
+        # prefill-short one), so it prefers the prefill-short split whatever each serves
+        # (issue 29). A move whose windows served less is not kept (the step back costs the
+        # walk's one reversal, no more); one that served as much or more is.
+        if a < b:
+            return -1, f"{served}: less, within the noise"
+        return 0, f"{served}: no less, within the noise"
     b, a = before.mean_e2e, after.mean_e2e
-    said = f"{served}E2E {b:.3f} s before, {a:.3f} s after"
+    said = f"E2E {b:.3f} s before, {a:.3f} s after"
     if b <= 0:
         return 0, said
     if a <= b * (1 - improve):
