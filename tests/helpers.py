@@ -263,6 +263,30 @@ def events_of(core: Any, namespace: str, name: str) -> list[Any]:
     )
 
 
+def service_account_token(core: Any, namespace: str, account: str, timeout: float = 30) -> str:
+    """A token for the ServiceAccount from the TokenRequest API (an hour; the controller-manager
+    makes no token Secrets since Kubernetes 1.24), once the account exists."""
+    from kubernetes import client
+
+    def token() -> str | None:
+        try:
+            answer = core.create_namespaced_service_account_token(
+                account,
+                namespace,
+                client.AuthenticationV1TokenRequest(
+                    spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600)
+                ),
+            )
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None  # the account is not there yet
+            raise
+        return str(answer.status.token)
+
+    value: str = wait_for(token, timeout=timeout, what=f"the token of ServiceAccount {account}")
+    return value
+
+
 def install_crds(
     api_client: Any, bodies: Iterable[dict[str, Any]], timeout: float = 60
 ) -> list[str]:

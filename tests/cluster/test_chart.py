@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import re
@@ -18,9 +17,10 @@ import yaml
 from kazoo.client import KazooClient
 from kubernetes import client, config
 
-from helpers import Groups, absent, pdgroup_body, serves, wait_for
+from helpers import Groups, absent, pdgroup_body, serves, service_account_token, wait_for
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.kinds import LABEL_GROUP
+from matrixserve.devcluster import tools
 from matrixserve.devcluster.cluster import ClusterInfo, free_ports
 from matrixserve.devcluster.procs import Supervisor
 
@@ -119,25 +119,8 @@ def test_the_rendered_chart_runs_locked_down_with_no_wildcard_rbac(
 def _service_account_kubeconfig(
     cluster: ClusterInfo, core: client.CoreV1Api, namespace: str, account: str, path: Path
 ) -> Path:
-    """A kubeconfig that authenticates as the ServiceAccount: a token requested for it (the
-    TokenRequest API; no token Secrets since Kubernetes 1.24)."""
-
-    def token() -> str | None:
-        try:
-            answer = core.create_namespaced_service_account_token(
-                account,
-                namespace,
-                client.AuthenticationV1TokenRequest(
-                    spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600)
-                ),
-            )
-        except client.ApiException as exc:
-            if exc.status == 404:
-                return None  # the account is not there yet
-            raise
-        return str(answer.status.token)
-
-    value = wait_for(token, timeout=30, what=f"the token of ServiceAccount {account}")
+    """A kubeconfig that authenticates as the ServiceAccount: a token requested for it."""
+    value = service_account_token(core, namespace, account)
     path.write_text(
         yaml.safe_dump(
             {
@@ -372,9 +355,18 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
             if "=" in item
         )
         used = yaml.safe_load(Path(environ["KUBECONFIG"]).read_text())["users"][0]["user"]["token"]
-        account = core.read_namespaced_service_account(f"{full}-operator", namespace)
-        secret = core.read_namespaced_secret(account.secrets[0].name, namespace)
-        assert used == base64.b64decode(secret.data["token"]).decode()
+        # (the API server says whose token it is: a token Secret's on 1.20, one bound to the
+        # pod from the TokenRequest API on a current server)
+        review = client.AuthenticationV1Api(api_client).create_token_review(
+            client.V1TokenReview(spec=client.V1TokenReviewSpec(token=used))
+        )
+        assert review.status.authenticated, review.status
+        assert review.status.user.username == (f"system:serviceaccount:{namespace}:{full}-operator")
+        if not tools.legacy():
+            extra = review.status.user.extra or {}
+            assert extra.get("authentication.kubernetes.io/pod-name") == [
+                operator_pod.metadata.name
+            ], extra
 
         # The chart's webhook (API server -> Service -> operator pod) refuses an invalid group.
         bad = pdgroup_body("bad")
@@ -465,10 +457,10 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         wait_for(rolled, timeout=60, what="the operator rolled by the upgrade")
         assert group_pods() == engines, "the upgrade must not touch the group's pods"
         assert groups.ready("g")
-        # Two gateways: a disruption budget keeps one (policy/v1beta1 on this 1.20 server).
+        # Two gateways: a disruption budget keeps one.
         pdb = ("pdb", "-n", namespace, f"{full}-gateway")
         budget = _kubectl_get(run_tool, *pdb)
-        assert budget["apiVersion"] == "policy/v1beta1"
+        assert budget["apiVersion"] == "policy/v1"
         assert budget["spec"]["maxUnavailable"] == 1
 
         def allowed() -> bool:

@@ -5,15 +5,19 @@ own message. The pure half is ``tests/unit/test_crd_models.py``."""
 from __future__ import annotations
 
 import json
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
 
 from helpers import CRDS, load
 from matrixserve.api import kinds
 from matrixserve.api.resources import SPECS
+from matrixserve.devcluster import tools
 from matrixserve.domain.pdgroup.validation import parse_spec
 
 
@@ -95,3 +99,44 @@ def test_engine_resources_are_stored_as_written_for_the_models_to_judge(
         custom.create_namespaced_custom_object(pd.group, pd.version, namespace, pd.plural, body)
     assert rejected.value.status == 422
     assert "spec.decode.resources.requests.cpu" in json.loads(rejected.value.body)["message"]
+
+
+@pytest.mark.skipif(tools.legacy(), reason="server-side field validation is 1.25+ (not on 1.20)")
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("batchsize", 64), ("notes", "x" * 512 * 1024)],
+    ids=["a typo", "an unknown 512 KiB field"],
+)
+def test_an_unknown_field_is_the_servers_error_or_its_warning_not_pruned_in_silence(
+    api_client: client.ApiClient,
+    crds_installed: list[str],
+    namespace: str,
+    run_tool: Callable[..., subprocess.CompletedProcess[str]],
+    tmp_path: Path,
+    field: str,
+    value: object,
+) -> None:
+    """Server-side field validation (issue 30): ``kubectl apply`` (strict, its default) gets
+    the API server's error for a field the schema does not have, and stores nothing; with
+    ``--validate=warn`` the server's warning, and the object without the field (the role's
+    ``batchSize`` at its default, as the user will see)."""
+    body = load(CRDS / "samples" / "pdgroup-2p1d.yaml")
+    body["metadata"]["namespace"] = namespace
+    del body["spec"]["prefill"]["batchSize"]  # meant to be set, by the typo
+    body["spec"]["prefill"][field] = value
+    path = tmp_path / "group.yaml"
+    path.write_text(yaml.safe_dump(body))
+    name = body["metadata"]["name"]
+    strict = run_tool("kubectl", "apply", "-f", str(path), check=False)
+    assert strict.returncode != 0
+    assert f'unknown field "spec.prefill.{field}"' in strict.stderr, strict.stderr
+    pd = kinds.PDGROUP
+    custom = client.CustomObjectsApi(api_client)
+    with pytest.raises(client.ApiException) as missing:
+        custom.get_namespaced_custom_object(pd.group, pd.version, namespace, pd.plural, name)
+    assert missing.value.status == 404
+    warned = run_tool("kubectl", "apply", "--validate=warn", "-f", str(path))
+    assert f'unknown field "spec.prefill.{field}"' in warned.stderr, warned.stderr
+    stored = custom.get_namespaced_custom_object(pd.group, pd.version, namespace, pd.plural, name)
+    assert field not in stored["spec"]["prefill"]
+    assert stored["spec"]["prefill"]["batchSize"] == 8  # the schema's default

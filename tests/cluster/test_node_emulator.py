@@ -104,6 +104,18 @@ def emulator(start_emulator: Callable[..., Any]) -> Any:
     return start_emulator(servers=1)
 
 
+def test_the_emulated_kubelet_reports_the_api_servers_version(
+    api_client: client.ApiClient, core: client.CoreV1Api, emulator: Any
+) -> None:
+    """No version skew between the emulated kubelets and the control plane they join."""
+    server = client.VersionApi(api_client).get_code().git_version
+    info = wait_for(
+        lambda: core.read_node(emulator.nodes[0]).status.node_info,
+        what="the node's nodeInfo",
+    )
+    assert info.kubelet_version == f"{server}-matrixserve-emulated"
+
+
 def test_three_4npu_pods_on_an_8npu_node_two_run_one_pending(
     api_client: client.ApiClient, core: client.CoreV1Api, namespace: str, emulator: Any
 ) -> None:

@@ -1,5 +1,5 @@
-"""Smoke tests proving the dev cluster's parts are real: API server validation and watches,
-controller-manager (Deployment → ReplicaSet → Pods, service-account tokens), scheduler (extended
+"""Smoke tests proving the dev cluster's parts are real: API server validation, watches and
+service-account tokens, controller-manager (Deployment → ReplicaSet → Pods), scheduler (extended
 resources), RBAC, ZooKeeper ephemerals, helm."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from kazoo.client import KazooClient
 from kubernetes import client, watch
 
-from helpers import install_crds, wait_for
+from helpers import install_crds, service_account_token, wait_for
 from matrixserve.devcluster.cluster import ClusterInfo
 
 SMOKE_GROUP = "smoke.matrixserve.io"
@@ -227,8 +227,16 @@ def test_deployment_gets_replicaset_and_pods_bound_by_extended_resource(
         c.message for c in unschedulable[0].status.conditions if c.type == "PodScheduled"
     )
     assert f"Insufficient {NPU}" in message
-    # Every pod got the default service account's token mounted (ServiceAccount admission).
-    assert all(any(v.secret for v in p.spec.volumes or []) for p in bound)
+    # Every pod got the default service account's token mounted (ServiceAccount admission: a
+    # token Secret's volume on 1.20, a projected service-account token on a current server).
+    assert all(any(_token_volume(v) for v in p.spec.volumes or []) for p in bound)
+
+
+def _token_volume(volume: client.V1Volume) -> bool:
+    if volume.secret is not None:
+        return True
+    sources = volume.projected.sources if volume.projected is not None else []
+    return any(s.service_account_token is not None for s in sources or [])
 
 
 def test_token_without_rbac_rights_is_denied(
@@ -239,16 +247,7 @@ def test_token_without_rbac_rights_is_denied(
         namespace, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="nobody"))
     )
 
-    def token_secret() -> object:
-        sa = core.read_namespaced_service_account("nobody", namespace)
-        return sa.secrets[0].name if sa.secrets else None
-
-    secret_name = wait_for(token_secret, what="service-account token secret (controller-manager)")
-    import base64
-
-    token = base64.b64decode(
-        core.read_namespaced_secret(str(secret_name), namespace).data["token"]
-    ).decode()
+    token = service_account_token(core, namespace, "nobody")
     configuration = client.Configuration()
     configuration.host = cluster.server
     configuration.ssl_ca_cert = cluster.ca_file

@@ -37,6 +37,7 @@ from enginestub.node.network import (
     lock_cidr,
 )
 from enginestub.node.nodestatus import (
+    UNKNOWN_VERSION,
     allocatable,
     node_status,
     node_taints,
@@ -67,6 +68,21 @@ class NodeLifecycle:
         self._cidr_locks: list[Any] = []
         # one taint patch at a time per node: each computes the whole list from what it read
         self._taint_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._server_version: str | None = None  # the API server's gitVersion, read once
+
+    async def server_version(self) -> str:
+        """The API server's version, which the emulated kubelets report (a kubelet of the
+        server's own release: no version skew)."""
+        if self._server_version is None:
+            try:
+                info = await asyncio.to_thread(
+                    client.VersionApi(self.shared.core.api_client).get_code
+                )
+                self._server_version = str(info.git_version)
+            except (client.ApiException, urllib3.exceptions.HTTPError) as exc:
+                log.warning("the API server's version not read (tried again soon): %s", exc)
+                return UNKNOWN_VERSION
+        return self._server_version
 
     def _lock_cidr(self, cidr: str) -> bool:
         """Hold a machine-wide lock on a pod /24 for this process's lifetime; False if held elsewhere."""
@@ -197,6 +213,7 @@ class NodeLifecycle:
             faulty=state.devices.faulty_npus(),
             boot_id=self.shared.identity,
             now=time.time(),
+            server_version=await self.server_version(),
         )
         before = {c.type: c for c in (current.status.conditions or [])}
         for cond in status["conditions"]:

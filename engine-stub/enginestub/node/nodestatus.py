@@ -24,7 +24,9 @@ from matrixserve.api.kinds import NPU_RESOURCE, TAINT_NPU_FAULT
 
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
-KUBELET_VERSION = "v1.20.2-matrixserve-emulated"
+# the emulated kubelet reports the API server's version (no skew), marked as emulated
+KUBELET_SUFFIX = "-matrixserve-emulated"
+UNKNOWN_VERSION = "v0.0.0"  # the API server's version not read yet
 LABEL_VALUE_MAX = 63  # a taint's value must be a label value
 
 # The taints each mode owns: in advertise mode (kind) a real kubelet owns readiness.
@@ -92,6 +94,7 @@ def node_status(
     faulty: Collection[int],
     boot_id: str,
     now: float,
+    server_version: str = UNKNOWN_VERSION,
 ) -> dict[str, Any]:
     """The node's ``status`` as a kubelet posts it: Ready (or Unknown while a node-down fault is
     injected), no pressure, allocatable = capacity less the faulty NPUs, the node's
@@ -134,8 +137,8 @@ def node_status(
             "kernelVersion": os.uname().release,
             "osImage": "MatrixServe emulated NPU server",
             "containerRuntimeVersion": "emulated://local-processes",
-            "kubeletVersion": KUBELET_VERSION,
-            "kubeProxyVersion": KUBELET_VERSION,
+            "kubeletVersion": server_version + KUBELET_SUFFIX,
+            "kubeProxyVersion": server_version + KUBELET_SUFFIX,
             "operatingSystem": "linux",
             "architecture": "amd64",
         },
