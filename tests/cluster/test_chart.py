@@ -368,14 +368,17 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
                 operator_pod.metadata.name
             ], extra
 
-        # The chart's webhook (API server -> Service -> operator pod) refuses an invalid group.
+        # The chart's webhook (API server -> Service -> operator pod) refuses an invalid group
+        # (a rule only the operator's catalogue can judge: the CRD's own rules are the API
+        # server's, refused with no webhook at all).
         bad = pdgroup_body("bad")
-        bad["spec"]["decode"]["devicesPerInstance"] = 4
+        bad["spec"]["model"]["name"] = "gpt3-175b"
         refused = wait_for(
             lambda: refusal(bad), timeout=30, what="the webhook to refuse an invalid group"
         )
         assert refused.status == 422, refused.body
-        assert "same devices per instance (2 vs 4)" in refused.body
+        assert "of weights do not fit 2 NPUs" in refused.body
+        bad["spec"]["model"]["name"] = "llama3-8b"
         # Engine resources: a quantity the CRD's pattern refuses (the API server's own
         # message), and a limit below its request, which the webhook refuses.
         bad["spec"]["decode"] = {"replicas": 1, "resources": {"requests": {"cpu": "1.5.3"}}}
@@ -407,13 +410,16 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
             decode = engine.metadata.name.startswith("g-d-")
             assert container.resources.requests["cpu"] == ("1" if decode else "250m")
             assert container.resources.requests["memory"] == ("512Mi" if decode else "256Mi")
-        # ... and a scale beyond the rules (the scale subresource: the chart's second entry).
+        # ... and a scale beyond the rules (the scale subresource: the chart's second entry):
+        # a total the ratio policy cannot split on its ladder.
+        groups.patch("g", {"ratioPolicy": {"mode": "Model", "ladder": ["2:1"]}})
         with pytest.raises(client.ApiException) as scale_refused:
             groups.custom.patch_namespaced_custom_object_scale(
-                *groups.where, "g", {"spec": {"replicas": 200}}
+                *groups.where, "g", {"spec": {"replicas": 3}}
             )
         assert scale_refused.value.status == 422, scale_refused.value.body
-        assert "cannot be placed in one SuperPod" in scale_refused.value.body
+        assert "no split of the total of 5 instances" in scale_refused.value.body
+        groups.patch("g", {"ratioPolicy": {"mode": "Fixed", "ladder": None}})
         paths = zl.GroupPaths(namespace, "g")
         assert zk.exists(paths.root) is not None, "the group lives in the bundled ZooKeeper"
         gateway_service = core.read_namespaced_service(f"{full}-gateway", namespace)

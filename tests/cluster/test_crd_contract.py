@@ -18,7 +18,7 @@ from helpers import CRDS, load
 from matrixserve.api import kinds
 from matrixserve.api.resources import SPECS
 from matrixserve.devcluster import tools
-from matrixserve.domain.pdgroup.validation import parse_spec
+from matrixserve.domain.pdgroup.validation import MAX_GROUP_NAME, parse_spec, schema_rules
 
 
 @pytest.mark.parametrize("sample", sorted((CRDS / "samples").glob("*.yaml")), ids=lambda p: p.stem)
@@ -117,9 +117,11 @@ def test_an_unknown_field_is_the_servers_error_or_its_warning_not_pruned_in_sile
     value: object,
 ) -> None:
     """Server-side field validation (issue 30): ``kubectl apply`` (strict, its default) gets
-    the API server's error for a field the schema does not have, and stores nothing; with
-    ``--validate=warn`` the server's warning, and the object without the field (the role's
-    ``batchSize`` at its default, as the user will see)."""
+    the API server's error for a field the schema does not have, and stores nothing (server-side
+    apply refuses it whatever ``--validate`` says); with ``--validate=warn`` the server's
+    warning, and the object without the field (the role's ``batchSize`` at its default, as the
+    user will see). (``create`` for the warning: a client-side apply of 512 KiB cannot keep its
+    last-applied annotation, at most 256 KiB, whatever the schema.)"""
     body = load(CRDS / "samples" / "pdgroup-2p1d.yaml")
     body["metadata"]["namespace"] = namespace
     del body["spec"]["prefill"]["batchSize"]  # meant to be set, by the typo
@@ -129,14 +131,176 @@ def test_an_unknown_field_is_the_servers_error_or_its_warning_not_pruned_in_sile
     name = body["metadata"]["name"]
     strict = run_tool("kubectl", "apply", "-f", str(path), check=False)
     assert strict.returncode != 0
-    assert f'unknown field "spec.prefill.{field}"' in strict.stderr, strict.stderr
+    assert f'strict decoding error: unknown field "spec.prefill.{field}"' in strict.stderr, (
+        strict.stderr
+    )
+    server_side = run_tool("kubectl", "apply", "--server-side", "-f", str(path), check=False)
+    assert server_side.returncode != 0
+    assert f".spec.prefill.{field}: field not declared in schema" in server_side.stderr, (
+        server_side.stderr
+    )
     pd = kinds.PDGROUP
     custom = client.CustomObjectsApi(api_client)
     with pytest.raises(client.ApiException) as missing:
         custom.get_namespaced_custom_object(pd.group, pd.version, namespace, pd.plural, name)
     assert missing.value.status == 404
-    warned = run_tool("kubectl", "apply", "--validate=warn", "-f", str(path))
-    assert f'unknown field "spec.prefill.{field}"' in warned.stderr, warned.stderr
+    warned = run_tool("kubectl", "create", "--validate=warn", "-f", str(path))
+    assert f'Warning: unknown field "spec.prefill.{field}"' in warned.stderr, warned.stderr
     stored = custom.get_namespaced_custom_object(pd.group, pd.version, namespace, pd.plural, name)
     assert field not in stored["spec"]["prefill"]
     assert stored["spec"]["prefill"]["batchSize"] == 8  # the schema's default
+
+
+def _set(body: dict[str, Any], path: str, value: object) -> None:
+    *parents, leaf = path.split(".")
+    node = body
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+
+
+# Each rule the CRD states in CEL (issue 30): a change that breaks it, and the field and the words
+# the API server must refuse it with — the words ``schema_rules`` says them in (the reconciler's
+# check of an object stored without the rule), so that the two cannot drift apart.
+CEL_RULES = [
+    (
+        {"spec.decode.devicesPerInstance": 4},
+        "spec.decode.devicesPerInstance",
+        "KV moves device k -> device k (P/D-Serve §2.1), so prefill and decode need the same "
+        "devices per instance (2 vs 4)",
+    ),
+    (
+        {"spec.prefill.devicesPerInstance": 16, "spec.decode.devicesPerInstance": 16},
+        "spec.prefill.devicesPerInstance",
+        "16 NPUs do not fit one server (8 NPUs); an instance is one pod on one server",
+    ),
+    (
+        {"spec.prefill.parallelism": {"tp": 3}},
+        "spec.prefill.parallelism.tp",
+        "3 does not divide the instance's 4 dies",
+    ),
+    (
+        {"spec.prefill.replicas": 0},
+        "spec.prefill.replicas",
+        "0; a group needs at least 1 prefill (the prefills are the group's entrances: none takes "
+        "requests); delete the group to stop it",
+    ),
+    (
+        {"spec.decode.replicas": 0},
+        "spec.decode.replicas",
+        "0; a group needs at least 1 decode (every request's KV cache moves from a prefill to a "
+        "decode); delete the group to stop it",
+    ),
+    (
+        {"spec.decode.replicas": 200},
+        "spec.decode.replicas",
+        "400 decode NPUs cannot be placed in one SuperPod (384 NPUs); decode instances of a "
+        "group stay inside one SuperPod",
+    ),
+    (
+        {"spec.ratioPolicy.minPrefill": 3},
+        "spec.prefill.replicas",
+        "2 is below ratioPolicy.minPrefill 3",
+    ),
+    (
+        {"spec.ratioPolicy.maxPrefill": 1},
+        "spec.prefill.replicas",
+        "2 is above ratioPolicy.maxPrefill 1",
+    ),
+    (
+        {"spec.ratioPolicy.minDecode": 2},
+        "spec.decode.replicas",
+        "1 is below ratioPolicy.minDecode 2",
+    ),
+    (
+        {"spec.decode.replicas": 3, "spec.ratioPolicy.maxDecode": 2},
+        "spec.decode.replicas",
+        "3 is above ratioPolicy.maxDecode 2",
+    ),
+    (
+        {
+            "spec.ratioPolicy.mode": "Model",
+            "spec.ratioPolicy.minPrefill": 3,
+            "spec.ratioPolicy.maxPrefill": 2,
+        },
+        "spec.ratioPolicy.minPrefill",
+        "3 exceeds maxPrefill 2",
+    ),
+    (
+        {
+            "spec.ratioPolicy.mode": "Model",
+            "spec.ratioPolicy.minDecode": 3,
+            "spec.ratioPolicy.maxDecode": 1,
+        },
+        "spec.ratioPolicy.minDecode",
+        "3 exceeds maxDecode 1",
+    ),
+    (
+        {
+            "spec.ratioPolicy.mode": "Model",
+            "spec.ratioPolicy.minRatio": 2.5,
+            "spec.ratioPolicy.maxRatio": 1.5,
+        },
+        "spec.ratioPolicy.minRatio",
+        "2.5 exceeds maxRatio 1.5",
+    ),
+    (
+        {"spec.moe": {"mode": "Disaggregated", "dpDomainRef": {"name": "d"}}},
+        "spec.moe",
+        "Disaggregated needs dpDomainRef and expertPoolRef",
+    ),
+]
+
+
+@pytest.mark.skipif(tools.legacy(), reason="CEL validation rules are 1.29+ (not on 1.20)")
+@pytest.mark.parametrize(("changes", "field", "words"), CEL_RULES, ids=lambda v: str(v)[:40])
+def test_each_cel_rule_is_the_api_servers_refusal_in_the_operators_words(
+    api_client: client.ApiClient,
+    crds_installed: list[str],
+    namespace: str,
+    changes: dict[str, object],
+    field: str,
+    words: str,
+) -> None:
+    """A create that breaks one of the CRD's CEL rules is refused by the API server itself (no
+    webhook runs here), naming the field, in the words the operator's own check uses."""
+    body = load(CRDS / "samples" / "pdgroup-2p1d.yaml")
+    for path, value in changes.items():
+        _set(body, path, value)
+    pd = kinds.PDGROUP
+    custom = client.CustomObjectsApi(api_client)
+    with pytest.raises(client.ApiException) as rejected:
+        custom.create_namespaced_custom_object(pd.group, pd.version, namespace, pd.plural, body)
+    assert rejected.value.status == 422
+    message = json.loads(rejected.value.body)["message"]
+    assert f"{field}: Invalid value: {words}" in message, message
+    spec, _ = parse_spec(body["spec"], body["metadata"]["name"])
+    assert spec is not None
+    assert f"{field}: {words}" in schema_rules(spec, body["metadata"]["name"])
+
+
+@pytest.mark.skipif(tools.legacy(), reason="CEL validation rules are 1.29+ (not on 1.20)")
+def test_a_name_too_long_is_refused_by_the_schema_and_the_reconciler() -> None:
+    """(The name's rule is the schema's ``maxLength``, not CEL: the one path CEL cannot name.)"""
+    crd = load(CRDS / "matrixserve.io_pdgroups.yaml")
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert schema["properties"]["metadata"]["properties"]["name"]["maxLength"] == MAX_GROUP_NAME
+    spec, _ = parse_spec(load(CRDS / "samples" / "pdgroup-2p1d.yaml")["spec"], "x")
+    assert spec is not None
+    assert schema_rules(spec, "x" * (MAX_GROUP_NAME + 1))[0].startswith("metadata.name: at most")
+
+
+def test_a_rule_only_the_operator_can_judge_passes_the_api_server(
+    api_client: client.ApiClient, crds_installed: list[str], namespace: str
+) -> None:
+    """The webhook's rules are not in the CRD (no CEL rule duplicates them): with no webhook,
+    a model whose weights do not fit is stored — for the reconciler to refuse (InvalidSpec)."""
+    body = load(CRDS / "samples" / "pdgroup-2p1d.yaml")
+    body["spec"]["model"]["name"] = "gpt3-175b"
+    pd = kinds.PDGROUP
+    custom = client.CustomObjectsApi(api_client)
+    created = custom.create_namespaced_custom_object(
+        pd.group, pd.version, namespace, pd.plural, body
+    )
+    _, errors = parse_spec(created["spec"], "chat-g0")
+    assert any("of weights do not fit 2 NPUs" in e for e in errors), errors

@@ -32,7 +32,11 @@ def _positive(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m matrixserve.devcluster",
-        description="A real local Kubernetes control plane (v1.20.2) and ZooKeeper on 127.0.0.1.",
+        description=(
+            f"A real local Kubernetes control plane (v{tools.KUBERNETES_VERSION}; "
+            f"{tools.KUBERNETES_CHOICE}={tools.LEGACY_KUBERNETES_VERSION.rsplit('.', 1)[0]} for "
+            f"v{tools.LEGACY_KUBERNETES_VERSION}) and ZooKeeper on 127.0.0.1."
+        ),
     )
     parser.add_argument(
         "--state-dir",

@@ -1,13 +1,21 @@
-"""Cross-field rules for a PDGroup that a schema cannot express on Kubernetes 1.20 (no CEL),
-and the rules for changing an existing group.
+"""A PDGroup's rules beyond the schema's types and ranges, and the rules for changing an
+existing group.
 
-The validating admission webhook rejects a spec that breaks them (on create, update and the
-scale subresource: :func:`admit`); the reconciler checks them again, with the instance template
-the running pods were made from (:func:`running_template_changes`), and on a violation sets
-Ready=False, reason InvalidSpec and touches nothing. Pure: the hardware facts (CloudMatrix384,
-001 §3) and the model shapes come from the API's catalogue (:mod:`matrixserve.api.catalog`),
-which the engine stub emulates. A role's ``resources`` (CPU and memory, issue 16 finding 8) have
-their quantities checked by the model and their limits against their requests here.
+Which rule lives where (issue 30, ``docs/operator.md``): the per-object rules the CRD states to
+the API server itself — CEL ``x-kubernetes-validations`` (Kubernetes 1.29+) and the name's
+``maxLength`` — are :func:`schema_rules`; the API server refuses a create, an update or a scale
+that breaks them, in words these functions mirror. The validating admission webhook
+(:func:`admit`) judges only what the API server cannot: :func:`admission_rules` (the model
+catalogue: weights and KV in HBM; quantities, which may be numbers like ``0.5`` that CEL's typed
+view of the schema cannot read; the ratio policy's splits of the total) and the changes to an
+existing group (the old object and the running pods). The reconciler checks both sets again
+(:func:`validate_pdgroup`: an object stored before its CRD had the rules, or on a server without
+CEL, the 1.20 opt-in), with the instance template the running pods were made from
+(:func:`running_template_changes`), and on a violation sets Ready=False, reason InvalidSpec and
+touches nothing. Pure: the hardware facts (CloudMatrix384, 001 §3) and the model shapes come
+from the API's catalogue (:mod:`matrixserve.api.catalog`), which the engine stub emulates. A
+role's ``resources`` (CPU and memory, issue 16 finding 8) have their quantities checked by the
+model and their limits against their requests here.
 
 What may change on an existing group: the replicas (scale out and in by dynamic RoCE
 construction, P/D-Serve §3.3), and ``service``, ``scenario``, ``slo``, ``ratioPolicy``,
@@ -84,8 +92,9 @@ def _resource_rules(role: str, r: RoleSpec) -> list[str]:
     return errors
 
 
-def _role_rules(role: str, r: RoleSpec, facts: ModelFacts | None, context: int) -> list[str]:
-    errors = _resource_rules(role, r)
+def _role_shape(role: str, r: RoleSpec) -> list[str]:
+    """A role's own rules the CRD states (CEL on the role)."""
+    errors = []
     dies = r.devices_per_instance * catalog.DIES_PER_NPU
     if r.devices_per_instance > catalog.NPUS_PER_SERVER:
         errors.append(
@@ -97,8 +106,15 @@ def _role_rules(role: str, r: RoleSpec, facts: ModelFacts | None, context: int) 
         errors.append(
             f"spec.{role}.parallelism.tp: {tp} does not divide the instance's {dies} dies"
         )
+    return errors
+
+
+def _role_fit(role: str, r: RoleSpec, facts: ModelFacts | None, context: int) -> list[str]:
+    """A role's resources, and the model's weights and KV in its instances' HBM."""
+    errors = _resource_rules(role, r)
     if facts is None:
         return errors
+    dies = r.devices_per_instance * catalog.DIES_PER_NPU
     usable = dies * catalog.DIE_HBM_BYTES * HBM_USABLE_FRACTION
     if facts.weight_bytes > usable:
         errors.append(
@@ -117,26 +133,23 @@ def _role_rules(role: str, r: RoleSpec, facts: ModelFacts | None, context: int) 
 
 
 def validate_pdgroup(spec: PDGroupSpec, name: str) -> list[str]:
-    """Every violation, each a message naming the field; empty when the spec is valid."""
+    """Every violation, each a message naming the field; empty when the spec is valid (the
+    reconciler's check: :func:`schema_rules` and :func:`admission_rules`)."""
+    return schema_rules(spec, name) + admission_rules(spec)
+
+
+def schema_rules(spec: PDGroupSpec, name: str) -> list[str]:
+    """The rules the CRD states to the API server (``crds/matrixserve.io_pdgroups.yaml``: the
+    name's ``maxLength``, the ``x-kubernetes-validations`` of the spec, each role, the ratio
+    policy and ``moe``), as this module words them; ``tests/cluster/test_crd_contract.py``
+    checks that the API server refuses each with the same words."""
     errors: list[str] = []
     if len(name) > MAX_GROUP_NAME:
         errors.append(
             f"metadata.name: at most {MAX_GROUP_NAME} characters (pod names derive from it)"
         )
-    facts = model_facts(spec)
-    if spec.model.name not in PRESETS:
-        errors.append(
-            f"spec.model.name: the engine stub emulates {', '.join(sorted(PRESETS))}; "
-            f"{spec.model.name!r} cannot be served yet"
-        )
-    elif facts is None:
-        errors.append(
-            f"spec.model: {spec.model.name!r} is not a known model ({', '.join(sorted(PRESETS))}); "
-            "give sizeBytes, layers and hiddenSize"
-        )
-    context = spec.model.max_context_tokens
-    errors += _role_rules("prefill", spec.prefill, facts, context)
-    errors += _role_rules("decode", spec.decode, facts, context)
+    errors += _role_shape("prefill", spec.prefill)
+    errors += _role_shape("decode", spec.decode)
     if spec.prefill.devices_per_instance != spec.decode.devices_per_instance:
         errors.append(
             "spec.decode.devicesPerInstance: KV moves device k -> device k (P/D-Serve §2.1), so prefill "
@@ -159,7 +172,7 @@ def validate_pdgroup(spec: PDGroupSpec, name: str) -> list[str]:
             f"spec.decode.replicas: {decode_npus} decode NPUs cannot be placed in one SuperPod "
             f"({superpod_npus} NPUs); decode instances of a group stay inside one SuperPod"
         )
-    errors += _ratio_policy_errors(spec)
+    errors += _ratio_bound_errors(spec)
     moe = spec.moe
     if (
         moe is not None
@@ -170,11 +183,31 @@ def validate_pdgroup(spec: PDGroupSpec, name: str) -> list[str]:
     return errors
 
 
-def _ratio_policy_errors(spec: PDGroupSpec) -> list[str]:
-    """The ratio policy's bounds against each other and the replicas. Under ``Fixed`` each role's
-    replicas must be within its bounds; under ``Model`` and ``Feedback`` the replicas set the
-    total and the policy splits it, so some split of the total must be within the bounds (and on
-    the ladder, if one is given)."""
+def admission_rules(spec: PDGroupSpec) -> list[str]:
+    """What only the operator can judge, the webhook's part: the model against the engine's
+    catalogue, its weights and KV in each role's HBM, the resources' limits against their
+    requests, and a split of the total within the ratio policy's bounds."""
+    errors: list[str] = []
+    facts = model_facts(spec)
+    if spec.model.name not in PRESETS:
+        errors.append(
+            f"spec.model.name: the engine stub emulates {', '.join(sorted(PRESETS))}; "
+            f"{spec.model.name!r} cannot be served yet"
+        )
+    elif facts is None:
+        errors.append(
+            f"spec.model: {spec.model.name!r} is not a known model ({', '.join(sorted(PRESETS))}); "
+            "give sizeBytes, layers and hiddenSize"
+        )
+    context = spec.model.max_context_tokens
+    errors += _role_fit("prefill", spec.prefill, facts, context)
+    errors += _role_fit("decode", spec.decode, facts, context)
+    errors += _ratio_split_errors(spec)
+    return errors
+
+
+def _bounds_apart(spec: PDGroupSpec) -> list[str]:
+    """Each lower bound of the ratio policy above its upper bound."""
     errors = []
     rp = spec.ratio_policy
     for role, lo, hi in (
@@ -185,30 +218,41 @@ def _ratio_policy_errors(spec: PDGroupSpec) -> list[str]:
             errors.append(f"spec.ratioPolicy.min{role}: {lo} exceeds max{role} {hi}")
     if rp.min_ratio is not None and rp.max_ratio is not None and rp.min_ratio > rp.max_ratio:
         errors.append(f"spec.ratioPolicy.minRatio: {rp.min_ratio} exceeds maxRatio {rp.max_ratio}")
-    if errors:
-        return errors
-    if not rp.total_driven:
-        for role, lo, hi, n in (
-            ("Prefill", rp.min_prefill, rp.max_prefill, spec.prefill.replicas),
-            ("Decode", rp.min_decode, rp.max_decode, spec.decode.replicas),
-        ):
-            if lo is not None and n < lo:
-                errors.append(
-                    f"spec.{role.lower()}.replicas: {n} is below ratioPolicy.min{role} {lo}"
-                )
-            if hi is not None and n > hi:
-                errors.append(
-                    f"spec.{role.lower()}.replicas: {n} is above ratioPolicy.max{role} {hi}"
-                )
-        return errors
-    total = spec.prefill.replicas + spec.decode.replicas
-    if not ratio_bounds(spec).splits(total):
-        rungs = f" and the ladder {', '.join(rp.ladder)}" if rp.ladder else ""
-        errors.append(
-            f"spec.ratioPolicy: no split of the total of {total} instances (prefill.replicas + "
-            f"decode.replicas, which {rp.mode} splits) is within its bounds{rungs}"
-        )
     return errors
+
+
+def _ratio_bound_errors(spec: PDGroupSpec) -> list[str]:
+    """The ratio policy's bounds against each other, and under ``Fixed`` (which keeps the
+    replicas) each role's replicas within its bounds."""
+    errors = _bounds_apart(spec)
+    rp = spec.ratio_policy
+    if rp.total_driven:
+        return errors
+    for role, lo, hi, n in (
+        ("Prefill", rp.min_prefill, rp.max_prefill, spec.prefill.replicas),
+        ("Decode", rp.min_decode, rp.max_decode, spec.decode.replicas),
+    ):
+        if lo is not None and n < lo:
+            errors.append(f"spec.{role.lower()}.replicas: {n} is below ratioPolicy.min{role} {lo}")
+        if hi is not None and n > hi:
+            errors.append(f"spec.{role.lower()}.replicas: {n} is above ratioPolicy.max{role} {hi}")
+    return errors
+
+
+def _ratio_split_errors(spec: PDGroupSpec) -> list[str]:
+    """Under ``Model`` and ``Feedback`` the replicas set the total and the policy splits it:
+    some split of the total must be within the bounds (and on the ladder, if one is given)."""
+    rp = spec.ratio_policy
+    if not rp.total_driven or _bounds_apart(spec):
+        return []  # (bounds apart: the schema's rule says so)
+    total = spec.prefill.replicas + spec.decode.replicas
+    if ratio_bounds(spec).splits(total):
+        return []
+    rungs = f" and the ladder {', '.join(rp.ladder)}" if rp.ladder else ""
+    return [
+        f"spec.ratioPolicy: no split of the total of {total} instances (prefill.replicas + "
+        f"decode.replicas, which {rp.mode} splits) is within its bounds{rungs}"
+    ]
 
 
 def ratio_bounds(spec: PDGroupSpec) -> ratio.Bounds:
@@ -225,14 +269,15 @@ def ratio_bounds(spec: PDGroupSpec) -> ratio.Bounds:
     )
 
 
-def parse_spec(raw: Any, name: str) -> tuple[PDGroupSpec | None, list[str]]:
+def parse_spec(raw: Any, name: str, webhook: bool = False) -> tuple[PDGroupSpec | None, list[str]]:
     """A PDGroup's spec parsed and checked: the spec (None if it does not parse) and every
-    violation of the schema's and the cross-field rules, each naming its field."""
+    violation of the schema's and the cross-field rules, each naming its field — the webhook's
+    part only when ``webhook`` (the API server has checked the rest: :func:`schema_rules`)."""
     try:
         parsed = PDGroupSpec.model_validate(dict(raw))
     except ValidationError as exc:
         return None, field_errors(exc)
-    return parsed, validate_pdgroup(parsed, name)
+    return parsed, admission_rules(parsed) if webhook else validate_pdgroup(parsed, name)
 
 
 # --------------------------------------------------------------------------- changes
@@ -383,13 +428,14 @@ def admit(
     raw spec): every reason to refuse it, empty to admit it.
 
     Never refused: an update of metadata only, and anything on an object being deleted (an
-    invalid object can always be fixed or deleted). A new spec must pass :func:`parse_spec`; an
-    update must keep the instance template of what runs: the ``running`` pods' (the group's pods,
+    invalid object can always be fixed or deleted). A new spec must pass the webhook's part of
+    :func:`parse_spec` (:func:`admission_rules`: the API server checks :func:`schema_rules`
+    before it calls a validating webhook); an update must keep the instance template of what runs: the ``running`` pods' (the group's pods,
     when they carry their template; a field their template does not name, the old spec's), else
     the old spec's (when it was valid: a spec that never was is not what runs)."""
     if deleting or not spec_changes(operation, old_raw, new_raw):
         return []
-    new, errors = parse_spec(new_raw or {}, name)
+    new, errors = parse_spec(new_raw or {}, name, webhook=True)
     if operation != "UPDATE" or new is None:
         return errors
     old, old_errors = parse_spec(old_raw or {}, name)
