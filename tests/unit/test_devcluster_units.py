@@ -131,3 +131,27 @@ def test_kubeconfig_is_loadable_by_the_kubernetes_client(tmp_path: Path) -> None
     api = config.new_client_from_config(config_file=str(path))
     assert api.configuration.host == "https://127.0.0.1:6443"
     assert api.configuration.api_key["BearerToken"] == "Bearer secret-token"
+
+
+def test_go_is_the_newest_usable_else_debians_else_a_toolchain_fetched_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30: v1.37 needs Go >= 1.21 to build (it fetches the 1.26 its go.mod asks for);
+    with none, Debian's golang-go, and if that is older (bookworm's 1.19), the toolchain
+    fetched as a module with it."""
+    from matrixserve.devcluster import tools
+
+    installed: list[tuple[str, ...]] = []
+    here: list[tuple[tuple[int, int], str]] = [((1, 19), "/usr/lib/go-1.19/bin/go")]
+    monkeypatch.setattr(tools, "_gos", lambda: list(here))
+    monkeypatch.setattr(tools, "ensure_apt_packages", lambda log, pkgs: installed.append(pkgs))
+    monkeypatch.setattr(tools, "bootstrap_go", lambda old, log: f"fetched with {old}")
+    log = tmp_path / "log"
+    assert tools.go_command(log) == "fetched with /usr/lib/go-1.19/bin/go"
+    assert installed == [("golang-go",)]
+    here += [((1, 26), "/usr/local/go/bin/go"), ((1, 22), "/usr/bin/go")]
+    assert tools.go_command(log) == "/usr/local/go/bin/go"
+    assert installed == [("golang-go",)]  # a usable one: nothing installed
+    here.clear()
+    with pytest.raises(DevClusterError, match=r"needs Go >= 1\.21"):
+        tools.go_command(log)

@@ -311,10 +311,9 @@ def ensure_kubernetes(log: Path) -> Path:
     return bins
 
 
-def go_command(log: Path) -> str:
-    """A ``go`` that can build the modules: the newest of the ones found (PATH first, then
-    where Go's own archive and Debian's versioned packages put it), at least 1.21 (it can then
-    fetch the toolchain the modules ask for from the module proxy)."""
+def _gos() -> list[tuple[tuple[int, int], str]]:
+    """Every ``go`` found (PATH first, then where Go's own archive and Debian's versioned
+    packages put it) with its version."""
     candidates = [shutil.which("go"), "/usr/local/go/bin/go"]
     candidates += sorted(str(p) for p in Path("/usr/lib").glob("go-1.*/bin/go"))
     found: list[tuple[tuple[int, int], str]] = []
@@ -322,18 +321,64 @@ def go_command(log: Path) -> str:
         version = _go_version(path)
         if version is not None:
             found.append((version, path))
+    return found
+
+
+def go_command(log: Path) -> str:
+    """A ``go`` that can build the modules: the newest found, at least 1.21 (it can then fetch
+    the toolchain the modules ask for from the module proxy, ``GOTOOLCHAIN=auto``). With none,
+    Debian's ``golang-go``; if that is older than 1.21 too (bookworm's 1.19), the toolchain the
+    modules ask for fetched with it as a module (:func:`bootstrap_go`)."""
+    usable = [f for f in _gos() if f[0] >= (1, 21)]
+    if usable:
+        return max(usable)[1]
+    ensure_apt_packages(log, ("golang-go",))
+    found = _gos()
     usable = [f for f in found if f[0] >= (1, 21)]
-    if not usable:
-        seen = ", ".join(f"{p} (go{v[0]}.{v[1]})" for v, p in found) or "none"
+    if usable:
+        return max(usable)[1]
+    if not found:
         raise DevClusterError(
             "find go",
             f"building Kubernetes v{KUBERNETES_VERSION} needs Go >= 1.21 (it fetches "
-            f"go{GO_NEEDED[0]}.{GO_NEEDED[1]} itself); found: {seen}",
+            f"go{GO_NEEDED[0]}.{GO_NEEDED[1]} itself); none found after installing golang-go",
             log=log,
             hint="install a current Go toolchain and put it on PATH, "
             f"or set {KUBERNETES_CHOICE}=1.20 for the old recipe (Debian's Go 1.19)",
         )
-    return max(usable)[1]
+    return bootstrap_go(max(found)[1], log)
+
+
+# the toolchain a Go older than 1.21 (no GOTOOLCHAIN) fetches as a module: the one v1.37's go.mod
+# names ("go 1.26.0")
+GO_BOOTSTRAP = f"go{GO_NEEDED[0]}.{GO_NEEDED[1]}.0"
+
+
+def bootstrap_go(old_go: str, log: Path) -> str:
+    """``golang.org/toolchain`` at :data:`GO_BOOTSTRAP` for this machine, downloaded by
+    ``old_go`` from the module proxy into the cache (what ``GOTOOLCHAIN`` does in Go >= 1.21;
+    a module zip keeps no file modes, so the toolchain's programs are made executable again)."""
+    arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
+    module = f"golang.org/toolchain@v0.0.1-{GO_BOOTSTRAP}.linux-{arch}"
+    home = cache_dir() / f"go-toolchain-{GO_BOOTSTRAP}"
+    home.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "GOMODCACHE": str(home / "mod"),
+        "GOPATH": str(home / "gopath"),
+        "GOFLAGS": "-mod=mod",
+    }
+    say(f"no Go >= 1.21 here: fetching {GO_BOOTSTRAP} from the module proxy with {old_go}")
+    root = Path(str(_module_info(old_go, module, env, log)["Dir"]))
+    for folder in (root / "bin", *(root / "pkg" / "tool").glob("*")):
+        for program in folder.iterdir() if folder.is_dir() else ():
+            program.chmod(0o755)
+    go = root / "bin" / "go"
+    if _go_version(str(go)) is None:
+        raise DevClusterError(
+            "find go", f"the toolchain fetched as {module} does not run: {go}", log=log
+        )
+    return str(go)
 
 
 def _go_version(go: str) -> tuple[int, int] | None:
