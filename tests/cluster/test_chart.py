@@ -20,7 +20,6 @@ from kubernetes import client, config
 from helpers import Groups, absent, pdgroup_body, serves, service_account_token, wait_for
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.kinds import LABEL_GROUP
-from matrixserve.devcluster import tools
 from matrixserve.devcluster.cluster import ClusterInfo, free_ports
 from matrixserve.devcluster.procs import Supervisor
 
@@ -355,18 +354,17 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
             if "=" in item
         )
         used = yaml.safe_load(Path(environ["KUBECONFIG"]).read_text())["users"][0]["user"]["token"]
-        # (the API server says whose token it is: a token Secret's on 1.20, one bound to the
-        # pod from the TokenRequest API on a current server)
+        # (the API server says whose token it is: one bound to the operator's pod, from the
+        # TokenRequest API)
         review = client.AuthenticationV1Api(api_client).create_token_review(
             client.V1TokenReview(spec=client.V1TokenReviewSpec(token=used))
         )
         assert review.status.authenticated, review.status
         assert review.status.user.username == (f"system:serviceaccount:{namespace}:{full}-operator")
-        if not tools.legacy():
-            extra = review.status.user.extra or {}
-            assert extra.get("authentication.kubernetes.io/pod-name") == [
-                operator_pod.metadata.name
-            ], extra
+        extra = review.status.user.extra or {}
+        assert extra.get("authentication.kubernetes.io/pod-name") == [operator_pod.metadata.name], (
+            extra
+        )
 
         # The chart's webhook (API server -> Service -> operator pod) refuses an invalid group
         # (a rule only the operator's catalogue can judge: the CRD's own rules are the API

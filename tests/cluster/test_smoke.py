@@ -16,6 +16,7 @@ from kazoo.client import KazooClient
 from kubernetes import client, watch
 
 from helpers import install_crds, service_account_token, wait_for
+from matrixserve.devcluster import tools
 from matrixserve.devcluster.cluster import ClusterInfo
 
 SMOKE_GROUP = "smoke.matrixserve.io"
@@ -233,8 +234,8 @@ def test_deployment_gets_replicaset_and_pods_bound_by_extended_resource(
 
 
 def _token_volume(volume: client.V1Volume) -> bool:
-    if volume.secret is not None:
-        return True
+    if tools.legacy():
+        return volume.secret is not None and "token" in volume.secret.secret_name
     sources = volume.projected.sources if volume.projected is not None else []
     return any(s.service_account_token is not None for s in sources or [])
 

@@ -364,7 +364,7 @@ def test_a_ladder_rung_that_is_not_p_to_d_is_refused(rung: str) -> None:
             {"ratioPolicy": {"maxDecode": 1}, "decode": {"replicas": 2, "devicesPerInstance": 2}},
             "above ratioPolicy.maxDecode",
         ),
-        ({"ratioPolicy": {"minRatio": 2, "maxRatio": 1}}, "minRatio: 2.0 exceeds maxRatio 1.0"),
+        ({"ratioPolicy": {"minRatio": 2, "maxRatio": 1}}, "minRatio: 2 exceeds maxRatio 1"),
         (  # Model splits the total of 3: no split of it has three decodes
             {"ratioPolicy": {"mode": "Model", "minDecode": 3}},
             "no split of the total of 3 instances",

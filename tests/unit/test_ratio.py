@@ -385,6 +385,10 @@ def test_a_saturated_move_is_judged_by_what_it_serves() -> None:
     # ... and more at a far higher one: kept
     d, state = judge(r.Signal(1.8, 0.3, slots_held=0.99, finished=1010, seconds=100.0))
     assert not d.changed, d.reason
+    # ... and less, but no longer saturated (the move ended the backlog): kept
+    d, state = judge(r.Signal(0.6, 0.3, slots_held=0.5, finished=980, seconds=100.0))
+    assert not d.changed, d.reason
+    assert state.refuted == ()
     # 30 % more, but of too few requests to tell (2 x 13 against 2 x 10): no better
     few = FeedbackState(moving=r.DECODE, before=r.Tally(2, 2.0, 20, 2.0, 2), last_change=0.0)
     state = few

@@ -190,7 +190,7 @@ def ensure_deb_src(log: Path) -> None:
     apt_update(log)
 
 
-# [issue 30, under way] the default stays 1.20 until the whole suite passes on the new version
+# the control plane when MATRIXSERVE_KUBERNETES is unset (issue 30: 1.20 is an opt-in)
 DEFAULT_CHOICE = "1.37"
 
 

@@ -521,7 +521,7 @@ class FeedbackParams:
     slots_full: float = 0.9  # the prefills' slots held this much, not waiting: a prefill alarm
     windows: int = 3  # an alarm must hold this many windows in a row (the trend)
     # after a move, this much better (served if saturated, else E2E): another the same way;
-    # this much worse: back
+    # this much worse (saturated: or served less within the noise, still saturated): back
     improve: float = 0.05
     cooldown: float = 300.0  # seconds between two changes
 
@@ -612,8 +612,8 @@ def compare(before: Tally, after: Tally, improve: float) -> tuple[int, str]:
     tried again — whose wait the engines' E2E does not hold, so it is judged by what it
     serves per second (Little's law: the same backlog served faster waits less): better or
     worse by a difference that is both ``improve`` and ``SIGNIFICANT`` standard deviations of
-    the counts' Poisson noise; without one, worse if it served less. Unsaturated (the load is
-    served either way), by E2E."""
+    the counts' Poisson noise; without one, worse if it served less and is still saturated.
+    Unsaturated before and after (the load is served either way), by E2E."""
     if (before.is_saturated or after.is_saturated) and min(before.served, after.served) > 0:
         b, a = before.served, after.served
         noise = math.sqrt(before.finished / before.seconds**2 + after.finished / after.seconds**2)
@@ -626,9 +626,10 @@ def compare(before: Tally, after: Tally, improve: float) -> tuple[int, str]:
         # no clear difference. Not judged by E2E: saturated, the engines' E2E holds the wait
         # in the prefills' slots (a decode-short split) but not the one at the gateway (a
         # prefill-short one), so it prefers the prefill-short split whatever each serves
-        # (issue 29). A move whose windows served less is not kept (the step back costs the
-        # walk's one reversal, no more); one that served as much or more is.
-        if a < b:
+        # (issue 29). A move whose windows served less, still saturated, is not kept (the step
+        # back costs the walk's one reversal, no more); one that served as much or more, or
+        # ended the saturation (the load is served now), is.
+        if a < b and after.is_saturated:
             return -1, f"{served}: less, within the noise"
         return 0, f"{served}: no less, within the noise"
     b, a = before.mean_e2e, after.mean_e2e

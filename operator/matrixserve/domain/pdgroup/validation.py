@@ -4,13 +4,16 @@ existing group.
 Which rule lives where (issue 30, ``docs/operator.md``): the per-object rules the CRD states to
 the API server itself — CEL ``x-kubernetes-validations`` (Kubernetes 1.29+) and the name's
 ``maxLength`` — are :func:`schema_rules`; the API server refuses a create, an update or a scale
-that breaks them, in words these functions mirror. The validating admission webhook
-(:func:`admit`) judges only what the API server cannot: :func:`admission_rules` (the model
-catalogue: weights and KV in HBM; quantities, which may be numbers like ``0.5`` that CEL's typed
-view of the schema cannot read; the ratio policy's splits of the total) and the changes to an
-existing group (the old object and the running pods). The reconciler checks both sets again
-(:func:`validate_pdgroup`: an object stored before its CRD had the rules, or on a server without
-CEL, the 1.20 opt-in), with the instance template the running pods were made from
+that breaks them, in the words these functions use (the name's rule in the schema's own). The
+validating admission webhook (:func:`admit`), which the API server calls only after its own
+checks passed, judges what the API server cannot: :func:`admission_rules` (the model catalogue:
+weights and KV in HBM; quantities, which may be numbers like ``0.5`` that CEL's typed view of
+the schema cannot read; the ratio policy's splits of the total) and the changes to an existing
+group (the old object and the running pods). It checks :func:`schema_rules` too, which reach it
+only where the API server did not: a CRD not upgraded with the chart (helm never upgrades CRDs),
+or a server without CEL (the 1.20 opt-in). The reconciler checks both sets again
+(:func:`validate_pdgroup`: an object stored before its CRD had the rules), with the instance
+template the running pods were made from
 (:func:`running_template_changes`), and on a violation sets Ready=False, reason InvalidSpec and
 touches nothing. Pure: the hardware facts (CloudMatrix384, 001 §3) and the model shapes come
 from the API's catalogue (:mod:`matrixserve.api.catalog`), which the engine stub emulates. A
@@ -142,7 +145,7 @@ def schema_rules(spec: PDGroupSpec, name: str) -> list[str]:
     """The rules the CRD states to the API server (``crds/matrixserve.io_pdgroups.yaml``: the
     name's ``maxLength``, the ``x-kubernetes-validations`` of the spec, each role, the ratio
     policy and ``moe``), as this module words them; ``tests/cluster/test_crd_contract.py``
-    checks that the API server refuses each with the same words."""
+    checks that the API server refuses each CEL rule with the same words."""
     errors: list[str] = []
     if len(name) > MAX_GROUP_NAME:
         errors.append(
@@ -217,7 +220,10 @@ def _bounds_apart(spec: PDGroupSpec) -> list[str]:
         if lo is not None and hi is not None and lo > hi:
             errors.append(f"spec.ratioPolicy.min{role}: {lo} exceeds max{role} {hi}")
     if rp.min_ratio is not None and rp.max_ratio is not None and rp.min_ratio > rp.max_ratio:
-        errors.append(f"spec.ratioPolicy.minRatio: {rp.min_ratio} exceeds maxRatio {rp.max_ratio}")
+        # (as CEL's %s prints a double: 2 for 2.0)
+        errors.append(
+            f"spec.ratioPolicy.minRatio: {rp.min_ratio:g} exceeds maxRatio {rp.max_ratio:g}"
+        )
     return errors
 
 
@@ -269,15 +275,14 @@ def ratio_bounds(spec: PDGroupSpec) -> ratio.Bounds:
     )
 
 
-def parse_spec(raw: Any, name: str, webhook: bool = False) -> tuple[PDGroupSpec | None, list[str]]:
+def parse_spec(raw: Any, name: str) -> tuple[PDGroupSpec | None, list[str]]:
     """A PDGroup's spec parsed and checked: the spec (None if it does not parse) and every
-    violation of the schema's and the cross-field rules, each naming its field — the webhook's
-    part only when ``webhook`` (the API server has checked the rest: :func:`schema_rules`)."""
+    violation of the schema's and the cross-field rules, each naming its field."""
     try:
         parsed = PDGroupSpec.model_validate(dict(raw))
     except ValidationError as exc:
         return None, field_errors(exc)
-    return parsed, admission_rules(parsed) if webhook else validate_pdgroup(parsed, name)
+    return parsed, validate_pdgroup(parsed, name)
 
 
 # --------------------------------------------------------------------------- changes
@@ -428,14 +433,14 @@ def admit(
     raw spec): every reason to refuse it, empty to admit it.
 
     Never refused: an update of metadata only, and anything on an object being deleted (an
-    invalid object can always be fixed or deleted). A new spec must pass the webhook's part of
-    :func:`parse_spec` (:func:`admission_rules`: the API server checks :func:`schema_rules`
-    before it calls a validating webhook); an update must keep the instance template of what runs: the ``running`` pods' (the group's pods,
+    invalid object can always be fixed or deleted). A new spec must pass :func:`parse_spec`
+    (:func:`schema_rules` reach the webhook only where the API server did not check them: a CRD
+    not upgraded, a server without CEL); an update must keep the instance template of what runs: the ``running`` pods' (the group's pods,
     when they carry their template; a field their template does not name, the old spec's), else
     the old spec's (when it was valid: a spec that never was is not what runs)."""
     if deleting or not spec_changes(operation, old_raw, new_raw):
         return []
-    new, errors = parse_spec(new_raw or {}, name, webhook=True)
+    new, errors = parse_spec(new_raw or {}, name)
     if operation != "UPDATE" or new is None:
         return errors
     old, old_errors = parse_spec(old_raw or {}, name)
