@@ -159,6 +159,16 @@ def _set(body: dict[str, Any], path: str, value: object) -> None:
     node[leaf] = value
 
 
+def _refused(api_client: client.ApiClient, namespace: str, body: dict[str, Any]) -> str:
+    """The API server's message refusing the create of ``body`` (422)."""
+    pd = kinds.PDGROUP
+    custom = client.CustomObjectsApi(api_client)
+    with pytest.raises(client.ApiException) as rejected:
+        custom.create_namespaced_custom_object(pd.group, pd.version, namespace, pd.plural, body)
+    assert rejected.value.status == 422
+    return str(json.loads(rejected.value.body)["message"])
+
+
 # Each rule the CRD states in CEL (issue 30): a change that breaks it, and the field and the words
 # the API server must refuse it with — the words ``schema_rules`` says them in (the reconciler's
 # check of an object stored without the rule), so that the two cannot drift apart.
@@ -276,12 +286,7 @@ def test_each_cel_rule_is_the_api_servers_refusal_in_the_operators_words(
     body = load(CRDS / "samples" / "pdgroup-2p1d.yaml")
     for path, value in changes.items():
         _set(body, path, value)
-    pd = kinds.PDGROUP
-    custom = client.CustomObjectsApi(api_client)
-    with pytest.raises(client.ApiException) as rejected:
-        custom.create_namespaced_custom_object(pd.group, pd.version, namespace, pd.plural, body)
-    assert rejected.value.status == 422
-    message = json.loads(rejected.value.body)["message"]
+    message = _refused(api_client, namespace, body)
     assert f"{field}: Invalid value: {words}" in message, message
     spec, _ = parse_spec(body["spec"], body["metadata"]["name"])
     assert spec is not None
@@ -296,12 +301,7 @@ def test_a_name_too_long_is_refused_by_the_schema_and_the_reconciler(
     own for an object stored without it."""
     body = load(CRDS / "samples" / "pdgroup-2p1d.yaml")
     body["metadata"]["name"] = "x" * (MAX_GROUP_NAME + 1)
-    pd = kinds.PDGROUP
-    custom = client.CustomObjectsApi(api_client)
-    with pytest.raises(client.ApiException) as rejected:
-        custom.create_namespaced_custom_object(pd.group, pd.version, namespace, pd.plural, body)
-    assert rejected.value.status == 422
-    message = json.loads(rejected.value.body)["message"]
+    message = _refused(api_client, namespace, body)
     assert f"metadata.name: Too long: may not be more than {MAX_GROUP_NAME}" in message, message
     spec, _ = parse_spec(body["spec"], "x")
     assert spec is not None
