@@ -155,3 +155,21 @@ def test_go_is_the_newest_usable_else_debians_else_a_toolchain_fetched_with_it(
     here.clear()
     with pytest.raises(DevClusterError, match=r"needs Go >= 1\.21"):
         tools.go_command(log)
+
+
+def test_a_module_download_logs_into_a_state_dir_not_made_yet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh machine (CI): the first thing ``setup`` logs on the 1.37 path is a module
+    download, before anything has made ``<state>/logs``."""
+    from matrixserve.devcluster import tools
+
+    monkeypatch.setenv("MATRIXSERVE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()  # (ensure_kubernetes makes its build folder in it first)
+    log = tmp_path / "state" / "logs" / "setup.log"
+    fake_go = tmp_path / "go"
+    fake_go.write_text('#!/bin/sh\necho \'{"Path": "m", "GoMod": "/x/go.mod", "Dir": "/x"}\'\n')
+    fake_go.chmod(0o755)
+    info = tools._module_info(str(fake_go), "m@v1", {**os.environ}, log)
+    assert info["GoMod"] == "/x/go.mod"
+    assert "=== go mod download -json m@v1" in log.read_text()

@@ -408,6 +408,7 @@ def _module_info(go: str, module: str, env: dict[str, str], log: Path) -> dict[s
         )
     except subprocess.TimeoutExpired:
         raise DevClusterError(f"download {module}", "timed out after 1800s", log=log) from None
+    log.parent.mkdir(parents=True, exist_ok=True)  # a fresh state dir: nothing logged yet
     with log.open("a") as out:
         out.write(f"\n=== go mod download -json {module}\n{done.stdout}{done.stderr}")
     try:
