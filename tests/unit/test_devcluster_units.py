@@ -168,8 +168,14 @@ def test_a_module_download_logs_into_a_state_dir_not_made_yet(
     (tmp_path / "cache").mkdir()  # (ensure_kubernetes makes its build folder in it first)
     log = tmp_path / "state" / "logs" / "setup.log"
     fake_go = tmp_path / "go"
-    fake_go.write_text('#!/bin/sh\necho \'{"Path": "m", "GoMod": "/x/go.mod", "Dir": "/x"}\'\n')
+    # Go 1.26's ``-json`` names the .info file but gives no Time: the build date is read there
+    (tmp_path / "v1.info").write_text('{"Version": "v1", "Time": "2026-10-14T09:00:00Z"}')
+    fake_go.write_text(
+        '#!/bin/sh\necho \'{"Path": "m", "GoMod": "/x/go.mod", "Dir": "/x", '
+        f'"Info": "{tmp_path}/v1.info"}}\'\n'
+    )
     fake_go.chmod(0o755)
     info = tools._module_info(str(fake_go), "m@v1", {**os.environ}, log)
     assert info["GoMod"] == "/x/go.mod"
+    assert info["Time"] == "2026-10-14T09:00:00Z"
     assert "=== go mod download -json m@v1" in log.read_text()
