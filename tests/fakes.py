@@ -5,6 +5,7 @@ rules the adapters rely on). Cluster tests use the real ones."""
 from __future__ import annotations
 
 import copy
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,7 +58,8 @@ class FakeKazoo:
     ``default_acl`` as kazoo's client does); a znode in ``foreign`` belongs to another identity
     (its ACL, children and ACL changes refused with ``NoAuthError``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, connect_on_start: bool = True) -> None:
+        self.connect_on_start = connect_on_start
         # path -> (data, version, owner session: 0 for a persistent znode)
         self.nodes: dict[str, tuple[bytes, int, int]] = {"/": (b"", 0, 0)}
         self.session = 1  # this client's session id (client_id[0])
@@ -80,13 +82,18 @@ class FakeKazoo:
         for listener in self.listeners:
             listener(state)
 
-    def start(self, timeout: float = 15) -> None:
+    def start_async(self) -> threading.Event:
+        """kazoo's: the event set once connected. With ``connect_on_start`` (the default) the
+        fake connects at once unless a queued ``fail["start"]`` entry says this try never
+        will; without it, the test connects it (:meth:`transition`)."""
         self.starts += 1
-        self._maybe_fail("start")
-        self.transition(KazooState.CONNECTED)
-
-    def start_async(self) -> None:
-        self.starts += 1
+        live = threading.Event()
+        if self.fail.get("start"):
+            self.fail["start"].pop(0)
+        elif self.connect_on_start:
+            self.transition(KazooState.CONNECTED)
+            live.set()
+        return live
 
     def stop(self) -> None:
         self.stops += 1

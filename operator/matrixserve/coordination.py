@@ -90,6 +90,9 @@ RESTRICT_BATCH = 256  # znodes asked about at once when ACLs are set on an exist
 # A closing walk is repeated until it changes nothing: a znode made open in the subtree just as
 # it was being closed (its creator saw the root still open) is caught by the next walk.
 CLOSE_WALKS = 3
+# The longest a closing session is waited on (its ephemerals go at once when it answers; a
+# stop that never returns is left to the daemon thread it runs on).
+STOP_WAIT = 5.0
 AUTH_ENV = "MATRIXSERVE_ZK_AUTH"  # the identity, user:password (the dev cluster and tests)
 AUTH_FILE_ENV = "MATRIXSERVE_ZK_AUTH_FILE"  # a file holding it (a mounted Secret)
 
@@ -304,13 +307,7 @@ class Session:
         self._tell(SessionState.LOST)
         self._adopt(self.client)
         self.client.start_async()
-
-        def close() -> None:
-            with contextlib.suppress(Exception):
-                suspended.stop()
-                suspended.close()
-
-        threading.Thread(target=close, daemon=True).start()
+        _stopping(suspended)
 
     def _rearm(self, client: Any) -> None:
         """Arm again, on a fresh client, every watch still wanted (a watch that could not be
@@ -346,17 +343,39 @@ class Session:
 
     # ------------------------------------------------------------------ connecting
     async def start(self, timeout: float) -> None:
-        """One try at connecting; a failed try stops the client (no half-started client keeps
-        retrying behind the caller)."""
-        try:
-            await asyncio.to_thread(self.client.start, timeout)
-        except Exception:
-            await asyncio.to_thread(self.client.stop)
-            raise
+        """One try at connecting, over within ``timeout`` seconds whatever the server does.
+
+        A try that did not connect in time gives its client up without waiting for it to stop
+        and takes a fresh one for the next try: kazoo 2.11's ``stop`` joins its connection
+        thread and callback workers with no timeout, and its own ``start`` stops the client
+        before raising, so a server that accepts and then says nothing held the caller for the
+        socket's read timeout, and a worker that never returned held it for ever (a process
+        that planned nothing until restarted). The client given up is stopped on a daemon
+        thread (no half-started client keeps retrying behind the caller)."""
+        client = self.client
+        live = await asyncio.to_thread(client.start_async)
+        if live is not None:
+            await asyncio.to_thread(live.wait, timeout)
+        if not client.connected:
+            self._give_up(client)
+            raise CallTimeout(f"ZooKeeper {self.hosts}: not connected within {timeout:g} s")
         # kazoo may return before its listener said CONNECTED; a first connection is not
         # missed, and a later SUSPENDED or LOST (already said) is never overridden.
-        if self.client.connected and self.state is SessionState.CONNECTING:
+        if self.state is SessionState.CONNECTING and client is self.client:
             self._set_state(SessionState.CONNECTED)
+
+    def _give_up(self, client: Any) -> None:
+        """Stop ``client`` on a daemon thread, never waited on; with a factory, a fresh client
+        (same listeners, same watches wanted) takes its place for the next try."""
+        _stopping(client)
+        with self._lock:
+            if self._factory is None or self.client is not client or self._stopped:
+                return
+            self.client = self._factory()
+            self._closed_scopes.clear()
+            if self._watches:
+                self._fresh = self.client  # armed again once it connects
+        self._adopt(self.client)
 
     async def connect(
         self,
@@ -391,9 +410,8 @@ class Session:
             self._stopped = True
             if self._suspended_timer is not None:
                 self._suspended_timer.cancel()
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(self.client.stop)
-            await asyncio.to_thread(self.client.close)
+        # waited on at most STOP_WAIT: a stop that never returns must not hold the process's exit
+        await asyncio.to_thread(_stopping(self.client).join, STOP_WAIT)
 
     # ------------------------------------------------------------------ calls
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -713,6 +731,21 @@ class Session:
             return False
 
         DataWatch(client, watch.path, created)
+
+
+def _stopping(client: Any) -> threading.Thread:
+    """Stop and close a kazoo client on a daemon thread (started, returned): kazoo 2.11's
+    ``stop`` joins its connection thread and callback workers with no timeout, so nobody that
+    must go on waits on it unbounded."""
+
+    def stop() -> None:
+        with contextlib.suppress(Exception):
+            client.stop()
+            client.close()
+
+    thread = threading.Thread(target=stop, daemon=True, name="zookeeper-stop")
+    thread.start()
+    return thread
 
 
 def _answer(pending: Any, path: str, refused: list[str]) -> Any:

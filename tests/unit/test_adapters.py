@@ -140,7 +140,7 @@ def test_a_session_suspended_past_its_timeout_starts_afresh_and_arms_its_watches
     SUSPENDED for ever. Past the session timeout the session is given up (LOST), a fresh client
     connects, and the watches still wanted are armed on it; a shorter suspension changes
     nothing."""
-    first, fresh = FakeKazoo(), FakeKazoo()
+    first, fresh = FakeKazoo(), FakeKazoo(connect_on_start=False)  # the test connects it
     s = Session("zk:2181", timeout=0.3, client=first, client_factory=lambda: fresh)
     armed: list[tuple[Any, str]] = []
     monkeypatch.setattr(s, "_arm", lambda watch: armed.append((s.client, watch.path)))
@@ -175,21 +175,29 @@ def test_a_session_suspended_past_its_timeout_starts_afresh_and_arms_its_watches
     assert s.connected
 
 
-async def test_connect_retries_until_it_works_and_stops_a_failed_client() -> None:
-    fake = FakeKazoo()
-    fake.fail["start"] = [KazooTimeoutError("no server"), KazooTimeoutError("no server")]
-    s = session(fake)
+async def test_connect_retries_until_it_works_each_try_on_a_fresh_client() -> None:
+    """A try that did not connect in time gives its client up (stopped on a thread of its own,
+    never waited on: kazoo's stop can block) and the next try starts a fresh one."""
+    made_clients = [FakeKazoo() for _ in range(3)]
+    made_clients[0].fail["start"] = [KazooTimeoutError("no server")]
+    made_clients[1].fail["start"] = [KazooTimeoutError("no server")]
+    fresh = iter(made_clients[1:])
+    s = Session("zk:2181", client=made_clients[0], client_factory=lambda: next(fresh))
     retries: list[str] = []
     made: list[str] = []
     await s.connect(
-        attempt_timeout=1,
+        attempt_timeout=0.05,
         pause=0.01,
         then=lambda: made.append("folders"),
         on_retry=lambda exc: retries.append(str(exc)),
     )
-    assert retries == ["no server", "no server"]
-    assert fake.starts == 3
-    assert fake.stops == 2
+    assert retries == ["ZooKeeper zk:2181: not connected within 0.05 s"] * 2
+    assert [c.starts for c in made_clients] == [1, 1, 1]
+    deadline = time.monotonic() + 3
+    while [c.stops for c in made_clients] != [1, 1, 0] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [c.stops for c in made_clients] == [1, 1, 0]
+    assert s.client is made_clients[2]
     assert made == ["folders"]
     assert s.connected
 
