@@ -697,7 +697,8 @@ def test_an_engine_of_an_older_image_without_a_pod_uid_is_known_by_name() -> Non
 def test_a_group_in_its_first_setup_is_setting_up_not_degraded() -> None:
     """Decode meta pushed, no instance serving yet, no entrance ever opened: the group is
     SettingUp (a new group is not Degraded, nor without a decode); once it has served, losing
-    its decode is NoServingDecode, and it stays Degraded while its entrances are closed."""
+    its decode is NoServingDecode, and it stays Degraded while its entrances are closed; losing
+    a prefill then is Recovering."""
     pods = ["g-p-0", "g-p-1", "g-d-0"]
     formed = serving_group(pods)
     setting_up = dataclasses.replace(formed, health={}, entrances=frozenset())
@@ -718,6 +719,15 @@ def test_a_group_in_its_first_setup_is_setting_up_not_degraded() -> None:
     plan = pdgroup.plan(no_decode)
     cond = {c.type: c for c in plan.conditions}
     assert (cond["Degraded"].status, cond["Degraded"].reason) == (True, "NoServingDecode")
+    # a prefill lost after it served: Ready=False says Recovering, not SettingUp (issue 31)
+    no_prefill = dataclasses.replace(
+        had_served,
+        zk=dataclasses.replace(
+            setting_up, health={n: h for n, h in formed.health.items() if n != "g-p-1"}
+        ),
+    )
+    cond = {c.type: c for c in pdgroup.plan(no_prefill).conditions}
+    assert (cond["Ready"].status, cond["Ready"].reason) == (False, "Recovering")
     # next pass: entrances closed and listed nowhere, but Degraded is in the last status
     degraded = {"type": "Degraded", "status": "True", "reason": "NoServingDecode"}
     later = dataclasses.replace(no_decode, previous={"conditions": [degraded]})

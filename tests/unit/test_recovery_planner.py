@@ -671,6 +671,8 @@ def test_the_group_plan_for_a_die_on_a_decode_removes_it_logically_then_releases
     assert degraded.status is True
     assert degraded.reason == "Recovering"
     assert not first.ready
+    ready = next(c for c in first.conditions if c.type == "Ready")
+    assert (ready.status, ready.reason) == (False, "Recovering")  # not SettingUp (issue 31)
     # Next pass: the marker is there; the map drops it, and the fault starts nothing new.
     marked = dataclasses.replace(zk, removed=frozenset({"g-d-0"}), decode_meta=meta)
     second = pdgroup.plan(dataclasses.replace(group_view(marked), previous=first.status))

@@ -316,7 +316,12 @@ def derive(
             else (
                 "Blocked"
                 if blocked
-                else ("NoServingDecode" if no_decode else stuck_reason or "SettingUp")
+                else (
+                    "NoServingDecode"
+                    if no_decode
+                    # a group that has served is recovering, not setting up (issue 31)
+                    else stuck_reason or ("Recovering" if opened else "SettingUp")
+                )
             ),
             "every instance serving, links verified, prefills open"
             if ready
@@ -348,7 +353,8 @@ def derive(
 def recovering(
     conditions: Sequence[Condition], records: Sequence[Mapping[str, Any]]
 ) -> list[Condition]:
-    """``Degraded`` while a recovery is under way (capacity short: issue 17), saying which."""
+    """``Degraded`` while a recovery is under way (capacity short: issue 17), saying which; a
+    ``Ready=False`` that would say ``SettingUp`` says ``Recovering`` then (issue 31)."""
     if not records:
         return list(conditions)
     what = "; ".join(
@@ -358,7 +364,12 @@ def recovering(
         f"{r.get('plan', {}).get('predictedRestoreSeconds')} s)"
         for r in records
     )
-    return [
-        Condition("Degraded", True, "Recovering", what) if c.type == "Degraded" else c
-        for c in conditions
-    ]
+
+    def during(c: Condition) -> Condition:
+        if c.type == "Degraded":
+            return Condition("Degraded", True, "Recovering", what)
+        if c.type == "Ready" and not c.status and c.reason == "SettingUp":
+            return Condition("Ready", False, "Recovering", f"{c.message}; recovering: {what}")
+        return c
+
+    return [during(c) for c in conditions]
