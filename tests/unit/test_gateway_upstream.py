@@ -551,3 +551,33 @@ async def test_a_prefill_that_answers_503_is_passed_over_for_its_retry_after() -
     )
     assert tries == 1
     await forwarder.close()
+
+
+async def test_a_freed_slot_wakes_the_oldest_waiter_that_may_use_it_and_no_other() -> None:
+    """Issue 31: every entrance busy, requests wait in line; a slot freed wakes one waiter,
+    the oldest of those whose prefills include the freed one (before: every waiter woke and
+    all tried for the one slot)."""
+    forwarder = _forwarder()
+    forwarder.holding = {"p-0": 3, "p-1": 1}
+    woke: list[str] = []
+
+    async def wait(name: str, *instances: str) -> None:
+        if await forwarder.wait_for_slot(frozenset(instances), 0.3):
+            woke.append(name)
+
+    line = [("a", ("p-1",)), ("b", ("p-0", "p-1")), ("c", ("p-0",)), ("d", ("p-0",))]
+    waiters = [asyncio.create_task(wait(name, *instances)) for name, instances in line]
+    await asyncio.sleep(0.01)  # all four in line, in that order
+    forwarder.release_slot("p-0")
+    await asyncio.sleep(0.01)
+    assert woke == ["b"]  # a may not use p-0; b came before c and d
+    forwarder.release_slot("p-0")
+    forwarder.release_slot("p-1")
+    await asyncio.sleep(0.01)
+    assert woke == ["b", "c", "a"]
+    assert forwarder.holding == {"p-0": 1, "p-1": 0}
+    await asyncio.gather(*waiters)  # d times out
+    assert woke == ["b", "c", "a"]
+    assert not forwarder.waiting  # nobody left in line: the one that timed out went too
+    forwarder.release_slot("p-0")  # nobody waits: nothing to wake, nothing breaks
+    assert forwarder.holding["p-0"] == 0

@@ -1,7 +1,7 @@
 """On-demand forwarding with rejection (P/D-Serve §3.5), the gateway's side: try the scenario's
 prefill entrances in the policy's order; a 429 from a prefill means "busy, try the next"; when
 every entrance rejected, wait for a slot this gateway holds to be released (or a short pause) and
-try again, until the TTFT budget is spent, then give the reason. The budget is the request's own
+try again (waiters in line: each freed slot wakes the oldest request that may use it), until the TTFT budget is spent, then give the reason. The budget is the request's own
 threshold by its prompt's length (§2.2.2).
 
 The policy (:class:`matrixserve.domain.forwarding.ForwardingPolicy`) says the order, whether it
@@ -83,7 +83,11 @@ class Forwarder:
         self.open: dict[str, int] = {}  # open SSE streams per prefill
         self.prefilling: dict[str, int] = {}  # accepted, no first token yet, per prefill
         self.holding: dict[str, int] = {}  # accepted, KV not yet pulled by a decode, per prefill
-        self.released = asyncio.Event()  # set (and replaced) whenever a prefill slot frees
+        # Requests waiting for a slot, oldest first, each with the prefills it may use: a slot
+        # freed wakes the oldest waiter that may use it, one per slot (issue 31)
+        self.waiting: collections.deque[tuple[asyncio.Future[None], frozenset[str]]] = (
+            collections.deque()
+        )
         self.last_accepted: dict[str, str] = {}  # per scenario
         self.reported: dict[str, int] = {}  # the prefills' last queue reports
         self.failing: dict[str, float] = {}  # passed over until (monotonic s), per prefill
@@ -327,15 +331,37 @@ class Forwarder:
             remaining = wall_budget - (time.monotonic() - started)
             if remaining <= 0:
                 return spent()
-            released = self.released
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(remaining, RETRY_PAUSE_SECONDS)):
-                    await released.wait()
+            await self.wait_for_slot(
+                frozenset(e.instance for e in entrances), min(remaining, RETRY_PAUSE_SECONDS)
+            )
+
+    async def wait_for_slot(self, instances: frozenset[str], timeout: float) -> bool:
+        """Wait in line for a slot of one of ``instances`` this gateway holds to be freed, at
+        most ``timeout`` (wall s: other gateways' requests free slots this one cannot see).
+        True if a freed slot woke this waiter."""
+        woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (woken, instances)
+        self.waiting.append(entry)
+        try:
+            async with asyncio.timeout(timeout):
+                await woken
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(entry)  # timed out or cancelled: out of the line
 
     def release_slot(self, instance: str) -> None:
+        """A slot of ``instance`` is free: the oldest waiter that may use it tries again (one
+        waiter per slot; the others keep waiting, rather than all trying for the one slot)."""
         self.holding[instance] -= 1
-        old, self.released = self.released, asyncio.Event()
-        old.set()
+        for entry in self.waiting:
+            woken, instances = entry
+            if instance in instances and not woken.done():
+                woken.set_result(None)
+                self.waiting.remove(entry)
+                return
 
 
 class Flight:
