@@ -178,6 +178,14 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
         default=True,
         help="wake a group on ZooKeeper and pod changes (off: poll every --resync-seconds)",
     )
+    p.add_argument(
+        "--sweep-seconds",
+        type=float,
+        default=60.0,
+        help="remove ZooKeeper data that belongs to nothing any more (a deleted group's "
+        "subtree, a namespace's warm folder with no pool left, empty fork-source folders) on "
+        "every new ZooKeeper session and at least this often",
+    )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if not args.zookeeper:
@@ -191,8 +199,12 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
     secret = args.engine_zookeeper_auth_secret
     if len(secret) > 253 or not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", secret):
         p.error(f"--engine-zookeeper-auth-secret {secret!r}: a Secret name (lower-case DNS name)")
-    if not 0.1 <= args.resync_seconds <= 3600:
-        p.error(f"--resync-seconds {args.resync_seconds} must be within 0.1..3600")
+    for flag, value in (
+        ("--resync-seconds", args.resync_seconds),
+        ("--sweep-seconds", args.sweep_seconds),
+    ):
+        if not 0.1 <= value <= 3600:
+            p.error(f"{flag} {value} must be within 0.1..3600")
     if args.webhook_secret is not None and args.webhook_secret.count("/") != 1:
         p.error(f"--webhook-secret {args.webhook_secret!r} must be <namespace>/<name>")
     if args.webhook and args.webhook_secret:
@@ -239,6 +251,7 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
         webhook_managed=args.webhook_managed,
         resync_seconds=args.resync_seconds,
         zk_watches=args.zk_watches,
+        sweep_seconds=args.sweep_seconds,
         namespaces=tuple(args.namespace),
         zookeeper_auth=auth,
     )

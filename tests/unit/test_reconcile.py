@@ -300,16 +300,102 @@ async def test_the_operators_flags_reach_every_kinds_loop() -> None:
     assert woken.is_set()
 
 
+async def test_the_kinds_sweeps_run_every_sweep_seconds_while_connected_never_overlapping() -> None:
+    """``--sweep-seconds``: what nothing owns any more is removed at least that often (not only
+    on a new session: a namespace deleted with everything in it leaves what its engines wrote
+    after the finalizers ran), never two runs at once, and not while ZooKeeper is away."""
+    fake = FakeKazoo()
+    config = OperatorConfig(
+        kubeconfig=None, zookeeper="zk", engine=EngineSettings("zk:2181"), sweep_seconds=0.05
+    )
+    rt = Runtime(
+        config,
+        cast(KubeAdapter, None),
+        Session("zk", client=fake),
+        OperatorMetrics(),
+        asyncio.get_running_loop(),
+    )
+    runs: list[str] = []
+    running = [0]
+
+    async def slow(name: str) -> None:
+        running[0] += 1
+        assert running[0] == 1, "two sweeps at once"
+        runs.append(name)
+        await asyncio.sleep(0.12)  # outlasts two periods: the next waits for it
+        running[0] -= 1
+
+    rt.add_sweep(lambda: slow("a"))
+    rt.add_sweep(lambda: slow("b"))
+    ticker = asyncio.create_task(rt.sweep_periodically())
+    try:
+        await asyncio.sleep(0.2)
+        assert runs == []  # not connected: nothing swept
+        fake.transition(KazooState.CONNECTED)
+        await asyncio.sleep(0.6)
+        assert runs[:4] == ["a", "b", "a", "b"]  # each kind's in turn, again and again
+    finally:
+        ticker.cancel()
+        if rt.sweeping is not None:
+            rt.sweeping.cancel()
+
+
 # --------------------------------------------------------------------------- what a group leaves
 async def test_a_new_session_sweeps_the_subtrees_of_groups_that_are_gone(world: World) -> None:
     """A deletion while ZooKeeper was away leaves the group's subtree; the next session (or
     start-up) removes it, and nothing of a group that exists."""
     await world.groups.store.ensure("ns", "ghost")
     await world.groups.store.ensure("other", "ghost")
+    # fork sources (engines' ephemerals): one live, one key whose engines went, a namespace
+    # whose engines all went (issue 31)
+    live = zl.fork_source_path("ns", "k-live", "g", "g-p-0")
+    world.zk.create(live, b"{}", ephemeral=True, makepath=True)
+    world.zk.ensure_path(f"{zl.fork_sources_root('ns')}/k-gone")
+    world.zk.ensure_path(f"{zl.fork_sources_root('gone')}/k-old")
     await pdgroup.sweep(world.groups)
     assert zl.group_path("ns", "g") in world.zk.nodes
     assert zl.group_path("ns", "ghost") not in world.zk.nodes
     assert zl.groups_root("other") not in world.zk.nodes  # an emptied namespace folder goes too
+    assert live in world.zk.nodes
+    assert f"{zl.fork_sources_root('ns')}/k-gone" not in world.zk.nodes
+    assert zl.fork_sources_root("gone") not in world.zk.nodes
+
+
+async def test_a_namespaces_warm_folder_is_swept_once_no_pool_nor_pool_pod_is_left(
+    world: World,
+) -> None:
+    """Issue 31: a namespace deleted with its WarmPool (or whose last pool went) left its DRAM
+    plans and folders in ZooKeeper. The sweep removes them once nothing there is a pool's: not
+    while a pool exists, nor while a pod of a pool (warm, or claimed: its assignment) is left."""
+    from matrixserve.adapters.zk_warm import WarmStore
+    from matrixserve.handlers import warmpool
+
+    rt = world.groups.rt
+    pools = warmpool.WarmPools(
+        rt,
+        rt.reconciler(kinds.WARMPOOL),
+        WarmStore(rt.session),
+        warmpool.WarmPoolMetrics(OperatorMetrics().registry),
+    )
+    plan = zl.DramPlan(node="n0", models=["llama3-8b"], bytes=1)
+    for ns in ("pooled", "podded", "gone"):
+        world.zk.ensure_path(zl.WarmPaths(ns).pods)
+        world.zk.ensure_path(zl.WarmPaths(ns).assignments)
+        world.zk.create(zl.WarmPaths(ns).dram("n0"), plan.dump(), makepath=True)
+    world.custom.objects[(kinds.GROUP, kinds.VERSION, "pooled", kinds.WARMPOOL.plural, "wp")] = {
+        "metadata": {"name": "wp", "namespace": "pooled"}
+    }
+    world.core.create_namespaced_pod(
+        "podded", {"metadata": {"name": "w-0", "labels": {kinds.LABEL_WARMPOOL: "wp"}}}
+    )
+    await warmpool.sweep(pools)
+    assert zl.WarmPaths("pooled").dram("n0") in world.zk.nodes
+    assert zl.WarmPaths("podded").dram("n0") in world.zk.nodes
+    assert not [p for p in world.zk.nodes if p.startswith(zl.WarmPaths("gone").root)]
+    world.core.pods.clear()  # the last pool pod went
+    await warmpool.sweep(pools)
+    assert not [p for p in world.zk.nodes if p.startswith(zl.WarmPaths("podded").root)]
+    assert zl.WarmPaths("pooled").dram("n0") in world.zk.nodes
 
 
 def test_a_deletion_waits_for_zookeeper_a_bounded_time() -> None:

@@ -204,6 +204,26 @@ class GroupStore:
 
         return await self.session.run(listing)
 
+    async def prune_fork_sources(self, namespaces: Sequence[str] = ()) -> list[str]:
+        """Remove the fork-source folders with no source left (each source is an engine's
+        ephemeral: a key's folder, and a namespace's, stay when the last goes), in
+        ``namespaces`` (all if none); the folders removed. Only empty ones go: a source made
+        meanwhile keeps its folder."""
+
+        def prune() -> list[str]:
+            spaces = list(namespaces) or self.session.children(zl.fork_sources_root())
+            gone = []
+            for namespace in spaces:
+                root = zl.fork_sources_root(namespace)
+                for key in self.session.children(root):
+                    if self.session.prune(f"{root}/{key}"):
+                        gone.append(f"{root}/{key}")
+                if self.session.prune(root):
+                    gone.append(root)
+            return gone
+
+        return await self.session.run(prune)
+
     async def delete(self, namespace: str, group: str) -> bool:
         """Remove the group's whole subtree; True if there was one."""
         path = zl.group_path(namespace, group)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from matrixserve.api import zk_layout as zl
-from matrixserve.coordination import Session
+from matrixserve.coordination import NotEmptyError, Session
 
 log = logging.getLogger("matrixserve.zookeeper")
 
@@ -46,6 +46,28 @@ class WarmStore:
     async def ensure(self, namespace: str) -> None:
         paths = zl.WarmPaths(namespace)
         await self.session.run(self.session.ensure, paths.pods, paths.assignments)
+
+    async def namespaces(self, namespaces: Sequence[str] = ()) -> list[str]:
+        """The namespaces with a warm folder, of ``namespaces`` (all if none)."""
+
+        def listing() -> list[str]:
+            found = self.session.children(zl.warm_root())
+            return [ns for ns in found if not namespaces or ns in namespaces]
+
+        return await self.session.run(listing)
+
+    async def delete_namespace(self, namespace: str) -> bool:
+        """Remove the namespace's warm folder (reports, assignments, DRAM plans); True if it
+        went. A warm engine reporting meanwhile keeps it (the next sweep tries again)."""
+        path = zl.WarmPaths(namespace).root
+
+        def delete() -> bool:
+            try:
+                return self.session.delete(path, recursive=True)
+            except NotEmptyError:
+                return False
+
+        return await self.session.run(delete)
 
     async def sweep_assignments(self, namespace: str, pods: Mapping[str, str]) -> list[str]:
         """Delete the assignments whose pod (by name and UID, ``pods``: name -> UID of the

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,7 @@ class OperatorConfig:
     worker_limit: int = 64
     resync_seconds: float = 10.0
     zk_watches: bool = True
+    sweep_seconds: float = 60.0  # the kinds' sweeps of ZooKeeper data nothing owns any more
     namespaces: tuple[str, ...] = ()  # watched namespaces (none: the whole cluster)
     zookeeper_auth: Credentials | None = None  # the digest identity (None: open znodes)
 
@@ -61,6 +62,9 @@ class Runtime:
     controllers: dict[str, Any] = field(default_factory=dict)  # by kind, built by each install
     reconcilers: list[Reconciler] = field(default_factory=list)
     background: asyncio.Task[None] | None = None
+    sweeps: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    sweeping: asyncio.Task[None] | None = None
+    ticker: asyncio.Task[None] | None = None
 
     @property
     def engine(self) -> EngineSettings:
@@ -82,6 +86,29 @@ class Runtime:
     def wake_all(self) -> None:
         for loop in self.reconcilers:
             loop.wake_all()
+
+    # ------------------------------------------------------------------ sweeps
+    def add_sweep(self, sweep: Callable[[], Awaitable[None]]) -> None:
+        """A kind's sweep of ZooKeeper data that belongs to nothing that exists any more (a
+        deletion while ZooKeeper was away, a namespace deleted with everything in it, what
+        engines left when they went): run on every new ZooKeeper session (start-up included)
+        and every ``sweep_seconds`` while connected. A sweep logs its own failures."""
+        self.sweeps.append(sweep)
+
+    def sweep(self) -> None:
+        """Start the kinds' sweeps, one after another (not again while they run)."""
+        if self.sweeping is None or self.sweeping.done():
+            self.sweeping = self.loop.create_task(self._sweep_all())
+
+    async def _sweep_all(self) -> None:
+        for sweep in list(self.sweeps):
+            await sweep()
+
+    async def sweep_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_seconds)
+            if self.session.connected:
+                self.sweep()
 
 
 Install = Callable[[Runtime], Any]  # a kind's set-up: builds and returns its controller
@@ -135,11 +162,19 @@ async def startup(
         controller = install(runtime)
         runtime.controllers[controller.kind.kind] = controller
 
+    last = [SessionState.CONNECTING]
+
     def on_state(state: SessionState) -> None:  # from a kazoo thread
         metrics.set_zk_state(state)
         # Every transition changes what may be planned: back, every object re-plans; gone, every
         # object says so at once (its last known status kept) rather than at the next resync.
         runtime.loop.call_soon_threadsafe(runtime.wake_all)
+        if state is SessionState.CONNECTED and last[0] in (
+            SessionState.CONNECTING,
+            SessionState.LOST,
+        ):  # a new session: sweep what deletions could not remove
+            runtime.loop.call_soon_threadsafe(runtime.sweep)
+        last[0] = state
 
     session.add_listener(on_state)
     metrics.set_zk_state(SessionState.CONNECTING)
@@ -147,6 +182,7 @@ async def startup(
         start_http_server(cfg.metrics_port, addr=cfg.metrics_address, registry=metrics.registry)
     # Never block start-up on ZooKeeper: until it connects, reconcilers plan nothing destructive.
     runtime.background = asyncio.get_running_loop().create_task(_connect(session, logger))
+    runtime.ticker = asyncio.get_running_loop().create_task(runtime.sweep_periodically())
 
 
 async def _connect(session: Session, logger: logging.Logger) -> None:
@@ -163,8 +199,9 @@ async def _connect(session: Session, logger: logging.Logger) -> None:
 async def cleanup(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     runtime: Runtime | None = getattr(memo, "runtime", None)
     if runtime is not None:
-        if runtime.background is not None:
-            runtime.background.cancel()
+        for task in (runtime.background, runtime.ticker, runtime.sweeping):
+            if task is not None:
+                task.cancel()
         if runtime.session.connected:
             await runtime.session.stop()
     logger.info("operator stopped")

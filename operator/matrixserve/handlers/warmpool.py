@@ -32,7 +32,7 @@ from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import WarmPoolSpec, field_errors
 from matrixserve.domain import warmpool as wp
 from matrixserve.domain.observed import PodView
-from matrixserve.domain.warmpool import dram
+from matrixserve.domain.warmpool import cleanup, dram
 from matrixserve.handlers.reconciler import Reconciler, wake_on_events
 from matrixserve.handlers.runtime import Runtime
 
@@ -87,9 +87,35 @@ class WarmPools:
 
 
 def install(rt: Runtime) -> WarmPools:
-    return WarmPools(
+    pools = WarmPools(
         rt, rt.reconciler(KIND), WarmStore(rt.session), WarmPoolMetrics(rt.metrics.registry)
     )
+    rt.add_sweep(lambda: sweep(pools))
+    return pools
+
+
+async def sweep(pools: WarmPools) -> None:
+    """Remove the warm folder of every namespace with no WarmPool and no pod of a pool left
+    (ZooKeeper listed first: see :func:`cleanup.orphans`): its DRAM plans, assignments and
+    empty folders belong to nothing (issue 31: a namespace deleted with everything in it)."""
+    namespaces = pools.rt.config.namespaces
+    try:
+        in_zookeeper = await pools.store.namespaces(namespaces)
+        with_pools = {ns for ns, _ in await pools.rt.kube.names(KIND, namespaces)}
+        with_pods = [
+            ns
+            for ns in in_zookeeper
+            if ns not in with_pools
+            and await pools.rt.kube.list_pods(ns, {}, (kinds.LABEL_WARMPOOL,))
+        ]
+        for namespace in cleanup.orphans(in_zookeeper, with_pools, with_pods):
+            if await pools.store.delete_namespace(namespace):
+                log.info(
+                    "swept the warm folder of namespace %s: no WarmPool and no pool pod left",
+                    namespace,
+                )
+    except Exception as exc:  # retried on the next sweep
+        log.warning("sweep of warm folders failed: %s", exc)
 
 
 def pools_of(memo: kopf.Memo) -> WarmPools:

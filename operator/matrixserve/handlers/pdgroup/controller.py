@@ -4,7 +4,6 @@ new ZooKeeper session (issue 15)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
@@ -14,7 +13,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from matrixserve.adapters.zk_groups import GroupStore
 from matrixserve.api import kinds
-from matrixserve.coordination import SessionState
 from matrixserve.domain.pdgroup import cleanup
 from matrixserve.handlers.metrics import Milestones
 from matrixserve.handlers.reconciler import Key, Reconciler
@@ -144,12 +142,6 @@ class PDGroups:
     # Groups whose ZooKeeper subtree this run has closed (or found closed): not walked again.
     closed: set[Key] = field(default_factory=set)
     kind: kinds.Kind = KIND
-    sweeps: set[asyncio.Task[None]] = field(default_factory=set)  # running (kept from the GC)
-
-    def start_sweep(self) -> None:
-        task = self.rt.loop.create_task(sweep(self))
-        self.sweeps.add(task)
-        task.add_done_callback(self.sweeps.discard)
 
     def forget(self, key: Key) -> None:
         self.metrics.setup.forget(key)
@@ -163,23 +155,14 @@ def install(rt: Runtime) -> PDGroups:
     groups = PDGroups(
         rt, rt.reconciler(KIND), GroupStore(rt.session), PDGroupMetrics(rt.metrics.registry)
     )
-    last = [SessionState.CONNECTING]
-
-    def on_state(state: SessionState) -> None:  # kazoo's thread
-        if state is SessionState.CONNECTED and last[0] in (
-            SessionState.CONNECTING,
-            SessionState.LOST,
-        ):  # a new session: sweep what deletions could not remove
-            rt.loop.call_soon_threadsafe(groups.start_sweep)
-        last[0] = state
-
-    rt.session.add_listener(on_state)
+    rt.add_sweep(lambda: sweep(groups))
     return groups
 
 
 async def sweep(groups: PDGroups) -> None:
     """Remove the subtrees of groups that no longer exist (ZooKeeper listed first: see
-    :func:`cleanup.orphans`)."""
+    :func:`cleanup.orphans`), and the fork-source folders their engines left empty (a source
+    is an engine's ephemeral znode: its key's folder, and its namespace's, outlive it)."""
     namespaces = groups.rt.config.namespaces
     try:
         in_zookeeper = await groups.store.groups(namespaces)
@@ -189,7 +172,9 @@ async def sweep(groups: PDGroups) -> None:
             log.info(
                 "swept the ZooKeeper subtree of %s/%s: the group no longer exists", namespace, name
             )
-    except Exception as exc:  # retried on the next new session
+        for folder in await groups.store.prune_fork_sources(namespaces):
+            log.info("swept the empty fork-source folder %s", folder)
+    except Exception as exc:  # retried on the next sweep
         log.warning("sweep of ZooKeeper subtrees failed: %s", exc)
 
 
