@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import logging
 import os
@@ -246,6 +247,11 @@ class Session:
         self._lock = threading.Lock()
         self._suspended_timer: threading.Timer | None = None
         self._fresh: Any = None  # a fresh client whose watches are armed once it connects
+        # The client last started (by start, start_background or a renewal): never started
+        # twice (kazoo's start_async on a running client that is not live joins its connection
+        # thread, for ever), and set while it is connected (its CONNECTED said, not yet lost).
+        self._started: Any = None
+        self._live = threading.Event()
         # Group subtrees found closed: what is made in them gets our ACL without asking again
         # (a closed subtree is never opened again while we run; a renewed client asks afresh).
         self._closed_scopes: set[str] = set()
@@ -266,6 +272,10 @@ class Session:
             if client is not self.client:
                 return  # a client given up: what it says is no longer ours
             self.state = new
+            if new is SessionState.CONNECTED:
+                self._live.set()
+            else:
+                self._live.clear()
             if self._suspended_timer is not None:
                 self._suspended_timer.cancel()
                 self._suspended_timer = None
@@ -296,6 +306,8 @@ class Session:
             self.client = self._factory()
             self.renewals += 1
             self._fresh = self.client
+            self._started = self.client
+            self._live.clear()
             self._closed_scopes.clear()  # the server lost its data: the subtrees are made again
             self.state = SessionState.LOST
         log.warning(
@@ -351,31 +363,59 @@ class Session:
         before raising, so a server that accepts and then says nothing held the caller for the
         socket's read timeout, and a worker that never returned held it for ever (a process
         that planned nothing until restarted). The client given up is stopped on a daemon
-        thread (no half-started client keeps retrying behind the caller)."""
+        thread (no half-started client keeps retrying behind the caller). A client already
+        started (a try whose next step failed, a renewal) is waited on, never started again."""
         client = self.client
-        live = await asyncio.to_thread(client.start_async)
-        if live is not None:
-            await asyncio.to_thread(live.wait, timeout)
-        if not client.connected:
+        try:
+            if client is not self._started:
+                self._started = client
+                self._live.clear()
+                await asyncio.to_thread(client.start_async)
+            await asyncio.to_thread(self._live.wait, timeout)
+        except BaseException:  # cancelled, or kazoo failed: nothing half-started stays ours
+            self._give_up(client)
+            raise
+        with self._lock:  # kazoo's SUSPENDED or LOST said meanwhile is never overridden
+            connected = client is self.client and client.connected and self._live.is_set()
+        if not connected:
             self._give_up(client)
             raise CallTimeout(f"ZooKeeper {self.hosts}: not connected within {timeout:g} s")
-        # kazoo may return before its listener said CONNECTED; a first connection is not
-        # missed, and a later SUSPENDED or LOST (already said) is never overridden.
-        if self.state is SessionState.CONNECTING and client is self.client:
-            self._set_state(SessionState.CONNECTED)
 
     def _give_up(self, client: Any) -> None:
-        """Stop ``client`` on a daemon thread, never waited on; with a factory, a fresh client
-        (same listeners, same watches wanted) takes its place for the next try."""
-        _stopping(client)
+        """Take ``client`` out of use: with a factory, a fresh client (same listeners, same
+        watches wanted) takes its place for the next try, and the session is said LOST if it
+        had been connected; the client given up is stopped on a daemon thread, never waited
+        on."""
+        lost = injected = False
         with self._lock:
-            if self._factory is None or self.client is not client or self._stopped:
-                return
-            self.client = self._factory()
-            self._closed_scopes.clear()
-            if self._watches:
-                self._fresh = self.client  # armed again once it connects
-        self._adopt(self.client)
+            if self._factory is not None and self.client is client and not self._stopped:
+                self.client = self._factory()
+                self._closed_scopes.clear()
+                self._live.clear()
+                if self._suspended_timer is not None:
+                    self._suspended_timer.cancel()
+                    self._suspended_timer = None
+                if self._watches:
+                    self._fresh = self.client  # armed again once it connects
+                lost = self.state is not SessionState.CONNECTING
+                if lost:
+                    self.state = SessionState.LOST
+                fresh: Any = self.client
+            else:
+                fresh = None
+                injected = self._factory is None and self.client is client
+                if injected:  # no factory (a test's client): stopped, to be started again
+                    self._started = None
+                    self._live.clear()
+        if fresh is None and injected:
+            with contextlib.suppress(Exception):
+                client.stop()
+            return
+        if fresh is not None:
+            self._adopt(fresh)
+        _stopping(client)  # after the swap: what it says now is no longer ours
+        if lost:
+            self._tell(SessionState.LOST)
 
     async def connect(
         self,
@@ -391,7 +431,11 @@ class Session:
             try:
                 await self.start(attempt_timeout)
                 if then is not None:
-                    await asyncio.to_thread(then)
+                    try:
+                        await asyncio.to_thread(then)
+                    except Exception:  # the session dropped meanwhile: the next try, afresh
+                        self._give_up(self.client)
+                        raise
                 return
             except Exception as exc:  # kazoo raises its own timeout types
                 if on_retry is not None:
@@ -402,6 +446,7 @@ class Session:
 
     def start_background(self) -> None:
         """Start without waiting; kazoo keeps (re)connecting by ``connection_retry``."""
+        self._started = self.client
         self.client.start_async()
 
     async def stop(self) -> None:
@@ -502,18 +547,19 @@ class Session:
         client_id = self.client.client_id
         return int(client_id[0]) if client_id else None
 
-    def own(self, path: str, data: bytes) -> None:
+    def own(self, path: str, data: bytes, *, makepath: bool = False) -> None:
         """Write an ephemeral znode that this session owns: set it if it is ours, replace it if
         another session holds it (a previous process whose session has not expired yet:
         ZooKeeper would delete the znode, our data with it, when that session expires), create it
-        if absent."""
+        if absent (with its missing parents if ``makepath``: a folder the operator's sweep
+        removed as empty just before)."""
         stat = self.client.exists(path)
         if stat is not None and stat.ephemeralOwner == self.session_id:
             self.client.set(path, data)
             return
         acl = self._acl(path)
         if stat is None:
-            self.client.create(path, data, acl=acl, ephemeral=True)
+            self.client.create(path, data, acl=acl, ephemeral=True, makepath=makepath)
             return
         # Replaced in one transaction: nobody reading the group sees the member without it.
         transaction = self.client.transaction()
@@ -741,8 +787,13 @@ def _stopping(client: Any) -> threading.Thread:
     def stop() -> None:
         with contextlib.suppress(Exception):
             client.stop()
+        with contextlib.suppress(Exception):
             client.close()
 
+    # kazoo's handler stops itself at exit too (atexit), taking a lock a stuck stop holds: the
+    # process's exit would wait on it
+    with contextlib.suppress(Exception):
+        atexit.unregister(client.handler.stop)
     thread = threading.Thread(target=stop, daemon=True, name="zookeeper-stop")
     thread.start()
     return thread

@@ -216,6 +216,30 @@ async def test_connect_retries_when_the_first_step_after_connecting_fails() -> N
     assert len(attempts) == 2
 
 
+async def test_a_try_whose_next_step_failed_goes_on_with_a_fresh_client_the_old_one_lost() -> None:
+    """The second reader of issue 31: a try whose ``then`` failed (the session dropped just
+    after connecting) went on with the same, running client, and kazoo's ``start_async`` on a
+    running client that is not live joins its thread for ever. Now that client is given up and
+    said LOST, and the next try starts a fresh one; no client is started twice."""
+    clients = [FakeKazoo(), FakeKazoo()]
+    fresh = iter(clients[1:])
+    s = Session("zk:2181", client=clients[0], client_factory=lambda: next(fresh))
+    seen: list[SessionState] = []
+    s.add_listener(seen.append)
+    used: list[Any] = []
+
+    def then() -> None:
+        used.append(s.client)
+        if len(used) == 1:
+            raise ConnectionLoss()
+
+    await s.connect(attempt_timeout=0.05, pause=0.01, then=then, on_retry=lambda exc: None)
+    assert used == clients
+    assert [c.starts for c in clients] == [1, 1]
+    assert seen == [SessionState.CONNECTED, SessionState.LOST, SessionState.CONNECTED]
+    assert s.connected
+
+
 # --------------------------------------------------------------------------- the PDGroup store
 def _report(name: str) -> zl.Report:
     return zl.Report(

@@ -553,31 +553,50 @@ async def test_a_prefill_that_answers_503_is_passed_over_for_its_retry_after() -
     await forwarder.close()
 
 
-async def test_a_freed_slot_wakes_the_oldest_waiter_that_may_use_it_and_no_other() -> None:
+async def test_a_freed_slot_wakes_the_first_waiter_in_line_that_may_use_it_and_no_other() -> None:
     """Issue 31: every entrance busy, requests wait in line; a slot freed wakes one waiter,
-    the oldest of those whose prefills include the freed one (before: every waiter woke and
-    all tried for the one slot)."""
+    the first in line of those whose prefills include the freed one (before: every waiter woke
+    and all tried for the one slot). A request keeps its place between waits; a wake that
+    reaches a waiter as it is cancelled goes on to the next."""
     forwarder = _forwarder()
-    forwarder.holding = {"p-0": 3, "p-1": 1}
-    woke: list[str] = []
+    forwarder.holding = {"p-0": 4, "p-1": 1}
+    line = {
+        name: forwarder.join_line(frozenset(instances))
+        for name, instances in [
+            ("a", {"p-1"}),
+            ("b", {"p-0", "p-1"}),
+            ("c", {"p-0"}),
+            ("d", {"p-0"}),
+        ]
+    }
+    woke: list[tuple[str, str | None]] = []
 
-    async def wait(name: str, *instances: str) -> None:
-        if await forwarder.wait_for_slot(frozenset(instances), 0.3):
-            woke.append(name)
+    async def wait(name: str, timeout: float = 0.3) -> None:
+        woke.append((name, await forwarder.wait_for_slot(line[name], timeout)))
 
-    line = [("a", ("p-1",)), ("b", ("p-0", "p-1")), ("c", ("p-0",)), ("d", ("p-0",))]
-    waiters = [asyncio.create_task(wait(name, *instances)) for name, instances in line]
-    await asyncio.sleep(0.01)  # all four in line, in that order
+    waiters = {name: asyncio.create_task(wait(name)) for name in line}
+    await asyncio.sleep(0.01)
     forwarder.release_slot("p-0")
     await asyncio.sleep(0.01)
-    assert woke == ["b"]  # a may not use p-0; b came before c and d
+    assert woke == [("b", "p-0")]  # a may not use p-0; b is before c and d
+    # b tries, finds nothing, waits again: it keeps its place before c and d
+    waiters["b"] = asyncio.create_task(wait("b"))
+    await asyncio.sleep(0.01)
     forwarder.release_slot("p-0")
+    await asyncio.sleep(0.01)
+    assert woke[1:] == [("b", "p-0")]
+    # a wake reaching a waiter being cancelled goes on to the next in line
+    forwarder.release_slot("p-0")  # wakes c ...
+    waiters["c"].cancel()  # ... whose client is gone before it ran
+    await asyncio.sleep(0.01)
+    assert ("d", "p-0") in woke
     forwarder.release_slot("p-1")
     await asyncio.sleep(0.01)
-    assert woke == ["b", "c", "a"]
+    assert ("a", "p-1") in woke
     assert forwarder.holding == {"p-0": 1, "p-1": 0}
-    await asyncio.gather(*waiters)  # d times out
-    assert woke == ["b", "c", "a"]
-    assert not forwarder.waiting  # nobody left in line: the one that timed out went too
+    await asyncio.gather(*waiters.values(), return_exceptions=True)
+    for waiter in line.values():
+        forwarder.leave_line(waiter)
+    assert not forwarder.waiting
     forwarder.release_slot("p-0")  # nobody waits: nothing to wake, nothing breaks
     assert forwarder.holding["p-0"] == 0

@@ -719,15 +719,31 @@ def test_a_group_in_its_first_setup_is_setting_up_not_degraded() -> None:
     plan = pdgroup.plan(no_decode)
     cond = {c.type: c for c in plan.conditions}
     assert (cond["Degraded"].status, cond["Degraded"].reason) == (True, "NoServingDecode")
-    # a prefill lost after it served: Ready=False says Recovering, not SettingUp (issue 31)
+    # a prefill lost after it served: Ready=False says Recovering, not SettingUp (issue 31),
+    # and goes on saying it until the group is Ready again
+    serving = pdgroup.plan(view(spec(), pods, formed))
+    assert serving.ready
     no_prefill = dataclasses.replace(
         had_served,
+        previous=serving.status,
         zk=dataclasses.replace(
-            setting_up, health={n: h for n, h in formed.health.items() if n != "g-p-1"}
+            formed, health={n: h for n, h in formed.health.items() if n != "g-p-1"}
         ),
     )
-    cond = {c.type: c for c in pdgroup.plan(no_prefill).conditions}
+    lost = pdgroup.plan(no_prefill)
+    cond = {c.type: c for c in lost.conditions}
     assert (cond["Ready"].status, cond["Ready"].reason) == (False, "Recovering")
+    ready = {"type": "Ready", "status": "False", "reason": "Recovering"}
+    later = dataclasses.replace(no_prefill, previous={**lost.status, "conditions": [ready]})
+    cond = {c.type: c for c in pdgroup.plan(later).conditions}
+    assert cond["Ready"].reason == "Recovering"
+    # a scale-out of a group that serves sets up: nothing it had is lost
+    scaled = dataclasses.replace(
+        group_view(spec(d=2), view(spec(d=2), pods, formed).pods, formed, 10.0),
+        previous=serving.status,
+    )
+    cond = {c.type: c for c in pdgroup.plan(scaled).conditions}
+    assert (cond["Ready"].status, cond["Ready"].reason) == (False, "SettingUp")
     # next pass: entrances closed and listed nowhere, but Degraded is in the last status
     degraded = {"type": "Degraded", "status": "True", "reason": "NoServingDecode"}
     later = dataclasses.replace(no_decode, previous={"conditions": [degraded]})

@@ -614,7 +614,9 @@ class Resident:
 
         def write() -> None:
             self.zk.ensure(self.fork_source_path.rsplit("/", 1)[0])
-            self.zk.own(self.fork_source_path, source.dump())
+            # makepath too: the operator's sweep prunes a key's folder once it is empty, which
+            # it may be between the two calls
+            self.zk.own(self.fork_source_path, source.dump(), makepath=True)
 
         await self.zk.run(write)
 

@@ -58,14 +58,20 @@ class WarmStore:
 
     async def delete_namespace(self, namespace: str) -> bool:
         """Remove the namespace's warm folder (reports, assignments, DRAM plans); True if it
-        went. A warm engine reporting meanwhile keeps it (the next sweep tries again)."""
+        went. Not while one of its pools watches it (a pool created after the sweep listed the
+        pools: its watch on the folder would end with it): the watch is armed under the same
+        lock, so it is either seen here or armed after the folder went (and then waits for it).
+        A report made during the deletion keeps the folder (the next sweep tries again)."""
         path = zl.WarmPaths(namespace).root
 
         def delete() -> bool:
-            try:
-                return self.session.delete(path, recursive=True)
-            except NotEmptyError:
-                return False
+            with self._lock:
+                if namespace in self._watched:
+                    return False
+                try:
+                    return self.session.delete(path, recursive=True)
+                except NotEmptyError:
+                    return False
 
         return await self.session.run(delete)
 

@@ -1,8 +1,9 @@
 """On-demand forwarding with rejection (P/D-Serve §3.5), the gateway's side: try the scenario's
 prefill entrances in the policy's order; a 429 from a prefill means "busy, try the next"; when
 every entrance rejected, wait for a slot this gateway holds to be released (or a short pause) and
-try again (waiters in line: each freed slot wakes the oldest request that may use it), until the TTFT budget is spent, then give the reason. The budget is the request's own
-threshold by its prompt's length (§2.2.2).
+try again (waiters in line: each freed slot wakes the first request in line that may use it),
+until the TTFT budget is spent, then give the reason. The budget is the request's own threshold
+by its prompt's length (§2.2.2).
 
 The policy (:class:`matrixserve.domain.forwarding.ForwardingPolicy`) says the order, whether it
 commits to one choice, what it asks a busy prefill to do, whether prefills whose slots this
@@ -85,9 +86,7 @@ class Forwarder:
         self.holding: dict[str, int] = {}  # accepted, KV not yet pulled by a decode, per prefill
         # Requests waiting for a slot, oldest first, each with the prefills it may use: a slot
         # freed wakes the oldest waiter that may use it, one per slot (issue 31)
-        self.waiting: collections.deque[tuple[asyncio.Future[None], frozenset[str]]] = (
-            collections.deque()
-        )
+        self.waiting: collections.deque[_Waiter] = collections.deque()
         self.last_accepted: dict[str, str] = {}  # per scenario
         self.reported: dict[str, int] = {}  # the prefills' last queue reports
         self.failing: dict[str, float] = {}  # passed over until (monotonic s), per prefill
@@ -153,8 +152,9 @@ class Forwarder:
         raises :class:`BadRequest` if it refused the request itself (final: every prefill
         would). The answer is waited for at most the ``remaining`` budget (wall s) and the
         answer deadline (an engine answers at admission): a prefill that neither accepts nor
-        rejects in time (hung, overloaded) is passed over, never waited on past either; so is one that cannot be reached or answers an unexpected status
-        (for :data:`PASSED_OVER_SECONDS`), and one that answers 503 (for its Retry-After)."""
+        rejects in time (hung, overloaded) is passed over, never waited on past either; so is
+        one that cannot be reached or answers an unexpected status (for
+        :data:`PASSED_OVER_SECONDS`), and one that answers 503 (for its Retry-After)."""
         assert self.engines is not None
         began = time.monotonic()
         try:
@@ -277,91 +277,125 @@ class Forwarder:
                 + ")"
             )
 
-        while True:
-            entrances = [e for g in routes for e in g.entrances]
-            slots = {e.instance: g.prefill_batch for g in routes for e in g.entrances}
-            if not entrances:
-                return f"scenario {scenario!r} has no prefill entrance open"
-            now = time.monotonic()
-            awake = [e for e in entrances if self.resting.get(e.instance, 0.0) <= now]
-            if not awake:  # every one answered 503: wait for the first back, if in the budget
-                back = min(self.resting[e.instance] for e in entrances) - now
-                if back >= wall_budget - (now - started):
-                    return (
-                        f"every prefill of scenario {scenario!r} is unavailable (503) for "
-                        f"{back:.1f} s more"
+        waiter: _Waiter | None = None
+        try:
+            while True:
+                entrances = [e for g in routes for e in g.entrances]
+                slots = {e.instance: g.prefill_batch for g in routes for e in g.entrances}
+                if not entrances:
+                    return f"scenario {scenario!r} has no prefill entrance open"
+                now = time.monotonic()
+                awake = [e for e in entrances if self.resting.get(e.instance, 0.0) <= now]
+                if not awake:  # every one answered 503: wait for the first back, if in the budget
+                    back = min(self.resting[e.instance] for e in entrances) - now
+                    if back >= wall_budget - (now - started):
+                        return (
+                            f"every prefill of scenario {scenario!r} is unavailable (503) for "
+                            f"{back:.1f} s more"
+                        )
+                    await asyncio.sleep(back)
+                    continue
+                entrances = [e for e in awake if self.failing.get(e.instance, 0.0) <= now] or awake
+                loads = Loads(
+                    self.open,
+                    self.prefilling,
+                    self.reported,
+                    self.last_accepted.get(scenario),
+                    next(self.turns),
+                )
+                for entrance in policy.choices(entrances, loads):
+                    if (
+                        policy.skips_held
+                        and self.holding.get(entrance.instance, 0) >= slots[entrance.instance]
+                    ):
+                        continue  # every slot it has is held by this gateway's requests: skip the try
+                    remaining = wall_budget - (time.monotonic() - started)
+                    if remaining <= 0:
+                        return spent()
+                    body = generate_body(
+                        request_id,
+                        prompt.text if prompt.text is not None else prompt.tokens,
+                        completion.max_tokens,
+                        TtftBudget.from_wall_seconds(remaining, self.config.time_scale),
+                        policy.admission,
                     )
-                await asyncio.sleep(back)
-                continue
-            entrances = [e for e in awake if self.failing.get(e.instance, 0.0) <= now] or awake
-            loads = Loads(
-                self.open,
-                self.prefilling,
-                self.reported,
-                self.last_accepted.get(scenario),
-                next(self.turns),
-            )
-            for entrance in policy.choices(entrances, loads):
-                if (
-                    policy.skips_held
-                    and self.holding.get(entrance.instance, 0) >= slots[entrance.instance]
-                ):
-                    continue  # every slot it has is held by this gateway's requests: skip the try
+                    tried += 1
+                    response = await self._try(
+                        entrance, json.dumps(body).encode(), remaining, completion.chat
+                    )
+                    if not isinstance(response, str):
+                        self.last_accepted[scenario] = entrance.instance
+                        self.failing.pop(entrance.instance, None)
+                        return entrance, response
+                    refusals[response] += 1
+                    if self.last_accepted.get(scenario) == entrance.instance:
+                        del self.last_accepted[scenario]  # it is busy: batch forwarding moves on
                 remaining = wall_budget - (time.monotonic() - started)
                 if remaining <= 0:
                     return spent()
-                body = generate_body(
-                    request_id,
-                    prompt.text if prompt.text is not None else prompt.tokens,
-                    completion.max_tokens,
-                    TtftBudget.from_wall_seconds(remaining, self.config.time_scale),
-                    policy.admission,
-                )
-                tried += 1
-                response = await self._try(
-                    entrance, json.dumps(body).encode(), remaining, completion.chat
-                )
-                if not isinstance(response, str):
-                    self.last_accepted[scenario] = entrance.instance
-                    self.failing.pop(entrance.instance, None)
-                    return entrance, response
-                refusals[response] += 1
-                if self.last_accepted.get(scenario) == entrance.instance:
-                    del self.last_accepted[scenario]  # it is busy: batch forwarding moves on
-            remaining = wall_budget - (time.monotonic() - started)
-            if remaining <= 0:
-                return spent()
-            await self.wait_for_slot(
-                frozenset(e.instance for e in entrances), min(remaining, RETRY_PAUSE_SECONDS)
-            )
+                instances = frozenset(e.instance for e in entrances)
+                if waiter is None:  # in line from its first wait to its end, in arrival order
+                    waiter = self.join_line(instances)
+                waiter.instances = instances  # the routes may change between rounds
+                await self.wait_for_slot(waiter, min(remaining, RETRY_PAUSE_SECONDS))
+        finally:
+            if waiter is not None:
+                self.leave_line(waiter)
 
-    async def wait_for_slot(self, instances: frozenset[str], timeout: float) -> bool:
-        """Wait in line for a slot of one of ``instances`` this gateway holds to be freed, at
-        most ``timeout`` (wall s: other gateways' requests free slots this one cannot see).
-        True if a freed slot woke this waiter."""
-        woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (woken, instances)
-        self.waiting.append(entry)
+    def join_line(self, instances: frozenset[str]) -> _Waiter:
+        """A request waiting for a slot of one of ``instances`` takes its place in line (at the
+        end) until :meth:`leave_line`: between waits it keeps its place."""
+        waiter = _Waiter(instances)
+        self.waiting.append(waiter)
+        return waiter
+
+    def leave_line(self, waiter: _Waiter) -> None:
+        with contextlib.suppress(ValueError):
+            self.waiting.remove(waiter)
+
+    async def wait_for_slot(self, waiter: _Waiter, timeout: float) -> str | None:
+        """Wait for a slot this gateway holds of one of ``waiter.instances`` to be freed, at
+        most ``timeout`` (wall s: other gateways' requests free slots this one cannot see):
+        the instance whose slot woke it, or None. A wake that reaches a waiter being cancelled
+        (its client gone) goes on to the next in line."""
+        woken: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        waiter.woken = woken
         try:
             async with asyncio.timeout(timeout):
-                await woken
-            return True
+                return await woken
         except TimeoutError:
-            return False
+            return None
+        except asyncio.CancelledError:
+            if woken.done() and not woken.cancelled():
+                self.wake_next(woken.result())  # not lost: the next may use it
+            raise
         finally:
-            with contextlib.suppress(ValueError):
-                self.waiting.remove(entry)  # timed out or cancelled: out of the line
+            waiter.woken = None
 
     def release_slot(self, instance: str) -> None:
-        """A slot of ``instance`` is free: the oldest waiter that may use it tries again (one
-        waiter per slot; the others keep waiting, rather than all trying for the one slot)."""
+        """A slot of ``instance`` is free: the request first in line that may use it and is
+        waiting tries again (one per slot; the others keep waiting, rather than all trying for
+        the one slot)."""
         self.holding[instance] -= 1
-        for entry in self.waiting:
-            woken, instances = entry
-            if instance in instances and not woken.done():
-                woken.set_result(None)
-                self.waiting.remove(entry)
+        self.wake_next(instance)
+
+    def wake_next(self, instance: str) -> None:
+        for waiter in self.waiting:
+            woken = waiter.woken
+            if instance in waiter.instances and woken is not None and not woken.done():
+                woken.set_result(instance)
                 return
+
+
+class _Waiter:
+    """A request in line for a slot: the prefills it may use, and, while it waits, what wakes
+    it."""
+
+    __slots__ = ("instances", "woken")
+
+    def __init__(self, instances: frozenset[str]) -> None:
+        self.instances = instances
+        self.woken: asyncio.Future[str] | None = None
 
 
 class Flight:

@@ -27,6 +27,7 @@ from matrixserve.handlers.metrics import OperatorMetrics
 from matrixserve.handlers.reconciler import Reconciler
 
 WEBHOOK_CONFIGURATION = kinds.GROUP
+log = logging.getLogger("matrixserve.runtime")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Runtime:
     background: asyncio.Task[None] | None = None
     sweeps: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     sweeping: asyncio.Task[None] | None = None
+    sweep_again: bool = False
     ticker: asyncio.Task[None] | None = None
 
     @property
@@ -96,13 +98,23 @@ class Runtime:
         self.sweeps.append(sweep)
 
     def sweep(self) -> None:
-        """Start the kinds' sweeps, one after another (not again while they run)."""
+        """Start the kinds' sweeps, one after another; asked while they run, they run once more
+        after (a new session's sweep is never dropped)."""
         if self.sweeping is None or self.sweeping.done():
             self.sweeping = self.loop.create_task(self._sweep_all())
+        else:
+            self.sweep_again = True
 
     async def _sweep_all(self) -> None:
-        for sweep in list(self.sweeps):
-            await sweep()
+        while True:
+            self.sweep_again = False
+            for sweep in list(self.sweeps):
+                try:
+                    await sweep()
+                except Exception:  # one kind's failure never skips the others' sweeps
+                    log.exception("a sweep failed")
+            if not self.sweep_again:
+                return
 
     async def sweep_periodically(self) -> None:
         while True:

@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from matrixserve.adapters.zk_warm import WarmStore
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
-from matrixserve.api.resources import WarmPoolSpec, field_errors
+from matrixserve.api.resources import RefillPolicy, WarmPoolSpec, field_errors
 from matrixserve.domain import warmpool as wp
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.warmpool import cleanup, dram
@@ -108,14 +108,18 @@ async def sweep(pools: WarmPools) -> None:
             if ns not in with_pools
             and await pools.rt.kube.list_pods(ns, {}, (kinds.LABEL_WARMPOOL,))
         ]
-        for namespace in cleanup.orphans(in_zookeeper, with_pools, with_pods):
+    except Exception as exc:  # retried on the next sweep
+        log.warning("sweep of warm folders failed: %s", exc)
+        return
+    for namespace in cleanup.orphans(in_zookeeper, with_pools, with_pods):
+        try:
             if await pools.store.delete_namespace(namespace):
                 log.info(
                     "swept the warm folder of namespace %s: no WarmPool and no pool pod left",
                     namespace,
                 )
-    except Exception as exc:  # retried on the next sweep
-        log.warning("sweep of warm folders failed: %s", exc)
+        except Exception as exc:  # that namespace's (not ours: NoAuth), the others go on
+            log.warning("sweep of the warm folder of namespace %s failed: %s", namespace, exc)
 
 
 def pools_of(memo: kopf.Memo) -> WarmPools:
@@ -219,6 +223,11 @@ def problems(name: str, spec: WarmPoolSpec) -> list[str]:
             out.append(f"spec.shapes[{i}]: its name {shape!r} is no DNS label: give it a name")
         if len(s.npu_type) > 63 or not LABEL_VALUE.fullmatch(s.npu_type):
             out.append(f"spec.shapes[{i}].npuType: {s.npu_type!r} is no label value")
+    if spec.refill_policy is RefillPolicy.SCHEDULED:  # the CRD's rule (issue 31)
+        out.append(
+            "spec.refillPolicy: Scheduled is not implemented (there is no schedule to refill "
+            "by): use Immediate (refill at once) or Manual (refill on a new generation)"
+        )
     for i, entry in enumerate(spec.dram_preload):
         if dram.model_bytes(entry.model) is None:
             out.append(

@@ -274,6 +274,17 @@ def derive(
         or conditions_find(view.previous, "Degraded").get("status") == "True"
     )
     no_decode = opened and bool(members_d) and not (serving & set(members_d))
+    # Recovering (issue 31), not SettingUp: an instance that served (the last status says so)
+    # and is wanted serves no more, until the group is Ready again; a scale-out sets up
+    was_serving = {
+        str(i.get("name"))
+        for i in view.previous.get("instances") or []
+        if isinstance(i, dict) and i.get("state") == "Serving"
+    }
+    recovering_now = opened and (
+        bool((was_serving & set(desired)) - serving)
+        or conditions_find(view.previous, "Ready").get("reason") == "Recovering"
+    )
     degraded = opened and (bool(unhealthy) or no_decode)
     if no_decode:
         why_degraded = ("NoServingDecode", "no decode instance serves: the entrances are closed")
@@ -319,8 +330,7 @@ def derive(
                 else (
                     "NoServingDecode"
                     if no_decode
-                    # a group that has served is recovering, not setting up (issue 31)
-                    else stuck_reason or ("Recovering" if opened else "SettingUp")
+                    else stuck_reason or ("Recovering" if recovering_now else "SettingUp")
                 )
             ),
             "every instance serving, links verified, prefills open"
