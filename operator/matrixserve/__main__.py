@@ -20,6 +20,7 @@ from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.scaleout import Path as ScalePath
 from matrixserve.handlers import (
     pdgroup,  # registers the PDGroup handlers
+    unserved,  # noqa: F401  (ExpertPool, DPDomain: their objects say no controller runs them)
     warmpool,  # registers the WarmPool handlers
 )
 from matrixserve.handlers import runtime as _runtime

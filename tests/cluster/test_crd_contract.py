@@ -268,6 +268,31 @@ CEL_RULES = [
         "spec.moe",
         "Disaggregated needs dpDomainRef and expertPoolRef",
     ),
+    # issue 31: fields accepted and read by nothing before, refused saying what works
+    (
+        {"spec.moe": {"mode": "Colocated"}},
+        "spec.moe",
+        "MoE placement has no controller yet (ExpertPool and DPDomain come in later issues): "
+        "remove spec.moe; an MoE model's experts then run inside each instance (parallelism.ep)",
+    ),
+    (
+        {"spec.model.prefillArtifact": "s3://bucket/prefill.om"},
+        "spec.model.prefillArtifact",
+        "per-role compiled artefacts are not supported yet: every engine loads model.name and "
+        "compiles it itself; remove the field",
+    ),
+    (
+        {"spec.model.decodeArtifact": "s3://bucket/decode.om"},
+        "spec.model.decodeArtifact",
+        "per-role compiled artefacts are not supported yet: every engine loads model.name and "
+        "compiles it itself; remove the field",
+    ),
+    (
+        {"spec.decode.parallelism": {"tp": 2, "dp": 4}},
+        "spec.decode.parallelism.dp",
+        "4 is not what runs: an instance's data-parallel degree is its 4 dies / tp 2 = 2 (leave "
+        "dp out, or set it to that)",
+    ),
 ]
 
 
@@ -322,3 +347,31 @@ def test_a_rule_only_the_operator_can_judge_passes_the_api_server(
     )
     _, errors = parse_spec(created["spec"], "chat-g0")
     assert any("of weights do not fit 2 NPUs" in e for e in errors), errors
+
+
+@pytest.mark.skipif(tools.legacy(), reason="CEL validation rules are 1.29+ (not on 1.20)")
+def test_a_warm_pool_refilled_on_a_schedule_is_refused_saying_what_works(
+    api_client: client.ApiClient, crds_installed: list[str], namespace: str
+) -> None:
+    """Issue 31: ``refillPolicy: Scheduled`` was accepted and acted as Immediate. The API
+    server refuses it, in the words the WarmPool controller's own check uses."""
+    from matrixserve.api.resources import WarmPoolSpec
+    from matrixserve.handlers.warmpool import problems
+
+    body = load(CRDS / "samples" / "warmpool.yaml")
+    body["spec"]["refillPolicy"] = "Scheduled"
+    wp = kinds.WARMPOOL
+    custom = client.CustomObjectsApi(api_client)
+    with pytest.raises(client.ApiException) as rejected:
+        custom.create_namespaced_custom_object(wp.group, wp.version, namespace, wp.plural, body)
+    assert rejected.value.status == 422
+    message = str(json.loads(rejected.value.body)["message"])
+    words = (
+        "Scheduled is not implemented (there is no schedule to refill by): use Immediate "
+        "(refill at once) or Manual (refill on a new generation)"
+    )
+    assert f"spec.refillPolicy: Invalid value: {words}" in message, message
+    spec = WarmPoolSpec.model_validate(body["spec"])
+    assert f"spec.refillPolicy: {words}" in problems(body["metadata"]["name"], spec)
+    body["spec"]["refillPolicy"] = "Manual"  # what works is accepted
+    custom.create_namespaced_custom_object(wp.group, wp.version, namespace, wp.plural, body)

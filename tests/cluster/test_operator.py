@@ -294,3 +294,43 @@ def test_without_zookeeper_the_operator_plans_nothing_destructive(
         "a pod was deleted without coordination"
     )
     assert groups.get("g")["status"].get("roceMapVersion", 0) == 0
+
+
+def test_an_expert_pool_or_dp_domain_says_no_controller_runs_it(
+    namespace: str, api_client: client.ApiClient, start_operator: Callable[..., Any]
+) -> None:
+    """Issue 31: an ExpertPool or DPDomain was accepted and nothing said that nothing runs it.
+    Each says so in its status (Ready=False, NoController) and in a Warning Event; a new
+    generation is said again, and nothing is created for it."""
+    from helpers import CRDS, load
+    from matrixserve.api import kinds
+
+    start_operator(namespace, webhook=False)
+    custom = client.CustomObjectsApi(api_client)
+    core = client.CoreV1Api(api_client)
+    for kind, sample in ((kinds.EXPERTPOOL, "expertpool"), (kinds.DPDOMAIN, "dpdomain")):
+        body = load(CRDS / "samples" / f"{sample}.yaml")
+        name = body["metadata"]["name"]
+        where = (kind.group, kind.version, namespace, kind.plural)
+        custom.create_namespaced_custom_object(*where, body)
+
+        def ready(generation: int) -> dict[str, Any] | None:
+            obj = custom.get_namespaced_custom_object(*where, name)  # noqa: B023
+            status = obj.get("status") or {}
+            found = next((c for c in status.get("conditions") or [] if c["type"] == "Ready"), None)
+            if status.get("observedGeneration") != generation or found is None:
+                return None
+            return dict(found)
+
+        said = wait_for(lambda: ready(1), 30, f"{kind.kind} Ready=False NoController")
+        assert (said["status"], said["reason"]) == ("False", "NoController")
+        assert f"no controller runs {kind.kind} objects" in said["message"]
+        wait_for(
+            lambda: "NoController" in [e.reason for e in events_of(core, namespace, name)],  # noqa: B023
+            30,
+            f"the {kind.kind}'s NoController Event",
+        )
+        # a new generation (a scale: the subresource the CRD declares) is said again
+        custom.patch_namespaced_custom_object_scale(*where, name, {"spec": {"replicas": 3}})
+        wait_for(lambda: ready(2), 30, f"{kind.kind} said at its new generation")
+    assert not core.list_namespaced_pod(namespace).items  # nothing runs for them

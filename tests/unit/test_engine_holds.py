@@ -244,6 +244,7 @@ async def test_the_gauges_read_zero_once_the_batch_and_slots_empty() -> None:
         ("ENGINE_MAX_BATCH", "--max-batch"),
         ("ENGINE_LINK_TIMEOUT", "--link-timeout"),
         ("ENGINE_HEALTH_INTERVAL", "--health-interval"),
+        ("ENGINE_TPOT_SLO_MS", "--tpot-slo-ms"),
     ],
 )
 def test_a_bad_number_in_the_environment_exits_2_naming_its_flag(
@@ -262,3 +263,41 @@ def test_numbers_from_the_environment_still_count(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("ENGINE_MAX_BATCH", "3")
     config = _config()
     assert (config.port, config.max_batch) == (8123, 3)
+
+
+# --------------------------------------------------------------------------- issue 31: TPOT SLO
+def test_a_decode_admits_only_while_its_modelled_step_meets_the_tpot_slo() -> None:
+    """``slo.tpotMilliseconds`` was accepted and ignored. CloudMatrix-Infer §5.2 chooses the
+    decode batch to meet the TPOT SLO: with an SLO, a decode refuses (429, saying why) a request
+    whose batch would step slower than the SLO, never the first of an empty batch; without one,
+    only the batch size limits."""
+    from enginestub import timing
+
+    free = _engine("--role", "decode", "--max-batch", "64")
+    model, shape = free.config.model, free.config.shape
+    tokens = 2048 + 256
+
+    def step_ms(n: int) -> float:
+        return timing.tpot(model, shape, n / shape.npus, tokens) * 1000
+
+    fits = next(n for n in range(1, 64) if step_ms(n + 1) > step_ms(1) * 1.5)
+    slo = (step_ms(fits) + step_ms(fits + 1)) / 2  # between a batch of `fits` and one more
+    engine = _engine("--role", "decode", "--max-batch", "64", "--tpot-slo-ms", f"{slo}")
+    holds = [engine.batch.admit(tokens) for _ in range(fits)]
+    with pytest.raises(EngineError) as refused:
+        engine.batch.admit(tokens)
+    assert refused.value.status == 429
+    assert f"decode TPOT SLO: a batch of {fits + 1} would step in" in refused.value.message
+    assert len(engine.batch.places) == fits  # the refused one took nothing
+    holds.pop().release()
+    holds.append(engine.batch.admit(tokens))  # a place freed: room again
+    # a request that alone would miss the SLO is still served, one at a time
+    lone = _engine("--role", "decode", "--max-batch", "64", "--tpot-slo-ms", "0.001")
+    first = lone.batch.admit(tokens)
+    with pytest.raises(EngineError):
+        lone.batch.admit(tokens)
+    first.release()
+    # no SLO: the batch size alone
+    assert len([free.batch.admit(tokens) for _ in range(fits + 1)]) == fits + 1
+    for hold in holds:
+        hold.release()

@@ -101,6 +101,7 @@ def test_a_group_needs_at_least_one_prefill_and_one_decode(role: str) -> None:
         ("prefill.image", "matrixserve/engine-stub:0.2.0"),
         ("decode.image", "matrixserve/engine-stub:0.2.0"),
         ("moe", {"mode": "Colocated"}),
+        ("slo.tpotMilliseconds", 40),  # the decodes' batch meets it (issue 31)
         ("warmPoolRef", {"name": "pool"}),
     ],
 )
@@ -216,11 +217,14 @@ def test_each_pod_carries_the_template_of_its_role() -> None:
         stamped = manifest["metadata"]["annotations"][ANNOTATION_TEMPLATE]
         assert stamped == stamp(spec, role_label(role))
         template = json.loads(stamped)
-        assert set(template) == {"model", role_label(role), "moe", "warmPoolRef"}
+        assert set(template) == {"model", role_label(role), "moe", "slo", "warmPoolRef"}
+        assert template["slo"] == {"tpotMilliseconds": None}  # the TTFT SLO is the gateway's
         assert "replicas" not in template[role_label(role)]
         assert template[role_label(role)]["image"] == manifest["spec"]["containers"][0]["image"]
     # Stable: equal specs, equal strings; replicas and the mutable fields do not enter it.
-    other = parsed(changed("service", "x", changed("decode.replicas", 5)))
+    other = parsed(
+        changed("slo.ttftMilliseconds", 500, changed("service", "x", changed("decode.replicas", 5)))
+    )
     assert stamp(other, "decode") == stamp(spec, "decode")
     assert stamp(parsed(changed("decode.image", "x:2")), "decode") != stamp(spec, "decode")
 
@@ -406,3 +410,54 @@ async def test_reconcile_refuses_a_template_change_and_touches_nothing() -> None
     assert errors == []
     views = await api.kube.list_pods("ns", {kinds.LABEL_GROUP: "g"})
     assert running_template_changes(spec, views.values()) == []
+
+
+# --------------------------------------------------------------------------- issue 31
+@pytest.mark.parametrize(
+    ("path", "value", "words"),
+    [
+        (
+            "moe",
+            {"mode": "Colocated"},
+            "spec.moe: MoE placement has no controller yet (ExpertPool and DPDomain come in "
+            "later issues): remove spec.moe; an MoE model's experts then run inside each "
+            "instance (parallelism.ep)",
+        ),
+        (
+            "model.prefillArtifact",
+            "s3://bucket/prefill.om",
+            "spec.model.prefillArtifact: per-role compiled artefacts are not supported yet: every "
+            "engine loads model.name and compiles it itself; remove the field",
+        ),
+        (
+            "model.decodeArtifact",
+            "s3://bucket/decode.om",
+            "spec.model.decodeArtifact: per-role compiled artefacts are not supported yet: every "
+            "engine loads model.name and compiles it itself; remove the field",
+        ),
+        (
+            "prefill.parallelism",
+            {"dp": 2},
+            "spec.prefill.parallelism.dp: 2 is not what runs: an instance's data-parallel degree "
+            "is its 4 dies / tp 4 = 1 (leave dp out, or set it to that)",
+        ),
+        (
+            "decode.parallelism",
+            {"tp": 2, "dp": 4},
+            "spec.decode.parallelism.dp: 4 is not what runs: an instance's data-parallel degree "
+            "is its 4 dies / tp 2 = 2 (leave dp out, or set it to that)",
+        ),
+    ],
+)
+def test_a_field_nothing_reads_is_refused_saying_what_works(
+    path: str, value: Any, words: str
+) -> None:
+    """Issue 31: these were accepted and read by nothing; now each is refused (by the CRD's CEL
+    rule, in these words; by the webhook and the reconciler where the API server did not)."""
+    errors = validate_pdgroup(parsed(changed(path, value)), "g")
+    assert words in errors, errors
+
+
+@pytest.mark.parametrize("parallelism", [{"dp": 1}, {"tp": 2, "dp": 2}, {"tp": 4, "dp": 1}])
+def test_a_dp_that_is_what_runs_is_accepted(parallelism: dict[str, int]) -> None:
+    assert validate_pdgroup(parsed(changed("decode.parallelism", parallelism)), "g") == []

@@ -15,7 +15,7 @@ from fakes import FakeCore, engine_report, pdgroup_spec
 from matrixserve.adapters.kube import KubeAdapter
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
-from matrixserve.api.resources import EngineResources, WarmPoolSpec
+from matrixserve.api.resources import EngineResources, Ref, WarmPoolSpec
 from matrixserve.domain import pdgroup
 from matrixserve.domain import warmpool as wp
 from matrixserve.domain.enginepod import EngineSettings
@@ -649,6 +649,13 @@ def test_a_pool_whose_names_cannot_be_labels_or_models_are_unknown_is_refused() 
         {"shapes": [{"size": 1, "devicesPerPod": 2, "npuType": "A B"}]}
     )
     assert any("npuType" in e for e in problems("wp", odd))
+    # issue 31: Scheduled was accepted and acted as Immediate
+    scheduled = pool_spec(refillPolicy="Scheduled")
+    assert problems("wp", scheduled) == [
+        "spec.refillPolicy: Scheduled is not implemented (there is no schedule to refill by): "
+        "use Immediate (refill at once) or Manual (refill on a new generation)"
+    ]
+    assert problems("wp", pool_spec(refillPolicy="Manual")) == []
 
 
 def test_a_member_that_no_longer_serves_is_no_fork_source() -> None:
@@ -665,3 +672,46 @@ def test_a_member_that_no_longer_serves_is_no_fork_source() -> None:
     (claim,) = warm_or_cold(alive, {"g-p-1": P})
     assert isinstance(claim, ClaimWarmPod)
     assert claim.path == Path.WARM_FORK_UB
+
+
+async def test_a_group_naming_a_warm_pool_claims_only_that_pools_pods() -> None:
+    """Issue 31: ``warmPoolRef`` was accepted and ignored (a claim took any pool's pod of the
+    namespace). A group that names a pool sees only that pool's unclaimed pods; one that names
+    none sees every pool's."""
+    core = FakeCore()
+    for pool in ("a", "b"):
+        core.create_namespaced_pod(
+            "ns", {"metadata": {"name": f"{pool}-two-0", "labels": {kinds.LABEL_WARMPOOL: pool}}}
+        )
+    core.create_namespaced_pod(
+        "ns",
+        {
+            "metadata": {
+                "name": "b-two-1",
+                "labels": {kinds.LABEL_WARMPOOL: "b", kinds.LABEL_CLAIMED_BY: "other"},
+            }
+        },
+    )
+    kube = KubeAdapter.__new__(KubeAdapter)
+    kube.core = core
+    named = group_spec().model_copy(update={"warm_pool_ref": Ref(name="b")})
+    assert sorted(await kube.list_pods("ns", {}, pdgroup.claimable(named))) == ["b-two-0"]
+    assert sorted(await kube.list_pods("ns", {}, pdgroup.claimable(group_spec()))) == [
+        "a-two-0",
+        "b-two-0",
+    ]
+
+
+def test_a_groups_tpot_slo_reaches_its_engines_cold_or_claimed() -> None:
+    """Issue 31: ``slo.tpotMilliseconds`` reaches every instance's engine (a decode's batch
+    meets it): in a cold pod's environment and in a claimed warm pod's assignment."""
+    from matrixserve.api.resources import SLO
+    from matrixserve.domain.pdgroup.pods import engine_env
+
+    spec = group_spec().model_copy(update={"slo": SLO(tpotMilliseconds=50)})
+    for role in (P, D):
+        env = {e["name"]: e["value"] for e in engine_env("ns", "g", role, spec, ENGINE)}
+        assert env["ENGINE_TPOT_SLO_MS"] == "50"
+    without = engine_env("ns", "g", D, group_spec(), ENGINE)
+    assert "ENGINE_TPOT_SLO_MS" not in {e["name"] for e in without}
+    assert "ENGINE_TPOT_SLO_MS" in zl.ASSIGNMENT_ENV  # an assignment may carry it

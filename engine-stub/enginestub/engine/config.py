@@ -65,6 +65,10 @@ class EngineConfig(BaseModel):
     ep: int = Field(default=1, ge=1)
     mtp: bool = False
     max_batch: int = Field(ge=1, le=4096)
+    # Issue 31 (CloudMatrix-Infer §5.2: the decode batch is chosen to meet the TPOT SLO): a
+    # decode admits a request only while the modelled step of the batch with it stays within
+    # this many emulated ms (None: the batch size alone limits)
+    tpot_slo_ms: float | None = Field(default=None, gt=0, le=600000)
     max_prompt_tokens: int = Field(default=32768, ge=1)
     max_output_tokens: int = Field(default=8192, ge=1)
     time_scale: float = Field(default=1.0, gt=0, le=1e6)
@@ -215,6 +219,13 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=env.get("ENGINE_HEALTH_INTERVAL", str(cal.HEALTH_REPORT_INTERVAL_SECONDS)),
     )
+    parser.add_argument(
+        "--tpot-slo-ms",
+        type=_positive,
+        default=env.get("ENGINE_TPOT_SLO_MS") or None,
+        help="a decode admits a request only while its batch's modelled step stays within this "
+        "many emulated ms (the group's slo.tpotMilliseconds; default: no limit but the batch)",
+    )
     parser.add_argument("--link-timeout", type=float, default=env.get("ENGINE_LINK_TIMEOUT", "60"))
     parser.add_argument(
         "--loop-beat-interval",
@@ -288,6 +299,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
             ep=args.ep,
             mtp=args.mtp,
             max_batch=max_batch,
+            tpot_slo_ms=args.tpot_slo_ms,
             max_prompt_tokens=args.max_prompt_tokens,
             max_output_tokens=args.max_output_tokens,
             time_scale=args.time_scale,

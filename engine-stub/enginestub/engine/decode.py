@@ -1,7 +1,9 @@
 """Decode: admission, and the continuous-batching loop (P/D-Serve §3.6).
 
-A decode accepts a request from a prefill if its batch and HBM allow (429 otherwise; a place
-counts from admission, its KV pull included), pulls the KV (:mod:`.kvpull`), and the request
+A decode accepts a request from a prefill if its batch and HBM allow, and the TPOT SLO if the
+group sets one (CloudMatrix-Infer §5.2: the batch is chosen to meet it; a request is refused
+when the modelled step of the batch with it would exceed the SLO, never when the batch is empty)
+(429 otherwise; a place counts from admission, its KV pull included), pulls the KV (:mod:`.kvpull`), and the request
 joins the running batch at the next iteration; it leaves the batch when its stream is closed
 (its last token, or its caller gone: issue 16 finding 5). One step
 emits a token for every running request; the step time is the model's TPOT for the current batch
@@ -67,6 +69,14 @@ class DecodeBatch(Part):
         if limit and len(self.places) >= self.config.max_batch:
             self.metrics.requests.labels(stage="decode", outcome="rejected").inc()
             raise EngineError(429, "rejected", f"decode batch full: {self.config.max_batch}")
+        if limit and self.places and (step := self.step_with(tokens)) is not None:
+            self.metrics.requests.labels(stage="decode", outcome="rejected").inc()
+            raise EngineError(
+                429,
+                "rejected",
+                f"decode TPOT SLO: a batch of {len(self.places) + 1} would step in "
+                f"{step:.1f} ms > {self.config.tpot_slo_ms:g} ms",
+            )
         lease = self.kv.lease(tokens)
         if lease is None:
             self.metrics.requests.labels(stage="decode", outcome="rejected").inc()
@@ -77,6 +87,21 @@ class DecodeBatch(Part):
         self.places.add(hold)
         self.metrics.requests.labels(stage="decode", outcome="accepted").inc()
         return hold
+
+    def step_with(self, tokens: int) -> float | None:
+        """The modelled step (emulated ms) of the batch with one more request of ``tokens``
+        (prompt and output: its context at its end, so the SLO holds to the last token), if
+        it would exceed the TPOT SLO; None if it would not, or there is no SLO. Requests
+        admitted but not running yet count at the new one's size (their KV is being pulled)."""
+        slo = self.config.tpot_slo_ms
+        if slo is None:
+            return None
+        running = [s.kv_tokens + s.remaining for s in (*self.running, *self.joining) if not s.ended]
+        others = max(len(self.places) - len(running), 0)
+        n = len(running) + others + 1
+        mean = (sum(running) + tokens * (others + 1)) / n
+        step = timing.tpot(self.config.model, self.shape, n / self.shape.npus, int(mean)) * 1000
+        return step if step > slo else None
 
     def join(self, seq: Sequence) -> None:
         seq.hold.progressed()

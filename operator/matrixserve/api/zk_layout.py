@@ -636,6 +636,7 @@ ASSIGNMENT_ENV = frozenset(
         "ENGINE_ROLE",
         "ENGINE_MODEL",
         "ENGINE_MAX_BATCH",
+        "ENGINE_TPOT_SLO_MS",
         "ENGINE_MAX_PROMPT_TOKENS",
         "ENGINE_MAX_OUTPUT_TOKENS",
         "ENGINE_TP",

@@ -16,5 +16,15 @@ This package imports only ``matrixserve.api`` and the kind-neutral parts of
 
 from matrixserve.domain.pdgroup.plan import Plan, Seams, plan, spec_pod_names, warm_needed
 from matrixserve.domain.pdgroup.view import GroupView, ZkView
+from matrixserve.domain.pdgroup.warm import claimable
 
-__all__ = ["GroupView", "Plan", "Seams", "ZkView", "plan", "spec_pod_names", "warm_needed"]
+__all__ = [
+    "GroupView",
+    "Plan",
+    "Seams",
+    "ZkView",
+    "claimable",
+    "plan",
+    "spec_pod_names",
+    "warm_needed",
+]

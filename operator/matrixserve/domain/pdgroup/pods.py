@@ -152,6 +152,8 @@ def engine_env(
         {"name": "MATRIXSERVE_GROUP", "value": f"{namespace}/{group}"},
         {"name": "MATRIXSERVE_ZK", "value": settings.zookeeper},
     ]
+    if spec.slo.tpot_milliseconds is not None:  # the decode's batch meets it (issue 31)
+        env.append({"name": "ENGINE_TPOT_SLO_MS", "value": str(spec.slo.tpot_milliseconds)})
     if r.parallelism.tp:
         env.append({"name": "ENGINE_TP", "value": str(r.parallelism.tp)})
     if r.parallelism.ep:

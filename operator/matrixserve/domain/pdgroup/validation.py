@@ -109,6 +109,14 @@ def _role_shape(role: str, r: RoleSpec) -> list[str]:
         errors.append(
             f"spec.{role}.parallelism.tp: {tp} does not divide the instance's {dies} dies"
         )
+    dp = r.parallelism.dp
+    runs = tp or dies  # the engine's tp: the instance's dies when not given
+    if dp is not None and dp * runs != dies:
+        errors.append(
+            f"spec.{role}.parallelism.dp: {dp} is not what runs: an instance's data-parallel "
+            f"degree is its {dies} dies / tp {runs} = {dies // runs} (leave dp out, or set it to "
+            "that)"
+        )
     return errors
 
 
@@ -183,7 +191,26 @@ def schema_rules(spec: PDGroupSpec, name: str) -> list[str]:
         and (moe.dp_domain_ref is None or moe.expert_pool_ref is None)
     ):
         errors.append("spec.moe: Disaggregated needs dpDomainRef and expertPoolRef")
+    # Issue 31: accepted and read by nothing before; refused, saying what works
+    if moe is not None:
+        errors.append(f"spec.moe: {MOE_UNSUPPORTED}")
+    for field, given in (
+        ("prefillArtifact", spec.model.prefill_artifact),
+        ("decodeArtifact", spec.model.decode_artifact),
+    ):
+        if given is not None:
+            errors.append(f"spec.model.{field}: {ARTIFACT_UNSUPPORTED}")
     return errors
+
+
+MOE_UNSUPPORTED = (
+    "MoE placement has no controller yet (ExpertPool and DPDomain come in later issues): "
+    "remove spec.moe; an MoE model's experts then run inside each instance (parallelism.ep)"
+)
+ARTIFACT_UNSUPPORTED = (
+    "per-role compiled artefacts are not supported yet: every engine loads model.name and "
+    "compiles it itself; remove the field"
+)
 
 
 def admission_rules(spec: PDGroupSpec) -> list[str]:
@@ -292,18 +319,21 @@ ANNOTATION_TEMPLATE = f"{kinds.LABEL_PREFIX}/instance-template"
 NOT_ROLLED_OUT = (
     "the operator does not roll out changes to the instance template (model; a role's "
     "devicesPerInstance, podsPerInstance, npuType, parallelism, batchSize, image, resources; "
-    "moe; warmPoolRef) yet: set it back, or create a new PDGroup"
+    "moe; slo.tpotMilliseconds; warmPoolRef) yet: set it back, or create a new PDGroup"
 )
 
 
 def instance_template(spec: PDGroupSpec, role: str) -> dict[str, Any]:
     """What an instance of ``role`` (``prefill`` or ``decode``) is made from, in the spec's shape
-    and JSON names: the model, the role's fields but its replicas, ``moe``, ``warmPoolRef``."""
+    and JSON names: the model, the role's fields but its replicas, ``moe``,
+    ``slo.tpotMilliseconds``, ``warmPoolRef``."""
     r = spec.prefill if role == "prefill" else spec.decode
     return {
         "model": spec.model.model_dump(mode="json", by_alias=True),
         role: r.model_dump(mode="json", by_alias=True, exclude={"replicas"}),
         "moe": None if spec.moe is None else spec.moe.model_dump(mode="json", by_alias=True),
+        # the decodes' batch meets it (ENGINE_TPOT_SLO_MS: issue 31), so it is the instances'
+        "slo": {"tpotMilliseconds": spec.slo.tpot_milliseconds},
         "warmPoolRef": (
             None
             if spec.warm_pool_ref is None

@@ -15,7 +15,7 @@ import statistics
 
 from matrixserve.api import catalog, kinds
 from matrixserve.api import zk_layout as zl
-from matrixserve.api.resources import WarmClaim, WarmTemplate
+from matrixserve.api.resources import PDGroupSpec, WarmClaim, WarmTemplate
 from matrixserve.domain import scaleout as so
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.pdgroup.pods import role_of
@@ -24,6 +24,14 @@ from matrixserve.domain.pdgroup.view import GroupView
 CLAIM_SECONDS = 0.2  # [design] wall: one conditional patch and an assignment write
 ANNOUNCE_SECONDS = 0.5  # [design] wall: the RoCE map names it, its links verified, opened
 POD_START_PRIOR_SECONDS = 1.0  # create -> scheduled, container running (until one is seen)
+
+
+def claimable(spec: PDGroupSpec) -> tuple[str, ...]:
+    """The label selector terms of the warm pods a group may claim: the unclaimed pods of the
+    pool its ``warmPoolRef`` names, or of any pool of its namespace when it names none."""
+    ref = spec.warm_pool_ref
+    pool = kinds.LABEL_WARMPOOL if ref is None else f"{kinds.LABEL_WARMPOOL}={ref.name}"
+    return (pool, f"!{kinds.LABEL_CLAIMED_BY}")
 
 
 def estimates(view: GroupView) -> so.Estimates:

@@ -128,13 +128,7 @@ async def reconcile(groups: PDGroups, namespace: str, name: str, logger: logging
     # have not reported.
     priced = missing or bool(nodes)
     if view.zk.connected and (priced or waiting):
-        warm_pods = (
-            await rt.kube.list_pods(
-                namespace, {}, (kinds.LABEL_WARMPOOL, f"!{kinds.LABEL_CLAIMED_BY}")
-            )
-            if priced
-            else {}
-        )
+        warm_pods = await rt.kube.list_pods(namespace, {}, pd.claimable(spec)) if priced else {}
         reports, sources, assigned = await groups.store.warm(
             namespace, spec.model.name if warm_pods or waiting else None, waiting
         )

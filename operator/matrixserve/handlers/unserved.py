@@ -1,0 +1,66 @@
+"""Kinds whose controllers are not built yet (issue 31): ExpertPool and DPDomain.
+
+Their CRDs are installed (the API is published ahead of its controllers), so an object of one is
+accepted and stored; until issue 31 nothing said that nothing runs for it. Each such object now
+says so in its status — ``Ready=False``, reason ``NoController`` — at its creation, at the
+operator's start and on every new generation; a Warning Event once per generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import kopf
+
+from matrixserve.api import kinds
+from matrixserve.domain import conditions as cond
+
+UNSERVED = (kinds.EXPERTPOOL, kinds.DPDOMAIN)
+REASON = "NoController"
+
+
+def message(kind: kinds.Kind) -> str:
+    return (
+        f"no controller runs {kind.kind} objects in this version of MatrixServe yet: the object "
+        "is stored and nothing is created for it (the MoE kinds come in later issues)"
+    )
+
+
+def _register(kind: kinds.Kind) -> None:
+    @kopf.on.event(kind.group, kind.version, kind.plural, id=f"{kind.plural}-no-controller")
+    async def said(
+        type: str, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
+    ) -> None:
+        meta = body.get("metadata") or {}
+        if type == "DELETED" or meta.get("deletionTimestamp"):
+            return
+        generation = int(meta.get("generation") or 0)
+        status = body.get("status") or {}
+        previous = status.get("conditions") or []
+        ready: dict[str, Any] = next((c for c in previous if c.get("type") == "Ready"), {})
+        if (
+            status.get("observedGeneration") == generation
+            and ready.get("reason") == REASON
+            and ready.get("message") == message(kind)
+        ):
+            return  # said for this generation (our own patch comes back as an event)
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        wanted = [cond.Condition("Ready", False, REASON, message(kind))]
+        conditions = [
+            *(c for c in previous if c.get("type") != "Ready"),
+            *cond.merge(previous, wanted, now, generation),
+        ]
+        await memo.runtime.kube.patch_status(
+            kind,
+            meta["namespace"],
+            meta["name"],
+            {"conditions": conditions, "observedGeneration": generation},
+        )
+        kopf.warn(body, reason=REASON, message=message(kind))
+        logger.warning("%s %s/%s: %s", kind.kind, meta["namespace"], meta["name"], message(kind))
+
+
+for _kind in UNSERVED:
+    _register(_kind)
