@@ -13,6 +13,7 @@ at most :data:`SECOND_RUN_RSS_SLACK` over a second, identical one (derandomized 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -267,7 +268,9 @@ def _raw(address: str, chunks: list[bytes], then: str) -> list[tuple[int, dict[s
             return []
         if then == "close":
             return []
-        sock.shutdown(socket.SHUT_WR)
+        # the server may have answered (a refused head) and closed already: no half-close then
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
         received = b""
         sock.settimeout(5)
         try:
