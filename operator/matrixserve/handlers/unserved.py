@@ -9,13 +9,13 @@ operator's start and on every new generation; a Warning Event once per generatio
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import kopf
 
 from matrixserve.api import kinds
 from matrixserve.domain import conditions as cond
+from matrixserve.handlers.reconciler import now_rfc3339
 
 UNSERVED = (kinds.EXPERTPOOL, kinds.DPDOMAIN)
 REASON = "NoController"
@@ -46,11 +46,10 @@ def _register(kind: kinds.Kind) -> None:
             and ready.get("message") == message(kind)
         ):
             return  # said for this generation (our own patch comes back as an event)
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         wanted = [cond.Condition("Ready", False, REASON, message(kind))]
         conditions = [
             *(c for c in previous if c.get("type") != "Ready"),
-            *cond.merge(previous, wanted, now, generation),
+            *cond.merge(previous, wanted, now_rfc3339(), generation),
         ]
         await memo.runtime.kube.patch_status(
             kind,
