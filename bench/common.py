@@ -105,10 +105,11 @@ def wait_http(url: str, timeout: float = 30) -> None:
 
 
 def gateway_command(zookeeper: str, namespace: str, port: int, *flags: str) -> list[str]:
-    """``python -m matrixserve.gateway`` for one namespace's groups on 127.0.0.1:``port``."""
+    """``python -m matrixserve.gateway`` for one namespace's groups on 127.0.0.1:``port``; no
+    drain on SIGTERM (behind no Service, nothing needs the time to look elsewhere)."""
     return [
         *(sys.executable, "-m", "matrixserve.gateway", "--zookeeper", zookeeper),
-        *("--namespace", namespace, "--port", str(port), *flags),
+        *("--namespace", namespace, "--port", str(port), "--drain-seconds", "0", *flags),
     ]
 
 

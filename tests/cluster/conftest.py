@@ -405,6 +405,9 @@ def start_gateway(
                 str(port),
                 "--time-scale",
                 "20",
+                # stopped at the test's end, behind no Service: no drain (a test may ask for one)
+                "--drain-seconds",
+                "0",
                 *extra,
             ],
             env={**os.environ, "KUBECONFIG": cluster.kubeconfig},

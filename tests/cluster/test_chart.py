@@ -204,7 +204,7 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
                     str(gateway_kubeconfig),
                 ),
                 *("--zookeeper", cluster.zookeeper, "--namespace", namespace),
-                *("--port", str(port), "--time-scale", "20"),
+                *("--port", str(port), "--time-scale", "20", "--drain-seconds", "0"),
             ],
             env=dict(os.environ),
         )

@@ -4,18 +4,22 @@ protocol) on 127.0.0.1, in front of a scripted engine on 127.0.0.1: hostile name
 codes never reach ``/metrics``; malformed bodies get OpenAI-shaped 4xx; a client that leaves, or
 stops reading, closes its engine streams; a prefill's refusal of the request itself is the
 client's 400 at once; stop strings (across tokens too), ``n``, lists of prompts, token-id
-prompts, ``include_usage`` and ``GET /v1/models/{id}`` as OpenAI."""
+prompts, ``include_usage`` and ``GET /v1/models/{id}`` as OpenAI. Issue 31: the process stopped
+by SIGTERM drains (readiness down, still serving), then lets what is in flight end, and exits 0."""
 
 from __future__ import annotations
 
 import asyncio
 import gzip
 import json
+import signal
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
@@ -32,7 +36,10 @@ from matrixserve.api.engine_protocol import (
     sse_data,
     token_event,
 )
+from matrixserve.api.kinds import API_VERSION, PDGROUP
 from matrixserve.coordination import Session
+from matrixserve.devcluster.cluster import free_ports
+from matrixserve.gateway import __main__ as gateway_main
 from matrixserve.gateway.app import Gateway, GatewayConfig
 from matrixserve.gateway.discovery import Discovery
 from matrixserve.httpserving import ConnectionLimits
@@ -163,6 +170,31 @@ async def _site(runner: web.AppRunner) -> str:
     return f"{host}:{port}"
 
 
+def group_object(addresses: Sequence[str]) -> dict[str, Any]:
+    """PDGroup ``ns/g`` (scenario ``general``) as the API server shows it, its entrances
+    ``g-p-0``... serving at ``addresses`` (the gateway routes by status without ZooKeeper)."""
+    names = [f"g-p-{i}" for i in range(len(addresses))]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": PDGROUP.kind,
+        "metadata": {"namespace": "ns", "name": "g", "generation": 1},
+        "spec": {
+            "service": "chat",
+            "scenario": "general",
+            "model": {"name": "llama3-8b"},
+            "prefill": {"replicas": 1, "batchSize": 64},
+            "decode": {"replicas": 1},
+        },
+        "status": {
+            "entrances": names,
+            "instances": [
+                {"name": n, "state": "Serving", "endpoint": a}
+                for n, a in zip(names, addresses, strict=True)
+            ],
+        },
+    }
+
+
 @asynccontextmanager
 async def served(
     engine: FakeEngine,
@@ -177,27 +209,8 @@ async def served(
         app.router.add_post("/v1/generate", each.generate)
         runners.append(web.AppRunner(app, handler_cancellation=True))
         addresses.append(await _site(runners[-1]))  # a scripted engine: aiohttp's plain serving
-    names = [f"g-p-{i}" for i in range(len(addresses))]
     discovery = Discovery(client.ApiClient(), cast(Session, _Zk()), "ns")
-    discovery._upsert(
-        {
-            "metadata": {"namespace": "ns", "name": "g", "generation": 1},
-            "spec": {
-                "service": "chat",
-                "scenario": "general",
-                "model": {"name": "llama3-8b"},
-                "prefill": {"replicas": 1, "batchSize": 64},
-                "decode": {"replicas": 1},
-            },
-            "status": {
-                "entrances": names,
-                "instances": [
-                    {"name": n, "state": "Serving", "endpoint": a}
-                    for n, a in zip(names, addresses, strict=True)
-                ],
-            },
-        }
-    )
+    discovery._upsert(group_object(addresses))
     discovery.synced.set()
     gateway = Gateway(discovery, GatewayConfig(**config))
     await gateway.start()
@@ -602,3 +615,143 @@ async def test_a_prefill_that_does_not_answer_is_passed_over_after_the_answer_de
         assert healthy.finished == 4
         assert len(hung.bodies) <= 1, "tried again while passed over"
         assert firsts[-1] < 2.0, firsts  # one deadline at most, not the 60 s budget
+
+
+# --------------------------------------------------------------------------- issue 31: stopping
+async def _fake_api(groups: list[dict[str, Any]]) -> tuple[web.AppRunner, str]:
+    """An API server that lists ``groups`` and holds every watch open, sending nothing."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        if request.query.get("watch") not in (None, "false", "0"):
+            held = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await held.prepare(request)
+            await asyncio.sleep(3600)
+            return held
+        return web.json_response({"items": groups, "metadata": {"resourceVersion": "1"}})
+
+    app = web.Application()
+    app.router.add_get("/{path:.*}", answer)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
+    return runner, await _site(runner)
+
+
+async def test_on_sigterm_the_gateway_drains_then_lets_the_stream_in_flight_end_and_exits_0(
+    tmp_path: Path,
+) -> None:
+    """Issue 31: ``python -m matrixserve.gateway`` signalled to stop answers ``/healthz`` 503
+    ``draining`` for ``--drain-seconds`` while a new request is still served (with
+    ``Connection: close``), then refuses connections, lets the stream in flight end whole, and
+    exits 0."""
+    engine = FakeEngine(delay=0.1)
+    engine_app = web.Application()
+    engine_app.router.add_post("/v1/generate", engine.generate)
+    engine_runner = web.AppRunner(engine_app, handler_cancellation=True)
+    engine_address = await _site(engine_runner)
+    api_runner, api_address = await _fake_api([group_object([engine_address])])
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": f"http://{api_address}"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "c",
+            }
+        )
+    )
+    port, nobody = free_ports(2)  # the gateway's; a ZooKeeper port nothing listens on
+    url = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "gateway.log").open("wb")
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "matrixserve.gateway", "--kubeconfig", str(kubeconfig)),
+        *("--zookeeper", f"127.0.0.1:{nobody}", "--namespace", "ns"),
+        *("--port", str(port), "--drain-seconds", "2", "--finish-seconds", "20"),
+        stdout=log,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    log.close()
+
+    def told() -> str:
+        return (tmp_path / "gateway.log").read_text()[-3000:]
+
+    async def health(http: aiohttp.ClientSession) -> tuple[int, str] | None:
+        try:
+            async with http.get(f"{url}/healthz") as r:
+                return r.status, await r.text()
+        except aiohttp.ClientConnectionError:
+            return None
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            deadline = time.monotonic() + 30
+            while await health(http) != (200, "ok"):
+                assert proc.returncode is None, told()
+                assert time.monotonic() < deadline, told()
+                await asyncio.sleep(0.1)
+
+            async def long_stream() -> list[Any]:
+                body = {"model": "general", "prompt": "x", "max_tokens": 40, "stream": True}
+                async with http.post(f"{url}/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    lines = [line.decode().strip() async for line in r.content]
+                return [line for line in lines if line.startswith("data: ")]
+
+            in_flight = asyncio.create_task(long_stream())  # 40 tokens 0.1 s apart: 4 s
+            await asyncio.wait_for(engine.started.wait(), 10)
+            proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            while (answer := await health(http)) != (503, "draining"):
+                assert answer == (200, "ok"), answer
+                assert time.monotonic() - signalled < 1.5, "not draining 1.5 s after SIGTERM"
+                await asyncio.sleep(0.05)
+            # still serving while the readiness probe fails: on a new connection, which the
+            # answer says to close
+            async with aiohttp.ClientSession() as fresh:
+                body = {"model": "general", "prompt": "x", "max_tokens": 2}
+                async with fresh.post(f"{url}/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    assert r.headers.get("Connection") == "close"
+                    assert (await r.json())["usage"]["completion_tokens"] == 2
+            # then the listener closes: new connections are refused
+            while (answer := await health(http)) is not None:
+                assert answer == (503, "draining"), answer
+                assert time.monotonic() - signalled < 5, "still listening 5 s after SIGTERM"
+                await asyncio.sleep(0.05)
+            refused_after = time.monotonic() - signalled
+            assert refused_after >= 1.8, f"the drain ended after {refused_after:.2f} s, not 2"
+            assert not in_flight.done(), "the stream should outlast the drain (the test's premise)"
+            events = await asyncio.wait_for(in_flight, 20)
+        assert events[-1] == "data: [DONE]"
+        text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
+        assert text == "".join(f"t{i} " for i in range(40)), "the stream in flight ended whole"
+        assert await asyncio.wait_for(proc.wait(), 15) == 0, told()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await api_runner.cleanup()
+        await engine_runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (("--drain-seconds", "301"), "--drain-seconds must be between 0 and 300, not 301"),
+        (("--drain-seconds", "-1"), "--drain-seconds must be between 0 and 300, not -1"),
+        (("--drain-seconds", "nan"), "--drain-seconds must be between 0 and 300, not nan"),
+        (("--finish-seconds", "0"), "--finish-seconds must be above 0 and at most 3600, not 0"),
+    ],
+)
+def test_drain_and_finish_seconds_out_of_range_are_flag_errors(
+    flags: tuple[str, ...], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["--zookeeper", "127.0.0.1:2181"]
+    args = gateway_main.parse(base)
+    assert (args.drain_seconds, args.finish_seconds) == (8.0, 30.0)
+    assert gateway_main.parse([*base, "--drain-seconds", "0"]).drain_seconds == 0
+    with pytest.raises(SystemExit) as exit_:
+        gateway_main.parse([*base, *flags])
+    assert exit_.value.code == 2
+    assert said in capsys.readouterr().err

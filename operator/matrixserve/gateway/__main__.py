@@ -1,9 +1,20 @@
-"""``python -m matrixserve.gateway``: the OpenAI-compatible gateway. Exit 2 on bad flags."""
+"""``python -m matrixserve.gateway``: the OpenAI-compatible gateway. Exit 2 on bad flags.
+
+Stopping (issue 31: a replica leaves without failing a request). On SIGTERM (or SIGINT) the
+gateway first **drains** for ``--drain-seconds``: ``/healthz`` answers 503 ``draining``, so the
+readiness probe fails and the Service stops sending here, while every request that still
+arrives is served (its answer says ``Connection: close``). The default outlasts the chart's
+readiness probe (every 2 s, 3 failures: 6 s) with a margin for the endpoints to be updated.
+Then it stops accepting and gives the requests in flight ``--finish-seconds`` to end (then cuts
+them), and exits 0. The chart sets the pod's ``terminationGracePeriodSeconds`` above both. A
+second signal ends the drain at once (a developer's Ctrl-C twice).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -21,6 +32,14 @@ from matrixserve.gateway.discovery import Discovery
 # Clients' own pools drop idle connections sooner (httpx and the openai client: 5 s, aiohttp: 15 s),
 # so the gateway's idle limit never closes a connection a client is about to reuse.
 CONNECTION_LIMITS = httpserving.ConnectionLimits(idle_timeout=75.0)
+# The chart's readiness probe fails a drained replica after 2 s x 3; 2 s more for the Service's
+# endpoints (and whatever load balancer watches them) to follow.
+DRAIN_SECONDS = 8.0
+MAX_DRAIN_SECONDS = 300.0
+FINISH_SECONDS = 30.0
+MAX_FINISH_SECONDS = 3600.0
+
+log = logging.getLogger("matrixserve.gateway")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,6 +89,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="wall s a prefill has to accept or reject a request before the next is tried "
         "(an engine answers at admission; a hung one never does)",
     )
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=DRAIN_SECONDS,
+        help="on SIGTERM, s to keep serving with /healthz answering 503 before the listener "
+        f"closes (0..{MAX_DRAIN_SECONDS:g}; default {DRAIN_SECONDS:g}: longer than the readiness "
+        "probe takes to fail)",
+    )
+    p.add_argument(
+        "--finish-seconds",
+        type=float,
+        default=FINISH_SECONDS,
+        help="after the drain, s the requests in flight have to end before they are cut "
+        f"(0 < s <= {MAX_FINISH_SECONDS:g}; default {FINISH_SECONDS:g})",
+    )
     httpserving.add_arguments(p, "GATEWAY_", CONNECTION_LIMITS)
     args = p.parse_args(argv)
     args.zookeeper_auth = auth_from(p, args)  # the file's or the variable's
@@ -94,7 +128,27 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--api-keys-secret must be <namespace>/<name>")
     if args.rate_limit < 0 or args.rate_burst < 1:
         p.error("--rate-limit must be >= 0 and --rate-burst >= 1")
+    if not 0 <= args.drain_seconds <= MAX_DRAIN_SECONDS:
+        p.error(
+            f"--drain-seconds must be between 0 and {MAX_DRAIN_SECONDS:g}, "
+            f"not {args.drain_seconds:g}"
+        )
+    if not 0 < args.finish_seconds <= MAX_FINISH_SECONDS:
+        p.error(
+            f"--finish-seconds must be above 0 and at most {MAX_FINISH_SECONDS:g}, "
+            f"not {args.finish_seconds:g}"
+        )
     return args
+
+
+async def drain(gateway: Gateway, stop: asyncio.Event, seconds: float) -> None:
+    """Serve on for ``seconds`` with readiness down (:meth:`Gateway.drain`); ``stop`` set
+    again (a second signal) ends it sooner."""
+    gateway.drain()
+    stop.clear()
+    log.info("draining for %g s: /healthz answers 503, requests are still served", seconds)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -128,13 +182,12 @@ async def serve(args: argparse.Namespace) -> int:
     if args.api_keys_secret:
         namespace, name = args.api_keys_secret.split("/", 1)
         asyncio.get_running_loop().create_task(keep_keys(gateway.keys, api, namespace, name))
-    runner = gateway.runner()
+    # the requests in flight when the listener closes get --finish-seconds, then are cancelled
+    runner = gateway.runner(shutdown_timeout=args.finish_seconds)
     await httpserving.start(
         runner, args.host, args.port, httpserving.limits_from(args), gateway.metrics.registry
     )
-    logging.getLogger("matrixserve.gateway").info(
-        "gateway on %s:%d, policy %s", args.host, args.port, args.policy
-    )
+    log.info("gateway on %s:%d, policy %s", args.host, args.port, args.policy)
     # The start-up heap (Kubernetes and ZooKeeper clients, pydantic models: ~70k objects) is
     # moved out of the collector's reach: full collections otherwise traverse it every few
     # seconds under load, each a 30-55 ms pause of every stream (bench-gateway-overhead).
@@ -144,6 +197,8 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
+    await drain(gateway, stop, args.drain_seconds)
+    log.info("closing the listener; requests in flight have %g s to end", args.finish_seconds)
     await runner.cleanup()
     await gateway.close()
     discovery.stop()

@@ -16,6 +16,10 @@ prompts, ``stop`` and ``stream_options.include_usage`` are honoured (finding 6).
 prefill's refusal of the request itself is the client's 400 (``context_length_exceeded`` for a
 prompt the engines do not take), never a 503; an unexpected failure is counted
 ``internal_error``, not ``client_gone``; chat answers' ids start ``chatcmpl-``.
+
+Issue 31 (a gateway replica going away loses nothing): while :meth:`Gateway.drain` is in effect
+(``__main__`` on SIGTERM, for ``--drain-seconds``) ``/healthz`` answers 503 ``draining`` and every
+request is still served, its answer with ``Connection: close``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -141,6 +145,14 @@ class Gateway:
             lambda: float(forwarder.engine_connections()["in_use"])
         )
         self.keys = ApiKeys(config, self.metrics)
+        # Set on SIGTERM (``__main__``): /healthz answers 503 so that the Service's endpoints and
+        # load balancers drop this replica, while it still serves whatever reaches it; each
+        # answer then says ``Connection: close``, so clients' pooled connections move to a
+        # replica that stays.
+        self.draining = False
+
+    def drain(self) -> None:
+        self.draining = True
 
     async def start(self) -> None:
         await self.forwarder.start()
@@ -370,11 +382,21 @@ class Gateway:
             return await self.completions(request, chat=True)
 
         async def healthz(_: web.Request) -> web.Response:
+            if self.draining:
+                return web.Response(text="draining", status=503)
             return web.Response(
                 text="ok" if self.discovery.synced.is_set() else "syncing",
                 status=200 if self.discovery.synced.is_set() else 503,
             )
 
+        async def close_while_draining(_: web.Request, response: web.StreamResponse) -> None:
+            # before the head is written: the client is told, and the connection is closed
+            # after this answer
+            if self.draining:
+                response.headers[hdrs.CONNECTION] = "close"
+                response.force_close()
+
+        app.on_response_prepare.append(close_while_draining)
         app.add_routes(
             [
                 web.post("/v1/completions", completions),
