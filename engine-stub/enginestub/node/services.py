@@ -3,7 +3,10 @@
 The dev cluster gives the API server a service range inside 127.128.0.0/10, so every ClusterIP
 is a loopback address. For each Service port the emulator listens on ``clusterIP:port`` and
 pipes each connection to one ready pod matching the Service's selector (round-robin), at the
-target port (a number or a container port's name). The ``kubernetes`` Service goes to the API
+target port (a number or a container port's name). A backend that refuses the connection (its
+process just died: the pod is not yet marked not Ready) or does not answer in time is passed
+over for the next ready one, as kube-proxy's userspace mode did (``TryConnectEndpoints``), so a
+client of a Service whose one replica went away reaches another at once (issue 31). The ``kubernetes`` Service goes to the API
 server. So the API server reaches a webhook Service, and pods reach ZooKeeper or the gateway by
 their Service, with no kube-proxy, no iptables and no DNS: pods learn the addresses from the
 ``<NAME>_SERVICE_HOST`` / ``_PORT`` variables (:func:`service_env`), as a kubelet injects them.
@@ -27,6 +30,10 @@ from kubernetes import client
 from enginestub.node.listwatch import watch_events
 
 log = logging.getLogger("enginestub.node.services")
+
+# s a connection to one backend may take before the next is tried, by try (kube-proxy's
+# userspace mode: EndpointDialTimeouts); past the last, the last again
+CONNECT_TIMEOUTS = (0.25, 0.5, 1.0, 2.0)
 
 
 @dataclass(frozen=True)
@@ -175,36 +182,48 @@ class ServiceProxy:
                 continue
             self.listeners[address] = listener
 
-    def _pick(self, listener: _Listener) -> tuple[str, int] | None:
+    def _pick(self, listener: _Listener) -> list[tuple[str, int]]:
+        """The Service's ready backends in the order to try them: from the next in round-robin
+        on, each once."""
         svc = self.services.get((listener.namespace, listener.name))
         if svc is None:
-            return None
+            return []
         selector = (svc.get("spec") or {}).get("selector")
         if not selector:
             if (listener.namespace, listener.name) == ("default", "kubernetes"):
-                return self.apiserver
-            return None
+                return [self.apiserver]
+            return []
         candidates = []
         for backend in self.backends(listener.namespace, selector):
             port = target_port(listener.port, backend)
             if port is not None:
                 candidates.append((backend.ip, port))
         if not candidates:
-            return None
-        return candidates[next(self._turn) % len(candidates)]
+            return []
+        first = next(self._turn) % len(candidates)
+        return candidates[first:] + candidates[:first]
 
     async def _forward(
         self, listener: _Listener, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        target = self._pick(listener)
-        if target is None:
-            writer.close()  # no ready endpoint: refused, as kube-proxy would (REJECT)
+        upstream = None
+        for attempt, target in enumerate(self._pick(listener)):
+            timeout = CONNECT_TIMEOUTS[min(attempt, len(CONNECT_TIMEOUTS) - 1)]
+            try:
+                upstream = await asyncio.wait_for(asyncio.open_connection(*target), timeout)
+                break
+            except (OSError, TimeoutError) as exc:
+                log.debug(
+                    "Service %s/%s: backend %s:%d failed (%s), trying the next",
+                    listener.namespace,
+                    listener.name,
+                    *target,
+                    str(exc) or "timed out",
+                )
+        if upstream is None:
+            writer.close()  # no ready endpoint answered: refused, as kube-proxy would (REJECT)
             return
-        try:
-            up_reader, up_writer = await asyncio.open_connection(*target)
-        except OSError:
-            writer.close()
-            return
+        up_reader, up_writer = upstream
         try:
             await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
         finally:
