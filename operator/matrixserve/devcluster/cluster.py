@@ -6,8 +6,9 @@ Components, in start order, all bound to 127.0.0.1 on free ports:
    ``MATRIXSERVE_KUBERNETES=1.37``), data in ``<state>/data/etcd``;
 2. kube-apiserver (v1.20.2, or v1.37.2: :mod:`.tools`; RBAC + Node authorization, static-token admin in ``system:masters``,
    service accounts signed by our key pair, serving certificate from our CA);
-3. kube-controller-manager (all controllers but node lifecycle and taint eviction: there is no
-   kubelet here, so NotReady eviction is the node emulator's business), the root CA published
+3. kube-controller-manager (all controllers but node lifecycle: there is no kubelet here, so a
+   node's health and its pods' readiness are the node emulator's business; taint eviction runs,
+   so a pod's ``tolerationSeconds`` for the emulator's unreachable taint act), the root CA published
    to every namespace (``kube-root-ca.crt``) for projected service-account tokens;
 4. kube-scheduler;
 5. ZooKeeper (``ZooKeeperServerMain``, 4-letter ``ruok`` for readiness);
@@ -383,10 +384,13 @@ class DevCluster:
             kubeconfig,
             info.ports.controller_manager,
             [
-                # no kubelet here: the node emulator keeps the Nodes' status; since 1.29 taint
-                # eviction is a controller of its own (in 1.20 it was node lifecycle's)
-                "--controllers=*,-nodelifecycle"
-                + ("" if tools.legacy() else ",-taint-eviction-controller"),
+                # No kubelet here: the node emulator keeps the Nodes' status and taints, and
+                # marks a down node's pods not Ready. Taint eviction, a controller of its own
+                # since 1.29, runs: a pod on a down node (tainted unreachable:NoExecute) is
+                # deleted once its toleration's seconds pass (the chart's control plane: 30 s;
+                # others: the API server's DefaultTolerationSeconds, 300 s), so a Deployment's
+                # replacement runs elsewhere. In 1.20 eviction was node lifecycle's: off.
+                "--controllers=*,-nodelifecycle",
                 f"--service-account-private-key-file={sa.key}",
                 f"--root-ca-file={ca.cert}",
                 f"--cluster-signing-cert-file={ca.cert}",
