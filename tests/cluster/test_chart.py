@@ -1,4 +1,6 @@
-"""The Helm chart: ``helm lint`` clean, bad values refused by its schema with a clear message."""
+"""The Helm chart: ``helm lint`` clean, bad values refused by its schema with a clear message;
+installed, upgraded and uninstalled on the local cluster; its gateways spread over servers and
+replaced after a server is lost (issue 31)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,9 @@ import os
 import re
 import sys
 import tempfile
+import threading
+import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -305,6 +310,7 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         *("-n", namespace, "--set", f"watchNamespaces={{{namespace}}}"),
         *("--set", "zookeeper.persistence=false", "--set", "gateway.service.port=8080"),
         *("--set", "operator.engine.timeScale=20", "--set", "operator.engine.loadSource=NPUForkUB"),
+        *("--set", "gateway.drainSeconds=1"),  # the uninstall's gateways stop in a second
     ]
     run_tool("helm", "install", release, str(CHART), *common)
 
@@ -314,7 +320,8 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         ).items
         return [p for p in listed if not p.metadata.deletion_timestamp]
 
-    def running(component: str) -> Any:
+    def running(component: str, count: int = 1) -> Any:
+        """The component's one pod (or ``count`` pods) once all are Running and Ready."""
         pods = component_pods(component)
         ready = [
             p
@@ -322,7 +329,9 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
             if p.status.phase == "Running"
             and any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
         ]
-        return ready[0] if len(pods) == 1 and ready else None
+        if len(pods) != count or len(ready) != count:
+            return None
+        return ready[0] if count == 1 else ready
 
     def refusal(bad: dict[str, Any]) -> client.ApiException | None:
         try:
@@ -336,7 +345,7 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
     try:
         wait_for(lambda: running("zookeeper"), timeout=60, what="the ZooKeeper pod")
         operator_pod = wait_for(lambda: running("operator"), timeout=60, what="the operator pod")
-        wait_for(lambda: running("gateway"), timeout=60, what="the gateway pod")
+        wait_for(lambda: running("gateway", 2), timeout=60, what="the two gateway pods")
         wait_for(
             lambda: _webhook_key_folders() - key_folders,
             timeout=30,
@@ -451,7 +460,6 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         engines = group_pods()
         run_tool(
             "helm", "upgrade", release, str(CHART), *common, "--set", "operator.logLevel=DEBUG",
-            "--set", "gateway.replicas=2",
         )  # fmt: skip
 
         def rolled() -> bool:
@@ -461,7 +469,7 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         wait_for(rolled, timeout=60, what="the operator rolled by the upgrade")
         assert group_pods() == engines, "the upgrade must not touch the group's pods"
         assert groups.ready("g")
-        # Two gateways: a disruption budget keeps one.
+        # Two gateways (the default): a disruption budget keeps one.
         pdb = ("pdb", "-n", namespace, f"{full}-gateway")
         budget = _kubectl_get(run_tool, *pdb)
         assert budget["apiVersion"] == "policy/v1"
@@ -488,4 +496,149 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         assert not left, f"the stopped operators left their webhook key files behind: {left}"
     finally:
         zk.stop()
+        run_tool("helm", "uninstall", release, "-n", namespace, check=False)
+
+
+def test_two_gateways_on_two_servers_one_server_lost_the_service_answers_and_one_is_replaced(
+    cluster: ClusterInfo,
+    api_client: client.ApiClient,
+    namespace: str,
+    crds_installed: list[str],
+    run_tool: Callable[..., Any],
+) -> None:
+    """Issue 31 item 1, the gateway: the chart's two gateways run on two servers (the topology
+    spread); ``node-down`` of one gateway's server, and requests through the gateway Service
+    keep succeeding at once (a client retrying a reset or refused connection once, as the
+    openai client does: the emulator's Service passes the dead backend over); after
+    controlPlane.tolerationSeconds (5 s here) the taint eviction controller evicts the lost
+    gateway and its replacement runs on a third server (never beside the survivor while a
+    server is free). Operator and ZooKeeper are not installed (the cluster's ZooKeeper)."""
+    core = client.CoreV1Api(api_client)
+    control = cluster.node_emulator
+    nodes = httpx.get(f"{control}/nodes", trust_env=False).json()
+    superpod = nodes[0]["superpod"]
+    servers = sorted(n["name"] for n in nodes if n["superpod"] == superpod and not n["down"])
+    assert len(servers) >= 3, f"the cluster's emulator has {servers} in {superpod}: 3 needed"
+    toleration = 5
+    release = f"r{namespace[-6:]}"
+    full = f"{release}-matrixserve"
+    run_tool(
+        "helm", "install", release, str(CHART), "-n", namespace,
+        "--set", f"watchNamespaces={{{namespace}}}",
+        "--set", "operator.replicas=0", "--set", "operator.webhook.enabled=false",
+        "--set", f"zookeeper.external={cluster.zookeeper}",
+        "--set", "gateway.service.port=8080",
+        # on the cluster's emulator (its Service proxy), not on a private one's servers
+        "--set", f"gateway.nodeSelector.matrixserve\\.io/superpod={superpod}",
+        "--set", f"controlPlane.tolerationSeconds={toleration}",
+        "--set", "gateway.drainSeconds=1", "--set", "gateway.finishSeconds=5",
+    )  # fmt: skip
+
+    def gateways() -> list[Any]:
+        listed = core.list_namespaced_pod(
+            namespace, label_selector="app.kubernetes.io/component=gateway"
+        ).items
+        return sorted(listed, key=lambda p: p.metadata.creation_timestamp)
+
+    def serving(pod: Any) -> bool:
+        return (
+            pod.metadata.deletion_timestamp is None
+            and pod.status.phase == "Running"
+            and any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+        )
+
+    down: str | None = None
+    stop = threading.Event()
+    try:
+        first = wait_for(
+            lambda: (ready := [p for p in gateways() if serving(p)]) and len(ready) == 2 and ready,
+            timeout=60,
+            what="two gateways Ready",
+        )
+        placed = {p.spec.node_name for p in first}
+        assert len(placed) == 2, f"both gateways on {placed}: not spread over servers"
+        url = f"http://{core.read_namespaced_service(f'{full}-gateway', namespace).spec.cluster_ip}:8080"
+        wait_for(lambda: _answers(f"{url}/v1/models"), timeout=20, what="the gateway Service")
+
+        outcomes: list[tuple[float, float, str]] = []  # (start, duration, "ok" or the error)
+
+        def load() -> None:
+            """Steady requests on a pooled connection, each retried once on a connection
+            error (refused, reset, closed)."""
+            with httpx.Client(timeout=5, trust_env=False) as http:
+                while not stop.is_set():
+                    began = time.monotonic()
+                    outcome = "ok"
+                    for attempt in (1, 2):
+                        try:
+                            response = http.get(f"{url}/v1/models")
+                            if response.status_code != 200:
+                                outcome = f"HTTP {response.status_code}"
+                            break
+                        except httpx.TransportError as exc:
+                            if attempt == 2:
+                                outcome = repr(exc)
+                    outcomes.append((began, time.monotonic() - began, outcome))
+                    time.sleep(0.02)
+
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
+        time.sleep(1)
+        lost, kept = first
+        down = lost.spec.node_name
+        struck = time.monotonic()
+        response = httpx.post(
+            f"{control}/faults", json={"kind": "node-down", "node": down}, trust_env=False
+        )
+        assert response.is_success, response.text
+
+        def replaced() -> Any:
+            fresh = [p for p in gateways() if serving(p) and p.metadata.uid != kept.metadata.uid]
+            return fresh[0] if fresh else None
+
+        replacement = wait_for(
+            replaced, timeout=toleration + 25, what="a replacement gateway Ready"
+        )
+        took = time.monotonic() - struck
+        time.sleep(1)  # requests on the replacement too
+        stop.set()
+        loader.join(timeout=10)
+
+        evicted = core.read_namespaced_pod(lost.metadata.name, namespace)
+        assert evicted.metadata.deletion_timestamp is not None, "the lost gateway not evicted"
+        assert replacement.spec.node_name not in (down, kept.spec.node_name), (
+            f"the replacement went to {replacement.spec.node_name}: "
+            f"lost {down}, survivor {kept.spec.node_name}, free servers left"
+        )
+        assert toleration <= took <= toleration + 20, f"replaced {took:.1f} s after node-down"
+        during = [o for o in outcomes if o[0] >= struck]
+        failed = [o for o in outcomes if o[2] != "ok"]
+        assert not failed, f"{len(failed)} of {len(outcomes)} requests failed: {failed[:5]}"
+        assert len(during) >= 50, f"only {len(during)} requests during the outage"
+        slowest = max(d for _, d, _ in during)
+        assert slowest < 2, f"a request took {slowest:.2f} s during the outage (not at once)"
+
+        # More gateways than live servers still schedule, and the down server is no domain of
+        # the spread (else its 0 gateways would hold every other server to 1: Pending).
+        many = len(servers)
+        client.AppsV1Api(api_client).patch_namespaced_deployment_scale(
+            f"{full}-gateway", namespace, {"spec": {"replicas": many}}
+        )
+        wait_for(
+            lambda: len([p for p in gateways() if serving(p)]) == many,
+            timeout=30,
+            what=f"{many} gateways Ready on {many - 1} live servers",
+        )
+        spread = Counter(p.spec.node_name for p in gateways() if serving(p))
+        assert down not in spread
+        assert sorted(spread.values()) == [1] * (many - 2) + [2], spread
+    finally:
+        stop.set()
+        if down is not None:
+            httpx.request(
+                "DELETE",
+                f"{control}/faults",
+                json={"kind": "node-down", "node": down},
+                trust_env=False,
+            )
         run_tool("helm", "uninstall", release, "-n", namespace, check=False)

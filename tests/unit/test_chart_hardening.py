@@ -209,6 +209,73 @@ def test_the_gateway_gets_a_disruption_budget_only_with_more_than_one_replica(
     assert "kubeVersion" in old.stderr or "incompatible" in old.stderr
 
 
+def test_two_gateways_spread_over_servers_drain_and_the_control_plane_leaves_a_lost_server_soon(
+    tmp_path: Path,
+) -> None:
+    """Issue 31 item 1: two gateways by default, at most one per server where there are servers
+    enough (a topology spread that counts only servers the gateway may use), a readiness probe
+    that fails within the drain, a grace period over the drain and the requests in flight; the
+    operator's, gateways' and ZooKeeper's pods tolerate a lost server controlPlane.tolerationSeconds,
+    not the default 300 s."""
+    docs = documents(helm_template(tmp_path))
+    gateway = workload(docs, "Deployment", "-gateway")
+    assert gateway["spec"]["replicas"] == 2
+    assert len(by_kind(docs, "PodDisruptionBudget")) == 1
+    pod = gateway["spec"]["template"]["spec"]
+    assert pod["topologySpreadConstraints"] == [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "DoNotSchedule",
+            "nodeTaintsPolicy": "Honor",
+            "labelSelector": {"matchLabels": gateway["spec"]["selector"]["matchLabels"]},
+            "matchLabelKeys": ["pod-template-hash"],
+        }
+    ]
+    assert "nodeSelector" not in pod
+    (container,) = pod["containers"]
+    assert {"--drain-seconds=8", "--finish-seconds=30"} <= set(container["args"])
+    probe = container["readinessProbe"]
+    assert probe["httpGet"]["path"] == "/healthz"
+    assert probe["periodSeconds"] * probe["failureThreshold"] < 8, "not unready within the drain"
+    assert pod["terminationGracePeriodSeconds"] == 8 + 30 + 10
+
+    def tolerations(docs: list[Doc]) -> dict[str, list[Doc]]:
+        return {
+            suffix: workload(docs, kind, suffix)["spec"]["template"]["spec"]["tolerations"]
+            for kind, suffix in (
+                ("Deployment", "-operator"),
+                ("Deployment", "-gateway"),
+                ("StatefulSet", "-zookeeper"),
+            )
+        }
+
+    def expected(seconds: int) -> list[Doc]:
+        return [
+            {"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": seconds}
+            for key in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+        ]
+
+    assert tolerations(docs) == dict.fromkeys(("-operator", "-gateway", "-zookeeper"), expected(30))
+    values = (
+        "controlPlane.tolerationSeconds=5", "gateway.drainSeconds=2",
+        "gateway.finishSeconds=5", "gateway.nodeSelector.matrixserve\\.io/superpod=sp0",
+    )  # fmt: skip
+    tuned = documents(helm_template(tmp_path, *values))
+    assert set(map(str, tolerations(tuned).values())) == {str(expected(5))}
+    pod = workload(tuned, "Deployment", "-gateway")["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 2 + 5 + 10
+    assert pod["nodeSelector"] == {"matrixserve.io/superpod": "sp0"}
+    for bad, where in (
+        ("controlPlane.tolerationSeconds=-1", "/controlPlane/tolerationSeconds"),
+        ("gateway.drainSeconds=301", "/gateway/drainSeconds"),
+        ("gateway.finishSeconds=0", "/gateway/finishSeconds"),
+    ):
+        refused = render(tmp_path, bad)
+        assert refused.returncode != 0, bad
+        assert where in refused.stderr, refused.stderr
+
+
 def test_the_operator_is_ready_only_once_it_answers(tmp_path: Path) -> None:
     """The webhook Service sends admission reviews to the operator pod only when it is ready."""
     operator = workload(documents(helm_template(tmp_path)), "Deployment", "-operator")

@@ -77,3 +77,12 @@ checkov.io/skip3: CKV_K8S_38=It calls the Kubernetes API with its ServiceAccount
 - name: POD_NAMESPACE
   valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
 {{- end -}}
+
+{{/* The control plane's pods (operator, gateway, ZooKeeper) on a server that is lost
+(unreachable) or not ready: evicted after controlPlane.tolerationSeconds, not the API server's
+default 300 s, so their Deployment or StatefulSet replaces them on another server. */}}
+{{- define "matrixserve.controlPlaneTolerations" -}}
+{{- $seconds := .Values.controlPlane.tolerationSeconds -}}
+- {key: node.kubernetes.io/unreachable, operator: Exists, effect: NoExecute, tolerationSeconds: {{ $seconds }}}
+- {key: node.kubernetes.io/not-ready, operator: Exists, effect: NoExecute, tolerationSeconds: {{ $seconds }}}
+{{- end -}}
