@@ -9,7 +9,9 @@ import argparse
 import logging
 import os
 import re
+import socket
 import sys
+import uuid
 from pathlib import Path
 
 import kopf
@@ -17,6 +19,7 @@ import kopf
 from matrixserve.api.zk_layout import Credentials
 from matrixserve.coordination import add_auth_flags, auth_from
 from matrixserve.domain.enginepod import EngineSettings
+from matrixserve.domain.leadership import Timing
 from matrixserve.domain.scaleout import Path as ScalePath
 from matrixserve.handlers import (
     pdgroup,  # registers the PDGroup handlers
@@ -187,6 +190,35 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
         "subtree, a namespace's warm folder with no pool left, empty fork-source folders) on "
         "every new ZooKeeper session and at least this often",
     )
+    p.add_argument(
+        "--leader-elect",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run as one of several replicas: the one holding the Lease --leader-lease acts, "
+        "the others serve the webhook and wait (default off: this operator acts alone)",
+    )
+    p.add_argument(
+        "--leader-lease",
+        default=None,
+        help="<namespace>/<name> of the coordination.k8s.io Lease to elect on "
+        "(default: $POD_NAMESPACE/matrixserve-operator)",
+    )
+    p.add_argument(
+        "--leader-identity",
+        default=None,
+        help="this replica's name in the Lease (default: $POD_NAME, else the host name, with "
+        "a random suffix: a restarted replica is a new candidate)",
+    )
+    p.add_argument("--leader-lease-seconds", type=float, default=15.0, help="the Lease's duration")
+    p.add_argument(
+        "--leader-renew-seconds",
+        type=float,
+        default=10.0,
+        help="a leader that has not renewed for this long stops acting and exits",
+    )
+    p.add_argument(
+        "--leader-retry-seconds", type=float, default=2.0, help="how often candidates try"
+    )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if not args.zookeeper:
@@ -206,6 +238,23 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
     ):
         if not 0.1 <= value <= 3600:
             p.error(f"{flag} {value} must be within 0.1..3600")
+    timing = Timing(
+        lease=args.leader_lease_seconds,
+        renew_deadline=args.leader_renew_seconds,
+        retry=args.leader_retry_seconds,
+    )
+    lease, identity = None, ""
+    if args.leader_elect:
+        lease = args.leader_lease or f"{env.get('POD_NAMESPACE') or 'default'}/matrixserve-operator"
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-a-z0-9.]*[a-z0-9])?", lease):
+            p.error(f"--leader-lease {lease!r} must be <namespace>/<name> (lower-case DNS names)")
+        for problem in timing.problems():
+            p.error(f"--leader-*-seconds: {problem}")
+        if not timing.lease <= 3600:
+            p.error(f"--leader-lease-seconds {timing.lease:g} must be at most 3600")
+        identity = args.leader_identity or (
+            f"{env.get('POD_NAME') or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+        )
     if args.webhook_secret is not None and args.webhook_secret.count("/") != 1:
         p.error(f"--webhook-secret {args.webhook_secret!r} must be <namespace>/<name>")
     if args.webhook and args.webhook_secret:
@@ -255,6 +304,9 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
         sweep_seconds=args.sweep_seconds,
         namespaces=tuple(args.namespace),
         zookeeper_auth=auth,
+        leader_lease=lease,
+        leader_identity=identity,
+        leader_timing=timing,
     )
     return config, args
 
@@ -308,13 +360,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.liveness_port
         else None
     )
+    memo = kopf.Memo(config=config, kinds=KINDS)
     kopf.run(
-        standalone=True,
+        standalone=True,  # kopf's peering off: the Lease elects (handlers/leadership.py)
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=liveness,
-        memo=kopf.Memo(config=config, kinds=KINDS),
+        memo=memo,
     )
+    if getattr(memo, "leadership_lost", False):
+        return 1  # deposed: the pod restarts it as a candidate
     return 0
 
 

@@ -46,9 +46,11 @@ def test_bad_values_fail_with_the_schema_message(run_tool: Callable[..., Any]) -
     )
     assert bad_scale.returncode != 0
     assert "/operator/engine/timeScale" in bad_scale.stderr
-    two = run_tool("helm", "template", "x", str(CHART), "--set", "operator.replicas=2", check=False)
-    assert two.returncode != 0
-    assert "/operator/replicas" in two.stderr
+    many = run_tool(
+        "helm", "template", "x", str(CHART), "--set", "operator.replicas=9", check=False
+    )
+    assert many.returncode != 0
+    assert "/operator/replicas" in many.stderr
     typo = run_tool(
         "helm", "template", "x", str(CHART), "--set", "zookeper.external=a:1", check=False
     )
@@ -81,8 +83,11 @@ def test_the_rendered_chart_runs_locked_down_with_no_wildcard_rbac(
     for doc in docs:
         by_kind.setdefault(doc["kind"], []).append(doc)
     (operator,) = [d for d in by_kind["Deployment"] if d["metadata"]["name"].endswith("-operator")]
-    assert operator["spec"]["strategy"] == {"type": "Recreate"}
-    assert operator["spec"]["replicas"] == 1
+    # two replicas electing a leader on a Lease; a rollout surges (the webhook served throughout)
+    assert operator["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert operator["spec"]["replicas"] == 2
+    assert "--leader-elect" in operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert any(b["metadata"]["name"].endswith("-operator") for b in by_kind["PodDisruptionBudget"])
     assert operator["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]
     for workload in by_kind["Deployment"] + by_kind["DaemonSet"]:
         pod = workload["spec"]["template"]["spec"]
@@ -311,6 +316,8 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         *("--set", "zookeeper.persistence=false", "--set", "gateway.service.port=8080"),
         *("--set", "operator.engine.timeScale=20", "--set", "operator.engine.loadSource=NPUForkUB"),
         *("--set", "gateway.drainSeconds=1"),  # the uninstall's gateways stop in a second
+        # one operator: the lifecycle here; two electing a leader: tests/cluster/test_ha.py
+        *("--set", "operator.replicas=1"),
     ]
     run_tool("helm", "install", release, str(CHART), *common)
 

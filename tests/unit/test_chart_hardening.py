@@ -189,11 +189,43 @@ def test_zookeeper_keeps_its_old_uid_when_asked(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("replicas", [0, 1, 2, 5])
+def test_the_operator_gets_a_disruption_budget_and_a_lease_only_with_more_than_one_replica(
+    tmp_path: Path, replicas: int
+) -> None:
+    docs = documents(helm_template(tmp_path, f"operator.replicas={replicas}"))
+    budgets = [
+        b
+        for b in by_kind(docs, "PodDisruptionBudget")
+        if b["metadata"]["name"].endswith("-operator")
+    ]
+    operator = workload(docs, "Deployment", "-operator")
+    assert operator["spec"]["replicas"] == replicas
+    if replicas <= 1:
+        assert budgets == []
+    else:
+        (budget,) = budgets
+        assert budget["spec"]["maxUnavailable"] == 1
+        assert budget["spec"]["selector"] == operator["spec"]["selector"]
+    (spread,) = operator["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["whenUnsatisfiable"] == "DoNotSchedule"
+    assert spread["nodeTaintsPolicy"] == "Honor"
+    # the election's Role: its Lease by name, nothing else of coordination.k8s.io
+    (role,) = [r for r in by_kind(docs, "Role") if r["metadata"]["name"].endswith("-election")]
+    named = [r for r in role["rules"] if "leases" in r["resources"] and "update" in r["verbs"]]
+    assert named[0]["resourceNames"] == [operator["metadata"]["name"]]
+
+
+@pytest.mark.parametrize("replicas", [0, 1, 2, 5])
 def test_the_gateway_gets_a_disruption_budget_only_with_more_than_one_replica(
     tmp_path: Path, replicas: int
 ) -> None:
     docs = documents(helm_template(tmp_path, f"gateway.replicas={replicas}"))
-    budgets = by_kind(docs, "PodDisruptionBudget")
+    budgets = [
+        b
+        for b in by_kind(docs, "PodDisruptionBudget")
+        if b["metadata"]["name"].endswith("-gateway")
+    ]
     if replicas <= 1:
         assert budgets == []
         return

@@ -128,6 +128,15 @@ class Supervisor:
         record = self.record(name)
         return record is not None and not record.alive()
 
+    def returncode(self, name: str) -> int | None:
+        """The exit status of the named process if it was our child and has exited."""
+        self._reap()
+        record = self.record(name)
+        for proc in self._children:
+            if record is not None and proc.pid == record.pid:
+                return proc.poll()
+        return None
+
     def stop(self, name: str, grace: float = 10.0) -> bool:
         """SIGTERM the process group, SIGKILL after ``grace`` s. True if something was stopped."""
         record = self.record(name)

@@ -8,7 +8,9 @@ loop, run by the kind's ``@kopf.daemon``:
   passes; a pass that applied actions (``busy``) is followed by another at once;
 - never dies of a failed pass: the error is counted and logged, and the next pass (a wake-up or
   the resync) tries again, no sooner than a second later;
-- times every pass (wall and CPU) per kind.
+- times every pass (wall and CPU) per kind;
+- passes only while this replica leads (its :class:`Gate`, the Lease election of
+  :mod:`.leadership`), and checks it again before every write.
 
 Two helpers every kind's reconcile uses: :meth:`Reconciler.report_invalid` (``Ready=False``,
 reason ``InvalidSpec``, a Warning Event once per generation, nothing touched) and
@@ -22,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import kopf
 
@@ -38,12 +40,33 @@ from matrixserve.domain.effects import (
     PodDeletion,
     ZnodeChange,
 )
+from matrixserve.domain.leadership import NotLeading
 from matrixserve.handlers.metrics import OperatorMetrics
 
 Key = tuple[str, str]  # (namespace, name)
 ReconcileFn = Callable[[str, str, logging.Logger], Awaitable[bool]]
 ArmFn = Callable[[str, str, Callable[[], None]], Awaitable[bool]]
 ZnodesFn = Callable[[Any], Awaitable[None]]  # applies a ZnodeChange to the kind's store
+
+
+class Gate(Protocol):
+    """Whether this replica may act (:class:`~matrixserve.handlers.leadership.Leadership`)."""
+
+    def check(self) -> None:
+        """Raises :class:`NotLeading` unless this replica may write now."""
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        """Until this replica may act (True), or ``timeout`` seconds pass (False)."""
+
+
+class Always:
+    """The gate of a lone operator (no election): it always may."""
+
+    def check(self) -> None:
+        return None
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        return True
 
 
 def now_rfc3339() -> str:
@@ -87,6 +110,7 @@ class Reconciler:
         resync_seconds: float = 10.0,
         event_driven: bool = True,  # off: a plain polling controller (the benchmark's baseline)
         poster: Callable[[Mapping[str, Any], Event | None], None] = post,
+        gate: Gate | None = None,
     ) -> None:
         self.kind = kind
         self.kube = kube
@@ -95,6 +119,10 @@ class Reconciler:
         self.resync_seconds = resync_seconds
         self.event_driven = event_driven
         self.post = poster
+        # Only the leader passes and writes: a standby's loop waits here (its watches armed
+        # only once it leads), and every write is checked again (a deposed leader's pass stops
+        # at its next write).
+        self.gate: Gate = gate or Always()
         self.wakes: dict[Key, asyncio.Event] = {}
         self.generations: dict[Key, int] = {}
         self.invalid_reported: dict[Key, int] = {}
@@ -144,6 +172,8 @@ class Reconciler:
         armed = arm is None or not self.event_driven
         try:
             while not stopped:
+                if not await self.gate.wait(timeout=1.0):
+                    continue
                 if not armed:
                     assert arm is not None
                     armed = await arm(namespace, name, lambda: self.wake_threadsafe(*key))
@@ -175,6 +205,8 @@ class Reconciler:
         busy = False
         try:
             busy = await reconcile(namespace, name, logger)
+        except NotLeading:  # deposed mid-pass: nothing more written; the next leader goes on
+            logger.info("pass of %s/%s stopped: not the leader", namespace, name)
         except Exception as exc:  # reported, retried on the next pass; never kills the daemon
             self.metrics.reconcile_errors.labels(kind=kind).inc()
             logger.warning("reconcile of %s/%s failed: %s", namespace, name, exc)
@@ -193,6 +225,7 @@ class Reconciler:
         key = (meta["namespace"], meta["name"])
         generation = int(meta.get("generation") or 0)
         message = "; ".join(errors)
+        self.gate.check()
         previous = (body.get("status") or {}).get("conditions") or []
         ready = cond.merge(
             previous,
@@ -241,6 +274,7 @@ class Reconciler:
         }
         patch = status_patch(old, new)
         if patch:
+            self.gate.check()
             await self.kube.patch_status(self.kind, meta["namespace"], meta["name"], patch)
 
     # ------------------------------------------------------------------ actions
@@ -251,6 +285,7 @@ class Reconciler:
         conditional on its own pod's resourceVersion): issued together, so 64 instances cost
         about one API round trip, not 64; everything else in the plan's order. A notice is posted once while it holds (a plan repeats it every pass
         its cause lasts), again if it comes back. True if anything was to be changed."""
+        self.gate.check()
         meta = body["metadata"]
         key = (meta["namespace"], meta["name"])
         notices = [a for a in actions if isinstance(a, Notice)]
@@ -280,6 +315,7 @@ class Reconciler:
 
     async def _apply(self, body: Mapping[str, Any], action: Effect, znodes: ZnodesFn) -> None:
         namespace = body["metadata"]["namespace"]
+        self.gate.check()
         self.metrics.actions.labels(action=type(action).__name__).inc()
         if isinstance(action, PodCreation):
             changed = await self.kube.create_pod(namespace, action.manifest)

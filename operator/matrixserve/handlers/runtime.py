@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,11 +20,14 @@ import kopf
 from prometheus_client import start_http_server
 
 from matrixserve.adapters.kube import KubeAdapter, api_client, credentials
+from matrixserve.adapters.lease import LeaseAdapter
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.zk_layout import Credentials
 from matrixserve.coordination import Session, SessionState
 from matrixserve.domain.enginepod import EngineSettings
+from matrixserve.domain.leadership import Timing
+from matrixserve.handlers.leadership import Leadership
 from matrixserve.handlers.metrics import OperatorMetrics
 from matrixserve.handlers.reconciler import Reconciler
 
@@ -51,6 +56,11 @@ class OperatorConfig:
     sweep_seconds: float = 60.0  # the kinds' sweeps of ZooKeeper data nothing owns any more
     namespaces: tuple[str, ...] = ()  # watched namespaces (none: the whole cluster)
     zookeeper_auth: Credentials | None = None  # the digest identity (None: open znodes)
+    # Leader election (issue 31): the Lease "<namespace>/<name>" replicas elect on (None: no
+    # election, this operator always acts), this replica's identity in it, the timing.
+    leader_lease: str | None = None
+    leader_identity: str = ""
+    leader_timing: Timing = field(default_factory=Timing)
 
 
 @dataclass
@@ -67,6 +77,8 @@ class Runtime:
     sweeping: asyncio.Task[None] | None = None
     sweep_again: bool = False
     ticker: asyncio.Task[None] | None = None
+    leadership: Leadership | None = None
+    electing: asyncio.Task[None] | None = None
 
     @property
     def engine(self) -> EngineSettings:
@@ -81,6 +93,7 @@ class Runtime:
             self.loop,
             resync_seconds=self.config.resync_seconds,
             event_driven=self.config.zk_watches,
+            gate=self.leadership,
         )
         self.reconcilers.append(loop)
         return loop
@@ -99,7 +112,11 @@ class Runtime:
 
     def sweep(self) -> None:
         """Start the kinds' sweeps, one after another; asked while they run, they run once more
-        after (a new session's sweep is never dropped)."""
+        after (a new session's sweep is never dropped). The leader's alone: a standby's sweep
+        would delete what the leader has just made (a new group's subtree before its object
+        reached the standby's view)."""
+        if self.leadership is not None and not self.leadership.may_act():
+            return
         if self.sweeping is None or self.sweeping.done():
             self.sweeping = self.loop.create_task(self._sweep_all())
         else:
@@ -161,12 +178,19 @@ async def startup(
             settings.admission.managed = WEBHOOK_CONFIGURATION
     metrics = OperatorMetrics()
     session = Session(cfg.zookeeper, auth=cfg.zookeeper_auth)
+    api = api_client(cfg.kubeconfig)
+    lease = None
+    if cfg.leader_lease:
+        lease_namespace, lease_name = cfg.leader_lease.split("/", 1)
+        lease = LeaseAdapter(api, lease_namespace, lease_name)
+    leadership = Leadership(cfg.leader_identity, lease, cfg.leader_timing, metrics.registry)
     runtime = Runtime(
         config=cfg,
-        kube=KubeAdapter(api_client(cfg.kubeconfig), pod_secrets=cfg.engine.secrets()),
+        kube=KubeAdapter(api, pod_secrets=cfg.engine.secrets()),
         session=session,
         metrics=metrics,
         loop=asyncio.get_running_loop(),
+        leadership=leadership,
     )
     memo.runtime = runtime
     install: Install
@@ -195,6 +219,25 @@ async def startup(
     # Never block start-up on ZooKeeper: until it connects, reconcilers plan nothing destructive.
     runtime.background = asyncio.get_running_loop().create_task(_connect(session, logger))
     runtime.ticker = asyncio.get_running_loop().create_task(runtime.sweep_periodically())
+    if leadership.elected:
+        # Leading: every object looks again at once and what nothing owns is swept. Lost (a
+        # renewal overdue): the process stops, as controller-runtime's do, and its pod
+        # restarts it as a candidate with nothing of the old term in memory.
+        leadership.on_gained.append(runtime.wake_all)
+        leadership.on_gained.append(runtime.sweep)
+        leadership.on_lost.append(lambda: _stop_self(memo))
+        runtime.electing = asyncio.get_running_loop().create_task(leadership.run())
+        logger.info(
+            "electing on the Lease %s as %s: a standby until it leads (it serves the webhook)",
+            cfg.leader_lease,
+            cfg.leader_identity,
+        )
+
+
+def _stop_self(memo: kopf.Memo) -> None:
+    """kopf's own graceful stop (its SIGTERM handler); ``main`` then exits 1."""
+    memo.leadership_lost = True
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 async def _connect(session: Session, logger: logging.Logger) -> None:
@@ -211,9 +254,11 @@ async def _connect(session: Session, logger: logging.Logger) -> None:
 async def cleanup(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     runtime: Runtime | None = getattr(memo, "runtime", None)
     if runtime is not None:
-        for task in (runtime.background, runtime.ticker, runtime.sweeping):
+        for task in (runtime.background, runtime.ticker, runtime.sweeping, runtime.electing):
             if task is not None:
                 task.cancel()
+        if runtime.leadership is not None:
+            await runtime.leadership.release()
         if runtime.session.connected:
             await runtime.session.stop()
     logger.info("operator stopped")

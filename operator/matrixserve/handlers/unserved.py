@@ -36,6 +36,11 @@ def _register(kind: kinds.Kind) -> None:
         meta = body.get("metadata") or {}
         if type == "DELETED" or meta.get("deletionTimestamp"):
             return
+        # The leader says it (a standby's handler waits: it says it if it comes to lead; the
+        # object's next event supersedes the wait).
+        leadership = memo.runtime.leadership
+        if leadership is not None:
+            await leadership.wait()
         generation = int(meta.get("generation") or 0)
         status = body.get("status") or {}
         previous = status.get("conditions") or []
@@ -46,6 +51,8 @@ def _register(kind: kinds.Kind) -> None:
             and ready.get("message") == message(kind)
         ):
             return  # said for this generation (our own patch comes back as an event)
+        if leadership is not None:
+            leadership.check()
         wanted = [cond.Condition("Ready", False, REASON, message(kind))]
         conditions = [
             *(c for c in previous if c.get("type") != "Ready"),

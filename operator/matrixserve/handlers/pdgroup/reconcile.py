@@ -289,6 +289,14 @@ async def deleted(
     **_: Any,
 ) -> None:
     groups = groups_of(memo)
+    leadership = groups.rt.leadership
+    if leadership is not None:
+        # The leader cleans up; a standby's handler holds (its kopf writes nothing meanwhile)
+        # until it leads, or the object is gone (the leader removed the finalizer).
+        while not await leadership.wait(timeout=2.0):
+            if await groups.rt.kube.get(KIND, namespace, name) is None:
+                return
+        leadership.check()
     if not groups.store.connected:
         if not cleanup.give_up_waiting(meta.get("deletionTimestamp"), time.time()):
             raise kopf.TemporaryError(

@@ -1,0 +1,137 @@
+"""The leader-election Lease (``coordination.k8s.io/v1``): read, create, take or renew, release.
+
+Every write but the create carries the resourceVersion of the record it was decided on, so of
+two replicas deciding on the same record one wins and the other gets a 409 (no write). What to
+write is decided in :mod:`matrixserve.domain.leadership`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes import client
+
+from matrixserve.domain.leadership import Record
+
+log = logging.getLogger("matrixserve.leadership")
+
+
+def _micro_time(when: datetime) -> str:
+    return when.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class LeaseAdapter:
+    def __init__(self, api: client.ApiClient, namespace: str, name: str) -> None:
+        self.coordination = client.CoordinationV1Api(api)
+        self.core = client.CoreV1Api(api)
+        self.namespace = namespace
+        self.name = name
+        self.uid: str | None = None  # the Lease's, for Events on it
+
+    async def read(self) -> Record | None:
+        try:
+            lease = await asyncio.to_thread(
+                self.coordination.read_namespaced_lease, self.name, self.namespace
+            )
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        self.uid = lease.metadata.uid
+        spec = lease.spec
+        return Record(
+            holder=spec.holder_identity or "",
+            lease_seconds=int(spec.lease_duration_seconds or 0),
+            transitions=int(spec.lease_transitions or 0),
+            resource_version=str(lease.metadata.resource_version),
+            acquire_time=_micro_time(spec.acquire_time) if spec.acquire_time else "",
+        )
+
+    def _spec(
+        self, holder: str, seconds: int, transitions: int, acquired: bool, now: datetime
+    ) -> dict[str, Any]:
+        spec: dict[str, Any] = {
+            "holderIdentity": holder,
+            "leaseDurationSeconds": seconds,
+            "leaseTransitions": transitions,
+            "renewTime": _micro_time(now),
+        }
+        if acquired:
+            spec["acquireTime"] = _micro_time(now)
+        return spec
+
+    async def create(self, holder: str, seconds: int) -> bool:
+        """True if ours now; False if another candidate's create won."""
+        body = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": self.name, "namespace": self.namespace},
+            "spec": self._spec(holder, seconds, 0, True, datetime.now(UTC)),
+        }
+        try:
+            await asyncio.to_thread(self.coordination.create_namespaced_lease, self.namespace, body)
+        except client.ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    async def write(
+        self, record: Record, holder: str, seconds: int, transitions: int, acquired: bool
+    ) -> bool:
+        """Replace the record, if it is still the one read (409 otherwise: False): a replace
+        carries the whole spec (acquireTime kept when only renewing)."""
+        spec = self._spec(holder, seconds, transitions, acquired, datetime.now(UTC))
+        if not acquired and record.acquire_time:
+            spec["acquireTime"] = record.acquire_time
+        body = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {
+                "name": self.name,
+                "namespace": self.namespace,
+                "resourceVersion": record.resource_version,
+            },
+            "spec": spec,
+        }
+        try:
+            await asyncio.to_thread(
+                self.coordination.replace_namespaced_lease, self.name, self.namespace, body
+            )
+        except client.ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            raise
+        return True
+
+    async def event(self, reason: str, message: str) -> None:
+        """A Normal Event on the Lease; a failure is logged, never raised."""
+        now = _micro_time(datetime.now(UTC))
+        body = {
+            "metadata": {
+                "name": f"{self.name}.{uuid.uuid4().hex[:16]}",
+                "namespace": self.namespace,
+            },
+            "involvedObject": {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "name": self.name,
+                "namespace": self.namespace,
+                "uid": self.uid or "",
+            },
+            "reason": reason,
+            "message": message,
+            "type": "Normal",
+            "source": {"component": "matrixserve-operator"},
+            "firstTimestamp": now[:19] + "Z",
+            "lastTimestamp": now[:19] + "Z",
+            "count": 1,
+        }
+        try:
+            await asyncio.to_thread(self.core.create_namespaced_event, self.namespace, body)
+        except Exception as exc:
+            log.warning("could not post the %s Event on the Lease: %s", reason, exc)
