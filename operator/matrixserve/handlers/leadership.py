@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -188,3 +188,17 @@ class Leadership:
                 log.info("%s released the leadership", self.identity)
         except Exception as exc:  # the others wait the lease out instead
             log.warning("could not release the Lease: %s", exc)
+
+
+async def lead_or_gone(
+    leadership: Leadership | None, exists: Callable[[], Awaitable[bool]], every: float = 2.0
+) -> bool:
+    """For a kopf handler that writes (a finalizer's clean-up, a status said on an event): wait
+    until this replica leads (True) or the object is gone (False: the leader dealt with it), so
+    a standby's handler neither writes nor lingers for an object that no longer exists."""
+    if leadership is None:
+        return True
+    while not await leadership.wait(timeout=every):
+        if not await exists():
+            return False
+    return True

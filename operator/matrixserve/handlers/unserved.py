@@ -15,6 +15,7 @@ import kopf
 
 from matrixserve.api import kinds
 from matrixserve.domain import conditions as cond
+from matrixserve.handlers.leadership import lead_or_gone
 from matrixserve.handlers.reconciler import now_rfc3339
 
 UNSERVED = (kinds.EXPERTPOOL, kinds.DPDOMAIN)
@@ -36,11 +37,16 @@ def _register(kind: kinds.Kind) -> None:
         meta = body.get("metadata") or {}
         if type == "DELETED" or meta.get("deletionTimestamp"):
             return
-        # The leader says it (a standby's handler waits: it says it if it comes to lead; the
-        # object's next event supersedes the wait).
-        leadership = memo.runtime.leadership
-        if leadership is not None:
-            await leadership.wait()
+        # The leader says it (a standby's handler waits: it says it if it comes to lead, unless
+        # the object is gone by then).
+        runtime = memo.runtime
+        leadership = runtime.leadership
+
+        async def exists() -> bool:
+            return await runtime.kube.get(kind, meta["namespace"], meta["name"]) is not None
+
+        if not await lead_or_gone(leadership, exists):
+            return
         generation = int(meta.get("generation") or 0)
         status = body.get("status") or {}
         previous = status.get("conditions") or []

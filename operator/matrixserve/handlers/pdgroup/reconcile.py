@@ -31,6 +31,7 @@ from matrixserve.domain.pdgroup import cleanup
 from matrixserve.domain.pdgroup.actions import ReportRatioChange, ReportRecovery
 from matrixserve.domain.pdgroup.validation import parse_spec, running_template_changes
 from matrixserve.domain.scaleout import Path, Phase
+from matrixserve.handlers.leadership import lead_or_gone
 from matrixserve.handlers.pdgroup.controller import API, KIND, PDGroups, groups_of
 from matrixserve.handlers.reconciler import Key, wake_on_events
 
@@ -49,9 +50,10 @@ async def reconciler(
     **_: Any,
 ) -> None:
     groups = groups_of(memo)
-    groups.metrics.setup.start((namespace, name), time.monotonic())
 
     async def reconcile_group(ns: str, group: str, log: logging.Logger) -> bool:
+        # set-up is timed from the first pass (a standby's daemon waits long before its first)
+        groups.metrics.setup.start((ns, group), time.monotonic())
         return await reconcile(groups, ns, group, log)
 
     async def arm(ns: str, group: str, wake: Any) -> bool:
@@ -278,6 +280,10 @@ def _track_setup(groups: PDGroups, key: Key, plan: pd.Plan) -> None:
 
 
 # --------------------------------------------------------------------------- deletion
+async def _exists(groups: PDGroups, namespace: str, name: str) -> bool:
+    return await groups.rt.kube.get(KIND, namespace, name) is not None
+
+
 @kopf.on.delete(*API, id="cleanup-zookeeper")
 async def deleted(
     name: str,
@@ -289,14 +295,10 @@ async def deleted(
     **_: Any,
 ) -> None:
     groups = groups_of(memo)
-    leadership = groups.rt.leadership
-    if leadership is not None:
-        # The leader cleans up; a standby's handler holds (its kopf writes nothing meanwhile)
-        # until it leads, or the object is gone (the leader removed the finalizer).
-        while not await leadership.wait(timeout=2.0):
-            if await groups.rt.kube.get(KIND, namespace, name) is None:
-                return
-        leadership.check()
+    # The leader cleans up; a standby's handler holds (its kopf writes nothing meanwhile) until
+    # it leads, or the object is gone (the leader removed the finalizer).
+    if not await lead_or_gone(groups.rt.leadership, lambda: _exists(groups, namespace, name)):
+        return
     if not groups.store.connected:
         if not cleanup.give_up_waiting(meta.get("deletionTimestamp"), time.time()):
             raise kopf.TemporaryError(
