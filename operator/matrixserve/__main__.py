@@ -209,7 +209,9 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
         help="this replica's name in the Lease (default: $POD_NAME, else the host name, with "
         "a random suffix: a restarted replica is a new candidate)",
     )
-    p.add_argument("--leader-lease-seconds", type=float, default=15.0, help="the Lease's duration")
+    p.add_argument(
+        "--leader-lease-seconds", type=int, default=15, help="the Lease's duration (whole seconds)"
+    )
     p.add_argument(
         "--leader-renew-seconds",
         type=float,

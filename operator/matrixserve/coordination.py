@@ -210,6 +210,10 @@ class _Watch:
 class Session:
     """One kazoo client at a time, and what every user of it needs."""
 
+    # Called before every write (raises to refuse it): the operator's leadership, so a standby
+    # or a deposed leader changes nothing (None: every write goes, as for the gateway).
+    fence: Callable[[], None] | None = None
+
     def __init__(
         self,
         hosts: str,
@@ -256,6 +260,10 @@ class Session:
         # (a closed subtree is never opened again while we run; a renewed client asks afresh).
         self._closed_scopes: set[str] = set()
         self._adopt(self.client)
+
+    def _fenced(self) -> None:
+        if self.fence is not None:
+            self.fence()
 
     def _adopt(self, client: Any) -> None:
         client.add_listener(lambda state: self._on_kazoo_state(client, state))
@@ -529,6 +537,7 @@ class Session:
         """Set-or-create. ``version`` >= 0 makes it a compare-and-set of an existing znode
         (``BadVersionError`` when the version moved, ``NoNodeError`` when it is gone).
         ``makepath``: create missing parents too (off: a deleted subtree stays deleted)."""
+        self._fenced()
         try:
             self.client.set(path, data, version=version)
             return
@@ -553,6 +562,7 @@ class Session:
         ZooKeeper would delete the znode, our data with it, when that session expires), create it
         if absent (with its missing parents if ``makepath``: a folder the operator's sweep
         removed as empty just before)."""
+        self._fenced()
         stat = self.client.exists(path)
         if stat is not None and stat.ephemeralOwner == self.session_id:
             self.client.set(path, data)
@@ -576,6 +586,7 @@ class Session:
 
     def create(self, path: str, data: bytes, *, ephemeral: bool = False) -> bool:
         """Create if absent; False when it already existed (left as it is)."""
+        self._fenced()
         try:
             self.client.create(path, data, acl=self._acl(path), ephemeral=ephemeral)
         except NodeExistsError:
@@ -585,6 +596,7 @@ class Session:
     def delete(self, path: str, *, recursive: bool = False) -> bool:
         """Delete if present (with its children if ``recursive``); False when it was already
         gone (kazoo's recursive delete does not say, so it is asked first)."""
+        self._fenced()
         if recursive and not self.exists(path):
             return False
         try:
@@ -595,6 +607,7 @@ class Session:
 
     def prune(self, path: str) -> bool:
         """Delete the znode if it is there and has no children; True if it went."""
+        self._fenced()
         try:
             self.client.delete(path)
         except (NoNodeError, NotEmptyError):
@@ -605,6 +618,7 @@ class Session:
         """Make the znodes (and their missing parents) that are not there. ``open_acl``: open
         to every client, for a group subtree still open to engines without the credential (an
         upgrade), made again after the server lost its data."""
+        self._fenced()
         for path in paths:
             acl = list(OPEN_ACL_UNSAFE) if open_acl and self.auth is not None else None
             self.client.ensure_path(path, acl=acl or self._acl(path))
@@ -658,6 +672,7 @@ class Session:
                 acls = [(path, client.get_acls_async(path)) for path in chunk]
                 kids = [(path, client.get_children_async(path)) for path in chunk]
                 setting = []
+                self._fenced()  # each batch of ACLs set
                 for path, pending in acls:
                     current = _answer(pending, path, refused)
                     if current is None:

@@ -252,7 +252,8 @@ def test_two_gateways_spread_over_servers_drain_and_the_control_plane_leaves_a_l
     docs = documents(helm_template(tmp_path))
     gateway = workload(docs, "Deployment", "-gateway")
     assert gateway["spec"]["replicas"] == 2
-    assert len(by_kind(docs, "PodDisruptionBudget")) == 1
+    budgets = [b["metadata"]["name"] for b in by_kind(docs, "PodDisruptionBudget")]
+    assert sum(name.endswith("-gateway") for name in budgets) == 1, budgets
     pod = gateway["spec"]["template"]["spec"]
     assert pod["topologySpreadConstraints"] == [
         {

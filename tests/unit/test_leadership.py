@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from matrixserve.domain import leadership as le
 from matrixserve.domain.leadership import NotLeading, Record, Step, Timing
-from matrixserve.handlers.leadership import Leadership
+from matrixserve.handlers.leadership import Leadership, lead_or_gone
 
 T = Timing(lease=15, renew_deadline=10, retry=2)
 
@@ -63,7 +63,8 @@ def test_timings_that_could_let_two_leaders_act_are_refused() -> None:
     assert any("longer than the renew deadline" in p for p in Timing(10, 10, 2).problems())
     assert any("1.2 x the retry" in p for p in Timing(15, 2, 2).problems())
     assert any("> 0" in p for p in Timing(15, 10, 0).problems())
-    assert T.takeover_bound() == 17
+    assert T.takeover_bound() == 19
+    assert any("whole number" in p for p in Timing(2.5, 2, 1).problems())
 
 
 class MemoryLease:
@@ -122,9 +123,9 @@ async def test_one_of_two_candidates_leads_and_the_other_takes_over_after_the_le
     gained: list[str] = []
     a.on_gained.append(lambda: gained.append("a"))
     b.on_gained.append(lambda: gained.append("b"))
-    assert await a._try(clock.now)
+    assert await a._try()
     a.last_renewed = clock.now
-    assert not await b._try(clock.now)
+    assert not await b._try()
     assert a.may_act()
     assert not b.may_act()
     with pytest.raises(NotLeading):
@@ -132,9 +133,9 @@ async def test_one_of_two_candidates_leads_and_the_other_takes_over_after_the_le
     assert not await b.wait(timeout=0.01)
     # a dies: b takes the Lease once it has seen it unchanged for the lease's duration
     clock.now += 14
-    assert not await b._try(clock.now)
+    assert not await b._try()
     clock.now += 1
-    assert await b._try(clock.now)
+    assert await b._try()
     assert lease.record is not None
     assert lease.record.holder == "b"
     assert lease.record.transitions == 1
@@ -164,15 +165,15 @@ async def test_the_loop_gains_then_loses_when_renewals_fail_past_the_deadline() 
 async def test_release_empties_the_holder_so_a_standby_need_not_wait_the_lease_out() -> None:
     lease, clock = MemoryLease(), Clock()
     a, b = leader(lease, "a", clock), leader(lease, "b", clock)
-    assert await a._try(clock.now)
+    assert await a._try()
     a.last_renewed = clock.now
     a.leading.set()
-    assert not await b._try(clock.now)
+    assert not await b._try()
     await a.release()
     assert lease.record is not None
     assert lease.record.holder == ""
     assert not a.may_act()
-    assert await b._try(clock.now)  # at once, not 15 s later
+    assert await b._try()  # at once, not 15 s later
 
 
 def test_without_a_lease_it_always_leads() -> None:
@@ -180,3 +181,56 @@ def test_without_a_lease_it_always_leads() -> None:
     assert alone.may_act()
     assert not alone.elected
     alone.check()
+
+
+async def test_a_leader_that_finds_the_lease_in_other_hands_stops_at_once() -> None:
+    lease, clock = MemoryLease(), Clock()
+    a = leader(lease, "a", clock)
+    lost: list[bool] = []
+    a.on_lost.append(lambda: lost.append(True))
+    assert await a._try()
+    a.last_renewed = clock.now
+    a.leading.set()
+    lease.version += 1
+    lease.record = Record("intruder", 600, 1, str(lease.version))  # edited, or made again
+    assert not await a._try()
+    assert lost == [True]
+    assert not a.may_act()  # well within its renew deadline
+
+
+async def test_a_renewal_that_never_answers_ends_the_leadership_by_the_deadline() -> None:
+    lease, clock = MemoryLease(), Clock()
+    a = leader(lease, "a", clock)
+    a.timing = Timing(lease=1, renew_deadline=0.3, retry=0.05)
+    a.clock = asyncio.get_running_loop().time
+    lost: list[bool] = []
+    a.on_lost.append(lambda: lost.append(True))
+    task = asyncio.create_task(a.run())
+    assert await a.wait(timeout=2)
+    hang = asyncio.Event()
+
+    async def never(*_: object) -> None:
+        await hang.wait()
+
+    lease.read = never  # type: ignore[method-assign]  # the API server holds the call
+    await asyncio.wait_for(task, timeout=3)
+    assert lost == [True]
+    assert not a.may_act()
+
+
+async def test_a_standbys_handler_waits_until_it_leads_or_the_work_is_gone() -> None:
+    lease, clock = MemoryLease(), Clock()
+    a = leader(lease, "a", clock)
+    lease.record = Record("b", 15, 0, "1")  # another leads
+    looks: list[int] = []
+
+    async def pending() -> bool:
+        looks.append(1)
+        if len(looks) == 1:
+            raise ConnectionError("a failed look counts as still pending")
+        return len(looks) < 3
+
+    assert not await lead_or_gone(a, pending, every=0.01)
+    assert len(looks) == 3
+    alone = Leadership("", None, T, CollectorRegistry())
+    assert await lead_or_gone(alone, pending, every=0.01)

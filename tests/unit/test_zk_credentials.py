@@ -18,6 +18,7 @@ import pytest
 from kazoo.client import KazooClient, KazooState
 from kazoo.security import ACL, OPEN_ACL_UNSAFE, Id, Permissions, make_digest_acl
 from kubernetes import client
+from prometheus_client import CollectorRegistry
 
 from enginestub.engine import config as engine_config
 from fakes import FakeCore, FakeCustom, FakeKazoo
@@ -30,9 +31,11 @@ from matrixserve.api.resources import PDGroupSpec
 from matrixserve.coordination import Session, SessionState, access
 from matrixserve.domain.effects import Event
 from matrixserve.domain.enginepod import SECRET_LABELS, EngineSettings, platform_env
+from matrixserve.domain.leadership import Timing
 from matrixserve.domain.pdgroup.pods import pod_manifest
 from matrixserve.gateway import __main__ as gateway_main
 from matrixserve.handlers import pdgroup, runtime
+from matrixserve.handlers.leadership import Leadership
 from matrixserve.handlers.metrics import OperatorMetrics
 from matrixserve.handlers.reconciler import Reconciler
 from matrixserve.handlers.runtime import OperatorConfig, Runtime
@@ -181,7 +184,8 @@ async def test_at_start_the_operator_closes_everything_but_the_groups_subtrees()
     _tree(fake)
     _open_group(fake)
     session = Session("zk", client=fake, auth=AUTH)
-    await runtime._connect(session, LOG)  # the operator's start, once connected
+    alone = Leadership("", None, Timing(), CollectorRegistry())  # no election: it leads
+    await runtime._connect(session, alone, LOG)  # the operator's start, once connected
     for closed in (
         zl.TOP,
         zl.ROOT,

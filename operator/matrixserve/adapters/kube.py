@@ -82,6 +82,10 @@ class SecretTaken(Exception):
 
 
 class KubeAdapter:
+    # Called before every write (raises to refuse it): the operator's leadership, so a standby
+    # or a deposed leader changes nothing (None: every write goes, as for the gateway).
+    fence: Callable[[], None] | None = None
+
     def __init__(
         self,
         api: client.ApiClient,
@@ -99,6 +103,10 @@ class KubeAdapter:
         # A node's SuperPod is fixed by its hardware: read each node once, not every pass.
         self._superpods: dict[str, str] = {}
         self._nodes: tuple[float, dict[str, NodeView]] | None = None
+
+    def _fenced(self) -> None:
+        if self.fence is not None:
+            self.fence()
 
     async def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
         """The object as stored, or None once it is gone."""
@@ -263,6 +271,7 @@ class KubeAdapter:
         if taken:
             raise SecretTaken(namespace, taken)
         try:
+            self._fenced()
             await asyncio.to_thread(self.core.create_namespaced_pod, namespace, body)
         except client.ApiException as exc:
             if exc.status == 409:
@@ -294,6 +303,7 @@ class KubeAdapter:
         found = await self._read_secret(namespace, name)
         if found is None:
             try:
+                self._fenced()
                 await asyncio.to_thread(self.core.create_namespaced_secret, namespace, secret)
                 return True
             except client.ApiException as exc:
@@ -306,6 +316,7 @@ class KubeAdapter:
         if any(labels.get(k) != v for k, v in secret["metadata"]["labels"].items()):
             return False
         if dict(found.data or {}) != secret["data"]:
+            self._fenced()
             await asyncio.to_thread(
                 self.core.patch_namespaced_secret, name, namespace, {"data": secret["data"]}
             )
@@ -335,6 +346,7 @@ class KubeAdapter:
         )
         if force:
             options.grace_period_seconds = 0
+        self._fenced()
         try:
             await asyncio.to_thread(self.core.delete_namespaced_pod, name, namespace, body=options)
         except client.ApiException as exc:
@@ -351,6 +363,7 @@ class KubeAdapter:
         resourceVersion with 409). True if the claim is ours; False if someone changed the pod
         first (another claim, a deletion) or it is gone."""
         body = {"metadata": {**patch, "resourceVersion": resource_version}}
+        self._fenced()
         try:
             # a JSON merge patch: ownerReferences replaced as a whole (a strategic merge would
             # merge them by UID and keep the pool's controller reference beside the group's)
@@ -373,6 +386,7 @@ class KubeAdapter:
         """Merge-patch the status subresource. Empty strings are omitted (omitempty): the API
         server would otherwise see them as null and reject them against the schema."""
         status = omit_empty(status)
+        self._fenced()
         try:
             await asyncio.to_thread(
                 self.custom.patch_namespaced_custom_object_status,

@@ -8,16 +8,20 @@ write is decided in :mod:`matrixserve.domain.leadership`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from kubernetes import client
 
 from matrixserve.domain.leadership import Record
 
 log = logging.getLogger("matrixserve.leadership")
+T = TypeVar("T")
 
 
 def _micro_time(when: datetime) -> str:
@@ -25,16 +29,26 @@ def _micro_time(when: datetime) -> str:
 
 
 class LeaseAdapter:
-    def __init__(self, api: client.ApiClient, namespace: str, name: str) -> None:
+    def __init__(
+        self, api: client.ApiClient, namespace: str, name: str, timeout: float = 5.0
+    ) -> None:
         self.coordination = client.CoordinationV1Api(api)
         self.core = client.CoreV1Api(api)
         self.namespace = namespace
         self.name = name
         self.uid: str | None = None  # the Lease's, for Events on it
+        # Threads of its own (not the loop's default pool, which the Kubernetes and ZooKeeper
+        # calls of every pass share) and a timeout on every call: nothing else delays a renewal.
+        self.timeout = timeout
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lease")
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        call = functools.partial(fn, *args, _request_timeout=self.timeout)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 
     async def read(self) -> Record | None:
         try:
-            lease = await asyncio.to_thread(
+            lease = await self._call(
                 self.coordination.read_namespaced_lease, self.name, self.namespace
             )
         except client.ApiException as exc:
@@ -73,7 +87,7 @@ class LeaseAdapter:
             "spec": self._spec(holder, seconds, 0, True, datetime.now(UTC)),
         }
         try:
-            await asyncio.to_thread(self.coordination.create_namespaced_lease, self.namespace, body)
+            await self._call(self.coordination.create_namespaced_lease, self.namespace, body)
         except client.ApiException as exc:
             if exc.status == 409:
                 return False
@@ -99,7 +113,7 @@ class LeaseAdapter:
             "spec": spec,
         }
         try:
-            await asyncio.to_thread(
+            await self._call(
                 self.coordination.replace_namespaced_lease, self.name, self.namespace, body
             )
         except client.ApiException as exc:
@@ -132,6 +146,6 @@ class LeaseAdapter:
             "count": 1,
         }
         try:
-            await asyncio.to_thread(self.core.create_namespaced_event, self.namespace, body)
+            await self._call(self.core.create_namespaced_event, self.namespace, body)
         except Exception as exc:
             log.warning("could not post the %s Event on the Lease: %s", reason, exc)

@@ -38,6 +38,8 @@ class Timing:
 
     def problems(self) -> list[str]:
         out = []
+        if self.lease != int(self.lease) or self.lease < 1:
+            out.append(f"the lease ({self.lease:g} s) must be a whole number of seconds >= 1")
         if not self.retry > 0:
             out.append(f"the retry period ({self.retry:g} s) must be > 0")
         if not self.renew_deadline > self.retry * 1.2:
@@ -53,8 +55,10 @@ class Timing:
         return out
 
     def takeover_bound(self) -> float:
-        """The longest a dead leader's Lease keeps the others waiting (seconds)."""
-        return self.lease + self.retry
+        """The longest a dead leader's Lease keeps the others waiting (seconds): the lease from
+        when a candidate saw its last renewal, which it sees up to one retry late, and a retry
+        more before it tries again."""
+        return self.lease + 2 * self.retry
 
 
 @dataclass(frozen=True)

@@ -103,30 +103,58 @@ class Leadership:
 
     # ------------------------------------------------------------------ the election
     async def run(self) -> None:
-        """Elect, renew, and on a renewal overdue give up (once) and tell ``on_lost``."""
+        """Elect and renew every ``retry`` seconds. A try that does not answer within the
+        retry period is abandoned (the Lease's calls have their own threads and timeouts: a
+        slow ZooKeeper or a burst of pod creations never delays a renewal), and a watchdog
+        ends the leadership the moment a renewal is overdue, answered or not."""
         assert self.lease is not None
-        while not self.lost:
-            started = self.clock()
-            try:
-                if await self._try(started):
-                    self.last_renewed = started
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the API server away: retried; fenced by the deadline
-                log.warning("leader election: %s", exc)
-            if self.leading.is_set() and not self.may_act():
-                self._lose()
-                return
-            if not self.leading.is_set() and self.may_act():
-                self._gain()
-            await asyncio.sleep(self.timing.retry)
+        watchdog = asyncio.get_running_loop().create_task(self._watch())
+        try:
+            while not self.lost:
+                started = self.clock()
+                try:
+                    async with asyncio.timeout(max(self.timing.retry, 1.0)):
+                        renewed = await self._try()
+                    if renewed:
+                        self.last_renewed = started
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the API server away or slow: fenced by the deadline
+                    log.warning("leader election: %s", exc or type(exc).__name__)
+                if self.lost:
+                    return
+                if self.leading.is_set() and not self.may_act():
+                    self._lose("no renewal within the renew deadline")
+                    return
+                if not self.leading.is_set() and self.may_act():
+                    self._gain()
+                await asyncio.sleep(self.timing.retry)
+        finally:
+            watchdog.cancel()
 
-    async def _try(self, now: float) -> bool:
+    async def _watch(self) -> None:
+        while not self.lost:
+            await asyncio.sleep(self.timing.retry / 4)
+            if self.leading.is_set() and not self.may_act() and not self.lost:
+                self._lose("no renewal within the renew deadline")
+
+    async def _try(self) -> bool:
         assert self.lease is not None
         record = await self.lease.read()
+        # observed when the answer came (client-go's observedTime): a read sent before the
+        # leader's renewal and answered after it must not date the renewal earlier
+        now = self.clock()
         self.observed = le.observe(self.observed, record, now)
+        if (
+            self.leading.is_set()
+            and record is not None
+            and record.holder
+            and record.holder != self.identity
+        ):  # taken from us (deleted and made again, or edited): stop at once, not at the deadline
+            self._lose(f"the Lease names {record.holder}")
+            return False
         step = le.decide(self.observed, self.identity, self.timing, now)
-        seconds = round(self.timing.lease)
+        seconds = int(self.timing.lease)
         if step is Step.CREATE:
             return await self.lease.create(self.identity, seconds)
         if step is Step.WAIT or record is None:
@@ -153,17 +181,18 @@ class Leadership:
             except Exception:  # the election goes on whatever a listener does
                 log.exception("a leadership listener failed")
 
-    def _lose(self) -> None:
+    def _lose(self, why: str) -> None:
+        if self.lost:
+            return
         self.lost = True
         self.leading.clear()
         self.gauge.set(0)
-        log.error(
-            "%s lost the leadership: no renewal within %g s; it acts no more and exits",
-            self.identity,
-            self.timing.renew_deadline,
-        )
+        log.error("%s lost the leadership (%s): it acts no more and exits", self.identity, why)
         for callback in self.on_lost:
-            callback()
+            try:
+                callback()
+            except Exception:
+                log.exception("a leadership listener failed")
 
     def _post(self, what: str) -> None:
         """An Event on the Lease (``kubectl describe lease``), as controller-runtime posts."""
@@ -174,31 +203,41 @@ class Leadership:
             self._posting = task  # held until done (a task only the loop refers to may vanish)
 
     async def release(self) -> None:
-        """On a clean stop: the Lease given up (holder emptied, one second left), so a standby
-        takes over within its retry period rather than a whole lease."""
+        """On a clean stop (the election task already ended): the Lease given up (holder
+        emptied, one second left), so a standby takes over within its retry period rather than
+        a whole lease. A renewal landing first (409) is read again and released once more."""
         if self.lease is None or not self.leading.is_set() or not self.may_act():
             return
         self.leading.clear()
         self.gauge.set(0)
         self.lost = True  # nothing acts from now on
-        try:
-            record = await self.lease.read()
-            if record is not None and record.holder == self.identity:
-                await self.lease.write(record, "", 1, record.transitions, acquired=False)
-                log.info("%s released the leadership", self.identity)
-        except Exception as exc:  # the others wait the lease out instead
-            log.warning("could not release the Lease: %s", exc)
+        for _ in range(3):
+            try:
+                record = await self.lease.read()
+                if record is None or record.holder != self.identity:
+                    return
+                if await self.lease.write(record, "", 1, record.transitions, acquired=False):
+                    log.info("%s released the leadership", self.identity)
+                    return
+            except Exception as exc:
+                log.warning("could not release the Lease: %s", exc)
+                return
+        log.warning("could not release the Lease (it kept changing): the others wait it out")
 
 
 async def lead_or_gone(
-    leadership: Leadership | None, exists: Callable[[], Awaitable[bool]], every: float = 2.0
+    leadership: Leadership | None, pending: Callable[[], Awaitable[bool]], every: float = 2.0
 ) -> bool:
     """For a kopf handler that writes (a finalizer's clean-up, a status said on an event): wait
-    until this replica leads (True) or the object is gone (False: the leader dealt with it), so
-    a standby's handler neither writes nor lingers for an object that no longer exists."""
+    until this replica leads (True) or ``pending()`` says the work is no longer there (False:
+    the object is gone, or the leader finished with it), so a standby's handler neither writes
+    nor lingers. A failed look counts as still pending (asked again)."""
     if leadership is None:
         return True
     while not await leadership.wait(timeout=every):
-        if not await exists():
-            return False
+        try:
+            if not await pending():
+                return False
+        except Exception as exc:
+            log.debug("still pending? %s", exc)
     return True

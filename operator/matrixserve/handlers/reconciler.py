@@ -176,7 +176,10 @@ class Reconciler:
                     continue
                 if not armed:
                     assert arm is not None
-                    armed = await arm(namespace, name, lambda: self.wake_threadsafe(*key))
+                    try:
+                        armed = await arm(namespace, name, lambda: self.wake_threadsafe(*key))
+                    except NotLeading:
+                        continue  # deposed meanwhile: the gate above holds it
                 wake.clear()
                 busy = await self._pass(namespace, name, logger, reconcile)
                 last = time.monotonic()

@@ -217,7 +217,9 @@ async def startup(
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, addr=cfg.metrics_address, registry=metrics.registry)
     # Never block start-up on ZooKeeper: until it connects, reconcilers plan nothing destructive.
-    runtime.background = asyncio.get_running_loop().create_task(_connect(session, logger))
+    runtime.background = asyncio.get_running_loop().create_task(
+        _connect(session, leadership, logger)
+    )
     runtime.ticker = asyncio.get_running_loop().create_task(runtime.sweep_periodically())
     if leadership.elected:
         # Leading: every object looks again at once and what nothing owns is swept. Lost (a
@@ -226,7 +228,18 @@ async def startup(
         leadership.on_gained.append(runtime.wake_all)
         leadership.on_gained.append(runtime.sweep)
         leadership.on_lost.append(lambda: _stop_self(memo))
+        # No write from a replica that does not lead, wherever it is made from.
+        runtime.kube.fence = leadership.check
+        session.fence = leadership.check
         runtime.electing = asyncio.get_running_loop().create_task(leadership.run())
+
+        def ended(task: asyncio.Task[None]) -> None:  # the election must not die unseen
+            if not task.cancelled() and not leadership.lost:
+                log.error("the leader election stopped: %r", task.exception())
+                leadership.lost = True
+                _stop_self(memo)
+
+        runtime.electing.add_done_callback(ended)
         logger.info(
             "electing on the Lease %s as %s: a standby until it leads (it serves the webhook)",
             cfg.leader_lease,
@@ -240,9 +253,10 @@ def _stop_self(memo: kopf.Memo) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-async def _connect(session: Session, logger: logging.Logger) -> None:
+async def _connect(session: Session, leadership: Leadership, logger: logging.Logger) -> None:
     await session.connect(attempt_timeout=5, pause=2)
     logger.info("connected to ZooKeeper %s", session.hosts)
+    await leadership.wait()  # the ACLs below are a write: the leader's
     # Znodes made before the identity was configured (an upgrade) are ours now, except the
     # groups' subtrees: their engines, started before, have no credential and still write there.
     # Each group's is closed once its pods carry the credential (its reconciler's business).
@@ -257,6 +271,8 @@ async def cleanup(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
         for task in (runtime.background, runtime.ticker, runtime.sweeping, runtime.electing):
             if task is not None:
                 task.cancel()
+        if runtime.electing is not None:  # no renewal in flight when the Lease is released
+            await asyncio.gather(runtime.electing, return_exceptions=True)
         if runtime.leadership is not None:
             await runtime.leadership.release()
         if runtime.session.connected:

@@ -47,6 +47,11 @@ def _register(kind: kinds.Kind) -> None:
 
         if not await lead_or_gone(leadership, exists):
             return
+        if leadership is not None and leadership.elected:  # waited: decide on the object now
+            body = await runtime.kube.get(kind, meta["namespace"], meta["name"])
+            if body is None:
+                return
+            meta = body.get("metadata") or {}
         generation = int(meta.get("generation") or 0)
         status = body.get("status") or {}
         previous = status.get("conditions") or []

@@ -33,6 +33,7 @@ from matrixserve.api.resources import RefillPolicy, WarmPoolSpec, field_errors
 from matrixserve.domain import warmpool as wp
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.warmpool import cleanup, dram
+from matrixserve.handlers.leadership import lead_or_gone
 from matrixserve.handlers.reconciler import Reconciler, wake_on_events
 from matrixserve.handlers.runtime import Runtime
 
@@ -160,6 +161,20 @@ async def reconciler(
         for wake in wakes:
             pools.store.unwatch(namespace, wake)
         pools.metrics.forget(namespace, name)
+
+
+@kopf.on.delete(*API, id="leader-lets-go")
+async def deleted(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    """A pool's finalizer (kopf's, for its daemon) goes when the leader's daemon has stopped:
+    a standby's own daemon stops at once, and without this its kopf would let the pool go
+    while the leader's last pass still runs. Nothing to clean up: the pool's pods are owned."""
+    pools = pools_of(memo)
+
+    async def pending() -> bool:
+        body = await pools.rt.kube.get(KIND, namespace, name)
+        return body is not None and kinds.FINALIZER in (body["metadata"].get("finalizers") or ())
+
+    await lead_or_gone(pools.rt.leadership, pending)
 
 
 async def _dram_inputs(

@@ -281,7 +281,9 @@ def _track_setup(groups: PDGroups, key: Key, plan: pd.Plan) -> None:
 
 # --------------------------------------------------------------------------- deletion
 async def _exists(groups: PDGroups, namespace: str, name: str) -> bool:
-    return await groups.rt.kube.get(KIND, namespace, name) is not None
+    """The object is there with our finalizer on it (its clean-up not done by the leader)."""
+    body = await groups.rt.kube.get(KIND, namespace, name)
+    return body is not None and kinds.FINALIZER in (body["metadata"].get("finalizers") or ())
 
 
 @kopf.on.delete(*API, id="cleanup-zookeeper")
