@@ -314,7 +314,7 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
         ).items
         return [p for p in listed if not p.metadata.deletion_timestamp]
 
-    def running(component: str) -> Any:
+    def running(component: str, count: int = 1) -> Any:
         pods = component_pods(component)
         ready = [
             p
@@ -322,7 +322,7 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
             if p.status.phase == "Running"
             and any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
         ]
-        return ready[0] if len(pods) == 1 and ready else None
+        return ready[0] if len(pods) == len(ready) == count else None
 
     def refusal(bad: dict[str, Any]) -> client.ApiException | None:
         try:
@@ -334,7 +334,8 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
     zk_service = core.read_namespaced_service(f"{full}-zookeeper", namespace)
     zk = KazooClient(hosts=f"{zk_service.spec.cluster_ip}:2181")
     try:
-        wait_for(lambda: running("zookeeper"), timeout=60, what="the ZooKeeper pod")
+        # the chart's default: an ensemble of three, Ready once a quorum serves
+        wait_for(lambda: running("zookeeper", 3), timeout=60, what="the ZooKeeper servers")
         operator_pod = wait_for(lambda: running("operator"), timeout=60, what="the operator pod")
         wait_for(lambda: running("gateway"), timeout=60, what="the gateway pod")
         wait_for(
