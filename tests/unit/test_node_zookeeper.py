@@ -11,9 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client
 
 from enginestub.node import hosts, podspec, zookeeper
+from enginestub.node.events import Events
 from enginestub.node.hosts import HostsFiles, NamedPod, named_pod, published, render
+from enginestub.node.podlifecycle import PodLifecycle
+from enginestub.node.state import EmulatorConfig, EmulatorState, PodRecord
 
 HEADLESS = "r-matrixserve-zookeeper-headless"
 SERVERS = " ".join(
@@ -257,3 +261,32 @@ def test_hosts_files_are_written_for_the_namespaces_asked_and_only_when_they_cha
     files.update([moved], ["ms"])
     assert "127.64.0.9 zk-0.h.ms.svc.cluster.local" in path.read_text()
     assert "127.64.0.2" not in path.read_text()
+
+
+async def test_the_emulator_names_its_own_pods_and_those_other_kubelets_run(
+    tmp_path: Path,
+) -> None:
+    """Its own pods by the IP it gave them, before their containers start (here: before any
+    status); another kubelet's by the IP its status shows, until it is deleted, and a relisting
+    accounts for it (a deletion missed while the watch was broken is still seen)."""
+    state = EmulatorState(EmulatorConfig(servers=[], state_dir=tmp_path), client.ApiClient())
+    life = PodLifecycle(state, Events(state.core), proxy=None)
+    own = pod("zk-0")
+    state.pods["u0"] = PodRecord("u0", "ms", "zk-0", "here", own, ip="127.64.0.2")
+    other = pod("zk-1")
+    other["metadata"]["uid"] = "u1"
+    other["spec"]["nodeName"] = "another-emulators-node"
+    other["status"] = {
+        "podIP": "127.65.0.2",
+        "conditions": [{"type": "Ready", "status": "True"}],
+    }
+    await life._on_pod("ADDED", other)
+    assert "u1" in dict(life._known())
+    life.write_hosts()
+    text = hosts.hosts_file(tmp_path, "ms").read_text()
+    assert f"127.64.0.2 zk-0.{HEADLESS}.ms.svc.cluster.local" in text
+    assert f"127.65.0.2 zk-1.{HEADLESS}.ms.svc.cluster.local" in text
+    await life._on_pod("DELETED", other)
+    life.write_hosts()
+    assert "127.65.0.2" not in hosts.hosts_file(tmp_path, "ms").read_text()
+    assert "u1" not in dict(life._known())
