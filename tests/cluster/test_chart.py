@@ -350,7 +350,8 @@ def test_helm_install_upgrade_uninstall_on_the_local_cluster(
     zk_service = core.read_namespaced_service(f"{full}-zookeeper", namespace)
     zk = KazooClient(hosts=f"{zk_service.spec.cluster_ip}:2181")
     try:
-        wait_for(lambda: running("zookeeper"), timeout=60, what="the ZooKeeper pod")
+        # the chart's default: an ensemble of three, Ready once a quorum serves
+        wait_for(lambda: running("zookeeper", 3), timeout=60, what="the ZooKeeper servers")
         operator_pod = wait_for(lambda: running("operator"), timeout=60, what="the operator pod")
         wait_for(lambda: running("gateway", 2), timeout=60, what="the two gateway pods")
         wait_for(

@@ -63,6 +63,7 @@ EXPECTED_EDGES = {
     ("decode", "zookeeper"),
     ("gateway", "zookeeper"),
     ("operator", "zookeeper"),
+    ("zookeeper", "zookeeper"),  # the default ensemble's quorum and election (issue 31)
 }
 
 

@@ -163,11 +163,13 @@ def test_zookeeper_runs_on_a_read_only_root_with_what_it_writes_on_volumes(
         assert ("data" in claims) == (persistence == "true")
         assert ("data" not in volumes) == (persistence == "true")
         assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
-        # /conf (the entrypoint writes zoo.cfg there) is seeded with the image's own /conf.
-        (seed,) = pod["initContainers"]
-        assert seed["image"] == server["image"]
+        # /conf (the entrypoint writes zoo.cfg there) is seeded with the image's own /conf;
+        # the server's id goes to the data volume.
+        seed, myid = pod["initContainers"]
+        assert seed["image"] == myid["image"] == server["image"]
         assert seed["command"] == ["cp", "-R", "/conf/.", "/seed/"]
         assert seed["volumeMounts"] == [{"name": mounts["/conf"], "mountPath": "/seed"}]
+        assert myid["volumeMounts"] == [{"name": mounts["/data"], "mountPath": "/data"}]
 
 
 def test_zookeeper_keeps_its_old_uid_when_asked(tmp_path: Path) -> None:
@@ -186,6 +188,72 @@ def test_zookeeper_keeps_its_old_uid_when_asked(tmp_path: Path) -> None:
     refused = render(tmp_path, "zookeeper.runAsUser=0")
     assert refused.returncode != 0
     assert "runAsUser" in refused.stderr
+
+
+@pytest.mark.parametrize("replicas", [1, 3, 5, 7])
+def test_the_bundled_zookeeper_is_an_ensemble_of_stable_servers_on_as_many_nodes(
+    tmp_path: Path, replicas: int
+) -> None:
+    """Issue 31 item 1: ``zookeeper.replicas`` servers (3 by default), each with its id and its
+    stable name in the headless Service (published before it is Ready), started together,
+    spread one per node, Ready only while it serves, a disruption budget keeping the quorum;
+    one server (make demo) is the standalone server it was."""
+    values = () if replicas == 3 else (f"zookeeper.replicas={replicas}",)
+    docs = documents(helm_template(tmp_path, *values))
+    zk = workload(docs, "StatefulSet", "-zookeeper")
+    assert zk["spec"]["replicas"] == replicas
+    assert zk["spec"]["podManagementPolicy"] == "Parallel"
+    pod = zk["spec"]["template"]["spec"]
+    (server,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in server["env"]}
+    headless = workload(docs, "Service", "-zookeeper-headless")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+    assert zk["spec"]["serviceName"] == headless["metadata"]["name"]
+    ports = {p["name"]: p["port"] for p in headless["spec"]["ports"]}
+    assert ports == {"client": 2181, "quorum": 2888, "election": 3888}
+    named = {p["name"] for p in server["ports"]}
+    assert {p["targetPort"] for p in headless["spec"]["ports"]} <= named
+    (spread,) = pod["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert (spread["maxSkew"], spread["whenUnsatisfiable"]) == (1, "DoNotSchedule")
+    assert spread["nodeTaintsPolicy"] == "Honor"
+    assert spread["labelSelector"] == zk["spec"]["selector"]
+    # Ready means serving: srvr shows a Mode only in a quorum that serves.
+    probe = server["readinessProbe"]["exec"]["command"]
+    assert "srvr" in probe[-1]
+    assert "Mode: " in probe[-1]
+    assert "srvr" in env["ZOO_4LW_COMMANDS_WHITELIST"].split(",")
+    budgets = [
+        b
+        for b in by_kind(docs, "PodDisruptionBudget")
+        if b["metadata"]["name"].endswith("-zookeeper")
+    ]
+    if replicas == 1:
+        assert "ZOO_SERVERS" not in env  # the image's standalone server, as before
+        assert [c["name"] for c in pod["initContainers"]] == ["conf"]
+        assert budgets == []
+        return
+    servers = env["ZOO_SERVERS"].split()
+    assert servers == [
+        f"server.{i + 1}=r-matrixserve-zookeeper-{i}.r-matrixserve-zookeeper-headless.ms.svc"
+        f".cluster.local:2888:3888;2181"
+        for i in range(replicas)
+    ]
+    assert env["ZOO_CFG_EXTRA"] == "quorumListenOnAllIPs=true"
+    (myid,) = [c for c in pod["initContainers"] if c["name"] == "myid"]
+    assert "/data/myid" in myid["command"][-1]
+    (budget,) = budgets
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"] == zk["spec"]["selector"]
+
+
+def test_an_even_ensemble_is_refused_by_the_schema(tmp_path: Path) -> None:
+    for even in (2, 4):
+        refused = render(tmp_path, f"zookeeper.replicas={even}")
+        assert refused.returncode != 0
+        assert "/zookeeper/replicas" in refused.stderr
+        assert "1, 3, 5, 7" in refused.stderr
 
 
 @pytest.mark.parametrize("replicas", [0, 1, 2, 5])

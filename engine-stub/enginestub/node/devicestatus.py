@@ -183,11 +183,16 @@ class DeviceStatus:
 
 
 def write_atomically(path: Path, content: dict[str, Any]) -> None:
+    write_text_atomically(path, json.dumps(content, indent=1))
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` at once: a reader sees the old file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as handle:
-            json.dump(content, handle, indent=1)
+            handle.write(text)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:

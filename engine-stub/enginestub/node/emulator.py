@@ -8,7 +8,8 @@
 2. :mod:`.podlifecycle` watches the pods bound to its nodes, grants NPUs, gives each pod a
    loopback IP and its environment (:mod:`.podenv`), runs its containers as processes
    (:mod:`.runner`), writes ``status`` back as the kubelet would, and on deletion stops them
-   within the grace period and finalises the delete;
+   within the grace period and finalises the delete; it keeps the pods' cluster DNS names in
+   hosts files (:mod:`.hosts`), those of other kubelets' pods included;
 3. :mod:`.faults` keeps each node's device status file (:mod:`.devicestatus`) and applies the
    faults the control API (:mod:`.control`) asks for;
 4. :mod:`.events` posts the kubelet's Events for all of them.
@@ -31,7 +32,7 @@ from collections.abc import Mapping
 
 from kubernetes import client
 
-from enginestub.node import devicestatus, services
+from enginestub.node import devicestatus, podstatus, services
 from enginestub.node.events import Events
 from enginestub.node.faults import Faults
 from enginestub.node.nodelifecycle import NodeLifecycle
@@ -96,6 +97,7 @@ class Emulator:
                 asyncio.create_task(self.pod_lifecycle.status_writer(), name="status-writer")
             )
             tasks.append(asyncio.create_task(self.pod_lifecycle.watch(), name="pod-events"))
+            tasks.append(asyncio.create_task(self.pod_lifecycle.hosts_writer(), name="hosts"))
             if self.proxy is not None:
                 tasks.append(asyncio.create_task(self.proxy.run(), name="service-proxy"))
         log.info(
@@ -127,10 +129,7 @@ class Emulator:
                 or not record.ip
                 or record.runner is None
                 or not services.matches(selector, labels)
-                or not any(
-                    c.get("type") == "Ready" and c.get("status") == "True"
-                    for c in record.conditions
-                )
+                or not podstatus.is_ready(record.conditions)
             ):
                 continue
             # the named ports the pod's container plans already hold

@@ -1,5 +1,6 @@
-"""What a pod's processes get from their node besides their own spec (SYSTEM.md §5): the Ascend
-device plugin's variables (granted NPUs, their dies' RoCE IPs and UB addresses, the node's device
+"""What a pod's processes get from their node besides their own spec (SYSTEM.md §5): its
+hostname and the cluster DNS's pod names as a hosts file (:mod:`.hosts`), the Ascend device
+plugin's variables (granted NPUs, their dies' RoCE IPs and UB addresses, the node's device
 status file: CloudMatrix-Infer §3, P/D-Serve §3.2 and §3.4), what the server's local SSD holds
 (``--ssd-models``, issue 18), the API server's address, the
 service-account credentials a kubelet would mount, its Secret volumes' files, and the Secrets
@@ -19,6 +20,7 @@ from typing import Any
 from kubernetes import client
 
 from enginestub.node import podspec
+from enginestub.node.hosts import HOSTS_FILE_ENV, hosts_file
 from enginestub.node.state import EmulatorConfig, NodeState, PodRecord
 
 # What a process inherits from the emulator's own environment (the rest is the pod's).
@@ -51,6 +53,10 @@ class PodEnvironment:
                 "MATRIXSERVE_NODE_NAME": state.server.node_name,
                 "MATRIXSERVE_SUPERPOD": state.server.superpod,
                 "MATRIXSERVE_POD_IP": record.ip or "",
+                # What the container runtime sets: the pod's hostname (a StatefulSet's pods are
+                # named <set>-<ordinal>), and the cluster DNS's names as a hosts file (.hosts).
+                "HOSTNAME": podspec.pod_hostname(record.pod),
+                HOSTS_FILE_ENV: str(hosts_file(self.config.state_dir, record.namespace)),
                 "PYTHONUNBUFFERED": "1",
             }
         )

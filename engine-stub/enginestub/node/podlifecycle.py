@@ -18,6 +18,11 @@ replays that event (a pod deleted meanwhile is finalised, one gone is cleaned up
 NPUs, address, volumes), and restarts the others' containers by their ``restartPolicy``. On
 start, the volumes and credentials of pods gone while the emulator was not running are removed
 (the kubelet's orphaned pod directories).
+
+The pods' cluster DNS names (:mod:`.hosts`) are written into hosts files for the namespaces of
+the pods run here: a pod's own before its containers start, and every half second what changed
+(pods come and go, turn Ready or not, Services change; pods other kubelets run, by the IP their
+status shows, are named too).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from kubernetes import client, watch
 
 from enginestub.node import allocator, podspec, podstatus, services
 from enginestub.node.events import Events
+from enginestub.node.hosts import HostsFiles, NamedPod, named_pod, published
 from enginestub.node.listwatch import watch_events
 from enginestub.node.podenv import PodEnvironment, remove_volumes
 from enginestub.node.runner import PodRunner, Zygote, rfc3339
@@ -41,6 +47,7 @@ from enginestub.node.state import EmulatorState, NodeState, PodRecord
 
 log = logging.getLogger("enginestub.node")
 MOUNT_RETRY = (0.5, 8.0)  # the first pause before a failed mount is tried again, and the longest
+HOSTS_EVERY = 0.5  # seconds between two looks at what the hosts files should say
 
 
 class PodLifecycle:
@@ -61,6 +68,9 @@ class PodLifecycle:
         self._background: set[asyncio.Task[None]] = set()
         # uid -> (kind, pod): the latest event of a pod on a down node, for when it is back
         self._parked: dict[str, tuple[str, dict[str, Any]]] = {}
+        self.hosts = HostsFiles(shared.config.state_dir)
+        # uid -> pod: other kubelets' pods with a hostname and subdomain (their DNS names)
+        self._foreign: dict[str, dict[str, Any]] = {}
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run a fire-and-forget coroutine, keeping a reference until it is done."""
@@ -95,13 +105,15 @@ class PodLifecycle:
             self._dispatch(kind, pod)
 
     def _known(self) -> Iterator[tuple[str, dict[str, Any]]]:
-        """The pods a relisting must account for: those run here, and those of a down node not
-        admitted yet (a deletion missed while the watch was broken is then still seen)."""
+        """The pods a relisting must account for: those run here, those of a down node not
+        admitted yet, and other kubelets' pods with DNS names (a deletion missed while the watch
+        was broken is then still seen)."""
         for uid, record in list(self.shared.pods.items()):
             yield uid, record.pod
         for uid, (kind, pod) in list(self._parked.items()):
             if kind != "DELETED" and uid not in self.shared.pods:
                 yield uid, pod
+        yield from list(self._foreign.items())
 
     def _workdir(self, namespace: str, name: str, uid: str) -> Path:
         """The pod's folder: its logs, credentials and volumes."""
@@ -149,6 +161,7 @@ class PodLifecycle:
         uid = meta["uid"]
         node = pod.get("spec", {}).get("nodeName")
         if node not in self.shared.nodes:
+            self._other_kubelets_pod(kind, uid, pod)
             return
         state = self.shared.nodes[node]
         if state.down:
@@ -188,6 +201,44 @@ class PodLifecycle:
             if phase in ("Succeeded", "Failed"):
                 return
             await self._admit(pod)
+
+    # ------------------------------------------------------------------ DNS names
+    def _other_kubelets_pod(self, kind: str, uid: str, pod: dict[str, Any]) -> None:
+        """Another kubelet runs it (another emulator's, a real one): only its DNS names matter
+        here."""
+        spec = pod.get("spec") or {}
+        if kind == "DELETED" or not (spec.get("hostname") and spec.get("subdomain")):
+            self._foreign.pop(uid, None)
+        else:
+            self._foreign[uid] = pod
+
+    def named_pods(self) -> list[NamedPod]:
+        """Every pod the cluster DNS may name: ours by the IP given, others' by their status."""
+        found = []
+        for record in list(self.shared.pods.values()):
+            ready = not record.terminating and podstatus.is_ready(record.conditions)
+            found.append(named_pod(record.pod, record.ip, ready))
+        for pod in list(self._foreign.values()):
+            status = pod.get("status") or {}
+            ready = not pod["metadata"].get("deletionTimestamp") and podstatus.is_ready(
+                status.get("conditions") or []
+            )
+            found.append(named_pod(pod, status.get("podIP"), ready))
+        return [pod for pod in found if pod is not None]
+
+    def write_hosts(self) -> None:
+        """The hosts file of each namespace a pod here runs in, where it changed."""
+        services = self.proxy.services if self.proxy is not None else None
+        namespaces = {record.namespace for record in list(self.shared.pods.values())}
+        try:
+            self.hosts.update(published(self.named_pods(), services), sorted(namespaces))
+        except OSError as exc:
+            log.warning("hosts files: %s", exc)
+
+    async def hosts_writer(self) -> None:
+        while True:
+            self.write_hosts()
+            await asyncio.sleep(HOSTS_EVERY)
 
     # ------------------------------------------------------------------ node down and back
     def node_down(self, node: str) -> None:
@@ -297,6 +348,7 @@ class PodLifecycle:
             remove_volumes(workdir)  # deleted while its volumes were set up
             return
         record.mounting, record.fixed_status = 0.0, None
+        self.write_hosts()  # the pod's own name before it runs (its peers' ones are there)
         runner = PodRunner(
             namespace=record.namespace,
             name=record.name,

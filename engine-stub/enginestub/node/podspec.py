@@ -130,6 +130,14 @@ def field_ref(pod: Mapping[str, Any], path: str) -> str:
     raise ContainerConfigError(f"unsupported fieldRef fieldPath {path!r}")
 
 
+def pod_hostname(pod: Mapping[str, Any]) -> str:
+    """The pod's hostname: ``spec.hostname`` (a StatefulSet sets the pod's name), else the pod's
+    name, to 63 characters (the kubelet's)."""
+    spec = pod.get("spec") or {}
+    meta = pod.get("metadata") or {}
+    return str(spec.get("hostname") or meta.get("name", ""))[:63].rstrip("-.")
+
+
 def resource_ref(container: Mapping[str, Any], resource: str) -> str:
     kind, _, name = resource.partition(".")
     if kind not in {"limits", "requests"} or not name:

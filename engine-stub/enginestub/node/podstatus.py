@@ -3,7 +3,7 @@ the node refuses or cannot start (pure)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from enginestub.node.runner import ContainerState, Terminated, rfc3339
@@ -72,6 +72,11 @@ def pod_phase(states: Sequence[ContainerState], restart_policy: str) -> str:
     if any(s.restart_count > 0 or s.terminated is not None for s in states):
         return "Running"  # crash-looping containers keep the pod Running
     return "Pending"
+
+
+def is_ready(conditions: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether a pod's conditions say Ready."""
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def _condition(kind: str, ok: bool, now: str, reason: str = "") -> dict[str, Any]:

@@ -55,10 +55,13 @@ def _until(what: str, timeout: float, attempt: Any, every: float = 0.2) -> Any:
 RELEASE = "matrixserve"
 SYSTEM = "matrixserve-system"
 # The chart's values for the local cluster: no storage provisioner, no root needed for ports;
-# engines take injected faults (POST /v1/faults), to try recovery on the demo. The group runs
-# outside the release namespace: the engines' NetworkPolicy goes there too.
+# one ZooKeeper server, not the chart's ensemble of three (a lighter demo on a small machine; the
+# ensemble's own test is tests/cluster/test_zookeeper_ensemble.py); engines take injected faults
+# (POST /v1/faults), to try recovery on the demo. The group runs outside the release namespace:
+# the engines' NetworkPolicy goes there too.
 LOCAL_VALUES = (
     "zookeeper.persistence=false",
+    "zookeeper.replicas=1",
     "gateway.service.port=8080",
     f"operator.engine.timeScale={TIME_SCALE}",
     "operator.engine.faultInjection=true",
