@@ -333,6 +333,7 @@ class FakeCore:
     pods: dict[tuple[str, str], Any] = field(default_factory=dict)
     nodes: dict[str, dict[str, str]] = field(default_factory=dict)
     nodes_down: dict[str, Any] = field(default_factory=dict)  # name -> not Ready since when
+    node_specs: dict[str, client.V1NodeSpec] = field(default_factory=dict)  # cordon, taints
     node_reads: int = 0
     selectors: list[str] = field(default_factory=list)
     deletes: list[tuple[str, str, str | None]] = field(default_factory=list)
@@ -457,14 +458,15 @@ class FakeCore:
         return client.V1Node(metadata=client.V1ObjectMeta(name=name, labels=self.nodes[name]))
 
     def list_node(self) -> Any:
-        """Each fake node with 8 NPUs allocatable, schedulable, and Ready unless listed in
-        ``nodes_down`` (name -> since when)."""
+        """Each fake node with 8 NPUs allocatable, its spec from ``node_specs`` (none:
+        schedulable, untainted), and Ready unless listed in ``nodes_down`` (name -> since
+        when)."""
         down = self.nodes_down
         return client.V1NodeList(
             items=[
                 client.V1Node(
                     metadata=client.V1ObjectMeta(name=name, labels=labels),
-                    spec=client.V1NodeSpec(),
+                    spec=self.node_specs.get(name, client.V1NodeSpec()),
                     status=client.V1NodeStatus(
                         allocatable={"huawei.com/Ascend910": "8"},
                         conditions=[

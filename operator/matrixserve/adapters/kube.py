@@ -29,7 +29,7 @@ from matrixserve.api.kinds import (
     Kind,
 )
 from matrixserve.domain.enginepod import ENGINE_CONTAINER
-from matrixserve.domain.observed import NodeView, PodView
+from matrixserve.domain.observed import NodeView, PodView, Taint
 
 SECRET_RECHECK_SECONDS = 60.0
 NODES_TTL_SECONDS = 2.0
@@ -212,9 +212,10 @@ class KubeAdapter:
         return out
 
     async def nodes(self, max_age: float = NODES_TTL_SECONDS) -> dict[str, NodeView]:
-        """Every server as the scheduler sees it: Ready (and since when not), schedulable, NPUs
-        allocatable (recovery's node tier and free NPUs). One list shared by every group's pass
-        while it is younger than ``max_age`` s (a pass that may recover asks for a fresh one).
+        """Every server as the scheduler sees it: Ready (and since when not), cordoned, its
+        taints and labels, NPUs allocatable (recovery's node tier, and where its new pods may
+        go). One list shared by every group's pass while it is younger than ``max_age`` s (a
+        pass that may recover asks for a fresh one).
         Listing nodes is what the operator's ClusterRole grants (``nodes``: get, list)."""
         now = self._clock()
         if self._nodes is not None and now - self._nodes[0] < max_age:
@@ -228,12 +229,12 @@ class KubeAdapter:
             if ready is None or ready.status != "True":
                 flipped: datetime | None = ready.last_transition_time if ready else None
                 down_since = flipped.timestamp() if flipped else node_created(node)
-            blocked = any(t.effect in ("NoSchedule", "NoExecute") for t in node.spec.taints or [])
             out[node.metadata.name] = NodeView(
                 node.metadata.name,
                 down_since is None,
-                not node.spec.unschedulable and not blocked,
                 int(allocatable) if allocatable is not None else 0,
+                cordoned=bool(node.spec.unschedulable),
+                taints=tuple(Taint(t.key, t.value or "", t.effect) for t in node.spec.taints or []),
                 down_since=down_since,
                 labels=dict(node.metadata.labels or {}),
             )
