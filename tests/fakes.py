@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from types import SimpleNamespace
 from typing import Any
 
 from kazoo.client import KazooState
@@ -481,6 +482,41 @@ class FakeCore:
                 for name, labels in self.nodes.items()
             ]
         )
+
+
+@dataclass
+class FakeNetworking:
+    """``NetworkingV1Api``'s NetworkPolicy calls with the API server's rules: a create of an
+    existing name is 409, a read of none 404, a patch a JSON merge patch. ``calls`` may be a
+    :class:`FakeCore`'s, for one ordered record with its pod creations."""
+
+    policies: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    calls: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def read_namespaced_network_policy(self, name: str, namespace: str) -> Any:
+        self.calls.append(("read_policy", namespace, name))
+        body = self.policies.get((namespace, name))
+        if body is None:
+            raise api_error(404)
+        # the client's model of it: the spec as the API server serves it (camelCase)
+        meta = client.V1ObjectMeta(name=name, labels=body["metadata"].get("labels"))
+        return SimpleNamespace(metadata=meta, spec=copy.deepcopy(body["spec"]))
+
+    def create_namespaced_network_policy(self, namespace: str, body: dict[str, Any]) -> None:
+        self.calls.append(("create_policy", namespace, body["metadata"]["name"]))
+        key = (namespace, body["metadata"]["name"])
+        if key in self.policies:
+            raise api_error(409)
+        self.policies[key] = copy.deepcopy(body)
+
+    def patch_namespaced_network_policy(
+        self, name: str, namespace: str, body: dict[str, Any], _content_type: str = ""
+    ) -> None:
+        assert _content_type == "application/merge-patch+json", _content_type
+        self.calls.append(("patch_policy", namespace, name))
+        if (namespace, name) not in self.policies:
+            raise api_error(404)
+        self.policies[(namespace, name)] = merge_patch(self.policies[(namespace, name)], body)
 
 
 def _v1_pod(body: dict[str, Any]) -> client.V1Pod:
