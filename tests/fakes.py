@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from types import SimpleNamespace
 from typing import Any
 
 from kazoo.client import KazooState
@@ -333,6 +334,7 @@ class FakeCore:
     pods: dict[tuple[str, str], Any] = field(default_factory=dict)
     nodes: dict[str, dict[str, str]] = field(default_factory=dict)
     nodes_down: dict[str, Any] = field(default_factory=dict)  # name -> not Ready since when
+    node_specs: dict[str, client.V1NodeSpec] = field(default_factory=dict)  # cordon, taints
     node_reads: int = 0
     selectors: list[str] = field(default_factory=list)
     deletes: list[tuple[str, str, str | None]] = field(default_factory=list)
@@ -457,14 +459,15 @@ class FakeCore:
         return client.V1Node(metadata=client.V1ObjectMeta(name=name, labels=self.nodes[name]))
 
     def list_node(self) -> Any:
-        """Each fake node with 8 NPUs allocatable, schedulable, and Ready unless listed in
-        ``nodes_down`` (name -> since when)."""
+        """Each fake node with 8 NPUs allocatable, its spec from ``node_specs`` (none:
+        schedulable, untainted), and Ready unless listed in ``nodes_down`` (name -> since
+        when)."""
         down = self.nodes_down
         return client.V1NodeList(
             items=[
                 client.V1Node(
                     metadata=client.V1ObjectMeta(name=name, labels=labels),
-                    spec=client.V1NodeSpec(),
+                    spec=self.node_specs.get(name, client.V1NodeSpec()),
                     status=client.V1NodeStatus(
                         allocatable={"huawei.com/Ascend910": "8"},
                         conditions=[
@@ -479,6 +482,41 @@ class FakeCore:
                 for name, labels in self.nodes.items()
             ]
         )
+
+
+@dataclass
+class FakeNetworking:
+    """``NetworkingV1Api``'s NetworkPolicy calls with the API server's rules: a create of an
+    existing name is 409, a read of none 404, a patch a JSON merge patch. ``calls`` may be a
+    :class:`FakeCore`'s, for one ordered record with its pod creations."""
+
+    policies: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    calls: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def read_namespaced_network_policy(self, name: str, namespace: str) -> Any:
+        self.calls.append(("read_policy", namespace, name))
+        body = self.policies.get((namespace, name))
+        if body is None:
+            raise api_error(404)
+        # the client's model of it: the spec as the API server serves it (camelCase)
+        meta = client.V1ObjectMeta(name=name, labels=body["metadata"].get("labels"))
+        return SimpleNamespace(metadata=meta, spec=copy.deepcopy(body["spec"]))
+
+    def create_namespaced_network_policy(self, namespace: str, body: dict[str, Any]) -> None:
+        self.calls.append(("create_policy", namespace, body["metadata"]["name"]))
+        key = (namespace, body["metadata"]["name"])
+        if key in self.policies:
+            raise api_error(409)
+        self.policies[key] = copy.deepcopy(body)
+
+    def patch_namespaced_network_policy(
+        self, name: str, namespace: str, body: dict[str, Any], _content_type: str = ""
+    ) -> None:
+        assert _content_type == "application/merge-patch+json", _content_type
+        self.calls.append(("patch_policy", namespace, name))
+        if (namespace, name) not in self.policies:
+            raise api_error(404)
+        self.policies[(namespace, name)] = merge_patch(self.policies[(namespace, name)], body)
 
 
 def _v1_pod(body: dict[str, Any]) -> client.V1Pod:

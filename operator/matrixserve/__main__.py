@@ -6,6 +6,7 @@ Exit status 2 with a message on bad flags. See ``docs/operator.md``.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -18,7 +19,7 @@ import kopf
 
 from matrixserve.api.zk_layout import Credentials
 from matrixserve.coordination import add_auth_flags, auth_from
-from matrixserve.domain.enginepod import EngineSettings
+from matrixserve.domain.enginepod import EngineSettings, engine_network_policy
 from matrixserve.domain.leadership import Timing
 from matrixserve.domain.scaleout import Path as ScalePath
 from matrixserve.handlers import (
@@ -134,6 +135,21 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
         "not the operator's is left alone, and no engine pod created there)",
     )
     p.add_argument(
+        "--engine-network-policy",
+        default="",
+        metavar="JSON",
+        help="the engines' NetworkPolicy spec (JSON: who may reach the engine port; the chart "
+        "passes its own engines' policy, rendered for any namespace), written by the operator "
+        "into each namespace where it creates engine pods, before the first, and kept there "
+        "(issue 31); default: none written",
+    )
+    p.add_argument(
+        "--engine-network-policy-name",
+        default="matrixserve-engines",
+        help="its name (the chart: its own engines' policy's, <release>-matrixserve-engines); "
+        "one of that name that is not the operator's is left alone",
+    )
+    p.add_argument(
         "--engine-fault-injection",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -234,6 +250,16 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
     secret = args.engine_zookeeper_auth_secret
     if len(secret) > 253 or not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", secret):
         p.error(f"--engine-zookeeper-auth-secret {secret!r}: a Secret name (lower-case DNS name)")
+    policy = args.engine_network_policy_name
+    if len(policy) > 253 or not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", policy):
+        p.error(f"--engine-network-policy-name {policy!r}: a lower-case DNS name")
+    if args.engine_network_policy:
+        try:
+            spec = json.loads(args.engine_network_policy)
+            engine_network_policy(policy, spec)
+        except ValueError as exc:  # JSON's errors are ValueErrors too
+            p.error(f"--engine-network-policy: {exc}")
+        args.engine_network_policy = json.dumps(spec, sort_keys=True)
     for flag, value in (
         ("--resync-seconds", args.resync_seconds),
         ("--sweep-seconds", args.sweep_seconds),
@@ -290,6 +316,8 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
             fault_injection=args.engine_fault_injection,
             zookeeper_auth=auth,
             zookeeper_auth_secret=args.engine_zookeeper_auth_secret,
+            network_policy=args.engine_network_policy,
+            network_policy_name=args.engine_network_policy_name,
         ),
         metrics_address=args.metrics_address,
         metrics_port=args.metrics_port,

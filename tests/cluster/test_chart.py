@@ -193,10 +193,28 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
         # The chart's name for the engines' ZooKeeper credential (not the chart's own Secret:
         # the operator writes its copy under a name of its own, the one its RBAC names).
         secret = f"{release}-matrixserve-engine-zookeeper-auth"
+        # The engines' NetworkPolicy as the chart gives it (issue 31). The chart's own copy in
+        # the watched namespace taken away: the operator writes its own (create, get, by name).
+        deployment = client.AppsV1Api(api_client).read_namespaced_deployment(
+            f"{release}-matrixserve-operator", namespace
+        )
+        policy_flags = [
+            a for a in deployment.spec.template.spec.containers[0].args
+            if a.startswith("--engine-network-policy")
+        ]  # fmt: skip
+        assert len(policy_flags) == 2, policy_flags
+        networking = client.NetworkingV1Api(api_client)
+        policy = f"{release}-matrixserve-engines"
+        networking.delete_namespaced_network_policy(policy, namespace)
         operator = serving_group(
             webhook=False,
-            extra=("--kubeconfig", str(kubeconfig), "--engine-zookeeper-auth-secret", secret),
+            extra=(
+                *("--kubeconfig", str(kubeconfig), "--engine-zookeeper-auth-secret", secret),
+                *policy_flags,
+            ),
         )
+        written = networking.read_namespaced_network_policy(policy, namespace).metadata.labels
+        assert written["app.kubernetes.io/managed-by"] == "matrixserve-operator", written
         # The gateway under its own ServiceAccount discovers the group and serves a request.
         gateway_kubeconfig = _service_account_kubeconfig(
             cluster, core, namespace, f"{release}-matrixserve-gateway", tmp_path / "gw.kubeconfig"

@@ -21,6 +21,7 @@ each kind of edge MatrixServe relies on was seen at least once.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import json
@@ -35,15 +36,23 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 from kubernetes import client
 
-from helpers import Groups, absent, explain_namespace, pdgroup_body, wait_for
+from helpers import Groups, absent, events_of, explain_namespace, pdgroup_body, wait_for
+from matrixserve.adapters.kube import SECRET_RECHECK_SECONDS, KubeAdapter
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.kinds import LABEL_ROLE
 from matrixserve.devcluster import demo, tools
 from matrixserve.devcluster.cluster import ClusterInfo
-from matrixserve.domain.enginepod import ENGINE_PORT, engine_container
+from matrixserve.devcluster.namespaces import wait_for_service_account
+from matrixserve.domain.enginepod import (
+    ENGINE_PORT,
+    POLICY_LABELS,
+    engine_container,
+    engine_network_policy,
+)
 from matrixserve.domain.pdgroup.pods import pod_labels, role_label
 from netpol import Cluster, Endpoint, Pod
 
@@ -148,7 +157,8 @@ def test_the_policies_admit_matrixserve_and_refuse_the_rest_wherever_engines_run
         assert verdict(cluster, prefill, zk, ZOOKEEPER_PORT)
     # the release namespace is not watched here, so it has no engines' policy
     assert verdict(cluster, intruder, engine_pod(RELEASE_NS), ENGINE_PORT)
-    assert verdict(cluster, outsider, engine_pod("other"), ENGINE_PORT)  # documented limit
+    # the chart alone cannot reach an unlisted namespace: the operator writes the policy there
+    assert verdict(cluster, outsider, engine_pod("other"), ENGINE_PORT)
     for source in (gateway, operator, engine_pod("other")):
         assert verdict(cluster, source, zk, ZOOKEEPER_PORT)
     for source in (intruder, outsider, impostor, Pod(RELEASE_NS, "x", {}, "10.3.0.3")):
@@ -179,13 +189,92 @@ def notes(release: str, namespace: str, *values: str) -> str:
     return done.stdout.split("\nNOTES:\n", 1)[1]
 
 
-UNCOVERED = "engines in any other namespace are open to every pod"
+def operator_flags(documents: list[dict[str, Any]]) -> list[str]:
+    """The flags the rendered chart gives its operator for the engines' policy (issue 31)."""
+    (deployment,) = [
+        d
+        for d in documents
+        if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-operator")
+    ]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    return [a for a in args if a.startswith("--engine-network-policy")]
+
+
+def operator_policy(documents: list[dict[str, Any]], namespace: str) -> dict[str, Any]:
+    """The engines' policy the operator writes into ``namespace``, from those flags."""
+    args = dict(a.removeprefix("--").split("=", 1) for a in operator_flags(documents))
+    policy = engine_network_policy(
+        args["engine-network-policy-name"], json.loads(args["engine-network-policy"])
+    )
+    policy["metadata"]["namespace"] = namespace
+    return policy
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        (),
+        ("--set", "networkPolicy.engineEgress.enabled=true"),
+        (
+            "--set", "networkPolicy.engineEgress.enabled=true",
+            "--set", "zookeeper.external=zk.example:2181",
+            "--set-json", 'networkPolicy.engineEgress.to=[{"ports": [{"port": 443}]}]',
+            "--set-json", 'networkPolicy.metricsFrom=[{"podSelector": {"matchLabels": {"app": "prometheus"}}, "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]',
+        ),
+    ],
+)  # fmt: skip
+def test_the_operator_writes_the_charts_engine_policy_where_the_values_list_no_namespace(
+    values: tuple[str, ...],
+) -> None:
+    """Issue 31: engines in a namespace the chart's values do not list were open to every pod.
+    The chart gives the operator its engines' policy (its spec, rendered for any namespace,
+    and its name); the operator writes it where it creates engine pods. The same rules as the
+    chart's own policy in a listed namespace, under the same name (one policy a namespace,
+    whoever wrote it), and they admit MatrixServe and refuse the rest there."""
+    documents = helm_template(
+        "r", RELEASE_NS, "--set", "networkPolicy.engineNamespaces={extra}", *values
+    )
+    (charts,) = [
+        p
+        for p in policies(documents)
+        if p["metadata"]["namespace"] == "extra" and p["metadata"]["name"].endswith("-engines")
+    ]
+    ours = operator_policy(documents, "extra")
+    assert ours["metadata"]["name"] == charts["metadata"]["name"] == "r-matrixserve-engines"
+    # the same rules, as the API server keeps them (a port's protocol written out: TCP)
+    assert ours["spec"] == engine_network_policy("x", charts["spec"])["spec"]
+    if not any("engineEgress.to" in v for v in values):  # the chart's own rules write it out
+        assert ours["spec"] == charts["spec"]
+    assert ours["metadata"]["labels"] == POLICY_LABELS  # the operator's, not the chart's
+    # In a namespace no value names, only the operator's policy guards the engines.
+    cluster = Cluster(
+        [*policies(documents), operator_policy(documents, "other")],
+        NAMESPACE_LABELS,
+        default_namespace=RELEASE_NS,
+    )
+    prefill = engine_pod("other")
+    for source in (
+        chart_pod("gateway"),
+        chart_pod("operator"),
+        engine_pod("serve", zl.Role.DECODE),
+    ):
+        assert verdict(cluster, source, prefill, ENGINE_PORT), source
+    for intruder in (
+        Pod("other", "intruder", {"app": "curl"}, "10.3.0.1"),
+        Pod("serve", "intruder", {"app": "curl"}, "10.3.0.2"),
+        chart_pod("gateway", namespace="other"),  # the gateway's labels, but not its namespace
+    ):
+        assert not verdict(cluster, intruder, prefill, ENGINE_PORT), intruder
+    # without the chart's network policies, the operator is given none to write
+    off = helm_template("r", RELEASE_NS, "--set", "networkPolicy.enabled=false")
+    assert operator_flags(off) == []
 
 
 def test_with_every_namespace_served_the_listed_engine_namespaces_are_covered_too() -> None:
     """The default, ``watchNamespaces: []`` (the operator serves every namespace): the engines'
-    policy is in the release namespace and in each of ``networkPolicy.engineNamespaces``; the
-    install notes warn only when that list is empty, since engines elsewhere are then open."""
+    policy is in the release namespace and in each of ``networkPolicy.engineNamespaces`` from
+    the install; elsewhere the operator writes it before the first engine pod (previous test),
+    so the install notes warn of no namespace left open."""
     values = ("--set", "networkPolicy.engineNamespaces={extra}")
     rendered = policies(helm_template("r", RELEASE_NS, *values))
     engines = [p for p in rendered if p["metadata"]["name"] == "r-matrixserve-engines"]
@@ -199,14 +288,8 @@ def test_with_every_namespace_served_the_listed_engine_namespaces_are_covered_to
         for intruder in (Pod(ns, "intruder", {"app": "curl"}, "10.3.0.1"),
                          Pod("other", "intruder", {"app": "curl"}, "10.3.0.2")):  # fmt: skip
             assert not verdict(cluster, intruder, prefill, ENGINE_PORT), (intruder, ns)
-    stranger = Pod("other", "intruder", {"app": "curl"}, "10.3.0.2")
-    assert verdict(cluster, stranger, engine_pod("other"), ENGINE_PORT)  # not listed: open
-    assert UNCOVERED not in notes("r", RELEASE_NS, *values)
-    warned = notes("r", RELEASE_NS)
-    assert UNCOVERED in warned
-    assert "networkPolicy.engineNamespaces" in warned
-    for quiet in (("--set", "watchNamespaces={serve}"), ("--set", "networkPolicy.enabled=false")):
-        assert UNCOVERED not in notes("r", RELEASE_NS, *quiet), quiet
+    for quiet in ((), values, ("--set", "networkPolicy.enabled=false")):
+        assert "WARNING" not in notes("r", RELEASE_NS, *quiet), quiet
 
 
 def test_the_demo_covers_the_namespace_its_group_runs_in() -> None:
@@ -225,7 +308,7 @@ def test_the_demo_covers_the_namespace_its_group_runs_in() -> None:
     assert verdict(cluster, gateway, prefill, ENGINE_PORT)
     intruder = Pod(demo.NAMESPACE, "intruder", {"app": "curl"}, "10.3.0.1")
     assert not verdict(cluster, intruder, prefill, ENGINE_PORT)
-    assert UNCOVERED not in notes(demo.RELEASE, demo.SYSTEM, *values)
+    assert "WARNING" not in notes(demo.RELEASE, demo.SYSTEM, *values)
 
 
 def test_values_narrow_who_reaches_the_gateway_the_webhook_metrics_and_engine_egress() -> None:
@@ -282,6 +365,86 @@ def test_no_policy_for_what_the_chart_does_not_run_and_bad_peers_refused() -> No
     bad = render("r", RELEASE_NS, "--set-json", 'networkPolicy.gatewayFrom=[{"podSelectr": {}}]')
     assert bad.returncode != 0
     assert "podSelectr" in bad.stderr
+
+
+# ------------------------------------------------------------------ the operator's policy
+def test_the_operator_guards_engines_where_it_makes_them_and_leaves_a_foreign_policy_alone(
+    api_client: client.ApiClient,
+    namespace: str,
+    start_operator: Callable[..., Any],
+) -> None:
+    """Issue 31 on the real API server: an operator given the chart's flags (a release in a
+    namespace of its own, no value naming the test's namespaces) and a group in each of two
+    namespaces. In the first, the engines' policy appears with the first pods, the operator's
+    (its labels), with the chart's rules for that namespace. In the second, a tenant's policy
+    holds the name: left exactly as it was, the pods made anyway, a Warning Event on the group.
+    Then the adapter against the real server: a changed policy is put back, and one as written
+    is only read (what the server stores compares equal to what the operator writes)."""
+    documents = helm_template("r", "ms-release")
+    flags = operator_flags(documents)
+    name = "r-matrixserve-engines"
+    core = client.CoreV1Api(api_client)
+    networking = client.NetworkingV1Api(api_client)
+    other = f"{namespace}-b"
+    core.create_namespace({"metadata": {"name": other, "labels": {"matrixserve.io/test": "true"}}})
+    wait_for_service_account(core, other)
+    tenants = networking.create_namespaced_network_policy(
+        other,
+        {
+            "metadata": {"name": name, "labels": {"team": "b"}},
+            "spec": {"podSelector": {}, "ingress": [{}]},  # theirs: open to all
+        },
+    )
+    ours_there, theirs_there = Groups(api_client, namespace), Groups(api_client, other)
+    try:
+        start_operator(namespace, webhook=False, extra=("--namespace", other, *flags))
+        for groups in (ours_there, theirs_there):
+            groups.create(pdgroup_body("g", 1, 1))
+        for groups in (ours_there, theirs_there):
+            wait_for(lambda g=groups: len(g.pods("g")) == 2, 30, f"pods in {groups.namespace}")
+        made = networking.read_namespaced_network_policy(name, namespace)
+        assert made.metadata.labels == POLICY_LABELS
+        stored = api_client.sanitize_for_serialization(made.spec)
+        assert stored == operator_policy(documents, namespace)["spec"]
+        first_pod = min(p.metadata.creation_timestamp for p in ours_there.pods("g").values())
+        assert made.metadata.creation_timestamp <= first_pod
+        left = networking.read_namespaced_network_policy(name, other)
+        assert left.metadata.resource_version == tenants.metadata.resource_version
+        wait_for(
+            lambda: (
+                "EnginePolicyTaken"
+                in [e.reason for e in events_of(core, other, "g") if e.type == "Warning"]
+            ),
+            30,
+            "the tenant's policy said",
+        )
+        assert "EnginePolicyTaken" not in [e.reason for e in events_of(core, namespace, "g")]
+
+        # The adapter itself: what it wrote is read back equal (one read, no write); opened by
+        # someone, it is put back at the next check.
+        clock = [0.0]
+        kube = KubeAdapter(
+            api_client,
+            clock=lambda: clock[0],
+            pod_policies=[operator_policy(documents, namespace)],
+        )
+        asyncio.run(kube.pod_policies_taken(namespace))
+        again = networking.read_namespaced_network_policy(name, namespace)
+        assert again.metadata.resource_version == made.metadata.resource_version
+        networking.patch_namespaced_network_policy(
+            name, namespace, {"spec": {"ingress": [{}], "podSelector": {}}}
+        )
+        clock[0] = SECRET_RECHECK_SECONDS
+        assert asyncio.run(kube.pod_policies_taken(namespace)) == {}
+        back = networking.read_namespaced_network_policy(name, namespace)
+        assert api_client.sanitize_for_serialization(back.spec) == stored
+    finally:
+        for groups in (ours_there, theirs_there):
+            with contextlib.suppress(client.ApiException):
+                groups.delete("g")
+        for groups in (ours_there, theirs_there):
+            wait_for(lambda g=groups: absent(lambda: g.get("g")), 30, "the groups deleted")
+        core.delete_namespace(other, propagation_policy="Background")
 
 
 # ------------------------------------------------------------------ the connections made

@@ -45,17 +45,20 @@ from typing import Any
 import pytest
 from chaoskit import (
     GROUP,
+    LastRecovery,
     Request,
     Run,
     Stage,
     Subject,
     Traffic,
+    dies_of,
     failed_outside,
+    pod_runs,
     run_fault,
 )
 from kubernetes import client, config
 
-from helpers import Groups, absent, pdgroup_body, zookeeper
+from helpers import Groups, absent, pdgroup_body, wait_for, zookeeper
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo
@@ -294,3 +297,88 @@ def print_table(runs: list[tuple[Run, list[Request]]]) -> None:
             ]
         )
     )
+
+
+# --------------------------------------------------------------------------- a shrink's prefill
+
+
+def test_a_shrink_gives_up_only_a_prefill_whose_npus_the_decode_can_use(
+    api_client: client.ApiClient,
+    namespace: str,
+    groups: Groups,
+    start_emulator: Callable[..., Any],
+    start_operator: Callable[..., Any],
+) -> None:
+    """Issue 31 item 4: a 2P+1D group on three 2-NPU servers, each instance alone on one. Once
+    it serves, g-p-1's server is cordoned (g-p-1 serves on: a cordon evicts nothing), then a die
+    goes down on g-d-0: its server is tainted, no NPU is free, so the decode is restored by
+    giving up a prefill (xDeepServe §6.2). g-p-1 is the one a shrink gives up first (the last),
+    but no new pod may go where it runs: the plan gives up g-p-0, whose server takes the new
+    decode. The decode serves again there, g-p-1 is untouched, g-p-0 waits Pending until the
+    die heals, then the group is whole. (Before: g-p-1 was given up for NPUs the decode could
+    not use; the decode stayed Pending and the group served nothing.)"""
+    emulator = start_emulator(servers=3, extra=("--npus-per-server", "2"))
+    core = client.CoreV1Api(api_client)
+    also_cordoned: list[str] = []
+    with cordoned(core, keep=emulator.nodes):
+        start_operator(namespace, webhook=False, time_scale=TIME_SCALE)
+        try:
+            groups.create(pdgroup_body(GROUP, 2, 1))
+            groups.wait_ready(GROUP)
+            pods = groups.pods(GROUP)
+            kept = pods[f"{GROUP}-p-1"]
+            home = pods[f"{GROUP}-p-0"].spec.node_name
+            also_cordoned.append(kept.spec.node_name)
+            core.patch_node(kept.spec.node_name, {"spec": {"unschedulable": True}})
+            decode = pod_runs(emulator.pods(), namespace)[f"{GROUP}-d-0"]
+            die = {
+                "kind": "die-down",
+                "node": decode.node,
+                "die": dies_of(emulator.control, decode)[0]["id"],
+            }
+            emulator.fault(**die)
+            try:
+                last = wait_for(
+                    lambda: (
+                        (found := LastRecovery.of(groups.get(GROUP).get("status") or {}))
+                        and found.kind == "die"
+                        and found
+                    ),
+                    30,
+                    "the die's recovery planned",
+                    explain=groups.explain,
+                )
+                assert (last.action, last.raw["plan"]["sacrificed"]) == (
+                    "Shrink",
+                    [f"{GROUP}-p-0"],
+                ), last.raw
+                wait_for(
+                    lambda: (
+                        (pod := groups.pods(GROUP).get(f"{GROUP}-d-0")) is not None
+                        and pod.spec.node_name == home
+                        and any(
+                            c.type == "Ready" and c.status == "True"
+                            for c in pod.status.conditions or []
+                        )
+                        and LastRecovery.of(groups.get(GROUP)["status"]).phase == "Restored"
+                    ),
+                    60,
+                    "the new decode serving on g-p-0's server",
+                    explain=groups.explain,
+                )
+                assert groups.pods(GROUP)[f"{GROUP}-p-1"].metadata.uid == kept.metadata.uid
+                wait_for(
+                    lambda: groups.condition(GROUP, "Ready").get("reason") == "Unschedulable",
+                    30,
+                    "g-p-0 desired again, Pending for want of NPUs",
+                    explain=groups.explain,
+                )
+            finally:
+                emulator.fault(heal=True, **die)
+            groups.wait_ready(GROUP, "the group whole once the die heals")
+            assert groups.pods(GROUP)[f"{GROUP}-p-1"].metadata.uid == kept.metadata.uid
+        finally:
+            for node in also_cordoned:
+                with contextlib.suppress(client.ApiException):
+                    core.patch_node(node, {"spec": {"unschedulable": False}})
+            let_go(groups, GROUP)

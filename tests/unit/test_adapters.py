@@ -22,7 +22,7 @@ from matrixserve.adapters.zk_groups import GroupStore
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.coordination import Session, SessionState
-from matrixserve.domain.observed import on_nodes
+from matrixserve.domain.observed import Taint, on_nodes
 from matrixserve.domain.pdgroup.actions import DeleteEntrance, SetEntrance, WriteRoceMap
 
 PATHS = zl.GroupPaths("ns", "g")
@@ -600,6 +600,33 @@ async def test_nodes_say_which_server_is_down_since_when_and_pods_are_seen_on_th
     core.nodes_down = {}
     assert (await adapter.nodes())["n2"].down_since is not None  # the shared list, still fresh
     assert (await adapter.nodes(max_age=0.0))["n2"].down_since is None  # read afresh
+
+
+async def test_nodes_say_whether_they_are_cordoned_and_how_they_are_tainted() -> None:
+    """Issue 31: recovery counts NPUs only where a new pod may go, so the view keeps what keeps
+    pods off a server: a cordon, each taint (an NPU fault's among others'), and its labels."""
+    adapter, core, _ = kube()
+    core.nodes = {"n1": {kinds.LABEL_SUPERPOD: "sp1"}, "n2": {}, "n3": {}}
+    core.node_specs = {
+        "n2": client.V1NodeSpec(unschedulable=True),
+        "n3": client.V1NodeSpec(
+            taints=[
+                client.V1Taint(key=kinds.TAINT_NPU_FAULT, value="npu-3", effect="NoSchedule"),
+                client.V1Taint(key="example.com/soft", effect="PreferNoSchedule"),
+            ]
+        ),
+    }
+    nodes = await adapter.nodes()
+    assert (nodes["n1"].cordoned, nodes["n1"].taints, nodes["n1"].schedulable) == (
+        (False, (), True)
+    )
+    assert nodes["n1"].labels[kinds.LABEL_SUPERPOD] == "sp1"
+    assert (nodes["n2"].cordoned, nodes["n2"].schedulable) == (True, False)
+    assert nodes["n3"].taints == (
+        Taint(kinds.TAINT_NPU_FAULT, "npu-3", "NoSchedule"),
+        Taint("example.com/soft", "", "PreferNoSchedule"),
+    )
+    assert not nodes["n3"].schedulable
 
 
 def test_the_fake_kazoo_keeps_zookeepers_rules() -> None:

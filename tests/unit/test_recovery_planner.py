@@ -18,12 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fakes import engine_report
+from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec, Protect, RecoveryPolicy
 from matrixserve.domain import pdgroup
 from matrixserve.domain import recovery as rc
 from matrixserve.domain.enginepod import EngineSettings
-from matrixserve.domain.observed import Fault, FaultKind, NodeView, PodView, Tier
+from matrixserve.domain.observed import Fault, FaultKind, NodeView, PodView, Taint, Tier
 from matrixserve.domain.pdgroup import GroupView, ZkView
 from matrixserve.domain.pdgroup import recovery as pr
 from matrixserve.domain.pdgroup.actions import (
@@ -375,6 +376,122 @@ def test_equal_costs_go_to_the_option_restarting_fewer_pods() -> None:
     assert chosen(choose(fault(FaultKind.STALE, "g-d-0"), group(), est=longer)).action is A.REPLACE
 
 
+# --------------------------------------------------------------------------- where NPUs are
+NPU_FAULT = Taint(kinds.TAINT_NPU_FAULT, "npu-1")
+SERVER_TROUBLE: dict[str, tuple[dict[str, Any], str]] = {
+    # what keeps a decode's new pod off the server of prefill g-p-2, and the reason said
+    "cordoned": ({"cordoned": True}, "n-g-p-2 is cordoned"),
+    # another of its NPUs is faulty: the prefill serves on, nothing new lands there (NoSchedule)
+    "npu-fault": (
+        {"taints": (NPU_FAULT,)},
+        f"n-g-p-2 is tainted {kinds.TAINT_NPU_FAULT}=npu-1:NoSchedule",
+    ),
+    "down": ({"ready": False}, "n-g-p-2 is not Ready"),
+    "other SuperPod": (
+        {"superpod": "sp1"},
+        "n-g-p-2 is in SuperPod sp1, not in sp0 where the others of its role stay",
+    ),
+    "other NPU type": ({"npu_type": "Ascend910B"}, "not the decode's NPU type"),
+}
+
+
+def placed(
+    topo: rc.Topology, trouble: dict[str, dict[str, Any]] | None = None, free: int = 0
+) -> rc.Topology:
+    """The topology with its servers known: each member alone on its 2-NPU server (full), all
+    in SuperPod sp0 and taking either role, but where ``trouble`` says otherwise."""
+    servers = {}
+    members = {}
+    for name, member in topo.members.items():
+        how = (trouble or {}).get(member.node or "", {})
+        superpod = how.get("superpod", "sp0")
+        refuses = ""
+        if not how.get("ready", True):
+            refuses = f"{member.node} is not Ready"
+        elif how.get("cordoned"):
+            refuses = f"{member.node} is cordoned"
+        elif how.get("taints"):
+            refuses = f"{member.node} is tainted {how['taints'][0]}"
+        elif how.get("npu_type"):
+            refuses = "not the decode's NPU type"
+        servers[member.node or ""] = rc.Server(
+            member.node or "", free, superpod, {D: refuses} if refuses else {}
+        )
+        members[name] = dataclasses.replace(member, superpod=superpod)
+    return dataclasses.replace(topo, members=members, servers=servers, same_superpod=frozenset({D}))
+
+
+def test_with_the_servers_known_a_shrink_gives_up_the_last_prefill_where_the_decode_fits() -> None:
+    plan = choose(fault(FaultKind.DIE, "g-d-0"), placed(group(p=3, free=0)))
+    pick = chosen(plan)
+    assert (pick.action, pick.sacrificed) == (A.SHRINK, ("g-p-2",))
+    assert not by_action(plan)[A.REPLACE].feasible
+
+
+@pytest.mark.parametrize("trouble", list(SERVER_TROUBLE))
+def test_a_shrink_never_gives_up_a_prefill_whose_npus_the_decode_cannot_use(trouble: str) -> None:
+    """Issue 31: the last prefill's server takes no new decode (cordoned, another NPU faulty,
+    down, in another SuperPod than the decode that stays, another NPU type): giving it up
+    restores nothing. The one before is given up instead; with none usable, the decode stays
+    masked and the shrink says why. (Before issue 31, g-p-2 was given up in every case.)"""
+    how, reason = SERVER_TROUBLE[trouble]
+    one = placed(group(p=3, free=0), {"n-g-p-2": how})
+    pick = chosen(choose(fault(FaultKind.DIE, "g-d-0"), one))
+    assert (pick.action, pick.sacrificed) == (A.SHRINK, ("g-p-1",))
+    every = placed(group(p=3, free=0), {f"n-g-p-{i}": how for i in range(3)})
+    plan = choose(fault(FaultKind.DIE, "g-d-0"), every)
+    assert chosen(plan).action is A.MASK_AND_RETRY
+    shrink = by_action(plan)[A.SHRINK]
+    assert not shrink.feasible
+    assert f"g-p-2's: {reason}" in shrink.why, shrink.why
+    # the first prefill may go too, one prefill being kept: a group of two gives up g-p-0
+    two = placed(group(p=2, free=0), {"n-g-p-1": how})
+    pick = chosen(choose(fault(FaultKind.DIE, "g-d-0"), two))
+    assert (pick.action, pick.sacrificed) == (A.SHRINK, ("g-p-0",))
+
+
+def test_a_decode_left_alone_may_restart_in_any_superpod_and_others_join_it() -> None:
+    """The decodes keep one SuperPod: with a decode staying in sp0, NPUs in sp1 cannot serve
+    the replacement; when the only decode is faulty, its replacement may go anywhere."""
+    lone = placed(group(p=3, d=1, free=0), {"n-g-p-2": {"superpod": "sp1"}})
+    pick = chosen(choose(fault(FaultKind.DIE, "g-d-0"), lone))
+    assert (pick.action, pick.sacrificed) == (A.SHRINK, ("g-p-2",))
+    # free NPUs count only where the replacement may go: in sp1, beside d-1 staying in sp0
+    topo = placed(group(p=3, d=2, free=0))
+    servers = dict(topo.servers or {}) | {"spare": rc.Server("spare", 2, "sp1")}
+    elsewhere = dataclasses.replace(topo, servers=servers, free_npus=2)
+    plan = choose(fault(FaultKind.DIE, "g-d-0"), elsewhere)
+    replace = by_action(plan)[A.REPLACE]
+    assert not replace.feasible
+    assert "0 free where the new pods may go" in replace.why, replace.why
+    shrink = by_action(plan)[A.SHRINK]  # (a whole-group restart fits too, and costs less)
+    assert (shrink.feasible, shrink.sacrificed) == (True, ("g-p-2",))
+    in_home = dataclasses.replace(
+        elsewhere, servers=servers | {"spare": rc.Server("spare", 2, "sp0")}
+    )
+    pick = chosen(choose(fault(FaultKind.DIE, "g-d-0"), in_home))
+    assert (pick.action, pick.instances) == (A.REPLACE, ("g-d-0",))
+
+
+def test_a_pod_is_placed_whole_on_one_server() -> None:
+    """A 4-NPU decode needs 4 NPUs on one server: two prefills' 2 NPUs on two servers do not
+    make one; giving up the prefill beside 2 free NPUs does, and only that one goes."""
+    members = dict(group(p=3, d=2, npus=2).members)
+    members["g-d-0"] = dataclasses.replace(members["g-d-0"], npus=4)
+    topo = placed(rc.Topology(members, 2))
+    servers = dict(topo.servers or {})
+    servers["n-g-p-1"] = dataclasses.replace(servers["n-g-p-1"], free=2)
+    topo = dataclasses.replace(topo, servers=servers)
+    pick = chosen(choose(fault(FaultKind.NODE, "g-d-0"), topo))
+    assert (pick.action, pick.sacrificed) == (A.SHRINK, ("g-p-1",))
+    servers["n-g-p-1"] = dataclasses.replace(servers["n-g-p-1"], free=0)
+    servers["n-g-p-0"] = dataclasses.replace(servers["n-g-p-0"], free=1)
+    spread = dataclasses.replace(topo, servers=servers, free_npus=1)
+    plan = choose(fault(FaultKind.NODE, "g-d-0"), spread)
+    assert chosen(plan).action is A.MASK_AND_RETRY
+    assert "not enough for pods of 4 NPUs each" in by_action(plan)[A.SHRINK].why
+
+
 # --------------------------------------------------------------------------- the property
 def npus_withheld(f: Fault, topo: rc.Topology, names: set[str]) -> int:
     """As the module defines it: a down server keeps all its members' NPUs, and so does a
@@ -488,6 +605,68 @@ def test_every_plan_is_feasible_on_its_snapshot(case: dict[str, Any]) -> None:
         assert len(set(pick.instances) - set(pick.sacrificed)) <= room
 
 
+@st.composite
+def placed_scenarios(draw: st.DrawFn) -> dict[str, Any]:
+    """Members (one pod each) on servers that may or may not take a new decode, in two
+    SuperPods, with some NPUs free; a fault that withholds a decode's NPUs."""
+    servers = {
+        f"n{i}": rc.Server(
+            f"n{i}",
+            draw(st.integers(0, 4)),
+            draw(st.sampled_from(["sp0", "sp1"])),
+            {D: "refused"} if draw(st.booleans()) else {},
+        )
+        for i in range(draw(st.integers(2, 6)))
+    }
+    members = {}
+    for role, tag in ((P, "p"), (D, "d")):
+        for i in range(draw(st.integers(1, 4))):
+            name = f"g-{tag}-{i}"
+            at = draw(st.sampled_from(sorted(servers)))
+            npus = draw(st.sampled_from([1, 2, 4]))
+            members[name] = rc.Member(name, role, npus, at, superpod=servers[at].superpod)
+    topo = rc.Topology(
+        members,
+        sum(s.free for s in servers.values() if not s.refuses),
+        servers,
+        frozenset({D}),
+    )
+    decode = draw(st.sampled_from(sorted(n for n in members if n.startswith("g-d-"))))
+    kind = draw(st.sampled_from([FaultKind.DIE, FaultKind.NODE]))
+    return {"topo": topo, "fault": Fault(kind, (decode,), Tier.POD, 0.0)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(placed_scenarios())
+def test_a_shrink_frees_npus_a_new_decode_can_use(case: dict[str, Any]) -> None:
+    """Issue 31's rule as a property: a chosen shrink gives up only healthy prefills on servers
+    that take a new decode, in the SuperPod of the decodes that stay, and with them one such
+    server has room for the decode's pod; a replacement is chosen only where one has room."""
+    topo: rc.Topology = case["topo"]
+    f: Fault = case["fault"]
+    plan = choose(f, topo)
+    pick = chosen(plan)
+    (decode,) = f.instances
+    servers = topo.servers or {}
+    size = topo.members[decode].npus
+    home = {m.superpod for n, m in topo.members.items() if m.role is D and n != decode}
+
+    def takes(server: rc.Server) -> bool:
+        return not server.refuses and (not home or server.superpod in home)
+
+    if pick.action is A.SHRINK:
+        freed: dict[str, int] = {}
+        for name in pick.sacrificed:
+            member = topo.members[name]
+            assert member.role is P
+            assert takes(servers[member.node or ""]), (name, member.node)
+            freed[member.node or ""] = freed.get(member.node or "", 0) + member.npus
+        assert any(takes(s) and s.free + freed.get(s.name, 0) >= size for s in servers.values())
+        assert any(m.role is P and n not in pick.sacrificed for n, m in topo.members.items())
+    if pick.action is A.REPLACE:
+        assert any(takes(s) and s.free >= size for s in servers.values())
+
+
 # --------------------------------------------------------------------------- detection
 NAMES = {f"g-p-{i}": (P, i) for i in range(4)} | {f"g-d-{i}": (D, 4 + i) for i in range(2)}
 NOW = 50.0
@@ -547,9 +726,15 @@ def serving(**health_of: zl.Health) -> ZkView:
     )
 
 
+def node(name: str, npus: int, superpod: str = "sp0", **extra: Any) -> NodeView:
+    """A Ready server of the group's NPU type (what its pods' node selector asks for)."""
+    labels = {kinds.LABEL_NPU_TYPE: "Ascend910C", kinds.LABEL_SUPERPOD: superpod}
+    return NodeView(name, True, npus, labels=labels, **extra)
+
+
 def group_view(zk: ZkView, pods: dict[str, PodView] | None = None, free: int = 8) -> GroupView:
     pods = {n: pod(n) for n in NAMES} | (pods or {})
-    nodes = {"n1": NodeView("n1", True, True, 12), "n2": NodeView("n2", True, True, free)}
+    nodes = {"n1": node("n1", 12), "n2": node("n2", free)}
     return GroupView(
         "ns", "g", 1, spec(), pods, zk, now=NOW, uid="uid-g",
         engine=EngineSettings(zookeeper="127.0.0.1:2181"), nodes=nodes,
@@ -707,6 +892,63 @@ def blocked_link(down_at: str = "") -> zl.Health:
         since=NOW - 1.0, downAt=down_at,
     )  # fmt: skip
     return health("g-p-0", links=[probe])
+
+
+def test_a_taint_keeps_off_only_the_pods_that_do_not_tolerate_it() -> None:
+    """Kubernetes' toleration rule, as the scheduler applies it to a new pod."""
+    taint = Taint(kinds.TAINT_NPU_FAULT, "npu-3")
+    assert not taint.tolerated_by([])
+    assert taint.tolerated_by([{"key": kinds.TAINT_NPU_FAULT, "operator": "Exists"}])
+    assert taint.tolerated_by([{"key": kinds.TAINT_NPU_FAULT, "value": "npu-3"}])
+    assert not taint.tolerated_by([{"key": kinds.TAINT_NPU_FAULT, "value": "npu-1"}])
+    assert taint.tolerated_by([{"operator": "Exists"}])  # no key, Exists: every taint
+    assert not taint.tolerated_by([{"operator": "Exists", "effect": "NoExecute"}])
+    assert taint.tolerated_by([{"operator": "Exists", "effect": "NoSchedule"}])
+    assert not taint.tolerated_by([{"key": "other", "operator": "Exists"}])
+    soft = Taint("example.com/soft", effect="PreferNoSchedule")
+    server = node("n", 2, taints=(soft,))
+    selector = {kinds.LABEL_NPU_TYPE: "Ascend910C"}
+    assert server.schedulable  # a preference refuses nothing
+    assert not server.refuses(selector)
+    tainted = node("n", 2, taints=(soft, taint))
+    assert not tainted.schedulable
+    assert tainted.refuses(selector) == f"n is tainted {kinds.TAINT_NPU_FAULT}=npu-3:NoSchedule"
+    assert not tainted.refuses(selector, [{"key": kinds.TAINT_NPU_FAULT, "operator": "Exists"}])
+    assert node("n", 2, cordoned=True).refuses(selector) == "n is cordoned"
+    assert node("n", 2).refuses({kinds.LABEL_NPU_TYPE: "Ascend910B"}) == (
+        f"n is not {kinds.LABEL_NPU_TYPE}=Ascend910B"
+    )
+    down = dataclasses.replace(node("n", 2), ready=False)
+    assert down.refuses(selector) == "n is not Ready"
+
+
+def test_the_group_gives_up_a_prefill_only_where_its_npus_serve_the_decode() -> None:
+    """Issue 31, over the group's view: every instance alone on a full 2-NPU server; a die on
+    g-d-0 taints its server and none is free, so the decode is restored by giving up a prefill.
+    The last one, g-p-3, serves on a server whose other NPU is faulty (tainted
+    ``npu-fault:NoSchedule``, which engine pods do not tolerate): its NPUs would restore
+    nothing, so g-p-2 is given up. (Before issue 31: g-p-3, and the decode stayed Pending.)"""
+    fault_taint = (Taint(kinds.TAINT_NPU_FAULT, "npu-1"),)
+    pods = {n: pod(n, node=f"s-{n}") for n in NAMES}
+    nodes = {f"s-{n}": node(f"s-{n}", 2) for n in NAMES}
+    nodes["s-g-d-0"] = node("s-g-d-0", 1, taints=fault_taint)
+    view = dataclasses.replace(group_view(serving(**{"g-d-0": die("g-d-0")}), pods), nodes=nodes)
+    assert pr.free_npus(view) == 0
+    last = pdgroup.plan(view).status["lastRecovery"]
+    assert (last["plan"]["action"], last["plan"]["sacrificed"]) == ("Shrink", ["g-p-3"])
+    nodes["s-g-p-3"] = node("s-g-p-3", 1, taints=fault_taint)
+    last = pdgroup.plan(dataclasses.replace(view, nodes=nodes)).status["lastRecovery"]
+    assert (last["plan"]["action"], last["plan"]["sacrificed"]) == ("Shrink", ["g-p-2"])
+    shrink = pr.servers(dataclasses.replace(view, nodes=nodes))
+    assert shrink is not None
+    assert shrink["s-g-p-3"].refuses[D] == (
+        f"s-g-p-3 is tainted {kinds.TAINT_NPU_FAULT}=npu-1:NoSchedule"
+    )
+    assert (shrink["s-g-p-2"].free, shrink["s-g-p-2"].superpod, shrink["s-g-p-2"].refuses) == (
+        0,
+        "sp0",
+        {},
+    )
 
 
 def test_a_blocked_link_is_relinked_first_and_replaced_once_a_relink_did_not_clear_it() -> None:

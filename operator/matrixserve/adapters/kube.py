@@ -6,10 +6,12 @@ The synchronous ``kubernetes`` client runs in worker threads (``asyncio.to_threa
 are idempotent (409 is success), deletes carry a UID precondition so a recreated pod of the same
 name is never deleted by mistake, status is written with a merge patch of the status subresource.
 
-The Secrets pods read (the engines' ZooKeeper identity, issue 16 finding 7) are written into a
-namespace before a pod there, then taken as in place for ``SECRET_RECHECK_SECONDS`` (a pass
-costs no call); after that one read finds a deleted copy (made again) or a changed one (our
-data put back). A Secret of that name that is not ours (without our labels) is never touched.
+The Secrets pods read (the engines' ZooKeeper identity, issue 16 finding 7) and the engines'
+NetworkPolicy (issue 31) are written into a namespace before a pod there, then taken as in place
+for ``SECRET_RECHECK_SECONDS`` (a pass costs no call); after that one read finds a deleted copy
+(made again) or a changed one (ours put back: the Secret's data, the policy's spec). One of that
+name that is not ours (without our labels) is never touched: a Secret so taken keeps every
+engine pod out of its namespace (they would mount it), a policy does not (it guards them).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -29,7 +32,7 @@ from matrixserve.api.kinds import (
     Kind,
 )
 from matrixserve.domain.enginepod import ENGINE_CONTAINER
-from matrixserve.domain.observed import NodeView, PodView
+from matrixserve.domain.observed import NodeView, PodView, Taint
 
 SECRET_RECHECK_SECONDS = 60.0
 NODES_TTL_SECONDS = 2.0
@@ -81,6 +84,18 @@ class SecretTaken(Exception):
         self.names = list(names)
 
 
+@dataclass(frozen=True)
+class _Kept:
+    """How one kind of object a namespace's engine pods need is read, made and put back:
+    ``field`` is what must be as we wrote it (a Secret's data, a NetworkPolicy's spec)."""
+
+    kind: str
+    field: str
+    read: Callable[[str, str], Any]  # (name, namespace)
+    create: Callable[[str, Mapping[str, Any]], Any]  # (namespace, body)
+    patch: Callable[[str, str, Mapping[str, Any]], Any]  # (name, namespace, merge patch)
+
+
 class KubeAdapter:
     # Called before every write (raises to refuse it): the operator's leadership, so a standby
     # or a deposed leader changes nothing (None: every write goes, as for the gateway).
@@ -91,14 +106,19 @@ class KubeAdapter:
         api: client.ApiClient,
         pod_secrets: Sequence[Mapping[str, Any]] = (),
         clock: Callable[[], float] = time.monotonic,
+        pod_policies: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         self.api = api
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
-        # Secrets every pod we create reads (the engines' ZooKeeper credential), written into
-        # the pod's namespace before it (:meth:`pod_secrets_taken`).
+        self.networking = client.NetworkingV1Api(api)
+        # Secrets every pod we create reads (the engines' ZooKeeper credential), and the
+        # NetworkPolicies that guard them (issue 31), written into the pod's namespace before
+        # it (:meth:`pod_secrets_taken`, :meth:`pod_policies_taken`).
         self.pod_secrets = list(pod_secrets)
-        self._secrets_checked: dict[tuple[str, str], float] = {}  # -> when found as we wrote it
+        self.pod_policies = list(pod_policies)
+        # (kind, namespace, name) -> when found as we wrote it
+        self._checked: dict[tuple[str, str, str], float] = {}
         self._clock = clock
         # A node's SuperPod is fixed by its hardware: read each node once, not every pass.
         self._superpods: dict[str, str] = {}
@@ -212,9 +232,10 @@ class KubeAdapter:
         return out
 
     async def nodes(self, max_age: float = NODES_TTL_SECONDS) -> dict[str, NodeView]:
-        """Every server as the scheduler sees it: Ready (and since when not), schedulable, NPUs
-        allocatable (recovery's node tier and free NPUs). One list shared by every group's pass
-        while it is younger than ``max_age`` s (a pass that may recover asks for a fresh one).
+        """Every server as the scheduler sees it: Ready (and since when not), cordoned, its
+        taints and labels, NPUs allocatable (recovery's node tier, and where its new pods may
+        go). One list shared by every group's pass while it is younger than ``max_age`` s (a
+        pass that may recover asks for a fresh one).
         Listing nodes is what the operator's ClusterRole grants (``nodes``: get, list)."""
         now = self._clock()
         if self._nodes is not None and now - self._nodes[0] < max_age:
@@ -228,12 +249,12 @@ class KubeAdapter:
             if ready is None or ready.status != "True":
                 flipped: datetime | None = ready.last_transition_time if ready else None
                 down_since = flipped.timestamp() if flipped else node_created(node)
-            blocked = any(t.effect in ("NoSchedule", "NoExecute") for t in node.spec.taints or [])
             out[node.metadata.name] = NodeView(
                 node.metadata.name,
                 down_since is None,
-                not node.spec.unschedulable and not blocked,
                 int(allocatable) if allocatable is not None else 0,
+                cordoned=bool(node.spec.unschedulable),
+                taints=tuple(Taint(t.key, t.value or "", t.effect) for t in node.spec.taints or []),
                 down_since=down_since,
                 labels=dict(node.metadata.labels or {}),
             )
@@ -265,11 +286,13 @@ class KubeAdapter:
         return ", ".join(f"{o.kind} {o.name}" for o in owners) or "no owner"
 
     async def create_pod(self, namespace: str, body: Mapping[str, Any]) -> bool:
-        """True if created, False if it already existed. The Secrets it reads first
-        (:class:`SecretTaken` if one of them is someone else's there)."""
+        """True if created, False if it already existed. The Secrets it reads and the
+        NetworkPolicies that guard it first (:class:`SecretTaken` if one of those Secrets is
+        someone else's there; a policy that is, is left alone)."""
         taken = await self.pod_secrets_taken(namespace)
         if taken:
             raise SecretTaken(namespace, taken)
+        await self.pod_policies_taken(namespace)
         try:
             self._fenced()
             await asyncio.to_thread(self.core.create_namespaced_pod, namespace, body)
@@ -284,47 +307,86 @@ class KubeAdapter:
         put back if it differs. One found in place is not asked about again for
         ``SECRET_RECHECK_SECONDS``. Returns the names held there by a Secret that is not ours
         (without our labels: a tenant's, left as it is)."""
-        taken = []
-        for secret in self.pod_secrets:
-            key = (namespace, str(secret["metadata"]["name"]))
-            checked = self._secrets_checked.get(key)
+        kept = _Kept(
+            "Secret",
+            "data",
+            self.core.read_namespaced_secret,
+            self.core.create_namespaced_secret,
+            self.core.patch_namespaced_secret,
+        )
+        return list(await self._keep(namespace, self.pod_secrets, kept))
+
+    async def pod_policies_taken(self, namespace: str) -> dict[str, dict[str, str]]:
+        """Put the engines' NetworkPolicies in place in ``namespace`` (issue 31), as
+        :meth:`pod_secrets_taken` does the Secrets (their spec ours). Returns those held there
+        by a policy that is not ours (name -> its labels: the chart's own, or a tenant's), left
+        as they are."""
+
+        def patch(name: str, namespace: str, body: Mapping[str, Any]) -> Any:
+            return self.networking.patch_namespaced_network_policy(
+                name, namespace, body, _content_type="application/merge-patch+json"
+            )
+
+        kept = _Kept(
+            "NetworkPolicy",
+            "spec",
+            self.networking.read_namespaced_network_policy,
+            self.networking.create_namespaced_network_policy,
+            patch,
+        )
+        return await self._keep(namespace, self.pod_policies, kept)
+
+    async def _keep(
+        self, namespace: str, wanted: Sequence[Mapping[str, Any]], kept: _Kept
+    ) -> dict[str, dict[str, str]]:
+        """Each of ``wanted`` in place in ``namespace`` (checked at most once per
+        ``SECRET_RECHECK_SECONDS`` once found as we wrote it); the names held by one that is
+        not ours, with its labels."""
+        taken = {}
+        for body in wanted:
+            key = (kept.kind, namespace, str(body["metadata"]["name"]))
+            checked = self._checked.get(key)
             if checked is not None and self._clock() - checked < SECRET_RECHECK_SECONDS:
                 continue
-            if await self._write_secret(namespace, secret):
-                self._secrets_checked[key] = self._clock()
+            theirs = await self._write(namespace, body, kept)
+            if theirs is None:
+                self._checked[key] = self._clock()
             else:
-                self._secrets_checked.pop(key, None)
-                taken.append(key[1])
+                self._checked.pop(key, None)
+                taken[key[2]] = theirs
         return taken
 
-    async def _write_secret(self, namespace: str, secret: Mapping[str, Any]) -> bool:
-        """Create the Secret, or give ours our data; False if the one there is not ours."""
-        name = str(secret["metadata"]["name"])
-        found = await self._read_secret(namespace, name)
+    async def _write(
+        self, namespace: str, body: Mapping[str, Any], kept: _Kept
+    ) -> dict[str, str] | None:
+        """Create the object, or put ours back in it; None once it is ours as we wrote it, the
+        labels of the one there if it is not ours."""
+        name = str(body["metadata"]["name"])
+        found = await self._read(kept, namespace, name)
         if found is None:
             try:
                 self._fenced()
-                await asyncio.to_thread(self.core.create_namespaced_secret, namespace, secret)
-                return True
+                await asyncio.to_thread(kept.create, namespace, body)
+                return None
             except client.ApiException as exc:
                 if exc.status != 409:
                     raise
-            found = await self._read_secret(namespace, name)  # made meanwhile: whose is it?
+            found = await self._read(kept, namespace, name)  # made meanwhile: whose is it?
             if found is None:  # and deleted meanwhile: the pass fails, the next one retries
-                raise RuntimeError(f"Secret {namespace}/{name} came and went meanwhile")
-        labels: Mapping[str, str] = found.metadata.labels or {}
-        if any(labels.get(k) != v for k, v in secret["metadata"]["labels"].items()):
-            return False
-        if dict(found.data or {}) != secret["data"]:
+                raise RuntimeError(f"{kept.kind} {namespace}/{name} came and went meanwhile")
+        labels: dict[str, str] = dict(found.metadata.labels or {})
+        if any(labels.get(k) != v for k, v in body["metadata"]["labels"].items()):
+            return labels
+        have = self.api.sanitize_for_serialization(getattr(found, kept.field)) or {}
+        change = _diff(have, body[kept.field])
+        if change is not _SAME:
             self._fenced()
-            await asyncio.to_thread(
-                self.core.patch_namespaced_secret, name, namespace, {"data": secret["data"]}
-            )
-        return True
+            await asyncio.to_thread(kept.patch, name, namespace, {kept.field: change})
+        return None
 
-    async def _read_secret(self, namespace: str, name: str) -> Any:
+    async def _read(self, kept: _Kept, namespace: str, name: str) -> Any:
         try:
-            return await asyncio.to_thread(self.core.read_namespaced_secret, name, namespace)
+            return await asyncio.to_thread(kept.read, name, namespace)
         except client.ApiException as exc:
             if exc.status == 404:
                 return None

@@ -16,17 +16,31 @@ Secret mounted read-only (:func:`credential_volumes`), never from its environmen
 A group's znodes stay open until every pod of the group carries that volume
 (:func:`without_credential`): pods made before the identity existed have none and still write
 there (an upgrade); :class:`EngineNotice` says so on the group.
+
+Who may reach an engine (issue 31): the engines' NetworkPolicy, written by the operator into each
+namespace where it creates engine pods, before the first (:func:`engine_network_policy`): the
+rules the chart gives it (its own engines' policy, rendered for any namespace: the gateway, the
+operator and other engines on the engine port), owned by nothing like the Secret and labelled
+as the operator's; one of that name without those labels (the chart's own where its values list
+the namespace, or a tenant's) is left alone.
 """
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from matrixserve.api import zk_layout as zl
-from matrixserve.api.kinds import MANAGED_BY_LABEL, NPU_RESOURCE, OPERATOR_MANAGER
+from matrixserve.api.kinds import (
+    APP_NAME_LABEL,
+    ENGINE_APP,
+    MANAGED_BY_LABEL,
+    NPU_RESOURCE,
+    OPERATOR_MANAGER,
+)
 from matrixserve.api.resources import EngineResources, quantity_value
 from matrixserve.domain.effects import Event, Notice
 from matrixserve.domain.observed import PodView
@@ -65,6 +79,13 @@ SECRET_LABELS = {
     MANAGED_BY_LABEL: OPERATOR_MANAGER,
     "app.kubernetes.io/component": "zookeeper-auth",
 }
+# The engines' NetworkPolicy (issue 31), like the Secret: owned by nothing, ours by these labels.
+POLICY_LABELS = {
+    MANAGED_BY_LABEL: OPERATOR_MANAGER,
+    "app.kubernetes.io/component": "engine-network-policy",
+}
+ENGINE_SELECTOR = {"matchLabels": {APP_NAME_LABEL: ENGINE_APP}}  # every engine pod's label
+CHART_APP = "matrixserve"  # app.kubernetes.io/name of the chart's own objects
 
 
 @dataclass(frozen=True)
@@ -89,6 +110,10 @@ class EngineSettings:
     # tenant's Secret of the same name is left alone (and no engine pod created there).
     zookeeper_auth: zl.Credentials | None = None
     zookeeper_auth_secret: str = "matrixserve-engine-zookeeper-auth"
+    # Issue 31: the engines' NetworkPolicy's spec as JSON (empty: the operator writes none) and
+    # its name (the chart passes its own engines' policy's, and the same name).
+    network_policy: str = ""
+    network_policy_name: str = "matrixserve-engines"
 
     def secrets(self) -> list[dict[str, Any]]:
         """The Secrets every engine pod's namespace must hold before the pod is created."""
@@ -104,6 +129,58 @@ class EngineSettings:
                 "data": {zl.CREDENTIALS_KEY: value},
             }
         ]
+
+    def policies(self) -> list[dict[str, Any]]:
+        """The NetworkPolicies every engine pod's namespace must hold before the pod is created
+        (none unless the operator was given the engines' policy)."""
+        if not self.network_policy:
+            return []
+        return [engine_network_policy(self.network_policy_name, json.loads(self.network_policy))]
+
+
+def engine_network_policy(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The engines' NetworkPolicy (issue 31): ``spec`` (a NetworkPolicySpec: who may reach the
+    engines, the chart's engines' policy rendered for any namespace) selecting every engine pod,
+    as the API server stores it (``policyTypes`` and each port's protocol written out, so that
+    what is read back compares equal). ValueError if it selects other pods or restricts no
+    ingress: a policy under the engines' name must guard the engines."""
+    if not isinstance(spec, Mapping):
+        raise ValueError("the engines' NetworkPolicy spec must be a JSON object")
+    selector = spec.get("podSelector", ENGINE_SELECTOR)
+    if selector != ENGINE_SELECTOR:
+        raise ValueError(
+            f"the engines' NetworkPolicy must select the engine pods ({json.dumps(ENGINE_SELECTOR)}"
+            f" or no podSelector), not {json.dumps(selector)}"
+        )
+    types = list(spec.get("policyTypes") or ["Ingress", *(["Egress"] if "egress" in spec else [])])
+    if "Ingress" not in types or "ingress" not in spec:
+        raise ValueError(
+            "the engines' NetworkPolicy must restrict Ingress (give its ingress rules)"
+        )
+
+    def rules(key: str) -> list[dict[str, Any]]:
+        return [
+            {
+                **rule,
+                **(
+                    {"ports": [{"protocol": "TCP", **port} for port in rule["ports"]]}
+                    if rule.get("ports")
+                    else {}
+                ),
+            }
+            for rule in spec.get(key) or []
+        ]
+
+    body: dict[str, Any] = {**spec, "podSelector": ENGINE_SELECTOR, "policyTypes": types}
+    body["ingress"] = rules("ingress")
+    if "egress" in spec:
+        body["egress"] = rules("egress")
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": name, "labels": dict(POLICY_LABELS)},
+        "spec": body,
+    }
 
 
 def _field(path: str) -> dict[str, Any]:
@@ -214,6 +291,22 @@ def secret_taken(namespace: str, name: str) -> EngineNotice:
         "pods read their ZooKeeper credential from a Secret of that name, so none is created "
         "here and that Secret is left as it is; rename or delete it, or start the operator "
         "with another --engine-zookeeper-auth-secret",
+    )
+
+
+def policy_taken(namespace: str, name: str, labels: Mapping[str, str]) -> EngineNotice | None:
+    """A NetworkPolicy of the engines' policy's name that is not ours, left as it is: it decides
+    who reaches the engines there. Said, unless it is the chart's own (the chart writes the
+    engines' policy in the namespaces its values list, under the same name: issue 31)."""
+    if labels.get(APP_NAME_LABEL) == CHART_APP:
+        return None
+    mine = ", ".join(f"{k}={v}" for k, v in POLICY_LABELS.items())
+    return EngineNotice(
+        "EnginePolicyTaken",
+        f"NetworkPolicy {namespace}/{name} is not MatrixServe's (it lacks the labels {mine}): "
+        "the operator leaves it as it is, and it decides who may reach the engines here; delete "
+        "it for the operator to write the engines' policy, or start the operator with another "
+        "--engine-network-policy-name",
     )
 
 

@@ -9,9 +9,10 @@ servers the pods run on are seen as :class:`NodeView`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -154,15 +155,75 @@ class Fault:
 
 
 @dataclass(frozen=True)
+class Taint:
+    """A taint on a server (``spec.taints``): ``NoSchedule`` and ``NoExecute`` keep every new pod
+    that does not tolerate them off it (``PreferNoSchedule`` only discourages)."""
+
+    key: str
+    value: str = ""
+    effect: str = "NoSchedule"
+
+    @property
+    def keeps_off(self) -> bool:
+        return self.effect in ("NoSchedule", "NoExecute")
+
+    def tolerated_by(self, tolerations: Sequence[Mapping[str, Any]]) -> bool:
+        """Kubernetes' rule: a toleration with no key and ``Exists`` tolerates every taint;
+        otherwise its key is the taint's and it says ``Exists`` or ``Equal`` the taint's value,
+        its effect empty (all) or the taint's."""
+        for toleration in tolerations:
+            if (toleration.get("effect") or self.effect) != self.effect:
+                continue
+            exists = (toleration.get("operator") or "Equal") == "Exists"
+            key = toleration.get("key") or ""
+            if not key:
+                if exists:
+                    return True
+                continue
+            if key == self.key and (exists or (toleration.get("value") or "") == self.value):
+                return True
+        return False
+
+    def __str__(self) -> str:
+        return f"{self.key}{'=' + self.value if self.value else ''}:{self.effect}"
+
+
+@dataclass(frozen=True)
 class NodeView:
     """A server as the scheduler sees it: NPUs it can still give, whether it takes pods."""
 
     name: str
     ready: bool
-    schedulable: bool  # not cordoned, no NoSchedule/NoExecute taint
     allocatable_npus: int
+    cordoned: bool = False  # spec.unschedulable (kubectl cordon, a drain)
+    taints: tuple[Taint, ...] = ()
     down_since: float | None = None  # its Ready condition's last flip, while not Ready
-    labels: Mapping[str, str] = field(default_factory=dict)  # (issue 18: DRAM pre-load selectors)
+    # Its labels: the SuperPod, the NPU type (issue 18: DRAM pre-load selectors; issue 31: where a
+    # new pod may go)
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def schedulable(self) -> bool:
+        """It takes new pods at all: not cordoned, no taint keeping pods off it."""
+        return not self.cordoned and not any(t.keeps_off for t in self.taints)
+
+    def refuses(
+        self, node_selector: Mapping[str, str], tolerations: Sequence[Mapping[str, Any]] = ()
+    ) -> str:
+        """Why the scheduler would not place a new pod with this node selector and these
+        tolerations here, NPUs aside (issue 31: a recovery counts only NPUs its new pod can
+        use); empty if it would."""
+        if not self.ready:
+            return f"{self.name} is not Ready"
+        if self.cordoned:
+            return f"{self.name} is cordoned"
+        for taint in self.taints:
+            if taint.keeps_off and not taint.tolerated_by(tolerations):
+                return f"{self.name} is tainted {taint}"
+        for key, value in sorted(node_selector.items()):
+            if self.labels.get(key) != value:
+                return f"{self.name} is not {key}={value}"
+        return ""
 
 
 def on_nodes(pods: Mapping[str, PodView], nodes: Mapping[str, NodeView]) -> dict[str, PodView]:

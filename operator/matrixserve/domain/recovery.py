@@ -24,6 +24,14 @@ time it takes to restore::
 - ``lost_after``: capacity still out once restored (a prefill given up by a shrink, or an
   instance masked for want of NPUs) for ``horizon_s`` (until capacity returns: a repair).
 
+**Where** (issue 31): NPUs count only where the new pod could go. Given the servers
+(:class:`Server`: free NPUs, SuperPod, and why the scheduler would refuse each role's new pod
+there: not Ready, cordoned, a taint it does not tolerate, another NPU type), a replacement's
+pods must each fit whole on a server that takes its role, in the SuperPod of the instances of
+its role that stay when the role keeps one (the decodes); a shrink gives up only prefills whose
+NPUs, where they run, would fit the decode so (a prefill on a server tainted by another NPU's
+fault, cordoned, down or in another SuperPod is never sacrificed for nothing).
+
 Ties go to the option restarting fewer pods. Fencing: with ZooKeeper not connected nothing is
 planned (nothing destructive without coordination). A cap on concurrent replacements keeps a
 server fault with several members, or a storm, from taking the group down at once: over the cap
@@ -36,8 +44,10 @@ back from is not taken (the faulty instances stay masked).
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -71,19 +81,40 @@ class Member:
 
     name: str
     role: zl.Role
-    npus: int
+    npus: int  # all of its pods'
     node: str | None = None
     restarts: int = 0  # container restarts of its pods
     pods: int = 1
+    superpod: str | None = None
+
+
+@dataclass(frozen=True)
+class Server:
+    """A server as a new pod of the group would find it (issue 31): the NPUs free there now, its
+    SuperPod, and, per role, why the scheduler would not place that role's new pod there (not
+    Ready, cordoned, a taint the pod does not tolerate, not of its NPU type); a role not named
+    may go there."""
+
+    name: str
+    free: int
+    superpod: str | None = None
+    refuses: Mapping[zl.Role, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Topology:
     """The group's instances and the NPUs the cluster can still give (``None``: not known; the
-    scheduler decides, and a replacement that stays unschedulable is planned for again)."""
+    scheduler decides, and a replacement that stays unschedulable is planned for again).
+
+    ``servers`` (None: not known) says where: a new pod is placed whole on one server that takes
+    its role, and the NPUs a shrink frees count only on such a server; without it the free NPUs
+    are counted together. ``same_superpod``: the roles whose instances all share one SuperPod
+    (a new one joins the SuperPod of those that stay)."""
 
     members: Mapping[str, Member]
     free_npus: int | None = None
+    servers: Mapping[str, Server] | None = None
+    same_superpod: frozenset[zl.Role] = frozenset()
 
     def count(self, role: zl.Role) -> int:
         return sum(1 for m in self.members.values() if m.role is role)
@@ -290,7 +321,8 @@ def options(
     need = _npus(topology, faulty)
     held = withheld(fault, topology, faulty)
     # The faulty pods' NPUs return to the pool once they go, except those the fault withholds.
-    fits = topology.free_npus is None or topology.free_npus >= held
+    fits_group = topology.free_npus is None or topology.free_npus >= held
+    fits = held == 0 or Room(topology, set(faulty)).fits(faulty)
     warm = _warm(topology, est, faulty)
     if warm is not None:  # a warm pod holds its own NPUs: no free ones needed
         out.append(
@@ -322,6 +354,7 @@ def options(
                     if fits
                     else f"{need} NPUs needed, {need - held} come back where the faulty pods "
                     f"ran, {topology.free_npus} free elsewhere"
+                    + Room(topology, set(faulty)).shortfall(faulty)
                 ),
                 pods_restarted=_pods(topology, faulty),
             )
@@ -336,10 +369,10 @@ def options(
             _cold(est, loaders=len(everyone)),
             1.0,
             0.0,
-            feasible=fits,
+            feasible=fits_group,
             why=(
                 "every pod recreated (LWS RecreateGroupOnPodRestart, RBG, Grove)"
-                if fits
+                if fits_group
                 else f"the fault withholds {held} NPUs and {topology.free_npus} are free: "
                 "the group would not fit again"
             ),
@@ -375,7 +408,10 @@ def _shrink(
 ) -> Option:
     """Give up prefills so their NPUs restore the protected decode(s): a faulty prefill first
     (not replaced: its NPUs are gone with its server), then healthy ones from the last, as few
-    as cover the decodes' NPUs, never the last prefill."""
+    as cover the decodes' NPUs, never the last prefill. Only a prefill whose NPUs the decode's
+    new pod could use counts (issue 31): on a server that takes a decode (Ready, not cordoned,
+    no taint the decode does not tolerate, of its NPU type) in the decodes' SuperPod; giving up
+    any other would cost its capacity and restore nothing."""
     decodes = tuple(n for n in faulty if topology.members[n].role is zl.Role.DECODE)
     faulty_prefills = tuple(n for n in faulty if n not in decodes)
     healthy = sorted(
@@ -383,10 +419,18 @@ def _shrink(
         key=_ordinal,
     )
     need = withheld(fault, topology, decodes)
-    free = topology.free_npus or 0
+    room = Room(topology, set(faulty))
+    useful = [n for n in healthy if not room.why_not(zl.Role.DECODE, n)]
     given: list[str] = []
-    while healthy[len(given) + 1 :] and free + _npus(topology, tuple(given)) < need:
-        given.append(healthy[-1 - len(given)])
+    if need:  # from the last, one prefill always kept; then those not needed, earliest first
+        for name in reversed(useful):
+            if room.fits(decodes, given) or len(given) + 1 >= len(healthy):
+                break
+            given.append(name)
+        for name in sorted(given, key=_ordinal):
+            if room.fits(decodes, [g for g in given if g != name]):
+                given.remove(name)
+    given.sort(key=_ordinal)
     freed = _npus(topology, tuple(given))
     why = ""
     if policy.weight(zl.Role.DECODE) <= policy.weight(zl.Role.PREFILL):
@@ -397,8 +441,14 @@ def _shrink(
         why = "the NPUs to replace the decode are free: nothing needs giving up"
     elif len(healthy) < 2:
         why = "the group would keep no prefill"
-    elif free + freed < need:
-        why = f"giving up {', '.join(given)} frees {freed} NPUs; {need - free} are needed"
+    elif not room.fits(decodes, given):
+        unusable = [f"{n}'s: {room.why_not(zl.Role.DECODE, n)}" for n in healthy if n not in useful]
+        why = (
+            f"giving up {', '.join(given) or 'no prefill'} frees {freed} NPUs; "
+            f"{need - (topology.free_npus or 0)} are needed"
+            + room.shortfall(decodes, given)
+            + (f" (the decode cannot use {'; '.join(unusable)})" if unusable else "")
+        )
     sacrificed = (*faulty_prefills, *given)
     return Option(
         ActionKind.SHRINK,
@@ -412,6 +462,141 @@ def _shrink(
         sacrificed=tuple(sorted(sacrificed)),
         horizon=est.horizon,
     )
+
+
+class Room:
+    """Where the new pods of a plan would go (issue 31): each instance's pods (``npus / pods``
+    NPUs each) placed whole on one server that takes its role, within the SuperPod of its
+    role's instances that stay when the role keeps one, onto the NPUs free there now plus those
+    the instances given up free where they ran (``out``: the instances whose pods go). Without
+    servers (not known) every NPU is one pool: the free ones and all those given up.
+
+    The placement is best-fit decreasing (the largest pod first, each onto the fullest server
+    that still takes it): not an exact bin packing, so it may miss a placement on fragmented
+    servers (the option is then not taken; the scheduler would have decided), never count one
+    that does not exist."""
+
+    POOL = ""  # the one server standing for all, when the servers are not known
+
+    def __init__(self, topology: Topology, out: set[str]) -> None:
+        self.topology = topology
+        self.out = out
+        if topology.servers is None:
+            free = topology.free_npus
+            self.servers: Mapping[str, Server] = {
+                self.POOL: Server(self.POOL, sys.maxsize if free is None else free)
+            }
+        else:
+            self.servers = topology.servers
+
+    def _server(self, member: Member) -> str | None:
+        return self.POOL if self.topology.servers is None else member.node
+
+    def _home(self, role: zl.Role) -> set[str]:
+        """The SuperPods a new instance of ``role`` must join: those of the instances that
+        stay (empty: any, one for all of them; and without servers, where nothing is known)."""
+        if role not in self.topology.same_superpod or self.topology.servers is None:
+            return set()
+        return {
+            m.superpod
+            for n, m in self.topology.members.items()
+            if m.role is role and n not in self.out and m.superpod is not None
+        }
+
+    def why_not(self, role: zl.Role, given: str) -> str:
+        """Why the NPUs ``given`` frees cannot serve a new pod of ``role`` (empty: they can)."""
+        member = self.topology.members[given]
+        where = self._server(member)
+        server = self.servers.get(where) if where is not None else None
+        if server is None:
+            return f"its server {where or '?'} is not known"
+        if server.refuses.get(role):
+            return server.refuses[role]
+        home = self._home(role)
+        if home and server.superpod not in home:
+            return (
+                f"{server.name} is in SuperPod {server.superpod}, not in "
+                f"{', '.join(sorted(home))} where the others of its role stay"
+            )
+        return ""
+
+    def _capacity(self, given: Sequence[str]) -> dict[str, int]:
+        capacity = {name: s.free for name, s in self.servers.items()}
+        for name in given:
+            member = self.topology.members[name]
+            where = self._server(member)
+            if where in capacity and capacity[where] < sys.maxsize:
+                capacity[where] += member.npus
+        return capacity
+
+    def _candidates(self, role: zl.Role, superpod: str | None) -> list[str]:
+        home = self._home(role)
+        return [
+            name
+            for name, s in self.servers.items()
+            if not s.refuses.get(role)
+            and (not home or s.superpod in home)
+            and (superpod is None or s.superpod == superpod)
+        ]
+
+    def fits(self, instances: Sequence[str], given: Sequence[str] = ()) -> bool:
+        """Whether new pods for ``instances`` find room once ``given`` are given up."""
+        pods = [
+            (m.role, m.npus // max(1, m.pods))
+            for m in (self.topology.members[n] for n in instances)
+            for _ in range(max(1, m.pods))
+        ]
+        together = sorted(
+            {r for r, _ in pods if r in self.topology.same_superpod and not self._home(r)}
+        )
+        # A role that keeps one SuperPod and has no instance left to join: all of its new pods
+        # in one SuperPod, whichever (the first placed decides).
+        superpods = sorted({s.superpod for s in self.servers.values() if s.superpod is not None})
+        choices: list[list[str | None]] = [[*superpods] or [None] for _ in together]
+        for picked in itertools.product(*choices):
+            superpod = dict(zip(together, picked, strict=True))
+            if self._place(pods, self._capacity(given), superpod):
+                return True
+        return False
+
+    def _place(
+        self,
+        pods: list[tuple[zl.Role, int]],
+        capacity: dict[str, int],
+        superpod: Mapping[zl.Role, str | None],
+    ) -> bool:
+        for role, size in sorted(pods, key=lambda p: -p[1]):
+            fitting = [
+                name
+                for name in self._candidates(role, superpod.get(role))
+                if capacity[name] >= size
+            ]
+            if not fitting:
+                return False
+            best = min(fitting, key=lambda name: (capacity[name], name))
+            capacity[best] -= size
+        return True
+
+    def usable(self, instances: Sequence[str], given: Sequence[str] = ()) -> int:
+        """The NPUs free (with ``given`` given up) where a new pod of the instances' roles may
+        go."""
+        roles = {self.topology.members[n].role for n in instances}
+        capacity = self._capacity(given)
+        names = {name for role in roles for name in self._candidates(role, None)}
+        return sum(capacity[name] for name in names if capacity[name] < sys.maxsize)
+
+    def shortfall(self, instances: Sequence[str], given: Sequence[str] = ()) -> str:
+        """What a plan that does not fit finds where its new pods may go (empty without
+        servers: the count says it)."""
+        if self.topology.servers is None:
+            return ""
+        sizes = sorted(
+            {m.npus // max(1, m.pods) for m in (self.topology.members[n] for n in instances)}
+        )
+        return (
+            f"; {self.usable(instances, given)} free where the new pods may go, not enough "
+            f"for pods of {' and '.join(map(str, sizes))} NPUs each"
+        )
 
 
 def _ordinal(name: str) -> tuple[int, str]:

@@ -40,6 +40,7 @@ from matrixserve.domain.effects import (
     PodDeletion,
     ZnodeChange,
 )
+from matrixserve.domain.enginepod import policy_taken
 from matrixserve.domain.leadership import NotLeading
 from matrixserve.handlers.metrics import OperatorMetrics
 
@@ -281,6 +282,36 @@ class Reconciler:
             await self.kube.patch_status(self.kind, meta["namespace"], meta["name"], patch)
 
     # ------------------------------------------------------------------ actions
+    async def guard_engines(
+        self,
+        namespace: str,
+        actions: Sequence[Effect],
+        engines: bool,
+        logger: logging.Logger,
+    ) -> list[Effect]:
+        """The engines' NetworkPolicy in place in ``namespace`` (issue 31) for a pass that has
+        engine pods there or creates one: re-checked at most once a ``SECRET_RECHECK_SECONDS``
+        (a deleted or changed policy put back), written before the first pod. One of that name
+        that is not ours is left alone (a notice says so, unless it is the chart's own). Where
+        it cannot be checked, the pass creates no pod: an engine is never made unguarded where
+        the operator was asked to guard them."""
+        creates = any(isinstance(a, PodCreation) for a in actions)
+        if not self.kube.pod_policies or not (engines or creates):
+            return list(actions)
+        try:
+            theirs = await self.kube.pod_policies_taken(namespace)
+        except NotLeading:  # a write refused by the fence: the pass ends here
+            raise
+        except Exception as exc:  # the API's trouble must not stall the rest of the pass
+            logger.warning(
+                "the engines' NetworkPolicy in %s not checked (%s): no pod created this pass",
+                namespace,
+                exc,
+            )
+            return [a for a in actions if not isinstance(a, PodCreation)]
+        notices = [policy_taken(namespace, name, labels) for name, labels in theirs.items()]
+        return [*actions, *(n for n in notices if n is not None)]
+
     async def apply(
         self, body: Mapping[str, Any], actions: Sequence[Effect], znodes: ZnodesFn
     ) -> bool:

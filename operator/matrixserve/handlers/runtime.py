@@ -186,7 +186,7 @@ async def startup(
     leadership = Leadership(cfg.leader_identity, lease, cfg.leader_timing, metrics.registry)
     runtime = Runtime(
         config=cfg,
-        kube=KubeAdapter(api, pod_secrets=cfg.engine.secrets()),
+        kube=KubeAdapter(api, pod_secrets=cfg.engine.secrets(), pod_policies=cfg.engine.policies()),
         session=session,
         metrics=metrics,
         loop=asyncio.get_running_loop(),

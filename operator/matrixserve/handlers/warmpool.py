@@ -332,7 +332,8 @@ async def reconcile(pools: WarmPools, namespace: str, name: str, logger: logging
     async def no_znodes(_: Any) -> None:
         raise TypeError("a WarmPool plan changes no znode")
 
-    busy = await pools.loop.apply(body, plan.actions, no_znodes)
+    actions = await pools.loop.guard_engines(namespace, plan.actions, bool(pods), logger)
+    busy = await pools.loop.apply(body, actions, no_znodes)
     await pools.loop.write_status(body, plan.status, plan.conditions)
     pools.metrics.record(namespace, name, plan.status)
     return busy

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.domain import recovery as rc
 from matrixserve.domain import scaleout as so
@@ -56,7 +57,7 @@ from matrixserve.domain.pdgroup.actions import (
     ReportRecovery,
     WriteRoceMap,
 )
-from matrixserve.domain.pdgroup.pods import role_of
+from matrixserve.domain.pdgroup.pods import pod_manifest, role_of
 from matrixserve.domain.pdgroup.view import GroupView
 from matrixserve.domain.pdgroup.warm import lone_load, warm_pod_names, warm_replacement
 
@@ -233,26 +234,66 @@ def topology(view: GroupView, roce_map: zl.RoceMap | None) -> rc.Topology:
             node=instance.leader.node if instance else None,
             restarts=max((p.restarts for p in instance.pods), default=0) if instance else 0,
             pods=spec.pods_per_instance,
+            superpod=instance.leader.superpod if instance else None,
         )
-    return rc.Topology(members, free_npus(view))
+    # a group's decodes stay in one SuperPod (their pods' required affinity, pods.py)
+    return rc.Topology(
+        members, free_npus(view), servers(view), same_superpod=frozenset({zl.Role.DECODE})
+    )
 
 
-def free_npus(view: GroupView) -> int | None:
-    """NPUs the schedulable servers can still give, as far as the operator sees (its own pods'
-    grants subtracted: other tenants' are not visible to it, so this errs high, and a
-    replacement that stays unschedulable is planned for again). None: no servers seen."""
-    if not view.nodes:
-        return None
+def _used(view: GroupView) -> dict[str, int]:
+    """NPUs the group's own pods hold, by server (other tenants' are not visible to the
+    operator: what is free errs high, and a replacement that stays unschedulable is planned for
+    again)."""
     used: dict[str, int] = {}
     for pod in view.pods.values():
         if pod.node is not None and not pod.deleting:
             spec = view.spec.prefill if role_of(pod) is zl.Role.PREFILL else view.spec.decode
             used[pod.node] = used.get(pod.node, 0) + spec.devices_per_instance
+    return used
+
+
+def free_npus(view: GroupView) -> int | None:
+    """NPUs the schedulable servers can still give, as far as the operator sees (its own pods'
+    grants subtracted). None: no servers seen."""
+    if not view.nodes:
+        return None
+    used = _used(view)
     return sum(
         max(0, n.allocatable_npus - used.get(n.name, 0))
         for n in view.nodes.values()
         if n.ready and n.schedulable
     )
+
+
+def servers(view: GroupView) -> dict[str, rc.Server] | None:
+    """Each server as a new pod of the group would find it (issue 31): its free NPUs, its
+    SuperPod, and why the scheduler would not place a new pod of each role there, judged by
+    what the operator would create (the role's pod: its node selector and tolerations). None:
+    no servers seen."""
+    if not view.nodes:
+        return None
+    used = _used(view)
+    wanted = {}
+    for role in (zl.Role.PREFILL, zl.Role.DECODE):
+        pod = pod_manifest(
+            view.namespace, view.name, view.uid, view.name, role, view.spec, view.engine
+        )
+        wanted[role] = (pod["spec"].get("nodeSelector") or {}, pod["spec"].get("tolerations") or [])
+    return {
+        n.name: rc.Server(
+            n.name,
+            max(0, n.allocatable_npus - used.get(n.name, 0)),
+            n.labels.get(kinds.LABEL_SUPERPOD),
+            {
+                role: why
+                for role, (selector, tolerations) in wanted.items()
+                if (why := n.refuses(selector, tolerations))
+            },
+        )
+        for n in view.nodes.values()
+    }
 
 
 def estimates(view: GroupView) -> rc.Estimates:

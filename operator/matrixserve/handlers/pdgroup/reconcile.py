@@ -176,7 +176,8 @@ async def _engine_access(
     """The plan's actions, with what ZooKeeper's identity asks of this pass: the engines'
     Secret in place before any pod is created (a tenant's Secret of that name: no pod, a
     notice), and the group's znodes closed once every pod mounts the credential; until then
-    they stay open for the pods made before it (an upgrade), and a notice says so."""
+    they stay open for the pods made before it (an upgrade), and a notice says so. And the
+    engines' NetworkPolicy kept in place where the group has pods (issue 31)."""
     rt = groups.rt
     taken: list[str] = []
     if any(isinstance(a, PodCreation) for a in planned):  # a pass creating no pod asks nothing
@@ -191,6 +192,7 @@ async def _engine_access(
             return [a for a in planned if not isinstance(a, PodCreation)]
     actions: list[Effect] = [a for a in planned if not (taken and isinstance(a, PodCreation))]
     actions += [secret_taken(view.namespace, secret) for secret in taken]
+    actions = await groups.loop.guard_engines(view.namespace, actions, bool(view.pods), logger)
     key = (view.namespace, view.name)
     if rt.engine.zookeeper_auth is None or not view.zk.connected or key in groups.closed:
         return actions
