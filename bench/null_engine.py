@@ -55,10 +55,10 @@ def _plain(status: bytes, body: bytes) -> bytes:
 
 
 class _Stream:
-    __slots__ = ("index", "prompt_tokens", "protocol", "request_id", "tokens")
+    __slots__ = ("index", "prompt_tokens", "protocol", "seed", "tokens")
 
     def __init__(self, protocol: NullEngine, request: GenerateRequest) -> None:
-        self.protocol, self.request_id, self.index = protocol, request.request_id, 0
+        self.protocol, self.seed, self.index = protocol, request.seed, 0
         self.tokens, self.prompt_tokens = request.max_tokens, request.prompt_tokens
 
 
@@ -129,7 +129,7 @@ class NullEngine(asyncio.Protocol):
             return False
         index = s.index
         s.index += 1
-        text = synthetic_token(s.request_id, index)
+        text = synthetic_token(s.seed, index)
         event = token_event(index, text, index * 0.03)
         if s.index < s.tokens:
             self.transport.write(_chunk(event))

@@ -7,6 +7,8 @@ path through the parts, which live in their own modules:
 - :mod:`.prefill` — prefill admission (accept or reject, never queue; the baselines' local
   queue) and prefill on the instance's shared compute;
 - :mod:`.to_decode` — a prefilled request forwarded to a decode, whose stream is relayed;
+- :mod:`.migration` — a request whose decode was lost mid-stream moves to another (issue 31
+  item 2): the KV still held pulled by it, or a re-prefill here with the output so far;
 - :mod:`.kvpull` — the KV pull: what a prefill holds for a decode, and the decode's transfer;
 - :mod:`.decode` — decode admission and the continuous-batching loop;
 - :mod:`.kvcache` — HBM for KV caches;
@@ -146,7 +148,14 @@ class Engine:
         )
         self.prefill = Prefill(shared, self.compute)
         self.holdings = KvHoldings(shared)
-        self.forwarder = DecodeForwarder(shared, self._open_decodes, lambda: self.decode_entries)
+        self.forwarder = DecodeForwarder(
+            shared,
+            self.prefill,
+            self.holdings,
+            self._open_decodes,
+            lambda: self.decode_entries,
+            lambda: self.serving,
+        )
         self.puller = KvPuller(shared, self.kv_ingress)
         self.batch = DecodeBatch(shared)
         self.prober = LinkProber(
@@ -470,7 +479,7 @@ class Engine:
         stats.offered += 1
         if (
             self.role == "prefill"
-            and req.max_tokens > 1
+            and req.remaining > 1
             and self.decode_peers
             and not self._open_decodes()
         ):
@@ -511,9 +520,11 @@ class Engine:
         if late is not None:
             yield late
             return
-        yield token_event(0, synthetic_token(req.request_id, 0), ttft)
-        if req.max_tokens == 1:
-            yield progress.done(req, 1, [], 0.0, self.config.instance)
+        # its first token, or, for a stream that continues here, the next one (issue 31 item 2)
+        first = req.resume_at
+        yield token_event(first, synthetic_token(req.seed, first), ttft)
+        if req.remaining == 1:
+            yield progress.done(req, req.max_tokens, [], 0.0, self.config.instance)
             return
         if self.role == "colocated":
             ticket.release()  # the prompt's KV moves into the decode's reservation
@@ -522,7 +533,14 @@ class Engine:
             except EngineError:
                 yield error_event("kv_exhausted", "no HBM left to decode this request")
                 return
-            seq = Sequence(req.request_id, req.prompt_tokens, req.max_tokens - 1, hold)
+            seq = Sequence(
+                req.request_id,
+                req.context_tokens,
+                req.remaining - 1,
+                hold,
+                req.seed,
+                first + 1,
+            )
             # Inner generators are closed here, not left to the collector: the sequence leaves
             # the batch the moment this stream is closed.
             with hold:
@@ -535,13 +553,9 @@ class Engine:
         # The slot (and the KV) is held until a decode has pulled the KV (P/D-Serve §3.5: "a
         # prompt continuously occupies one slot in prefill if it is waiting for KVCache
         # transfer"); kv_release frees it then, while this stream relays the decode's tokens.
-        pending = self.holdings.hold(ticket)
-        try:
-            async with contextlib.aclosing(self.forwarder.relay(req, progress, pending)) as relay:
-                async for event in relay:
-                    yield event
-        finally:
-            self.holdings.drop(pending)
+        async with contextlib.aclosing(self.forwarder.relay(ticket, progress)) as relay:
+            async for event in relay:
+                yield event
 
     def _ttft_timeout(self, budget: TtftBudget | None, seconds: float, why: str) -> Event | None:
         """The error that ends a request ``seconds`` from its arrival, if over its budget."""
@@ -633,7 +647,8 @@ class Engine:
         self.check_serving()
         self.require_role("decode")
         self._check_not_draining()
-        return self.batch.admit(req.prompt_tokens + req.max_tokens)
+        # the KV of the context it starts from, and of every output token to come
+        return self.batch.admit(req.prompt_tokens + req.max_tokens - 1)
 
     async def decode(
         self, hold: Hold, req: GenerateRequest, prefill: PrefillRef
@@ -650,7 +665,16 @@ class Engine:
         except httpx.HTTPError as exc:
             yield error_event("kv_pull_failed", f"prefill unreachable: {type(exc).__name__}")
             return
-        seq = Sequence(req.request_id, req.prompt_tokens, req.max_tokens, hold)
+        # its KV: the prompt and the output before the last token made (which its first step
+        # reads); its tokens from ``resume_at`` on
+        seq = Sequence(
+            req.request_id,
+            req.context_tokens - 1,
+            req.remaining,
+            hold,
+            req.seed,
+            req.resume_at,
+        )
         async with contextlib.aclosing(
             self.batch.stream(seq, req, progress, kv_seconds, self.config.instance, offset=0)
         ) as events:

@@ -38,12 +38,15 @@ _Token = tuple[int, str, float]
 @dataclass(eq=False)
 class Sequence:
     """One request in the decode batch; it leaves when its :attr:`hold` is released (its last
-    token, a device fault, or its caller gone)."""
+    token, a device fault, or its caller gone). Its tokens are the request's from index
+    :attr:`first` on (the prefill made those before; a stream that moved here made more)."""
 
     request_id: str
     kv_tokens: int
     remaining: int
     hold: Hold  # its place in the batch and its KV (prompt and output)
+    seed: int = 0  # the request's token seed (engine_protocol.token_seed)
+    first: int = 1  # the index in the request's output of the first token it makes here
     events: asyncio.Queue[_Token | Event | None] = field(default_factory=asyncio.Queue)
     emitted: int = 0
     last_token_at: float = 0.0
@@ -135,9 +138,10 @@ class DecodeBatch(Part):
         instance: str,
         offset: int,
     ) -> AsyncGenerator[Event, None]:
-        """The sequence joins the batch; its tokens as they come, then its ``done``. ``offset``:
-        tokens the request had before it joined (its prefill's first, when this instance
-        prefilled it). Closing the stream takes the sequence out of the batch."""
+        """The sequence joins the batch; its tokens as they come (numbered in the request's
+        output), then its ``done`` (the request's tokens so far). ``offset``: tokens this
+        instance made before it joined (its prefill's first, when it prefilled it). Closing the
+        stream takes the sequence out of the batch."""
         tpots: list[float] = []
         self.join(seq)
         try:
@@ -147,12 +151,12 @@ class DecodeBatch(Part):
                     return
                 index, text, tpot = item
                 tpots.append(tpot)
-                yield token_event(index + offset, text, progress.elapsed())
+                yield token_event(index, text, progress.elapsed())
             stats = self.metrics.load
             stats.decoded += 1
             stats.output_tokens += seq.emitted + offset
             stats.decode_s += progress.elapsed()
-            yield progress.done(req, seq.emitted + offset, tpots, kv, instance)
+            yield progress.done(req, seq.first + seq.emitted, tpots, kv, instance)
         finally:  # its end, or its caller gone: out of the batch at once
             self.leave(seq)
 
@@ -193,9 +197,8 @@ class DecodeBatch(Part):
                 seq.remaining -= 1
                 tpot = now - seq.last_token_at if seq.emitted else step
                 seq.last_token_at = now
-                seq.events.put_nowait(
-                    (seq.emitted, synthetic_token(seq.request_id, seq.emitted + 1), tpot)
-                )
+                index = seq.first + seq.emitted
+                seq.events.put_nowait((index, synthetic_token(seq.seed, index), tpot))
                 seq.emitted += 1
                 seq.hold.progressed()
                 self.metrics.tpot.observe(tpot)

@@ -81,9 +81,8 @@ class KvHoldings(Part):
     def hold(self, ticket: PrefillTicket) -> PendingKV:
         """Hold the prompt's KV and its slot for a decode to pull."""
         req = ticket.request
-        pending = PendingKV(
-            req.request_id, self.kv.bytes_for(req.prompt_tokens), req.prompt_tokens, ticket
-        )
+        tokens = req.context_tokens  # the prompt and any output re-prefilled with it
+        pending = PendingKV(req.request_id, self.kv.bytes_for(tokens), tokens, ticket)
         self.pending[req.request_id] = pending  # a later request of the same id replaces it
         return pending
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from enginestub.engine.migration import OUTCOMES
 from matrixserve.api import zk_layout as zl
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
@@ -134,6 +135,21 @@ class EngineMetrics:
             ["model"],
             registry=r,
         )
+        self.migrations = Counter(
+            "matrixserve_engine_migrations",
+            "A prefill's moves of a request whose decode was lost mid-stream (issue 31 item 2),"
+            " by outcome: pull and reprefill moved it (the KV still here, or prefilled again"
+            " with the output so far); bound, unavailable, no_decode and no_slot did not",
+            ["outcome"],
+            registry=r,
+        )
+        self.migration_stall = Histogram(
+            "matrixserve_engine_migration_stall_seconds",
+            "From a decode's loss to the first token of the decode that took the request on"
+            " (emulated s): a re-prefill and the hand-over to that decode",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.faults = Gauge(
             "matrixserve_engine_fault_active",
             "1 while an injected fault is active",
@@ -144,3 +160,5 @@ class EngineMetrics:
             "matrixserve_engine_info", "Constant 1, labelled with the role", ["role"], registry=r
         )
         self.info.labels(role=role).set(1)
+        for outcome in OUTCOMES:  # every outcome's series from the start, at 0
+            self.migrations.labels(outcome=outcome)

@@ -8,6 +8,10 @@ can still try another prefill. Prefill time comes from :mod:`enginestub.timing`;
 prompts share the instance's compute (processor sharing), so TTFT grows with the batch as it
 does on hardware. The baselines' admission ``queue`` keeps a local queue instead (the paper's
 original version).
+
+A request that continues after its decode was lost (issue 31 item 2, :mod:`.migration`) takes a
+slot back for its re-prefill (:meth:`Prefill.retake`): it waits for one, ahead of new requests
+(admission counts it as taken), within a bound, since this prefill already accepted it.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class Prefill(Part):
         self.shape = self.config.shape
         self.held: set[Hold] = set()  # the slots in use
         self.queue = 0  # waiting in the local queue
+        self.returning = 0  # accepted requests waiting to take a slot back (a re-prefill)
         self._slot_freed = asyncio.Event()
 
     @property
@@ -79,7 +84,7 @@ class Prefill(Part):
 
     def admit(self, req: GenerateRequest) -> PrefillTicket:
         """Accept (take a slot, or a place in the local queue if asked) or raise."""
-        if self.kv.bytes_for(req.prompt_tokens) > self.config.kv_capacity_bytes:
+        if self.kv.bytes_for(req.context_tokens) > self.config.kv_capacity_bytes:
             raise EngineError(
                 413, "prompt_too_long", "the prompt's KV cache does not fit this instance's HBM"
             )
@@ -94,12 +99,13 @@ class Prefill(Part):
             self.queue += 1
             self.metrics.requests.labels(stage="prefill", outcome="queued").inc()
             return ticket
-        if self.slots >= self.config.max_batch:
+        if self.slots + self.returning >= self.config.max_batch:
             self.metrics.requests.labels(stage="prefill", outcome="rejected").inc()
+            waiting = f", {self.returning} taken back" if self.returning else ""
             raise EngineError(
                 429,
                 "rejected",
-                f"prefill busy: {self.slots}/{self.config.max_batch} slots in use",
+                f"prefill busy: {self.slots}/{self.config.max_batch} slots in use{waiting}",
             )
         if (
             budget is not None
@@ -119,7 +125,7 @@ class Prefill(Part):
                 f"token would miss its {budget.emulated_seconds:.3f}s budget, or make one of "
                 "them miss its own",
             )
-        lease = self.kv.lease(req.prompt_tokens)
+        lease = self.kv.lease(req.context_tokens)
         if lease is None:
             self.metrics.requests.labels(stage="prefill", outcome="rejected").inc()
             raise EngineError(
@@ -140,21 +146,42 @@ class Prefill(Part):
 
     async def wait_for_slot(self, ticket: PrefillTicket) -> None:
         """Queue mode: FIFO-ish wait until a slot and the prompt's KV fit."""
-        while True:
-            if self.slots < self.config.max_batch:
-                lease = self.kv.lease(ticket.request.prompt_tokens)
-                if lease is not None:
-                    break
-            self._slot_freed.clear()
-            await self._slot_freed.wait()
+        lease = await self._free_slot(ticket.request.context_tokens, self.config.max_batch)
         ticket.queued = False
         self.queue -= 1
         self._take_slot(ticket, lease)
 
+    async def retake(self, req: GenerateRequest, bound: float) -> PrefillTicket:
+        """A slot and the KV of ``req``'s context for a request this prefill accepted before and
+        re-prefills (its decode was lost): ahead of new requests, waited for at most ``bound``
+        wall seconds (TimeoutError past it). The caller releases the ticket."""
+        self.returning += 1
+        try:
+            async with asyncio.timeout(bound):
+                # it counts itself among the returning: a slot is free for it below the limit
+                lease = await self._free_slot(req.context_tokens, self.config.max_batch + 1)
+        finally:
+            self.returning -= 1
+        ticket = PrefillTicket(self, req, None)
+        self._take_slot(ticket, lease)
+        return ticket
+
+    async def _free_slot(self, tokens: int, limit: int) -> KvLease:
+        """Wait until fewer than ``limit`` slots (those taken back counted) are held and the KV
+        of ``tokens`` fits; that KV's lease."""
+        while True:
+            if self.slots + self.returning < limit:
+                lease = self.kv.lease(tokens)
+                if lease is not None:
+                    return lease
+            self._slot_freed.clear()
+            await self._slot_freed.wait()
+
     def work(self, req: GenerateRequest) -> float:
-        """The prompt's prefill alone on this instance (emulated seconds of its compute)."""
+        """The prompt's prefill alone on this instance (emulated seconds of its compute): its
+        context, the output its caller already has included (a stream that continues)."""
         return (
-            timing.prefill_seconds(self.config.model, self.shape, req.prompt_tokens)
+            timing.prefill_seconds(self.config.model, self.shape, req.context_tokens)
             * self.faults.slow_factor
         )
 

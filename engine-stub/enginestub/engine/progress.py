@@ -27,9 +27,11 @@ class Progress:
         tokens: int,
         tpots: list[float],
         kv: float,
-        decode_instance: str,
+        decode_instance: str | None,
+        migrations: int = 0,
     ) -> Event:
-        """The stream's ``done`` after ``tokens`` tokens, ``kv`` seconds of KV transfer."""
+        """The stream's ``done`` after ``tokens`` tokens (the request's, from its first),
+        ``kv`` seconds of KV transfer, ``migrations`` moves to another decode."""
         e2e = self.elapsed()
         timings = Timings(
             ttft=self.ttft,
@@ -38,4 +40,6 @@ class Progress:
             tpot_mean=sum(tpots) / len(tpots) if tpots else 0.0,
             e2e=e2e,
         )
-        return done_event(req.prompt_tokens, tokens, timings, self.instance, decode_instance)
+        return done_event(
+            req.prompt_tokens, tokens, timings, self.instance, decode_instance or "", migrations
+        )

@@ -2,8 +2,11 @@
 request goes to a decode (round robin over the decodes the group's ``decode-meta`` names, less the
 logically removed ones); a decode that is full (429) or refuses is passed over, and when every
 decode refused, the prefill keeps the slot and the KV and tries again shortly (a finishing request
-frees a decode slot). The decode's stream is relayed, its tokens renumbered after the prefill's
-first and its ``done`` rewritten with the whole request's timings.
+frees a decode slot). The decode's stream is relayed (its tokens numbered in the request's
+output) and its ``done`` rewritten with the whole request's timings. A decode lost mid-way (its
+stream broken or ended by its error) is not the end: the request moves to another decode, with
+the KV still held here or re-prefilled with the output so far (:mod:`.migration`, issue 31 item
+2, says why here and the bound).
 
 Until a decode has pulled the KV, the wait is bounded (issue 16 finding 1): a decode answering,
 even 429, is progress; decodes that cannot be reached, or take the request and never pull it,
@@ -24,17 +27,20 @@ from typing import TypeVar
 
 import httpx
 
-from enginestub.engine.kvpull import PendingKV, kv_wait_bound
+from enginestub.engine.kvpull import KvHoldings, PendingKV, kv_wait_bound
+from enginestub.engine.migration import MOVED, Outcome, Relayed
 from enginestub.engine.parts import Part, Shared
+from enginestub.engine.prefill import Prefill, PrefillTicket
 from enginestub.engine.progress import Progress
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.engine_protocol import (
-    LAST_EVENTS,
     Event,
     GenerateRequest,
     PrefillRef,
     decode_body,
     error_event,
+    synthetic_token,
+    token_event,
 )
 
 log = logging.getLogger("enginestub.engine")
@@ -46,20 +52,29 @@ class DecodeForwarder(Part):
     def __init__(
         self,
         shared: Shared,
+        prefill: Prefill,
+        holdings: KvHoldings,
         decodes: Callable[[], list[str]],
         entries: Callable[[], Sequence[zl.MapEntry]] = list,
+        serving: Callable[[], bool] = lambda: True,
     ) -> None:
         super().__init__(shared)
+        self.prefill = prefill  # its slots and compute: a re-prefill takes them
+        self.holdings = holdings  # the KV held for decodes to pull
         self._decodes = decodes  # host:port of the decodes open to this prefill now
         self._entries = entries  # the decode meta's: who is at which host:port
+        self._serving = serving  # whether this prefill can compute (not faulty, hung, removed)
         self._turn = itertools.count()
+
+    def _name(self, peer: str) -> str | None:
+        """The instance of the decode at ``peer`` (host:port), as the decode meta names it."""
+        return next((e.instance for e in self._entries() if f"{e.pod_ip}:{e.port}" == peer), None)
 
     def _named(self, event: Event, peer: str) -> Event:
         """An error of a stream the decode at ``peer`` took, naming that decode (issue 17: the
         gateway passes the instances on, so a client tells a failure on a faulty instance from
         one elsewhere)."""
-        names = {f"{e.pod_ip}:{e.port}": e.instance for e in self._entries()}
-        on = {"prefill": self.config.instance, "decode": names.get(peer)}
+        on = {"prefill": self.config.instance, "decode": self._name(peer)}
         return event | {"instances": on} if event.get("type") == "error" else event
 
     def candidates(self) -> list[str]:
@@ -70,23 +85,107 @@ class DecodeForwarder(Part):
         start = next(self._turn) % len(peers)
         return peers[start:] + peers[:start]
 
-    async def relay(
-        self, req: GenerateRequest, progress: Progress, pending: PendingKV
+    async def relay(self, ticket: PrefillTicket, progress: Progress) -> AsyncGenerator[Event, None]:
+        """The rest of the stream of a request prefilled here (``ticket``: its slot and KV, held
+        until a decode has pulled it), from the decodes that take it. A decode lost on the way
+        moves it (:mod:`.migration`): to another decode pulling the KV still held, or after a
+        re-prefill here of the prompt and the output so far; at most ``MAX_MIGRATIONS`` times,
+        else the lost decode's error ends the stream. Whatever it holds is dropped on every way
+        out."""
+        req = ticket.request
+        moved = Relayed(sent=req.resume_at + 1)  # the prefill's token went first
+        pending = self.holdings.hold(ticket)
+        try:
+            while True:
+                async with contextlib.aclosing(
+                    self._from_decode(req, progress, pending, moved)
+                ) as events:
+                    async for event in events:
+                        yield event
+                if moved.lost is None:
+                    return  # its end (done, or an error no move mends)
+                if moved.sent >= req.max_tokens:  # every token relayed: only its end was lost
+                    yield progress.done(
+                        req, moved.sent, [], 0.0, self._name(moved.lost_on), moved.migrations
+                    )
+                    return
+                outcome = moved.plan(
+                    not pending.released.is_set(), self._serving(), self._decodes()
+                )
+                if outcome is Outcome.REPREFILL:
+                    self.holdings.drop(pending)  # what the lost decode took is lost with it
+                    try:
+                        ticket = await self.prefill.retake(
+                            req.resumed(moved.sent), self.clock.to_wall(self._bound())
+                        )
+                    except TimeoutError:
+                        outcome = Outcome.NO_SLOT
+                    else:
+                        pending = self.holdings.hold(ticket)  # dropped below, on every way out
+                self.metrics.migrations.labels(outcome=outcome).inc()
+                if outcome not in MOVED:
+                    log.warning(
+                        "request %s lost decode %s; not moved: %s",
+                        req.request_id,
+                        moved.lost_on,
+                        outcome,
+                    )
+                    yield self._named(moved.refusal(outcome), moved.lost_on)
+                    return
+                lost_on = moved.lost_on
+                moved.moved()
+                log.info(
+                    "request %s lost decode %s at token %d; moving (%s)",
+                    req.request_id,
+                    lost_on,
+                    moved.sent,
+                    outcome,
+                )
+                if outcome is Outcome.PULL:
+                    continue
+                progress.prefill += await self.prefill.run(ticket)
+                ticket.prefilled_at = self.clock.now()  # its wait for a decode begins
+                yield self._token(req, progress, moved)
+                if moved.sent >= req.max_tokens:  # that was the last
+                    yield progress.done(
+                        req, moved.sent, [], 0.0, self.config.instance, moved.migrations
+                    )
+                    return
+                moved.kv_at = moved.sent
+        finally:
+            self.holdings.drop(pending)
+
+    @staticmethod
+    def _token(req: GenerateRequest, progress: Progress, moved: Relayed) -> Event:
+        """The next token of the request, made here (a re-prefill's)."""
+        index = moved.sent
+        moved.reprefilled()
+        return token_event(index, synthetic_token(req.seed, index), progress.elapsed())
+
+    def _decoded(self, moved: Relayed) -> None:
+        """A decode's token goes to the caller (``moved.sent`` advances): a stall after a loss
+        ends."""
+        stalled = moved.token(self.clock.now())
+        if stalled is not None:
+            self.metrics.migration_stall.observe(stalled)
+
+    async def _from_decode(
+        self, req: GenerateRequest, progress: Progress, pending: PendingKV, moved: Relayed
     ) -> AsyncGenerator[Event, None]:
-        """The rest of the request's stream, from the decode that takes it. Until a decode has
-        pulled the KV, every wait is bounded by :func:`kv_wait_bound` counted from the request's
-        last progress (prefill done, a decode answering, its pull starting): a decode that
-        refuses (429) is alive and busy, and the prefill keeps trying; decodes that cannot be
-        reached or do not answer make it give up with ``kv_pull_timeout``."""
+        """The stream of the decode that takes the request now (from output index
+        ``moved.sent``, the KV held in ``pending``), relayed. Until a decode has pulled the KV,
+        every wait is bounded by :func:`kv_wait_bound` counted from the request's last progress
+        (prefill done, a decode answering, its pull starting): a decode that refuses (429) is
+        alive and busy, and the prefill keeps trying; decodes that cannot be reached or do not
+        answer make it give up with ``kv_pull_timeout``. A decode that took it and failed is
+        left in ``moved.lost``, nothing yielded for it (the relay moves the request)."""
         cfg = self.config
         body = decode_body(
-            req.request_id,
-            req.prompt_tokens,
-            req.max_tokens - 1,
+            req.resumed(moved.sent),
             PrefillRef(f"{cfg.host}:{cfg.port}", cfg.instance, tuple(cfg.roce_ips)),
         )
         while True:
-            candidates = self.candidates()
+            candidates = [peer for peer in self.candidates() if peer not in moved.failed]
             if not candidates:
                 yield error_event("no_decode", "no decode instance is available to this prefill")
                 return
@@ -116,18 +215,22 @@ class DecodeForwarder(Part):
                         continue
                     pending.ticket.progressed()  # a decode took it
                     async with contextlib.aclosing(
-                        self._events(req, progress, pending, response)
+                        self._events(req, progress, pending, response, moved)
                     ) as events:
                         async for event in events:
-                            yield self._named(event, peer)
-                            if event.get("type") in LAST_EVENTS:
+                            if event.get("type") == "error":  # the decode's own failure
+                                moved.lose(peer, event, self.clock.now())
                                 return
-                    yield self._named(
+                            yield event
+                            if event.get("type") == "done":
+                                return
+                    moved.lose(
+                        peer,
                         error_event(
                             "decode_failed",
                             f"decode instance {peer} closed the stream before the end",
                         ),
-                        peer,
+                        self.clock.now(),
                     )
                     return
                 except TimeoutError:  # named if the decode had taken it (it never pulled)
@@ -135,17 +238,15 @@ class DecodeForwarder(Part):
                     yield self._named(gave_up, peer) if response.status_code == 200 else gave_up
                     return
                 except httpx.HTTPError as exc:
-                    if pending.released.is_set():
-                        yield self._named(
-                            error_event(
-                                "decode_failed",
-                                f"decode instance {peer} failed mid-stream: {type(exc).__name__}",
-                            ),
-                            peer,
-                        )
-                        return
-                    log.warning("decode %s failed for %s: %s", peer, req.request_id, exc)
-                    continue
+                    moved.lose(
+                        peer,
+                        error_event(
+                            "decode_failed",
+                            f"decode instance {peer} failed mid-stream: {type(exc).__name__}",
+                        ),
+                        self.clock.now(),
+                    )
+                    return
                 finally:
                     await response.aclose()
             # Every decode refused: keep the slot and the KV, retry shortly (a finishing
@@ -161,8 +262,10 @@ class DecodeForwarder(Part):
         progress: Progress,
         pending: PendingKV,
         response: httpx.Response,
+        moved: Relayed,
     ) -> AsyncGenerator[Event, None]:
-        """The decode's events, renumbered after the prefill's first token."""
+        """The decode's events: its tokens as the request's next (``moved.sent`` on), its
+        ``done`` as the whole request's."""
         lines = response.aiter_lines()
         while True:
             try:
@@ -173,10 +276,11 @@ class DecodeForwarder(Part):
                 continue
             event = json.loads(line[6:])
             if event.get("type") == "token":
-                event["index"] += 1
+                event["index"] = moved.sent
                 event["t"] = progress.elapsed()
+                self._decoded(moved)
             if event.get("type") == "done":
-                event = self._whole(req, progress, event)
+                event = self._whole(req, progress, event, moved)
             yield event
 
     def _bound(self) -> float:
@@ -205,14 +309,16 @@ class DecodeForwarder(Part):
         )
 
     @staticmethod
-    def _whole(req: GenerateRequest, progress: Progress, decoded: Event) -> Event:
-        """The decode's ``done`` as the whole request's: the prefill's first token counted, its
-        TTFT and prefill time, the decode's TPOT and KV transfer."""
+    def _whole(req: GenerateRequest, progress: Progress, decoded: Event, moved: Relayed) -> Event:
+        """The decode's ``done`` as the whole request's: every token relayed counted, its TTFT
+        and prefill time (its re-prefills' included), the (last) decode's TPOT and KV
+        transfer, its moves."""
         timings = decoded["timings"]
         return progress.done(
             req,
-            decoded["usage"]["completionTokens"] + 1,
+            moved.sent,
             [timings["tpotMean"]] if timings["tpotMean"] else [],
             timings["kvTransfer"],
             decoded["instances"]["decode"],
+            moved.migrations,
         )

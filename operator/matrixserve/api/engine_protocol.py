@@ -6,6 +6,12 @@ the units of the TTFT budget.
   :meth:`GenerateRequest.parse` reads it (``prompt`` text or ``promptTokens``).
 - ``POST /v1/decode`` (prefill -> decode): :func:`decode_body` writes it, :func:`parse_decode`
   reads it; the same fields plus :class:`PrefillRef`, where the decode pulls the KV from.
+- A stream that continues elsewhere (issue 31 item 2): ``resumeAt`` says how many of the
+  request's output tokens its caller already has. The engine prefills the prompt plus those
+  tokens (it can write them again: the tokens are a function of the prompt and their index,
+  :func:`synthetic_token`), and its stream goes on at that index, so the caller sees no token
+  twice and none missing. A decode is always told (at least 1: the prefill made the first), a
+  gateway only when it re-offers a stream whose entrance was lost.
 - The answer: ``200`` and an SSE stream of ``data: <json>`` events, ``token`` ... then one of
   :data:`LAST_EVENTS` (``done`` with usage, timings and instances, or ``error`` with a code and a
   message); or, before any stream, a status with ``{"error": {"code", "message"}}``
@@ -19,8 +25,9 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 # "reject": busy prefills answer 429 (P/D-Serve's on-demand forwarding); "queue": they keep a
@@ -40,9 +47,22 @@ def count_tokens(text: str) -> int:
     return max(1, math.ceil(len(text) / 4))
 
 
-def synthetic_token(request_id: str, index: int) -> str:
-    """The text of a request's ``index``-th token: the emulated engines generate no language."""
-    return _WORDS[(hash(request_id) + index) % len(_WORDS)] + " "
+def token_seed(prompt: str | int) -> int:
+    """What a prompt's output tokens are drawn from: a stable digest of its text (or, for a
+    prompt given as token ids, of its length: the engines see only that). The same in every
+    process and on every instance, so the continuation of a stream on another instance, and an
+    unfaulted run of the same prompt, write the same text (a greedy-decoding model does too)."""
+    text = prompt if isinstance(prompt, str) else f"{prompt} prompt tokens"
+    return zlib.crc32(text.encode("utf-8", "surrogatepass"))
+
+
+def synthetic_token(seed: int, index: int) -> str:
+    """The text of the ``index``-th output token of a prompt whose :func:`token_seed` is
+    ``seed``: the emulated engines generate no language, but what they generate is
+    deterministic. The words cycle through ten from where the seed starts them (any ten
+    consecutive tokens hold each word once): a token missed or repeated by a stream that moved
+    shows in its text."""
+    return _WORDS[(seed + index) % len(_WORDS)] + " "
 
 
 # --------------------------------------------------------------------------- the TTFT budget
@@ -112,13 +132,33 @@ def _invalid(message: str) -> EngineError:
 # --------------------------------------------------------------------------- requests
 @dataclass(frozen=True)
 class GenerateRequest:
-    """A ``/v1/generate`` body as the engine reads it (the prompt counted in tokens)."""
+    """A ``/v1/generate`` (or ``/v1/decode``) body as the engine reads it (the prompt counted in
+    tokens). ``prompt_tokens`` and ``max_tokens`` are always the whole request's: a stream that
+    continues elsewhere says how far it got in ``resume_at``."""
 
     request_id: str
     prompt_tokens: int
     max_tokens: int
     ttft_budget: TtftBudget | None = None  # what the caller still allows for the first token
     admission: Admission | None = None  # None: the engine's own ``--admission``
+    seed: int = 0  # its output's :func:`token_seed`
+    resume_at: int = 0  # output tokens its caller already has: the next one is this index
+
+    @property
+    def context_tokens(self) -> int:
+        """The tokens a prefill computes (and whose KV it holds): the prompt, and the output
+        its caller already has."""
+        return self.prompt_tokens + self.resume_at
+
+    @property
+    def remaining(self) -> int:
+        """Output tokens still to come."""
+        return self.max_tokens - self.resume_at
+
+    def resumed(self, at: int) -> GenerateRequest:
+        """The same request, its caller holding its first ``at`` output tokens (no TTFT budget:
+        its first token was served)."""
+        return replace(self, resume_at=at, ttft_budget=None)
 
     @classmethod
     def parse(cls, body: Any, max_prompt: int, max_output: int) -> GenerateRequest:
@@ -133,8 +173,10 @@ class GenerateRequest:
             tokens = body["promptTokens"]
             if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
                 raise _invalid("promptTokens must be a positive integer")
+            seed = token_seed(tokens)
         elif isinstance(body.get("prompt"), str) and body["prompt"]:
             tokens = count_tokens(body["prompt"])
+            seed = token_seed(body["prompt"])
         else:
             raise _invalid("give prompt (non-empty string) or promptTokens")
         if tokens > max_prompt:
@@ -156,12 +198,30 @@ class GenerateRequest:
         admission = body.get("admission")
         if admission is not None and admission not in ADMISSIONS:
             raise _invalid('admission must be "reject" or "queue"')
+        if "seed" in body:
+            seed = body["seed"]
+            if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 32:
+                raise _invalid("seed must be an integer in 0..2**32-1")
+        resume_at = body.get("resumeAt", 0)
+        if (
+            not isinstance(resume_at, int)
+            or isinstance(resume_at, bool)
+            or not 0 <= resume_at < max_tokens
+        ):
+            raise EngineError(
+                400,
+                "invalid_request",
+                f"resumeAt must be an integer in 0..maxTokens-1 ({max_tokens - 1})",
+                param="resumeAt",
+            )
         return cls(
             rid,
             tokens,
             max_tokens,
             TtftBudget(float(budget)) if budget is not None else None,
             admission=admission,
+            seed=seed,
+            resume_at=resume_at,
         )
 
 
@@ -171,16 +231,21 @@ def generate_body(
     max_tokens: int,
     ttft_budget: TtftBudget,
     admission: Admission,
+    resume_at: int = 0,
 ) -> dict[str, Any]:
     """The gateway's ``/v1/generate`` body; ``prompt`` is the text, or the length in tokens of a
-    prompt given as token ids."""
-    return {
+    prompt given as token ids; ``resume_at``: the output tokens the client already has of a
+    stream re-offered after its entrance was lost (said only then)."""
+    body: dict[str, Any] = {
         "requestId": request_id,
         ("prompt" if isinstance(prompt, str) else "promptTokens"): prompt,
         "maxTokens": max_tokens,
         "ttftBudget": ttft_budget.emulated_seconds,
         "admission": admission,
     }
+    if resume_at:
+        body["resumeAt"] = resume_at
+    return body
 
 
 @dataclass(frozen=True)
@@ -192,14 +257,17 @@ class PrefillRef:
     roce_ips: tuple[str, ...]  # its dies' RoCE addresses (a decode with a link down refuses)
 
 
-def decode_body(
-    request_id: str, prompt_tokens: int, max_tokens: int, prefill: PrefillRef
-) -> dict[str, Any]:
-    """The prefill's ``/v1/decode`` body: the rest of the request, and where its KV is."""
+def decode_body(request: GenerateRequest, prefill: PrefillRef) -> dict[str, Any]:
+    """The prefill's ``/v1/decode`` body: the request (``resumeAt``: the output tokens made
+    before the decode takes it, the prefill's first at least; the KV to pull covers the prompt
+    and all of them but the last, which the decode's first step reads), its seed, and where its
+    KV is."""
     return {
-        "requestId": request_id,
-        "promptTokens": prompt_tokens,
-        "maxTokens": max_tokens,
+        "requestId": request.request_id,
+        "promptTokens": request.prompt_tokens,
+        "maxTokens": request.max_tokens,
+        "seed": request.seed,
+        "resumeAt": request.resume_at,
         "prefill": {
             "address": prefill.address,
             "instance": prefill.instance,
@@ -210,7 +278,16 @@ def decode_body(
 
 def parse_decode(body: Any, max_prompt: int, max_output: int) -> tuple[GenerateRequest, PrefillRef]:
     """Read a ``/v1/decode`` body; raises :class:`EngineError`."""
+    if isinstance(body, dict) and "resumeAt" not in body:
+        body = body | {"resumeAt": 1}  # after the prefill's first token
     request = GenerateRequest.parse(body, max_prompt, max_output)
+    if request.resume_at < 1:
+        raise EngineError(
+            400,
+            "invalid_request",
+            "resumeAt must be at least 1 for a decode (the prefill makes the first token)",
+            param="resumeAt",
+        )
     prefill = body.get("prefill")
     if not isinstance(prefill, dict) or not isinstance(prefill.get("address"), str):
         raise _invalid("prefill.address (host:port of the KV holder) is required")
@@ -257,13 +334,16 @@ def done_event(
     timings: Timings,
     prefill_instance: str,
     decode_instance: str,
+    migrations: int = 0,
 ) -> Event:
-    """A stream's end after its last token."""
+    """A stream's end after its last token; ``migrations``: how many times it moved to another
+    decode on the way (issue 31 item 2)."""
     return {
         "type": "done",
         "usage": {"promptTokens": prompt_tokens, "completionTokens": completion_tokens},
         "timings": timings.to_json(),
         "instances": {"prefill": prefill_instance, "decode": decode_instance},
+        "migrations": migrations,
     }
 
 

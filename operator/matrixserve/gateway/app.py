@@ -4,8 +4,10 @@ and not), ``/v1/models``, ``/v1/routes`` (what it routes by), ``/healthz``, ``/m
 P/D-Serve §3.5: a request is routed by its scenario to the groups serving it, forwarded on demand
 to a prefill entrance that accepts within its TTFT budget (:mod:`.forwarder`), and the accepting
 prefill's stream (decode -> prefill -> gateway), read through the gateway's pooled engine client
-(:mod:`.upstream`), is relayed as OpenAI chunks (:mod:`.openai`); a decode failing mid-stream
-ends the client's stream with an error chunk and ``[DONE]``. API keys: :mod:`.auth`.
+(:mod:`.upstream`), is relayed as OpenAI chunks (:mod:`.openai`). Issue 31 item 2: a decode
+lost mid-stream is replaced behind the prefill, a lost entrance by the forwarder (another
+entrance takes the stream on where its client is); the client's stream ends with an error chunk
+and ``[DONE]`` only when neither can. API keys: :mod:`.auth`.
 
 Issue 16: a body is decoded here and validated in the domain, so whatever bytes a client sends
 get an OpenAI-shaped 4xx, never a 500 (finding 3); metric labels take known values only, so no
@@ -47,6 +49,8 @@ from matrixserve.domain.forwarding import (
     BadRequest,
     Completion,
     Policy,
+    ReofferOutcome,
+    ReofferStage,
     error_code,
     parse_completion,
     parse_json_body,
@@ -120,6 +124,16 @@ class GatewayMetrics:
             "1 while entrances come from ZooKeeper, 0 while they come from PDGroup status",
             registry=r,
         )
+        self.migrations = Counter(
+            "matrixserve_gateway_migrations",
+            "Choices offered to another entrance after theirs was lost (issue 31 item 2), by"
+            " stage (before_first_token, mid_stream) and outcome (moved, no_capacity, bound)",
+            ["stage", "outcome"],
+            registry=r,
+        )
+        for stage in ReofferStage:  # every series from the start, at 0
+            for outcome in ReofferOutcome:
+                self.migrations.labels(stage=stage, outcome=outcome)
         self.zookeeper_sessions_lost = Counter(
             "matrixserve_gateway_zookeeper_sessions_lost",
             "ZooKeeper sessions expired under the gateway (its watches were re-armed)",
@@ -275,7 +289,7 @@ class Gateway:
                         failed_on = openai.failed_on(leg.error, leg.instance)
                         break
                     if leg.finish is not None:
-                        account = openai.served(leg.done, leg.instance)
+                        account = openai.served(leg.done, leg.instance, leg.moves)
                         last = openai.final_chunk(ident, created, c, leg.index, leg.finish, account)
                         frames.append(openai.frame(last))
                         leg.close()  # now: at a stop string, the engines stop there
@@ -312,7 +326,7 @@ class Gateway:
                 leg.index,
                 "".join(texts[leg.index]),
                 leg.finish or "stop",
-                openai.served(leg.done, leg.instance),
+                openai.served(leg.done, leg.instance, leg.moves),
             )
             for leg in reader.legs
         ]

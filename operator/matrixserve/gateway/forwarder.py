@@ -25,6 +25,16 @@ request itself (400, 413, 422: every prefill would refuse it) is final, the clie
 :data:`PASSED_OVER_SECONDS` (it is not tried again before, even when it is the only one); a
 prefill that could not be reached, did not answer in time or answered another status is passed
 over for a while, while another is open.
+
+A stream survives its entrance (issue 31 item 2): a leg whose entrance is lost (its stream cut,
+or ended by the entrance's own fault, hang or removal: ``domain.forwarding.entrance_lost``) is
+offered to another entrance (:class:`Again`), the lost one passed over: before its first token
+within what is left of its TTFT budget (P/D-Serve §3.5's on-demand forwarding, again), after it
+with ``resumeAt`` (the tokens its client has; the new entrance re-prefills the prompt with them
+and goes on with the next, under a fresh budget for that longer prompt). At most
+``MAX_REOFFERS`` times per choice; the client gets the error only when no entrance takes it. A
+decode lost behind the entrance is the prefill's to mend (``enginestub.engine.migration`` says
+why it lives there), so its named errors are not re-offered.
 """
 
 from __future__ import annotations
@@ -36,21 +46,27 @@ import itertools
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import aiohttp
 
 from matrixserve.api.engine_protocol import Event, TtftBudget, error_event, generate_body
 from matrixserve.domain.forwarding import (
+    MAX_REOFFERS,
     POLICIES,
+    BadRequest,
     Completion,
     Entrance,
     Loads,
     Prompt,
+    ReofferOutcome,
+    ReofferStage,
     StopScanner,
     answer_label,
     engine_refusal,
     finish_reason,
+    reoffer_stage,
     request_budget,
     retry_after_seconds,
 )
@@ -71,6 +87,8 @@ PASSED_OVER_SECONDS = 2.0
 # head: it comes in the same packet but for a broken engine.
 REFUSAL_BODY_SECONDS = 1.0
 _REFUSAL = {"rejected": "rejected", "timeout": "not answered in time", "unreachable": "unreachable"}
+# a stream whose body ended without its last event
+_CUT = error_event("stream_interrupted", "the serving instance closed the stream early")
 
 
 class Forwarder:
@@ -137,11 +155,12 @@ class Forwarder:
         idle = self.engines.idle_total()
         return {"idle": idle, "in_use": self.engines.open_count() - idle}
 
-    def _budget(self, routes: list[GroupRoute], prompt: Prompt) -> TtftBudget:
-        """The request's TTFT threshold: the tightest of its groups' for a prompt of this length."""
+    def _budget(self, routes: list[GroupRoute], prompt: Prompt, sent: int = 0) -> TtftBudget:
+        """The request's TTFT threshold: the tightest of its groups' for a prompt of this length
+        (with the ``sent`` tokens a re-offered stream's new entrance prefills with it)."""
         return request_budget(
             ((g.ttft_ms, g.ttft_per_1k_ms) for g in routes),
-            prompt.tokens,
+            prompt.tokens + sent,
             self.config.default_ttft_ms,
         )
 
@@ -249,7 +268,8 @@ class Forwarder:
         stream: EngineStream,
     ) -> Leg:
         flight = Flight(self, entrance.instance, scenario, started)
-        return Leg(index, completion, entrance.instance, stream, flight)
+        again = Again(self, scenario, completion, completion.prompt_of(index), started)
+        return Leg(index, completion, entrance.instance, stream, flight, again)
 
     async def forward(
         self,
@@ -257,14 +277,18 @@ class Forwarder:
         routes: list[GroupRoute],
         completion: Completion,
         prompt: Prompt | None = None,
+        sent: int = 0,
+        since: float | None = None,
     ) -> tuple[Entrance, EngineStream] | str:
         """An accepting prefill and its stream for ``prompt`` (the request's first if not
-        given), or why there is none."""
+        given), or why there is none. A stream offered again after its entrance was lost:
+        ``sent``, the tokens its client has (the engine resumes there); ``since``, when its
+        budget began (monotonic s: the request's arrival, for one with no token yet)."""
         prompt = prompt or completion.prompts[0]
-        budget = self._budget(routes, prompt)
+        budget = self._budget(routes, prompt, sent)
         wall_budget = budget.wall_seconds(self.config.time_scale)  # as this gateway waits
         policy = self.policy
-        started = time.monotonic()
+        started = time.monotonic() if since is None else since
         tried = 0
         refusals: collections.Counter[str] = collections.Counter()
         request_id = f"{scenario}-{uuid.uuid4().hex[:12]}"
@@ -318,6 +342,7 @@ class Forwarder:
                         completion.max_tokens,
                         TtftBudget.from_wall_seconds(remaining, self.config.time_scale),
                         policy.admission,
+                        sent,
                     )
                     tried += 1
                     response = await self._try(
@@ -402,11 +427,19 @@ class Flight:
     """One forwarded request's share of its prefill's load, as the gateway counts it (the
     prefill's feedback, P/D-Serve §3.5): an open stream until it ends, a prompt in prefill until
     its first token, and a prefill slot until its second token (a decode has pulled the KV) or
-    its end."""
+    its end. A stream offered again mid-way (``resumed``) counts the same on its new entrance,
+    its first token there not a TTFT."""
 
-    def __init__(self, forwarder: Forwarder, instance: str, scenario: str, started: float) -> None:
+    def __init__(
+        self,
+        forwarder: Forwarder,
+        instance: str,
+        scenario: str,
+        started: float,
+        resumed: bool = False,
+    ) -> None:
         self.forwarder, self.instance, self.tokens = forwarder, instance, 0
-        self.scenario, self.started = scenario, started
+        self.scenario, self.started, self.resumed = scenario, started, resumed
         for counts in (forwarder.open, forwarder.prefilling, forwarder.holding):
             counts[instance] = counts.get(instance, 0) + 1
         forwarder.metrics.open_streams.inc()
@@ -415,9 +448,10 @@ class Flight:
         self.tokens += 1
         if self.tokens == 1:
             self.forwarder.prefilling[self.instance] -= 1
-            self.forwarder.metrics.ttft.labels(scenario=self.scenario).observe(
-                time.monotonic() - self.started
-            )
+            if not self.resumed:
+                self.forwarder.metrics.ttft.labels(scenario=self.scenario).observe(
+                    time.monotonic() - self.started
+                )
         elif self.tokens == 2:
             self.forwarder.release_slot(self.instance)
 
@@ -438,9 +472,54 @@ def _drop_accepted(task: asyncio.Future[tuple[Entrance, EngineStream] | str]) ->
             answer[1].release()
 
 
+@dataclass
+class Again:
+    """How a leg is offered to another entrance when its own is lost (issue 31 item 2): the
+    request it belongs to, and when it came (its TTFT budget counts from then)."""
+
+    forwarder: Forwarder
+    scenario: str
+    completion: Completion
+    prompt: Prompt  # the leg's
+    started: float  # monotonic s: the request's arrival
+
+    async def offer(self, leg: Leg, sent: int, stage: ReofferStage) -> str | None:
+        """Offer ``leg`` (its client holding ``sent`` tokens) to another entrance, the lost one
+        passed over: None once one took it (the leg now reads that entrance's stream, its lost
+        stream and flight given back), else why not."""
+        f = self.forwarder
+        if leg.moves >= MAX_REOFFERS:
+            f.metrics.migrations.labels(stage=stage, outcome=ReofferOutcome.BOUND).inc()
+            return f"offered to another entrance {MAX_REOFFERS} times already (the bound)"
+        leg.moves += 1
+        f.failing[leg.instance] = time.monotonic() + PASSED_OVER_SECONDS
+        try:
+            chosen = await f.forward(
+                self.scenario,
+                f.discovery.routes(self.scenario),
+                self.completion,
+                self.prompt,
+                sent,
+                self.started if stage is ReofferStage.BEFORE_FIRST_TOKEN else None,
+            )
+        except BadRequest as refused:  # e.g. the prompt with the tokens sent is too long now
+            chosen = f"an entrance refused it: {refused.message}"
+        if isinstance(chosen, str):
+            f.metrics.migrations.labels(stage=stage, outcome=ReofferOutcome.NO_CAPACITY).inc()
+            return chosen
+        entrance, stream = chosen
+        leg.upstream.release()  # broken: dropped
+        leg.flight.end()
+        leg.upstream, leg.instance = stream, entrance.instance
+        leg.flight = Flight(f, entrance.instance, self.scenario, self.started, resumed=sent > 0)
+        f.metrics.migrations.labels(stage=stage, outcome=ReofferOutcome.MOVED).inc()
+        return None
+
+
 class Leg:
     """One choice of a request: its prefill's stream and flight, the tokens it relayed, its text
-    up to the first stop string, and how it ended (a finish reason, or the engine's error)."""
+    up to the first stop string, and how it ended (a finish reason, or the engine's error).
+    Its stream may come from several entrances in turn (:meth:`batch`, :class:`Again`)."""
 
     def __init__(
         self,
@@ -449,9 +528,12 @@ class Leg:
         instance: str,
         upstream: EngineStream,
         flight: Flight,
+        again: Again | None = None,
     ) -> None:
         self.index, self.instance = index, instance
         self.upstream, self.flight = upstream, flight
+        self.again = again  # None: never offered to another entrance
+        self.moves = 0  # offers to another entrance after its own was lost
         self.max_tokens = completion.max_tokens
         self.scanner = StopScanner(completion.stop) if completion.stop else None
         self.tokens = 0  # token events relayed (the usage's completion tokens)
@@ -464,14 +546,36 @@ class Leg:
     def ended(self) -> bool:
         return self.finish is not None or self.error is not None
 
+    async def batch(self) -> list[Event]:
+        """Its stream's next events (``[]``: the stream ended without its last event). A lost
+        entrance (the batch's last event says so, or the stream ended early) is not the end:
+        the leg is offered to another (:class:`Again`), whose stream it reads from then on; the
+        tokens before the loss come first. When no entrance takes it, the loss ends it, its
+        message saying why it did not move."""
+        while True:
+            events = await self.upstream.batch()
+            if self.again is None or (events and events[-1]["type"] != "error"):
+                return events  # the hot path: tokens, or the end
+            last = events[-1] if events else _CUT
+            before = events[:-1] if events else []
+            sent = self.tokens + sum(1 for e in before if e["type"] == "token")
+            stage = reoffer_stage(last, sent, self.max_tokens)
+            if stage is None:
+                return events
+            why_not = await self.again.offer(self, sent, stage)
+            if why_not is not None:
+                said = last.get("message")
+                message = said[:400] if isinstance(said, str) else "the serving instance failed"
+                return [*before, last | {"message": f"{message}; not moved: {why_not}"}]
+            if before:
+                return before  # then the new entrance's stream
+
     def take(self, batch: list[Event]) -> list[str]:
         """The texts to pass on for a batch of its stream's events (an empty batch: the stream
         ended without its last event); ``ended`` says whether the choice is over."""
         pieces: list[str] = []
         if not batch:
-            self.error = error_event(
-                "stream_interrupted", "the serving instance closed the stream early"
-            )
+            self.error = dict(_CUT)
         for event in batch:
             kind = event["type"]
             if kind == "token":
@@ -521,11 +625,11 @@ class Reader:
         if not going:
             return []
         if len(self.legs) == 1:  # one choice (the hot path): no task per batch
-            return [(going[0], await going[0].upstream.batch())]
+            return [(going[0], await going[0].batch())]
         reading = set(self._reads.values())
         for leg in going:
             if leg not in reading:
-                self._reads[asyncio.ensure_future(leg.upstream.batch())] = leg
+                self._reads[asyncio.ensure_future(leg.batch())] = leg
         finished, _ = await asyncio.wait(self._reads, return_when=asyncio.FIRST_COMPLETED)
         return [(self._reads.pop(task), task.result()) for task in finished]
 

@@ -51,12 +51,24 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def served(done: Event | None, prefill: str) -> dict[str, Any]:
+def served(done: Event | None, prefill: str, reoffers: int = 0) -> dict[str, Any]:
     """The engines' own account of a choice: emulated timings and the instances that served it
-    (from their ``done``); a choice the gateway cut at a stop string has only its prefill."""
+    (from their ``done``; a choice the gateway cut at a stop string has only its prefill), and
+    how many times it moved (issue 31 item 2: to another decode, its last entrance says; to
+    another entrance, ``reoffers``)."""
     if done is None:
-        return {"timings": None, "instances": {"prefill": prefill, "decode": None}}
-    return {"timings": done.get("timings"), "instances": done.get("instances")}
+        return {
+            "timings": None,
+            "instances": {"prefill": prefill, "decode": None},
+            "migrations": reoffers,
+        }
+    moved = done.get("migrations")
+    engines = moved if isinstance(moved, int) and not isinstance(moved, bool) else 0
+    return {
+        "timings": done.get("timings"),
+        "instances": done.get("instances"),
+        "migrations": max(engines, 0) + reoffers,
+    }
 
 
 def final_chunk(
