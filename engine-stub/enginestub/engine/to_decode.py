@@ -65,6 +65,7 @@ class DecodeForwarder(Part):
         self._entries = entries  # the decode meta's: who is at which host:port
         self._serving = serving  # whether this prefill can compute (not faulty, hung, removed)
         self._turn = itertools.count()
+        self._closing: set[asyncio.Task[None]] = set()  # decode streams being closed
 
     def _name(self, peer: str) -> str | None:
         """The instance of the decode at ``peer`` (host:port), as the decode meta names it."""
@@ -248,7 +249,7 @@ class DecodeForwarder(Part):
                     )
                     return
                 finally:
-                    await response.aclose()
+                    await self._close(response)
             # Every decode refused: keep the slot and the KV, retry shortly (a finishing
             # request frees a decode slot, P/D-Serve §3.6) - within the bound.
             if self._left(pending) <= 0:
@@ -282,6 +283,18 @@ class DecodeForwarder(Part):
             if event.get("type") == "done":
                 event = self._whole(req, progress, event, moved)
             yield event
+
+    async def _close(self, response: httpx.Response) -> None:
+        """Close the decode's stream whatever interrupts the close (issue 31 item 4): a caller
+        gone shows first as a write that fails, then its connection's loss cancels the handler
+        task, often while this close awaits; a response left open keeps its decode generating
+        into a connection nobody reads (a batch place held for the request's whole length).
+        The close runs in a task of its own, held until done; a cancellation still ends the
+        stream at once."""
+        task = asyncio.get_running_loop().create_task(response.aclose())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        await asyncio.shield(task)
 
     def _bound(self) -> float:
         return kv_wait_bound(self.config, self.faults.slow_factor)
