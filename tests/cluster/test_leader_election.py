@@ -14,7 +14,7 @@ from kubernetes import client
 from conftest import OperatorHandle
 from helpers import Groups, metric, pdgroup_body, wait_for
 
-LEASE, RENEW, RETRY = 3.0, 2.0, 0.5
+LEASE, RENEW, RETRY = 3, 2.0, 0.5
 TIMING = (
     *("--leader-lease-seconds", str(LEASE)),
     *("--leader-renew-seconds", str(RENEW)),
