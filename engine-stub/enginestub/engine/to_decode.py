@@ -34,6 +34,7 @@ from enginestub.engine.prefill import Prefill, PrefillTicket
 from enginestub.engine.progress import Progress
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.engine_protocol import (
+    EngineError,
     Event,
     GenerateRequest,
     PrefillRef,
@@ -121,8 +122,12 @@ class DecodeForwarder(Part):
                         )
                     except TimeoutError:
                         outcome = Outcome.NO_SLOT
+                    except EngineError:  # its context never fits: no wait would help
+                        outcome = Outcome.TOO_LONG
                     else:
                         pending = self.holdings.hold(ticket)  # dropped below, on every way out
+                        if not self._serving():  # it became faulty, hung or removed meanwhile
+                            outcome = Outcome.UNAVAILABLE
                 self.metrics.migrations.labels(outcome=outcome).inc()
                 if outcome not in MOVED:
                     log.warning(
