@@ -27,9 +27,11 @@ from matrixserve.api import zk_layout as zl
 from matrixserve.api.engine_protocol import (
     EngineError,
     GenerateRequest,
+    error_event,
     synthetic_token,
     token_seed,
 )
+from matrixserve.domain.forwarding import entrance_lost
 
 OUT = 3000  # tokens per request: ~12 emulated ms each, 0.7 wall s at time scale 50
 
@@ -261,6 +263,14 @@ async def test_a_re_prefill_that_can_never_fit_is_refused_at_once_not_after_the_
             await engine.prefill.retake(huge, bound=5.0)
     assert refused.value.status == 413
     assert engine.prefill.returning == 0
+
+
+def test_a_decodes_error_is_named_even_when_the_decode_meta_no_longer_lists_it() -> None:
+    """Named by its host:port, it is still a decode's, not a lost entrance's, to the gateway."""
+    engine = _engine("--role", "prefill")
+    event = engine.forwarder._named(error_event("device_fault", "die down"), "10.0.0.9:8000")
+    assert event["instances"]["decode"] == "10.0.0.9:8000"
+    assert not entrance_lost(event)
 
 
 async def test_a_caller_gone_mid_move_takes_nothing_with_it() -> None:

@@ -76,7 +76,9 @@ class DecodeForwarder(Part):
         """An error of a stream the decode at ``peer`` took, naming that decode (issue 17: the
         gateway passes the instances on, so a client tells a failure on a faulty instance from
         one elsewhere)."""
-        on = {"prefill": self.config.instance, "decode": self._name(peer)}
+        # its host:port if the decode meta no longer lists it: a decode's error always names
+        # one, so the gateway never takes it for its entrance's own
+        on = {"prefill": self.config.instance, "decode": self._name(peer) or peer}
         return event | {"instances": on} if event.get("type") == "error" else event
 
     def candidates(self) -> list[str]:
