@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from aiohttp import web
-from test_engine_exchanges import _body, _engine, _events, _serving
+from test_engine_exchanges import _body, _engine, _events, _free_port, _serving
 
 from enginestub.engine import kvpull
 from enginestub.engine.core import Engine
@@ -28,7 +28,9 @@ from matrixserve.api.engine_protocol import (
     EngineError,
     GenerateRequest,
     error_event,
+    sse_data,
     synthetic_token,
+    token_event,
     token_seed,
 )
 from matrixserve.domain.forwarding import entrance_lost
@@ -271,6 +273,40 @@ def test_a_decodes_error_is_named_even_when_the_decode_meta_no_longer_lists_it()
     event = engine.forwarder._named(error_event("device_fault", "die down"), "10.0.0.9:8000")
     assert event["instances"]["decode"] == "10.0.0.9:8000"
     assert not entrance_lost(event)
+
+
+async def test_a_decode_that_does_not_go_on_where_the_request_is_counts_as_lost() -> None:
+    """A decode from before resumeAt makes the whole output again from index 0: its tokens are
+    not relayed (the caller would get more than its maxTokens); the request moves on."""
+
+    async def old_decode(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(body["maxTokens"]):
+            await response.write(sse_data(token_event(i, "old ", 0.0)))
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/decode", old_decode)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with (
+            _group() as (prefill, url, [_, (d1, _)]),
+            httpx.AsyncClient(trust_env=False, timeout=60) as client,
+        ):
+            prefill.decode_peers = [f"127.0.0.1:{port}", _address(d1)]
+            _first_turn(prefill)
+            events = await _events(client, f"{url}/v1/generate", _body("r", out=40))
+            assert _tokens(events) == _expected(512, 40)
+            assert events[-1]["type"] == "done", events[-1]
+            assert events[-1]["migrations"] == 1
+            assert events[-1]["usage"]["completionTokens"] == 40
+    finally:
+        await runner.cleanup()
 
 
 async def test_a_caller_gone_mid_move_takes_nothing_with_it() -> None:

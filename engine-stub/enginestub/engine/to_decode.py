@@ -272,8 +272,9 @@ class DecodeForwarder(Part):
         response: httpx.Response,
         moved: Relayed,
     ) -> AsyncGenerator[Event, None]:
-        """The decode's events: its tokens as the request's next (``moved.sent`` on), its
-        ``done`` as the whole request's."""
+        """The decode's events: its tokens, each the request's next (``moved.sent`` on; any
+        other index, or one past ``max_tokens``, is its failure), its ``done`` as the whole
+        request's."""
         lines = response.aiter_lines()
         while True:
             try:
@@ -284,7 +285,15 @@ class DecodeForwarder(Part):
                 continue
             event = json.loads(line[6:])
             if event.get("type") == "token":
-                event["index"] = moved.sent
+                if event.get("index") != moved.sent or moved.sent >= req.max_tokens:
+                    # not where the request goes on (an engine from before resumeAt starts at
+                    # 0, and makes the whole output again): a decode that failed it
+                    yield error_event(
+                        "decode_failed",
+                        f"decode answered token {event.get('index')!r} where {moved.sent} of "
+                        f"{req.max_tokens} was due",
+                    )
+                    return
                 event["t"] = progress.elapsed()
                 self._decoded(moved)
             if event.get("type") == "done":

@@ -279,7 +279,11 @@ def decode_body(request: GenerateRequest, prefill: PrefillRef) -> dict[str, Any]
 def parse_decode(body: Any, max_prompt: int, max_output: int) -> tuple[GenerateRequest, PrefillRef]:
     """Read a ``/v1/decode`` body; raises :class:`EngineError`."""
     if isinstance(body, dict) and "resumeAt" not in body:
-        body = body | {"resumeAt": 1}  # after the prefill's first token
+        # an engine from before resumeAt (mixed versions in an upgrade): its maxTokens is what
+        # is left after the prefill's first token, the request's whole output one more
+        left = body.get("maxTokens", 16)
+        whole = left + 1 if isinstance(left, int) and not isinstance(left, bool) else left
+        body = body | {"resumeAt": 1, "maxTokens": whole}
     request = GenerateRequest.parse(body, max_prompt, max_output)
     if request.resume_at < 1:
         raise EngineError(
