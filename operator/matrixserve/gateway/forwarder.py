@@ -503,7 +503,8 @@ class Again:
                 self.started if stage is ReofferStage.BEFORE_FIRST_TOKEN else None,
             )
         except BadRequest as refused:  # e.g. the prompt with the tokens sent is too long now
-            chosen = f"an entrance refused it: {refused.message}"
+            f.metrics.migrations.labels(stage=stage, outcome=ReofferOutcome.REFUSED).inc()
+            return f"an entrance refused it: {refused.message}"
         if isinstance(chosen, str):
             f.metrics.migrations.labels(stage=stage, outcome=ReofferOutcome.NO_CAPACITY).inc()
             return chosen
@@ -512,8 +513,19 @@ class Again:
         leg.flight.end()
         leg.upstream, leg.instance = stream, entrance.instance
         leg.flight = Flight(f, entrance.instance, self.scenario, self.started, resumed=sent > 0)
-        f.metrics.migrations.labels(stage=stage, outcome=ReofferOutcome.MOVED).inc()
+        return None  # counted by the leg once the new stream goes on where it should
+
+    def counted(self, stage: ReofferStage, outcome: ReofferOutcome) -> None:
+        self.forwarder.metrics.migrations.labels(stage=stage, outcome=outcome).inc()
+
+
+def _not_resumed(events: list[Event], sent: int) -> str | None:
+    """Why a stream re-offered with ``sent`` tokens sent does not go on where it should (its
+    first token not the one due), or None."""
+    index = next((e.get("index") for e in events if e["type"] == "token"), sent)
+    if index == sent:
         return None
+    return f"an entrance refused it: its stream began at token {index!r}, not {sent}"
 
 
 class Leg:
@@ -540,6 +552,7 @@ class Leg:
         self.finish: str | None = None  # "stop" or "length" once it ended well
         self.done: Event | None = None  # the engine's own end
         self.error: Event | None = None  # the engine's failure, or the stream cut short
+        self._lost: Event | None = None  # a lost entrance's error, after its tokens are taken
         self._closed = False
 
     @property
@@ -549,26 +562,37 @@ class Leg:
     async def batch(self) -> list[Event]:
         """Its stream's next events (``[]``: the stream ended without its last event). A lost
         entrance (the batch's last event says so, or the stream ended early) is not the end:
-        the leg is offered to another (:class:`Again`), whose stream it reads from then on; the
-        tokens before the loss come first. When no entrance takes it, the loss ends it, its
-        message saying why it did not move."""
-        while True:
+        the tokens before the loss are returned first (taken on the flight they belong to, and
+        a stop string among them ends the choice there), then the leg is offered to another
+        (:class:`Again`), whose stream it reads from then on, once its first token is the one
+        due (an entrance that does not resume there, one from before ``resumeAt``, is a
+        refusal). When no entrance takes it, the loss ends it, its message saying why it did
+        not move."""
+        if self._lost is not None:  # a loss kept while the tokens before it were taken
+            events, self._lost = [self._lost], None
+        else:
             events = await self.upstream.batch()
+        while True:
             if self.again is None or (events and events[-1]["type"] != "error"):
                 return events  # the hot path: tokens, or the end
             last = events[-1] if events else _CUT
-            before = events[:-1] if events else []
-            sent = self.tokens + sum(1 for e in before if e["type"] == "token")
-            stage = reoffer_stage(last, sent, self.max_tokens)
+            if len(events) > 1:
+                self._lost = last
+                return events[:-1]
+            stage = reoffer_stage(last, self.tokens, self.max_tokens)
             if stage is None:
                 return events
-            why_not = await self.again.offer(self, sent, stage)
-            if why_not is not None:
-                said = last.get("message")
-                message = said[:400] if isinstance(said, str) else "the serving instance failed"
-                return [*before, last | {"message": f"{message}; not moved: {why_not}"}]
-            if before:
-                return before  # then the new entrance's stream
+            why_not = await self.again.offer(self, self.tokens, stage)
+            if why_not is None:
+                events = await self.upstream.batch()
+                why_not = _not_resumed(events, self.tokens)
+                outcome = ReofferOutcome.MOVED if why_not is None else ReofferOutcome.REFUSED
+                self.again.counted(stage, outcome)
+                if why_not is None:
+                    continue  # its tokens, or another loss
+            said = last.get("message")
+            message = said[:400] if isinstance(said, str) else "the serving instance failed"
+            return [last | {"message": f"{message}; not moved: {why_not}"}]
 
     def take(self, batch: list[Event]) -> list[str]:
         """The texts to pass on for a batch of its stream's events (an empty batch: the stream
