@@ -18,7 +18,14 @@ import pytest
 from aiohttp import web
 from test_gateway_requests import FakeEngine, served
 
-from matrixserve.api.engine_protocol import Timings, done_event, error_event, sse_data, token_event
+from matrixserve.api.engine_protocol import (
+    Timings,
+    done_event,
+    error_event,
+    sse_data,
+    token_event,
+    token_seed,
+)
 from matrixserve.domain.forwarding import (
     MAX_REOFFERS,
     ReofferStage,
@@ -162,6 +169,19 @@ async def test_each_choice_moves_on_its_own() -> None:
         assert sorted(c["matrixserve"]["migrations"] for c in answer["choices"]) == [0, 1]
         await asyncio.sleep(0.05)
         assert s.counters() == (0, 0, 0)
+
+
+async def test_each_choice_has_its_own_seed_and_keeps_it_when_offered_again() -> None:
+    """n > 1 choices differ (each drawn from its own seed), and a choice re-offered is written
+    from the same seed on its new entrance."""
+    lost, other = Entrance(plan=lambda n: 1 if n == 1 else None), Entrance()
+    async with served(lost, others=[other]) as s:
+        status, answer = await s.post("/v1/completions", {**PLAIN, "n": 3})
+    assert status == 200, answer
+    first = [b for b in lost.bodies + other.bodies if "resumeAt" not in b]
+    assert sorted(b["seed"] for b in first) == [token_seed("hi") + i for i in range(3)]
+    [again] = [b for b in other.bodies if "resumeAt" in b]
+    assert again["seed"] == lost.bodies[0]["seed"]
 
 
 async def test_a_decodes_failure_the_prefill_could_not_mend_is_not_offered_again() -> None:

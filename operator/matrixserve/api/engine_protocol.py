@@ -56,6 +56,13 @@ def token_seed(prompt: str | int) -> int:
     return zlib.crc32(text.encode("utf-8", "surrogatepass"))
 
 
+def choice_seed(prompt: str | int, choice: int) -> int:
+    """The seed the gateway gives the ``choice``-th of a prompt's ``n`` choices: the prompt's
+    own :func:`token_seed` moved on by the choice, so the choices differ (as sampled ones do)
+    while each stays the same on whichever instance writes it, and the first is the prompt's."""
+    return (token_seed(prompt) + choice) % (1 << 32)
+
+
 def synthetic_token(seed: int, index: int) -> str:
     """The text of the ``index``-th output token of a prompt whose :func:`token_seed` is
     ``seed``: the emulated engines generate no language, but what they generate is
@@ -232,10 +239,12 @@ def generate_body(
     ttft_budget: TtftBudget,
     admission: Admission,
     resume_at: int = 0,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     """The gateway's ``/v1/generate`` body; ``prompt`` is the text, or the length in tokens of a
     prompt given as token ids; ``resume_at``: the output tokens the client already has of a
-    stream re-offered after its entrance was lost (said only then)."""
+    stream re-offered after its entrance was lost (said only then); ``seed``: its choice's
+    (:func:`choice_seed`; without it the engine draws from the prompt's)."""
     body: dict[str, Any] = {
         "requestId": request_id,
         ("prompt" if isinstance(prompt, str) else "promptTokens"): prompt,
@@ -245,6 +254,8 @@ def generate_body(
     }
     if resume_at:
         body["resumeAt"] = resume_at
+    if seed is not None:
+        body["seed"] = seed
     return body
 
 

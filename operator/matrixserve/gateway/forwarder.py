@@ -51,7 +51,13 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from matrixserve.api.engine_protocol import Event, TtftBudget, error_event, generate_body
+from matrixserve.api.engine_protocol import (
+    Event,
+    TtftBudget,
+    choice_seed,
+    error_event,
+    generate_body,
+)
 from matrixserve.domain.forwarding import (
     MAX_REOFFERS,
     POLICIES,
@@ -219,13 +225,13 @@ class Forwarder:
         Raises :class:`BadRequest` if a prefill refused the request itself."""
         started = time.monotonic()
         if completion.choices == 1:  # the common case: no task
-            chosen = await self.forward(scenario, routes, completion, completion.prompts[0])
+            chosen = await self.forward(scenario, routes, completion, completion.prompts[0], 0)
             if isinstance(chosen, str):
                 return chosen
             return [self._leg(0, completion, scenario, started, *chosen)]
         tries = [
             asyncio.ensure_future(
-                self.forward(scenario, routes, completion, completion.prompt_of(i))
+                self.forward(scenario, routes, completion, completion.prompt_of(i), i)
             )
             for i in range(completion.choices)
         ]
@@ -268,7 +274,7 @@ class Forwarder:
         stream: EngineStream,
     ) -> Leg:
         flight = Flight(self, entrance.instance, scenario, started)
-        again = Again(self, scenario, completion, completion.prompt_of(index), started)
+        again = Again(self, scenario, completion, completion.prompt_of(index), index, started)
         return Leg(index, completion, entrance.instance, stream, flight, again)
 
     async def forward(
@@ -277,14 +283,18 @@ class Forwarder:
         routes: list[GroupRoute],
         completion: Completion,
         prompt: Prompt | None = None,
+        choice: int = 0,
         sent: int = 0,
         since: float | None = None,
     ) -> tuple[Entrance, EngineStream] | str:
         """An accepting prefill and its stream for ``prompt`` (the request's first if not
-        given), or why there is none. A stream offered again after its entrance was lost:
+        given) as the request's ``choice``-th choice (its tokens drawn from that choice's
+        seed), or why there is none. A stream offered again after its entrance was lost:
         ``sent``, the tokens its client has (the engine resumes there); ``since``, when its
         budget began (monotonic s: the request's arrival, for one with no token yet)."""
         prompt = prompt or completion.prompts[0]
+        given = prompt.text if prompt.text is not None else prompt.tokens
+        seed = choice_seed(given, choice % completion.n)
         budget = self._budget(routes, prompt, sent)
         wall_budget = budget.wall_seconds(self.config.time_scale)  # as this gateway waits
         policy = self.policy
@@ -338,11 +348,12 @@ class Forwarder:
                         return spent()
                     body = generate_body(
                         request_id,
-                        prompt.text if prompt.text is not None else prompt.tokens,
+                        given,
                         completion.max_tokens,
                         TtftBudget.from_wall_seconds(remaining, self.config.time_scale),
                         policy.admission,
                         sent,
+                        seed,
                     )
                     tried += 1
                     response = await self._try(
@@ -481,6 +492,7 @@ class Again:
     scenario: str
     completion: Completion
     prompt: Prompt  # the leg's
+    choice: int  # the leg's index in the request (its seed)
     started: float  # monotonic s: the request's arrival
 
     async def offer(self, leg: Leg, sent: int, stage: ReofferStage) -> str | None:
@@ -499,6 +511,7 @@ class Again:
                 f.discovery.routes(self.scenario),
                 self.completion,
                 self.prompt,
+                self.choice,
                 sent,
                 self.started if stage is ReofferStage.BEFORE_FIRST_TOKEN else None,
             )
