@@ -347,11 +347,14 @@ async def test_a_stream_resumed_at_a_token_goes_on_from_there(role: str) -> None
                     client, f"{url}/v1/generate", _body("r", out=40, resumeAt=17)
                 )
         else:
-            async with _group() as (_, url, _):
+            async with _group() as (engine, url, _):
                 whole = await _events(client, f"{url}/v1/generate", _body("w", out=40))
                 resumed = await _events(
                     client, f"{url}/v1/generate", _body("r", out=40, resumeAt=17)
                 )
+    # a resumed stream's first token there is no TTFT, its re-prefill no prompt's prefill
+    ttfts = engine.metrics.registry.get_sample_value("matrixserve_engine_ttft_seconds_count")
+    assert (ttfts, engine.metrics.load.prefilled) == (1, 1)
     assert _tokens(whole) == _expected(512, 40)
     assert _tokens(resumed) == _tokens(whole)[17:]
     assert resumed[-1]["usage"] == {"promptTokens": 512, "completionTokens": 40}

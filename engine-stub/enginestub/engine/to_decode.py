@@ -108,6 +108,7 @@ class DecodeForwarder(Part):
                         yield event
                 if moved.lost is None:
                     return  # its end (done, or an error no move mends)
+                self.holdings.unpulled(pending)  # the lost decode's pull, if any, ended with it
                 if moved.sent >= req.max_tokens:  # every token relayed: only its end was lost
                     yield progress.done(
                         req, moved.sent, [], 0.0, self._name(moved.lost_on), moved.migrations
