@@ -18,13 +18,22 @@ from typing import Any
 import httpx
 import pytest
 from aiohttp import web
-from test_engine_exchanges import _body, _engine, _events, _serving
+from test_engine_exchanges import _body, _engine, _events, _free_port, _serving
 
 from enginestub.engine import kvpull
 from enginestub.engine.core import Engine
 from enginestub.engine.server import build_app
 from matrixserve.api import zk_layout as zl
-from matrixserve.api.engine_protocol import synthetic_token, token_seed
+from matrixserve.api.engine_protocol import (
+    EngineError,
+    GenerateRequest,
+    error_event,
+    sse_data,
+    synthetic_token,
+    token_event,
+    token_seed,
+)
+from matrixserve.domain.forwarding import entrance_lost
 
 OUT = 3000  # tokens per request: ~12 emulated ms each, 0.7 wall s at time scale 50
 
@@ -205,8 +214,7 @@ async def test_no_slot_for_the_re_prefill_within_the_bound_ends_it_and_frees_all
         await _until("b on d-1", lambda: bool(d1.batch.running) and prefill.prefill.slots == 0)
         waits = asyncio.create_task(_events(client, f"{url}/v1/generate", _body("c", out=4)))
         await _until("c holding the slot", lambda: prefill.prefill.slots == 1)
-        await r0.cleanup()
-        await _until("a waiting for a slot", lambda: prefill.prefill.returning == 1, 2.0)
+        await r0.cleanup()  # a's wait for a slot: seen by its outcome (no_slot), not polled
         events = await lost
         last = events[-1]
         assert (last["type"], last["code"]) == ("error", "decode_failed"), last
@@ -217,6 +225,88 @@ async def test_no_slot_for_the_re_prefill_within_the_bound_ends_it_and_frees_all
         other.cancel()
         waits.cancel()
         await _until("the prefill and d-1 idle", lambda: _idle(prefill) and _idle(d1), 1.0)
+
+
+async def test_more_streams_lost_on_one_decode_than_the_prefill_has_slots_all_move(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """5 streams on d-0, a prefill of 2 slots: all 5 take a slot back in turn as slots free
+    (each held only until d-1 pulls its KV), none ends for want of one."""
+    monkeypatch.setattr(kvpull, "WAIT_FLOOR_WALL_SECONDS", 1.5)  # fails fast without the fix
+    async with (
+        _group(prefill_batch=2) as (prefill, url, [(d0, runner0), (d1, _)]),
+        httpx.AsyncClient(trust_env=False, timeout=60) as client,
+    ):
+        prefill.decode_peers = [_address(d0)]  # every stream on d-0
+        tasks = []
+        for i in range(5):
+            body = _body(f"r{i}", prompt=512 + i, out=OUT)
+            tasks.append(asyncio.create_task(_events(client, f"{url}/v1/generate", body)))
+            await _until(f"r{i} on d-0", lambda n=i + 1: len(d0.batch.running) == n)
+        prefill.decode_peers = [_address(d0), _address(d1)]
+        await runner0.cleanup()  # d-0 lost with 5 streams
+        streams = await asyncio.gather(*tasks)
+        for i, events in enumerate(streams):
+            assert events[-1]["type"] == "done", events[-1]
+            assert events[-1]["migrations"] == 1
+            assert _tokens(events) == _expected(512 + i, OUT)
+        assert (_migrations(prefill, "reprefill"), _migrations(prefill, "no_slot")) == (5, 0)
+        assert prefill.prefill.returning == 0
+        await _until("the prefill and d-1 idle", lambda: _idle(prefill) and _idle(d1), 1.0)
+
+
+async def test_a_re_prefill_that_can_never_fit_is_refused_at_once_not_after_the_bound() -> None:
+    engine = _engine("--role", "prefill", "--time-scale", "50")
+    capacity = engine.config.kv_capacity_bytes
+    huge = GenerateRequest("r", int(capacity / engine.kv.bytes_for(1000) * 1000), 3, resume_at=2)
+    assert engine.kv.bytes_for(huge.context_tokens) > capacity
+    async with asyncio.timeout(0.5):  # the bound is 5 s of wall time
+        with pytest.raises(EngineError) as refused:
+            await engine.prefill.retake(huge, bound=5.0)
+    assert refused.value.status == 413
+    assert engine.prefill.returning == 0
+
+
+def test_a_decodes_error_is_named_even_when_the_decode_meta_no_longer_lists_it() -> None:
+    """Named by its host:port, it is still a decode's, not a lost entrance's, to the gateway."""
+    engine = _engine("--role", "prefill")
+    event = engine.forwarder._named(error_event("device_fault", "die down"), "10.0.0.9:8000")
+    assert event["instances"]["decode"] == "10.0.0.9:8000"
+    assert not entrance_lost(event)
+
+
+async def test_a_decode_that_does_not_go_on_where_the_request_is_counts_as_lost() -> None:
+    """A decode from before resumeAt makes the whole output again from index 0: its tokens are
+    not relayed (the caller would get more than its maxTokens); the request moves on."""
+
+    async def old_decode(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(body["maxTokens"]):
+            await response.write(sse_data(token_event(i, "old ", 0.0)))
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/decode", old_decode)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with (
+            _group() as (prefill, url, [_, (d1, _)]),
+            httpx.AsyncClient(trust_env=False, timeout=60) as client,
+        ):
+            prefill.decode_peers = [f"127.0.0.1:{port}", _address(d1)]
+            _first_turn(prefill)
+            events = await _events(client, f"{url}/v1/generate", _body("r", out=40))
+            assert _tokens(events) == _expected(512, 40)
+            assert events[-1]["type"] == "done", events[-1]
+            assert events[-1]["migrations"] == 1
+            assert events[-1]["usage"]["completionTokens"] == 40
+    finally:
+        await runner.cleanup()
 
 
 async def test_a_caller_gone_mid_move_takes_nothing_with_it() -> None:
@@ -257,11 +347,14 @@ async def test_a_stream_resumed_at_a_token_goes_on_from_there(role: str) -> None
                     client, f"{url}/v1/generate", _body("r", out=40, resumeAt=17)
                 )
         else:
-            async with _group() as (_, url, _):
+            async with _group() as (engine, url, _):
                 whole = await _events(client, f"{url}/v1/generate", _body("w", out=40))
                 resumed = await _events(
                     client, f"{url}/v1/generate", _body("r", out=40, resumeAt=17)
                 )
+    # a resumed stream's first token there is no TTFT, its re-prefill no prompt's prefill
+    ttfts = engine.metrics.registry.get_sample_value("matrixserve_engine_ttft_seconds_count")
+    assert (ttfts, engine.metrics.load.prefilled) == (1, 1)
     assert _tokens(whole) == _expected(512, 40)
     assert _tokens(resumed) == _tokens(whole)[17:]
     assert resumed[-1]["usage"] == {"promptTokens": 512, "completionTokens": 40}

@@ -144,6 +144,16 @@ def test_the_decode_body_carries_where_the_kv_is_and_where_the_stream_goes_on() 
         ep.parse_decode(ep.decode_body(whole, prefill), 4096, 64)
 
 
+@pytest.mark.parametrize("left", [1, 5])
+def test_a_decode_body_from_before_resume_at_keeps_its_meaning(left: int) -> None:
+    """An older prefill (no resumeAt, no seed) sends what is left after its first token as
+    maxTokens: the decode makes all of it, from index 1 (mixed versions in an upgrade)."""
+    old = {"requestId": "r", "promptTokens": 300, "maxTokens": left, "prefill": {"address": "a"}}
+    request = ep.parse_decode(old, 4096, 64)[0]
+    assert (request.max_tokens, request.resume_at, request.remaining) == (left + 1, 1, left)
+    assert request.seed == ep.token_seed(300)
+
+
 def test_stream_events_keep_their_wire_shape() -> None:
     token = ep.token_event(3, "dies ", 0.25)
     assert token == {"type": "token", "index": 3, "text": "dies ", "t": 0.25}

@@ -18,7 +18,14 @@ import pytest
 from aiohttp import web
 from test_gateway_requests import FakeEngine, served
 
-from matrixserve.api.engine_protocol import Timings, done_event, error_event, sse_data, token_event
+from matrixserve.api.engine_protocol import (
+    Timings,
+    done_event,
+    error_event,
+    sse_data,
+    token_event,
+    token_seed,
+)
 from matrixserve.domain.forwarding import (
     MAX_REOFFERS,
     ReofferStage,
@@ -39,6 +46,9 @@ class Entrance(FakeEngine):  # type: ignore[misc]  # a sibling module mypy does 
     plan: Callable[[int], Any] = lambda n: None
     refused: int = 0
     log: list[tuple[int, int]] = field(default_factory=list)  # (resumeAt, tokens written)
+    burst: bool = False  # a planned end's tokens and its error in one write (one batch)
+    first_delay: float = 0.0  # s before its first token (its prefill)
+    old: bool = False  # from before resumeAt: starts at token 0 whatever it is told
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -48,10 +58,17 @@ class Entrance(FakeEngine):  # type: ignore[misc]  # a sibling module mypy does 
             self.refused += 1
             error = {"code": "rejected", "message": "busy", "type": "x", "param": None}
             return web.json_response({"error": error}, status=plan)
-        start, end = body.get("resumeAt", 0), body["maxTokens"]
+        start, end = 0 if self.old else body.get("resumeAt", 0), body["maxTokens"]
         cut, ending = (plan, None) if isinstance(plan, int) else plan or (None, None)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        await asyncio.sleep(self.first_delay)
+        if self.burst and ending is not None:
+            assert cut is not None
+            tokens = [sse_data(token_event(i, f"t{i} ", 0.0)) for i in range(start, start + cut)]
+            await response.write(b"".join([*tokens, sse_data(ending)]))
+            await response.write_eof()
+            return response
         written = 0
         for i in range(start, end):
             if cut is not None and written == cut:
@@ -129,7 +146,7 @@ async def test_a_lost_entrance_hands_the_stream_to_another_and_the_client_sees_o
         await asyncio.sleep(0.05)
         assert s.counters() == (0, 0, 0)
         scrape = await s.scrape()
-    assert _moves(scrape, stage) == {"moved": 1, "no_capacity": 0, "bound": 0}
+    assert _moves(scrape, stage) == {"moved": 1, "no_capacity": 0, "bound": 0, "refused": 0}
     assert 'matrixserve_gateway_requests_total{outcome="ok",scenario="general"} 1.0' in scrape
 
 
@@ -154,6 +171,19 @@ async def test_each_choice_moves_on_its_own() -> None:
         assert s.counters() == (0, 0, 0)
 
 
+async def test_each_choice_has_its_own_seed_and_keeps_it_when_offered_again() -> None:
+    """n > 1 choices differ (each drawn from its own seed), and a choice re-offered is written
+    from the same seed on its new entrance."""
+    lost, other = Entrance(plan=lambda n: 1 if n == 1 else None), Entrance()
+    async with served(lost, others=[other]) as s:
+        status, answer = await s.post("/v1/completions", {**PLAIN, "n": 3})
+    assert status == 200, answer
+    first = [b for b in lost.bodies + other.bodies if "resumeAt" not in b]
+    assert sorted(b["seed"] for b in first) == [token_seed("hi") + i for i in range(3)]
+    [again] = [b for b in other.bodies if "resumeAt" in b]
+    assert again["seed"] == lost.bodies[0]["seed"]
+
+
 async def test_a_decodes_failure_the_prefill_could_not_mend_is_not_offered_again() -> None:
     named = error_event("device_fault", "die down") | {"instances": {"decode": "g-d-0"}}
     lost, other = Entrance(plan=lambda n: (2, named)), Entrance()
@@ -175,7 +205,12 @@ async def test_offers_are_bounded_and_the_error_says_why_it_did_not_move() -> No
         await asyncio.sleep(0.05)
         assert s.counters() == (0, 0, 0)
         scrape = await s.scrape()
-    assert _moves(scrape, "mid_stream") == {"moved": MAX_REOFFERS, "no_capacity": 0, "bound": 1}
+    assert _moves(scrape, "mid_stream") == {
+        "moved": MAX_REOFFERS,
+        "no_capacity": 0,
+        "bound": 1,
+        "refused": 0,
+    }
 
 
 async def test_no_entrance_taking_it_within_its_budget_ends_it() -> None:
@@ -189,7 +224,12 @@ async def test_no_entrance_taking_it_within_its_budget_ends_it() -> None:
         await asyncio.sleep(0.05)
         assert s.counters() == (0, 0, 0)
         scrape = await s.scrape()
-    assert _moves(scrape, "before_first_token") == {"moved": 0, "no_capacity": 1, "bound": 0}
+    assert _moves(scrape, "before_first_token") == {
+        "moved": 0,
+        "no_capacity": 1,
+        "bound": 0,
+        "refused": 0,
+    }
 
 
 async def test_an_entrance_refusing_the_resumed_request_itself_ends_it_not_the_gateway() -> None:
@@ -202,6 +242,54 @@ async def test_an_entrance_refusing_the_resumed_request_itself_ends_it_not_the_g
         assert error["code"] == "upstream_failed"
         assert "not moved: an entrance refused it" in error["message"]
         assert chunks[-1] == "[DONE]"
+        await asyncio.sleep(0.05)
+        assert s.counters() == (0, 0, 0)
+        scrape = await s.scrape()
+    assert _moves(scrape, "mid_stream") == {"moved": 0, "no_capacity": 0, "bound": 0, "refused": 1}
+
+
+async def test_an_entrance_that_does_not_resume_where_the_stream_was_is_a_refusal() -> None:
+    """One from before resumeAt starts again at token 0: none of its tokens reach the client
+    (it would get tokens twice, more than its max_tokens)."""
+    lost, old = Entrance(plan=lambda n: 2), Entrance(old=True)
+    async with served(lost, others=[old]) as s:
+        chunks = await s.stream("/v1/completions", BODY)
+        error = chunks[-2]["error"]
+        assert error["code"] == "upstream_failed"
+        assert (
+            "not moved: an entrance refused it: its stream began at token 0, not 2"
+            in error["message"]
+        )
+        assert _text(chunks) == "t0 t1 "
+        await asyncio.sleep(0.05)
+        assert s.counters() == (0, 0, 0)
+        scrape = await s.scrape()
+    assert _moves(scrape, "mid_stream") == {"moved": 0, "no_capacity": 0, "bound": 0, "refused": 1}
+
+
+async def test_tokens_before_a_loss_in_the_same_batch_are_taken_first() -> None:
+    """The lost entrance's last tokens and its error arrive together: the tokens count on its
+    own flight (the new entrance's prompt is in prefill, its slot held, until its own first
+    token), and a stop string among them ends the choice without an offer."""
+    removed = error_event("instance_removed", "removed")
+    lost = Entrance(plan=lambda n: (3, removed), burst=True)
+    other = Entrance(first_delay=0.3)
+    async with served(lost, others=[other]) as s:
+        reading = asyncio.create_task(s.stream("/v1/completions", BODY))
+        while not other.bodies:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.1)  # the new entrance prefilling
+        f = s.gateway.forwarder
+        assert (f.prefilling["g-p-1"], f.holding["g-p-1"]) == (1, 1)
+        chunks = await reading
+        assert _text(chunks) == WHOLE
+        stopped = Entrance(plan=lambda n: (3, removed), burst=True)
+        again = Entrance()
+    async with served(stopped, others=[again]) as s:
+        chunks = await s.stream("/v1/completions", {**BODY, "stop": ["t2"]})
+        assert _text(chunks) == "t0 t1 "
+        assert chunks[-3]["choices"][0]["finish_reason"] == "stop"
+        assert again.bodies == []
         await asyncio.sleep(0.05)
         assert s.counters() == (0, 0, 0)
 

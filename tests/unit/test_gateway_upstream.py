@@ -461,7 +461,9 @@ async def test_a_try_accepted_in_the_round_another_was_refused_gives_its_stream_
     completion = Completion("general", (refused, accepted), 1, stream=True, chat=False)
     streams: list[_Stream] = []
 
-    async def forward(scenario: str, routes: Any, c: Completion, prompt: Prompt) -> Any:
+    async def forward(
+        scenario: str, routes: Any, c: Completion, prompt: Prompt, choice: int = 0
+    ) -> Any:
         if prompt is refused:  # both end without awaiting: in one round
             if refusal == "raised":
                 raise BadRequest("the prompt is too long", "prompt")
@@ -489,7 +491,9 @@ async def test_a_try_accepted_as_its_request_is_cancelled_gives_its_stream_back(
     stream, hung = _Stream(), asyncio.Event()
     request: asyncio.Task[Any] | None = None
 
-    async def forward(scenario: str, routes: Any, c: Completion, prompt: Prompt) -> Any:
+    async def forward(
+        scenario: str, routes: Any, c: Completion, prompt: Prompt, choice: int = 0
+    ) -> Any:
         if hung.is_set():  # the second try: never answered
             await asyncio.Event().wait()
         hung.set()

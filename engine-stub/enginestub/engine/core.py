@@ -513,8 +513,11 @@ class Engine:
                 return
         progress.prefill = await self.prefill.run(ticket)
         progress.ttft = ttft = progress.elapsed()
-        self.metrics.ttft.observe(ttft)
-        ticket.prefilled(ttft)
+        if req.resume_at == 0:  # a stream resumed here had its first token: no TTFT, no prompt
+            self.metrics.ttft.observe(ttft)
+            ticket.prefilled(ttft)
+        else:
+            ticket.prefilled_at = self.clock.now()  # its slot's wait for a decode begins
         # P/D-Serve §3.3: timeouts are checked before and after prefill, not during.
         late = self._ttft_timeout(budget, ttft, _LATE_FIRST_TOKEN)
         if late is not None:

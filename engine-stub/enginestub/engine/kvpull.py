@@ -90,10 +90,15 @@ class KvHoldings(Part):
         """The request's stream ended: nothing is held for it any more."""
         if self.pending.get(pending.request_id) is pending:
             del self.pending[pending.request_id]
+        self.unpulled(pending)
+        pending.ticket.release()
+
+    def unpulled(self, pending: PendingKV) -> None:
+        """No pull of ``pending`` is under way (ended, or its decode was lost mid-pull: the
+        KV stays held for the next decode, its link no longer used)."""
         if pending.pulling:
             pending.pulling = False
             self.on_flows_change()
-        pending.ticket.release()
 
     def pull_meta(self, request_id: str) -> dict[str, Any]:
         pending = self.pending.get(request_id)
@@ -118,9 +123,7 @@ class KvHoldings(Part):
         if pending is None or pending.released.is_set():
             return
         pending.released.set()
-        if pending.pulling:
-            pending.pulling = False
-            self.on_flows_change()
+        self.unpulled(pending)
         pending.ticket.release()
         self.metrics.kv_bytes.labels(plane=str(self.config.kv_plane), direction="out").inc(
             pending.nbytes

@@ -32,7 +32,8 @@ ours, on its recovery's terms: the faulty decode is never tried again for that r
 **The bound**: a request moves at most :data:`MAX_MIGRATIONS` times, each time to a decode that
 has not failed it; a re-prefill waits at most the KV-pull wait bound for a slot (ahead of new
 requests: :meth:`enginestub.engine.prefill.Prefill.retake`). When it cannot move (the bound, no
-other decode open to this prefill, no slot in time, this prefill not serving) the stream ends
+other decode open to this prefill, no slot in time, a context that never fits this prefill's
+HBM, this prefill not serving, before the re-prefill or after its wait for a slot) the stream ends
 with the lost decode's error, named as before, its message saying why it did not move.
 
 What a move takes is given back on every path: the KV held for the lost decode when the request
@@ -65,6 +66,7 @@ class Outcome(StrEnum):
     UNAVAILABLE = "unavailable"  # not moved: this prefill is not serving (faulty, hung, removed)
     NO_DECODE = "no_decode"  # not moved: no other decode is open to this prefill
     NO_SLOT = "no_slot"  # not moved: no slot for the re-prefill within the bound
+    TOO_LONG = "too_long"  # not moved: the prompt with the output so far never fits this HBM
 
 
 OUTCOMES = tuple(o.value for o in Outcome)
@@ -75,6 +77,7 @@ _WHY_NOT = {
     Outcome.UNAVAILABLE: "this prefill is not serving",
     Outcome.NO_DECODE: "no other decode is open to this prefill",
     Outcome.NO_SLOT: "no prefill slot for its re-prefill within the KV-pull wait bound",
+    Outcome.TOO_LONG: "the KV of its prompt and the output so far never fits this prefill's HBM",
 }
 
 

@@ -11,12 +11,16 @@ original version).
 
 A request that continues after its decode was lost (issue 31 item 2, :mod:`.migration`) takes a
 slot back for its re-prefill (:meth:`Prefill.retake`): it waits for one, ahead of new requests
-(admission counts it as taken), within a bound, since this prefill already accepted it.
+(admission counts it as taken), within a bound, since this prefill already accepted it. Those
+taking slots back are served in arrival order, each as soon as one slot is free: any number of
+them (a decode lost with more streams than this prefill has slots) move in turn.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+from collections.abc import Callable
 
 from enginestub import timing
 from enginestub.engine.kvcache import KvLease
@@ -74,20 +78,30 @@ class Prefill(Part):
         self.shape = self.config.shape
         self.held: set[Hold] = set()  # the slots in use
         self.queue = 0  # waiting in the local queue
-        self.returning = 0  # accepted requests waiting to take a slot back (a re-prefill)
+        # accepted requests waiting to take a slot back (a re-prefill), first come first
+        self._returners: collections.deque[object] = collections.deque()
         self._slot_freed = asyncio.Event()
+
+    @property
+    def returning(self) -> int:
+        """Accepted requests waiting to take a slot back (admission counts them as taken)."""
+        return len(self._returners)
 
     @property
     def slots(self) -> int:
         """Slots in use."""
         return len(self.held)
 
-    def admit(self, req: GenerateRequest) -> PrefillTicket:
-        """Accept (take a slot, or a place in the local queue if asked) or raise."""
+    def check_fits(self, req: GenerateRequest) -> None:
+        """Raise 413 if the KV of ``req``'s context can never fit this instance's HBM."""
         if self.kv.bytes_for(req.context_tokens) > self.config.kv_capacity_bytes:
             raise EngineError(
                 413, "prompt_too_long", "the prompt's KV cache does not fit this instance's HBM"
             )
+
+    def admit(self, req: GenerateRequest) -> PrefillTicket:
+        """Accept (take a slot, or a place in the local queue if asked) or raise."""
+        self.check_fits(req)
         budget = req.ttft_budget
         ticket = PrefillTicket(
             self,
@@ -145,32 +159,45 @@ class Prefill(Part):
         self._slot_freed.set()
 
     async def wait_for_slot(self, ticket: PrefillTicket) -> None:
-        """Queue mode: FIFO-ish wait until a slot and the prompt's KV fit."""
-        lease = await self._free_slot(ticket.request.context_tokens, self.config.max_batch)
+        """Queue mode: FIFO-ish wait until a slot (those being taken back counted as taken) and
+        the prompt's KV fit."""
+        lease = await self._free_slot(
+            ticket.request.context_tokens,
+            lambda: self.slots + self.returning < self.config.max_batch,
+        )
         ticket.queued = False
         self.queue -= 1
         self._take_slot(ticket, lease)
 
     async def retake(self, req: GenerateRequest, bound: float) -> PrefillTicket:
         """A slot and the KV of ``req``'s context for a request this prefill accepted before and
-        re-prefills (its decode was lost): ahead of new requests, waited for at most ``bound``
-        wall seconds (TimeoutError past it). The caller releases the ticket."""
-        self.returning += 1
+        re-prefills (its decode was lost): ahead of new requests, in turn with the others
+        taking one back (each takes the first slot free when its turn comes), waited for at
+        most ``bound`` wall seconds (TimeoutError past it). Raises 413 at once if that context
+        can never fit. The caller releases the ticket."""
+        self.check_fits(req)
+        turn = object()
+        self._returners.append(turn)
         try:
             async with asyncio.timeout(bound):
-                # it counts itself among the returning: a slot is free for it below the limit
-                lease = await self._free_slot(req.context_tokens, self.config.max_batch + 1)
+                lease = await self._free_slot(
+                    req.context_tokens,
+                    lambda: self._returners[0] is turn and self.slots < self.config.max_batch,
+                )
         finally:
-            self.returning -= 1
+            self._returners.remove(turn)
+            # the next in line (or a new request's wait) looks again, whether this one took a
+            # slot, gave up or was cancelled
+            self._slot_freed.set()
         ticket = PrefillTicket(self, req, None)
         self._take_slot(ticket, lease)
         return ticket
 
-    async def _free_slot(self, tokens: int, limit: int) -> KvLease:
-        """Wait until fewer than ``limit`` slots (those taken back counted) are held and the KV
-        of ``tokens`` fits; that KV's lease."""
+    async def _free_slot(self, tokens: int, free: Callable[[], bool]) -> KvLease:
+        """Wait until ``free()`` (a slot is this waiter's) and the KV of ``tokens`` fits; that
+        KV's lease."""
         while True:
-            if self.slots + self.returning < limit:
+            if free():
                 lease = self.kv.lease(tokens)
                 if lease is not None:
                     return lease

@@ -34,6 +34,7 @@ from enginestub.engine.prefill import Prefill, PrefillTicket
 from enginestub.engine.progress import Progress
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.engine_protocol import (
+    EngineError,
     Event,
     GenerateRequest,
     PrefillRef,
@@ -75,7 +76,9 @@ class DecodeForwarder(Part):
         """An error of a stream the decode at ``peer`` took, naming that decode (issue 17: the
         gateway passes the instances on, so a client tells a failure on a faulty instance from
         one elsewhere)."""
-        on = {"prefill": self.config.instance, "decode": self._name(peer)}
+        # its host:port if the decode meta no longer lists it: a decode's error always names
+        # one, so the gateway never takes it for its entrance's own
+        on = {"prefill": self.config.instance, "decode": self._name(peer) or peer}
         return event | {"instances": on} if event.get("type") == "error" else event
 
     def candidates(self) -> list[str]:
@@ -105,6 +108,7 @@ class DecodeForwarder(Part):
                         yield event
                 if moved.lost is None:
                     return  # its end (done, or an error no move mends)
+                self.holdings.unpulled(pending)  # the lost decode's pull, if any, ended with it
                 if moved.sent >= req.max_tokens:  # every token relayed: only its end was lost
                     yield progress.done(
                         req, moved.sent, [], 0.0, self._name(moved.lost_on), moved.migrations
@@ -121,8 +125,12 @@ class DecodeForwarder(Part):
                         )
                     except TimeoutError:
                         outcome = Outcome.NO_SLOT
+                    except EngineError:  # its context never fits: no wait would help
+                        outcome = Outcome.TOO_LONG
                     else:
                         pending = self.holdings.hold(ticket)  # dropped below, on every way out
+                        if not self._serving():  # it became faulty, hung or removed meanwhile
+                            outcome = Outcome.UNAVAILABLE
                 self.metrics.migrations.labels(outcome=outcome).inc()
                 if outcome not in MOVED:
                     log.warning(
@@ -265,8 +273,9 @@ class DecodeForwarder(Part):
         response: httpx.Response,
         moved: Relayed,
     ) -> AsyncGenerator[Event, None]:
-        """The decode's events: its tokens as the request's next (``moved.sent`` on), its
-        ``done`` as the whole request's."""
+        """The decode's events: its tokens, each the request's next (``moved.sent`` on; any
+        other index, or one past ``max_tokens``, is its failure), its ``done`` as the whole
+        request's."""
         lines = response.aiter_lines()
         while True:
             try:
@@ -277,7 +286,15 @@ class DecodeForwarder(Part):
                 continue
             event = json.loads(line[6:])
             if event.get("type") == "token":
-                event["index"] = moved.sent
+                if event.get("index") != moved.sent or moved.sent >= req.max_tokens:
+                    # not where the request goes on (an engine from before resumeAt starts at
+                    # 0, and makes the whole output again): a decode that failed it
+                    yield error_event(
+                        "decode_failed",
+                        f"decode answered token {event.get('index')!r} where {moved.sent} of "
+                        f"{req.max_tokens} was due",
+                    )
+                    return
                 event["t"] = progress.elapsed()
                 self._decoded(moved)
             if event.get("type") == "done":

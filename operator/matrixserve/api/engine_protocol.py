@@ -56,6 +56,13 @@ def token_seed(prompt: str | int) -> int:
     return zlib.crc32(text.encode("utf-8", "surrogatepass"))
 
 
+def choice_seed(prompt: str | int, choice: int) -> int:
+    """The seed the gateway gives the ``choice``-th of a prompt's ``n`` choices: the prompt's
+    own :func:`token_seed` moved on by the choice, so the choices differ (as sampled ones do)
+    while each stays the same on whichever instance writes it, and the first is the prompt's."""
+    return (token_seed(prompt) + choice) % (1 << 32)
+
+
 def synthetic_token(seed: int, index: int) -> str:
     """The text of the ``index``-th output token of a prompt whose :func:`token_seed` is
     ``seed``: the emulated engines generate no language, but what they generate is
@@ -232,10 +239,12 @@ def generate_body(
     ttft_budget: TtftBudget,
     admission: Admission,
     resume_at: int = 0,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     """The gateway's ``/v1/generate`` body; ``prompt`` is the text, or the length in tokens of a
     prompt given as token ids; ``resume_at``: the output tokens the client already has of a
-    stream re-offered after its entrance was lost (said only then)."""
+    stream re-offered after its entrance was lost (said only then); ``seed``: its choice's
+    (:func:`choice_seed`; without it the engine draws from the prompt's)."""
     body: dict[str, Any] = {
         "requestId": request_id,
         ("prompt" if isinstance(prompt, str) else "promptTokens"): prompt,
@@ -245,6 +254,8 @@ def generate_body(
     }
     if resume_at:
         body["resumeAt"] = resume_at
+    if seed is not None:
+        body["seed"] = seed
     return body
 
 
@@ -279,7 +290,11 @@ def decode_body(request: GenerateRequest, prefill: PrefillRef) -> dict[str, Any]
 def parse_decode(body: Any, max_prompt: int, max_output: int) -> tuple[GenerateRequest, PrefillRef]:
     """Read a ``/v1/decode`` body; raises :class:`EngineError`."""
     if isinstance(body, dict) and "resumeAt" not in body:
-        body = body | {"resumeAt": 1}  # after the prefill's first token
+        # an engine from before resumeAt (mixed versions in an upgrade): its maxTokens is what
+        # is left after the prefill's first token, the request's whole output one more
+        left = body.get("maxTokens", 16)
+        whole = left + 1 if isinstance(left, int) and not isinstance(left, bool) else left
+        body = body | {"resumeAt": 1, "maxTokens": whole}
     request = GenerateRequest.parse(body, max_prompt, max_output)
     if request.resume_at < 1:
         raise EngineError(

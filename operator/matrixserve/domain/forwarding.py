@@ -696,6 +696,7 @@ class ReofferOutcome(StrEnum):
     MOVED = "moved"  # another entrance took it; its stream goes on
     NO_CAPACITY = "no_capacity"  # none took it within the budget
     BOUND = "bound"  # offered MAX_REOFFERS times already
+    REFUSED = "refused"  # an entrance refused it (400/413), or did not resume where it was
 
 
 def entrance_lost(event: Event) -> bool:

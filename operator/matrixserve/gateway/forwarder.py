@@ -51,7 +51,13 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from matrixserve.api.engine_protocol import Event, TtftBudget, error_event, generate_body
+from matrixserve.api.engine_protocol import (
+    Event,
+    TtftBudget,
+    choice_seed,
+    error_event,
+    generate_body,
+)
 from matrixserve.domain.forwarding import (
     MAX_REOFFERS,
     POLICIES,
@@ -219,13 +225,13 @@ class Forwarder:
         Raises :class:`BadRequest` if a prefill refused the request itself."""
         started = time.monotonic()
         if completion.choices == 1:  # the common case: no task
-            chosen = await self.forward(scenario, routes, completion, completion.prompts[0])
+            chosen = await self.forward(scenario, routes, completion, completion.prompts[0], 0)
             if isinstance(chosen, str):
                 return chosen
             return [self._leg(0, completion, scenario, started, *chosen)]
         tries = [
             asyncio.ensure_future(
-                self.forward(scenario, routes, completion, completion.prompt_of(i))
+                self.forward(scenario, routes, completion, completion.prompt_of(i), i)
             )
             for i in range(completion.choices)
         ]
@@ -268,7 +274,7 @@ class Forwarder:
         stream: EngineStream,
     ) -> Leg:
         flight = Flight(self, entrance.instance, scenario, started)
-        again = Again(self, scenario, completion, completion.prompt_of(index), started)
+        again = Again(self, scenario, completion, completion.prompt_of(index), index, started)
         return Leg(index, completion, entrance.instance, stream, flight, again)
 
     async def forward(
@@ -277,14 +283,18 @@ class Forwarder:
         routes: list[GroupRoute],
         completion: Completion,
         prompt: Prompt | None = None,
+        choice: int = 0,
         sent: int = 0,
         since: float | None = None,
     ) -> tuple[Entrance, EngineStream] | str:
         """An accepting prefill and its stream for ``prompt`` (the request's first if not
-        given), or why there is none. A stream offered again after its entrance was lost:
+        given) as the request's ``choice``-th choice (its tokens drawn from that choice's
+        seed), or why there is none. A stream offered again after its entrance was lost:
         ``sent``, the tokens its client has (the engine resumes there); ``since``, when its
         budget began (monotonic s: the request's arrival, for one with no token yet)."""
         prompt = prompt or completion.prompts[0]
+        given = prompt.text if prompt.text is not None else prompt.tokens
+        seed = choice_seed(given, choice % completion.n)
         budget = self._budget(routes, prompt, sent)
         wall_budget = budget.wall_seconds(self.config.time_scale)  # as this gateway waits
         policy = self.policy
@@ -338,11 +348,12 @@ class Forwarder:
                         return spent()
                     body = generate_body(
                         request_id,
-                        prompt.text if prompt.text is not None else prompt.tokens,
+                        given,
                         completion.max_tokens,
                         TtftBudget.from_wall_seconds(remaining, self.config.time_scale),
                         policy.admission,
                         sent,
+                        seed,
                     )
                     tried += 1
                     response = await self._try(
@@ -481,6 +492,7 @@ class Again:
     scenario: str
     completion: Completion
     prompt: Prompt  # the leg's
+    choice: int  # the leg's index in the request (its seed)
     started: float  # monotonic s: the request's arrival
 
     async def offer(self, leg: Leg, sent: int, stage: ReofferStage) -> str | None:
@@ -499,11 +511,13 @@ class Again:
                 f.discovery.routes(self.scenario),
                 self.completion,
                 self.prompt,
+                self.choice,
                 sent,
                 self.started if stage is ReofferStage.BEFORE_FIRST_TOKEN else None,
             )
         except BadRequest as refused:  # e.g. the prompt with the tokens sent is too long now
-            chosen = f"an entrance refused it: {refused.message}"
+            f.metrics.migrations.labels(stage=stage, outcome=ReofferOutcome.REFUSED).inc()
+            return f"an entrance refused it: {refused.message}"
         if isinstance(chosen, str):
             f.metrics.migrations.labels(stage=stage, outcome=ReofferOutcome.NO_CAPACITY).inc()
             return chosen
@@ -512,8 +526,19 @@ class Again:
         leg.flight.end()
         leg.upstream, leg.instance = stream, entrance.instance
         leg.flight = Flight(f, entrance.instance, self.scenario, self.started, resumed=sent > 0)
-        f.metrics.migrations.labels(stage=stage, outcome=ReofferOutcome.MOVED).inc()
+        return None  # counted by the leg once the new stream goes on where it should
+
+    def counted(self, stage: ReofferStage, outcome: ReofferOutcome) -> None:
+        self.forwarder.metrics.migrations.labels(stage=stage, outcome=outcome).inc()
+
+
+def _not_resumed(events: list[Event], sent: int) -> str | None:
+    """Why a stream re-offered with ``sent`` tokens sent does not go on where it should (its
+    first token not the one due), or None."""
+    index = next((e.get("index") for e in events if e["type"] == "token"), sent)
+    if index == sent:
         return None
+    return f"an entrance refused it: its stream began at token {index!r}, not {sent}"
 
 
 class Leg:
@@ -540,6 +565,7 @@ class Leg:
         self.finish: str | None = None  # "stop" or "length" once it ended well
         self.done: Event | None = None  # the engine's own end
         self.error: Event | None = None  # the engine's failure, or the stream cut short
+        self._lost: Event | None = None  # a lost entrance's error, after its tokens are taken
         self._closed = False
 
     @property
@@ -549,26 +575,37 @@ class Leg:
     async def batch(self) -> list[Event]:
         """Its stream's next events (``[]``: the stream ended without its last event). A lost
         entrance (the batch's last event says so, or the stream ended early) is not the end:
-        the leg is offered to another (:class:`Again`), whose stream it reads from then on; the
-        tokens before the loss come first. When no entrance takes it, the loss ends it, its
-        message saying why it did not move."""
-        while True:
+        the tokens before the loss are returned first (taken on the flight they belong to, and
+        a stop string among them ends the choice there), then the leg is offered to another
+        (:class:`Again`), whose stream it reads from then on, once its first token is the one
+        due (an entrance that does not resume there, one from before ``resumeAt``, is a
+        refusal). When no entrance takes it, the loss ends it, its message saying why it did
+        not move."""
+        if self._lost is not None:  # a loss kept while the tokens before it were taken
+            events, self._lost = [self._lost], None
+        else:
             events = await self.upstream.batch()
+        while True:
             if self.again is None or (events and events[-1]["type"] != "error"):
                 return events  # the hot path: tokens, or the end
             last = events[-1] if events else _CUT
-            before = events[:-1] if events else []
-            sent = self.tokens + sum(1 for e in before if e["type"] == "token")
-            stage = reoffer_stage(last, sent, self.max_tokens)
+            if len(events) > 1:
+                self._lost = last
+                return events[:-1]
+            stage = reoffer_stage(last, self.tokens, self.max_tokens)
             if stage is None:
                 return events
-            why_not = await self.again.offer(self, sent, stage)
-            if why_not is not None:
-                said = last.get("message")
-                message = said[:400] if isinstance(said, str) else "the serving instance failed"
-                return [*before, last | {"message": f"{message}; not moved: {why_not}"}]
-            if before:
-                return before  # then the new entrance's stream
+            why_not = await self.again.offer(self, self.tokens, stage)
+            if why_not is None:
+                events = await self.upstream.batch()
+                why_not = _not_resumed(events, self.tokens)
+                outcome = ReofferOutcome.MOVED if why_not is None else ReofferOutcome.REFUSED
+                self.again.counted(stage, outcome)
+                if why_not is None:
+                    continue  # its tokens, or another loss
+            said = last.get("message")
+            message = said[:400] if isinstance(said, str) else "the serving instance failed"
+            return [last | {"message": f"{message}; not moved: {why_not}"}]
 
     def take(self, batch: list[Event]) -> list[str]:
         """The texts to pass on for a batch of its stream's events (an empty batch: the stream
