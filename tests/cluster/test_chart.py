@@ -239,7 +239,12 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
         try:
             url = f"http://127.0.0.1:{port}"
             wait_for(lambda: _answers(f"{url}/healthz"), timeout=30, what="the gateway")
-            serves(url)
+            try:
+                serves(url)
+            except AssertionError as exc:  # (what it answered, and what it logged)
+                raise AssertionError(
+                    f"{exc}\n{supervisor.log_path('gateway').read_text()[-3000:]}"
+                ) from exc
         finally:
             supervisor.stop("gateway")
         gateway_log = supervisor.log_path("gateway").read_text()
