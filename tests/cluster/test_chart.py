@@ -4,6 +4,7 @@ replaced after a server is lost (issue 31)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from chaoskit import emulator_fault
 from kazoo.client import KazooClient
 from kubernetes import client, config
 
@@ -618,10 +620,7 @@ def test_two_gateways_on_two_servers_one_server_lost_the_service_answers_and_one
         lost, kept = first
         down = lost.spec.node_name
         struck = time.monotonic()
-        response = httpx.post(
-            f"{control}/faults", json={"kind": "node-down", "node": down}, trust_env=False
-        )
-        assert response.is_success, response.text
+        emulator_fault(control, kind="node-down", node=down)
 
         def replaced() -> Any:
             fresh = [p for p in gateways() if serving(p) and p.metadata.uid != kept.metadata.uid]
@@ -666,10 +665,6 @@ def test_two_gateways_on_two_servers_one_server_lost_the_service_answers_and_one
     finally:
         stop.set()
         if down is not None:
-            httpx.request(
-                "DELETE",
-                f"{control}/faults",
-                json={"kind": "node-down", "node": down},
-                trust_env=False,
-            )
+            with contextlib.suppress(RuntimeError):
+                emulator_fault(control, heal=True, kind="node-down", node=down)
         run_tool("helm", "uninstall", release, "-n", namespace, check=False)

@@ -14,6 +14,7 @@ one replaced once, the Lease changed hands once per leader lost)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from typing import Any
 
 import httpx
 import openai
+from chaoskit import emulator_fault
 from kubernetes import client
 
 from helpers import Groups, pdgroup_body, wait_for
@@ -216,10 +218,7 @@ def test_the_control_plane_survives_the_loss_of_any_one_server(
             leading_here = core.read_namespaced_pod(before, namespace).spec.node_name == server
             down = server
             struck = time.monotonic()
-            answer = httpx.post(
-                f"{control}/faults", json={"kind": "node-down", "node": server}, trust_env=False
-            )
-            assert answer.is_success, answer.text
+            emulator_fault(control, kind="node-down", node=server)
             losses.append((struck, time.monotonic()))  # its processes are killed before it answers
             if leading_here:
                 wait_for(
@@ -257,12 +256,7 @@ def test_the_control_plane_survives_the_loss_of_any_one_server(
             if left > 0:
                 time.sleep(left)
             assert groups.ready("g"), f"the group not Ready {HELD:.0f} s into {server}'s outage"
-            httpx.request(
-                "DELETE",
-                f"{control}/faults",
-                json={"kind": "node-down", "node": server},
-                trust_env=False,
-            ).raise_for_status()
+            emulator_fault(control, heal=True, kind="node-down", node=server)
             down = None
             wait_for(settled, timeout=90, what=f"the control plane whole again after {server}")
         time.sleep(2)
@@ -302,11 +296,7 @@ def test_the_control_plane_survives_the_loss_of_any_one_server(
         if traffic is not None:
             traffic.finish()
         if down is not None:
-            httpx.request(
-                "DELETE",
-                f"{control}/faults",
-                json={"kind": "node-down", "node": down},
-                trust_env=False,
-            )
+            with contextlib.suppress(RuntimeError):
+                emulator_fault(control, heal=True, kind="node-down", node=down)
         cordon(every_node, False)
         run_tool("helm", "uninstall", release, "-n", namespace, "--wait", check=False)

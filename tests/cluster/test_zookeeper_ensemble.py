@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+from chaoskit import emulator_fault
 from kazoo.client import KazooClient
 from kazoo.exceptions import KazooException, NodeExistsError
 from kazoo.handlers.threading import KazooTimeoutError
@@ -60,12 +60,6 @@ def _fewest_gateways() -> int:
     schema = json.loads((CHART / "values.schema.json").read_text())
     replicas = schema["properties"]["gateway"]["properties"]["replicas"]
     return int(min(replicas["enum"]) if "enum" in replicas else replicas.get("minimum", 0))
-
-
-def _fault(control: str, heal: bool = False, **body: object) -> None:
-    with httpx.Client(base_url=control, timeout=10, trust_env=False) as http:
-        answer = http.request("DELETE" if heal else "POST", "/faults", json=body)
-        assert answer.is_success, answer.text
 
 
 def _wrote(zk: KazooClient, path: str) -> bool:
@@ -138,7 +132,7 @@ def test_three_servers_form_a_quorum_and_serve_through_the_loss_of_the_leaders_s
             # The leader's server down: the two others elect a leader and serve on.
             leader = next(p for p in pods if modes[p.metadata.name] == "leader")
             down_node = leader.spec.node_name
-            _fault(cluster.node_emulator, kind="node-down", node=down_node)
+            emulator_fault(cluster.node_emulator, kind="node-down", node=down_node)
             lost = time.monotonic()
             wait_for(
                 lambda: _wrote(zk, "/ensemble/during"),
@@ -163,7 +157,7 @@ def test_three_servers_form_a_quorum_and_serve_through_the_loss_of_the_leaders_s
                 fresh.create("/ensemble/new-client", b"")
 
             # Back: the server rejoins as a follower, with what was written meanwhile.
-            _fault(cluster.node_emulator, heal=True, kind="node-down", node=down_node)
+            emulator_fault(cluster.node_emulator, heal=True, kind="node-down", node=down_node)
             down_node = None
             back = time.monotonic()
 
@@ -181,5 +175,5 @@ def test_three_servers_form_a_quorum_and_serve_through_the_loss_of_the_leaders_s
         print("\n" + ", ".join(f"{what}: {value:.1f}" for what, value in figures.items()))
     finally:
         if down_node is not None:
-            _fault(cluster.node_emulator, heal=True, kind="node-down", node=down_node)
+            emulator_fault(cluster.node_emulator, heal=True, kind="node-down", node=down_node)
         run_tool("helm", "uninstall", release, "-n", namespace, "--wait", check=False)

@@ -28,7 +28,9 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from matrixserve.adapters.kube import KubeAdapter
 from matrixserve.adapters.lease import LeaseAdapter
+from matrixserve.api import kinds
 from matrixserve.domain import leadership as le
 from matrixserve.domain.leadership import NotLeading, Step, Timing
 
@@ -241,3 +243,16 @@ async def lead_or_gone(
         except Exception as exc:
             log.debug("still pending? %s", exc)
     return True
+
+
+def finalizer_pending(
+    kube: KubeAdapter, kind: kinds.Kind, namespace: str, name: str
+) -> Callable[[], Awaitable[bool]]:
+    """For :func:`lead_or_gone` in a finalizer's handler: the object is there with our
+    finalizer on it (the leader has not finished with it)."""
+
+    async def pending() -> bool:
+        body = await kube.get(kind, namespace, name)
+        return body is not None and kinds.FINALIZER in (body["metadata"].get("finalizers") or ())
+
+    return pending

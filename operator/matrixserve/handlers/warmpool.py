@@ -33,7 +33,7 @@ from matrixserve.api.resources import RefillPolicy, WarmPoolSpec, field_errors
 from matrixserve.domain import warmpool as wp
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.warmpool import cleanup, dram
-from matrixserve.handlers.leadership import lead_or_gone
+from matrixserve.handlers.leadership import finalizer_pending, lead_or_gone
 from matrixserve.handlers.reconciler import Reconciler, wake_on_events
 from matrixserve.handlers.runtime import Runtime
 
@@ -170,11 +170,7 @@ async def deleted(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
     while the leader's last pass still runs. Nothing to clean up: the pool's pods are owned."""
     pools = pools_of(memo)
 
-    async def pending() -> bool:
-        body = await pools.rt.kube.get(KIND, namespace, name)
-        return body is not None and kinds.FINALIZER in (body["metadata"].get("finalizers") or ())
-
-    await lead_or_gone(pools.rt.leadership, pending)
+    await lead_or_gone(pools.rt.leadership, finalizer_pending(pools.rt.kube, KIND, namespace, name))
 
 
 async def _dram_inputs(

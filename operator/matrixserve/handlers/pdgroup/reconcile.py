@@ -31,7 +31,7 @@ from matrixserve.domain.pdgroup import cleanup
 from matrixserve.domain.pdgroup.actions import ReportRatioChange, ReportRecovery
 from matrixserve.domain.pdgroup.validation import parse_spec, running_template_changes
 from matrixserve.domain.scaleout import Path, Phase
-from matrixserve.handlers.leadership import lead_or_gone
+from matrixserve.handlers.leadership import finalizer_pending, lead_or_gone
 from matrixserve.handlers.pdgroup.controller import API, KIND, PDGroups, groups_of
 from matrixserve.handlers.reconciler import Key, wake_on_events
 
@@ -282,12 +282,6 @@ def _track_setup(groups: PDGroups, key: Key, plan: pd.Plan) -> None:
 
 
 # --------------------------------------------------------------------------- deletion
-async def _exists(groups: PDGroups, namespace: str, name: str) -> bool:
-    """The object is there with our finalizer on it (its clean-up not done by the leader)."""
-    body = await groups.rt.kube.get(KIND, namespace, name)
-    return body is not None and kinds.FINALIZER in (body["metadata"].get("finalizers") or ())
-
-
 @kopf.on.delete(*API, id="cleanup-zookeeper")
 async def deleted(
     name: str,
@@ -301,7 +295,8 @@ async def deleted(
     groups = groups_of(memo)
     # The leader cleans up; a standby's handler holds (its kopf writes nothing meanwhile) until
     # it leads, or the object is gone (the leader removed the finalizer).
-    if not await lead_or_gone(groups.rt.leadership, lambda: _exists(groups, namespace, name)):
+    pending = finalizer_pending(groups.rt.kube, KIND, namespace, name)
+    if not await lead_or_gone(groups.rt.leadership, pending):
         return
     if not groups.store.connected:
         if not cleanup.give_up_waiting(meta.get("deletionTimestamp"), time.time()):
