@@ -22,17 +22,14 @@ from matrixserve.coordination import add_auth_flags, auth_from
 from matrixserve.domain.enginepod import EngineSettings, engine_network_policy
 from matrixserve.domain.leadership import Timing
 from matrixserve.domain.scaleout import Path as ScalePath
-from matrixserve.handlers import (
-    pdgroup,  # registers the PDGroup handlers
-    unserved,  # noqa: F401  (ExpertPool, DPDomain: their objects say no controller runs them)
-    warmpool,  # registers the WarmPool handlers
-)
-from matrixserve.handlers import runtime as _runtime
+from matrixserve.handlers import kinds as registration
+from matrixserve.handlers.pdgroup import PDGroups
 from matrixserve.handlers.runtime import OperatorConfig
+from matrixserve.handlers.warmpool import WarmPools
 
-# The kinds this operator runs, each by its set-up (registering a kind's handler module is the
-# import above; its controller is built at start-up by this).
-KINDS = (pdgroup.install, warmpool.install)
+# The kinds this operator runs (each a Controller class: handlers/controller.py); those with no
+# controller yet (ExpertPool, DPDomain) say so in their status (handlers/unserved.py).
+KINDS: tuple[registration.KindClass, ...] = (PDGroups, WarmPools)
 
 
 def _non_negative(text: str) -> float:
@@ -382,9 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("kazoo").setLevel(logging.WARNING)
-    assert _runtime.startup is not None
-    if config.webhook:
-        pdgroup.register_webhook()
+    registry = registration.register(KINDS, config.webhook, kopf.OperatorRegistry())
     liveness = (
         f"http://{args.liveness_address}:{args.liveness_port}/healthz"
         if args.liveness_port
@@ -392,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     memo = kopf.Memo(config=config, kinds=KINDS)
     kopf.run(
+        registry=registry,
         standalone=True,  # kopf's peering off: the Lease elects (handlers/leadership.py)
         clusterwide=not args.namespace,
         namespaces=args.namespace,

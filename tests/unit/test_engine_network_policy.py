@@ -21,6 +21,8 @@ from kubernetes import client
 from fakes import FakeCore, FakeCustom, FakeKazoo, FakeNetworking
 from matrixserve import __main__ as operator_main
 from matrixserve.adapters.kube import SECRET_RECHECK_SECONDS, KubeAdapter
+from matrixserve.adapters.metrics import OperatorMetrics
+from matrixserve.adapters.pdgroup_metrics import PDGroupMetrics
 from matrixserve.adapters.zk_groups import GroupStore
 from matrixserve.api import kinds
 from matrixserve.coordination import Session
@@ -33,8 +35,7 @@ from matrixserve.domain.enginepod import (
     policy_taken,
 )
 from matrixserve.domain.leadership import NotLeading
-from matrixserve.handlers import pdgroup
-from matrixserve.handlers.metrics import OperatorMetrics
+from matrixserve.handlers.pdgroup import PDGroups
 from matrixserve.handlers.reconciler import Reconciler
 from matrixserve.handlers.runtime import OperatorConfig, Runtime
 
@@ -225,8 +226,8 @@ class World:
                      session, metrics, loop)  # fmt: skip
         self.events: list[Event] = []
         reconciler = Reconciler(kinds.PDGROUP, kube, metrics, loop, poster=self.record)
-        self.groups = pdgroup.PDGroups(
-            rt, reconciler, GroupStore(session), pdgroup.PDGroupMetrics(metrics.registry)
+        self.groups = PDGroups(
+            rt, reconciler, GroupStore(session), PDGroupMetrics(metrics.registry)
         )
         key = (kinds.GROUP, kinds.VERSION, "ns", kinds.PDGROUP.plural, "g")
         self.custom.objects[key] = {
@@ -247,7 +248,7 @@ class World:
             self.events.append(event)
 
     async def reconcile(self) -> None:
-        await pdgroup.reconcile(self.groups, "ns", "g", LOG)
+        await self.groups.loop.reconcile(self.groups, "ns", "g", LOG)
 
 
 async def test_a_groups_first_pass_writes_the_policy_before_its_pods() -> None:

@@ -19,6 +19,8 @@ from kubernetes import client
 
 from fakes import FakeCore, FakeCustom
 from matrixserve.adapters.kube import KubeAdapter
+from matrixserve.adapters.metrics import OperatorMetrics
+from matrixserve.adapters.pdgroup_metrics import PDGroupMetrics
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
@@ -36,8 +38,8 @@ from matrixserve.domain.pdgroup.validation import (
     validate_update,
     with_decode_replicas,
 )
-from matrixserve.handlers.metrics import OperatorMetrics
-from matrixserve.handlers.pdgroup import PDGroups, admission, reconcile
+from matrixserve.handlers import kinds as registration
+from matrixserve.handlers.pdgroup import PDGroups
 from matrixserve.handlers.reconciler import Reconciler
 
 P, D = zl.Role.PREFILL, zl.Role.DECODE
@@ -291,7 +293,13 @@ class Api:
 
     @property
     def memo(self) -> Any:
-        return SimpleNamespace(runtime=SimpleNamespace(kube=self.kube))
+        runtime = SimpleNamespace(kube=self.kube)
+        groups = SimpleNamespace(rt=runtime)
+        return SimpleNamespace(runtime=SimpleNamespace(kube=self.kube, controllers={PDG: groups}))
+
+
+PDG = kinds.PDGROUP
+RULES, SCALE = (registration.admission_handler(PDG, a) for a in PDGroups.admissions)
 
 
 def scale_body(replicas: int) -> kopf.Body:
@@ -307,7 +315,7 @@ def scale_body(replicas: int) -> kopf.Body:
 
 async def test_the_scale_webhook_checks_the_stored_group_with_the_new_decode_replicas() -> None:
     api = Api(raw())
-    call = admission.validate_scale
+    call = SCALE
     with pytest.raises(kopf.AdmissionError) as refused:
         await call(body=scale_body(200), name="g", namespace="ns", memo=api.memo)
     assert refused.value.code == 422
@@ -334,13 +342,12 @@ async def test_the_update_webhook_reads_the_pods_only_for_a_spec_change() -> Non
         if deleting:
             meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
         body = kopf.Body(cast(Any, {"metadata": meta, "spec": new}))
-        await admission.validate(
-            spec=body.spec,
+        await RULES(
+            body=body,
             old=None if old is None else kopf.Body(cast(Any, {"metadata": meta, "spec": old})),
             operation=operation,
             name="g",
             namespace="ns",
-            meta=body.meta,
             memo=api.memo,
         )
 
@@ -363,7 +370,7 @@ def test_refusals_are_logged_as_the_users_error_and_failures_stay_errors(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     objects = logging.getLogger("kopf.objects")
-    hook = admission.RefusalsAreWarnings()
+    hook = registration.RefusalsAreWarnings([a.id for a in PDGroups.admissions])
     objects.addFilter(hook)
     try:
         with caplog.at_level(logging.INFO, logger="kopf.objects"):
@@ -393,9 +400,12 @@ async def test_reconcile_refuses_a_template_change_and_touches_nothing() -> None
         asyncio.get_running_loop(),
         poster=lambda _body, event: events.append(cast(Event, event)),
     )
-    groups = cast(PDGroups, SimpleNamespace(rt=api.memo.runtime, loop=loop))
+    groups = PDGroups(
+        api.memo.runtime, loop, cast(Any, None), PDGroupMetrics(OperatorMetrics().registry)
+    )
     pods = copy.deepcopy(api.core.pods)
-    assert await reconcile(groups, "ns", "g", logging.getLogger("test")) is False
+    outcome = await loop.reconcile(groups, "ns", "g", logging.getLogger("test"))
+    assert outcome.busy is False
     status = api.custom.objects[KEY]["status"]
     (ready,) = [c for c in status["conditions"] if c["type"] == "Ready"]
     assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")

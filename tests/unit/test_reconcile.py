@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Mapping
 from datetime import datetime
+from types import SimpleNamespace
 from typing import Any, cast
 
 import kopf
@@ -22,6 +23,8 @@ from kubernetes import client
 
 from fakes import FakeCore, FakeCustom, FakeKazoo, engine_report
 from matrixserve.adapters.kube import KubeAdapter
+from matrixserve.adapters.metrics import OperatorMetrics
+from matrixserve.adapters.pdgroup_metrics import PDGroupMetrics
 from matrixserve.adapters.zk_groups import GroupStore
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
@@ -29,9 +32,9 @@ from matrixserve.coordination import Session
 from matrixserve.domain.effects import Event
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.pdgroup.actions import ClaimWarmPod
-from matrixserve.handlers import pdgroup
-from matrixserve.handlers.metrics import OperatorMetrics
-from matrixserve.handlers.reconciler import Reconciler
+from matrixserve.handlers.controller import Watches
+from matrixserve.handlers.pdgroup import PDGroups
+from matrixserve.handlers.reconciler import Outcome, Reconciler
 from matrixserve.handlers.runtime import OperatorConfig, Runtime
 
 LOG = logging.getLogger("test")
@@ -59,8 +62,8 @@ class World:
         rt = Runtime(config, kube, session, metrics, loop)
         self.events: list[Event] = []
         reconciler = Reconciler(kinds.PDGROUP, kube, metrics, loop, poster=self.record)
-        self.groups = pdgroup.PDGroups(
-            rt, reconciler, GroupStore(session), pdgroup.PDGroupMetrics(metrics.registry)
+        self.groups = PDGroups(
+            rt, reconciler, GroupStore(session), PDGroupMetrics(metrics.registry)
         )
         self.custom.objects[KEY] = {
             "apiVersion": kinds.API_VERSION,
@@ -74,7 +77,7 @@ class World:
             self.events.append(event)
 
     async def reconcile(self) -> bool:
-        return await pdgroup.reconcile(self.groups, "ns", "g", LOG)
+        return (await self.groups.loop.reconcile(self.groups, "ns", "g", LOG)).busy
 
     @property
     def status(self) -> dict[str, Any]:
@@ -197,6 +200,23 @@ async def test_a_deleted_or_deleting_group_is_left_alone(world: World) -> None:
 
 
 # --------------------------------------------------------------------------- the loop
+class Idle:
+    """A kind whose passes the test scripts (:func:`scripted`)."""
+
+    watches = Watches()
+    store = None
+
+
+def scripted(loop: Reconciler, reconcile: Any) -> Any:
+    """The loop's pass replaced by ``reconcile(namespace, name, logger) -> busy``."""
+
+    async def one(_: Any, namespace: str, name: str, logger: logging.Logger) -> Outcome:
+        return Outcome(busy=await reconcile(namespace, name, logger))
+
+    loop.reconcile = one  # type: ignore[method-assign,assignment]
+    return Idle()
+
+
 class Stopped:
     def __init__(self) -> None:
         self.flag = False
@@ -224,7 +244,7 @@ async def test_a_failed_pass_does_not_end_the_loop_and_busy_passes_follow_at_onc
         return len(passes) < 4  # busy: look again at once
 
     task = asyncio.create_task(
-        loop.run("ns", "g", cast(kopf.DaemonStopped, stopped), LOG, reconcile)
+        loop.run(scripted(loop, reconcile), "ns", "g", cast(kopf.DaemonStopped, stopped), LOG)
     )
     await asyncio.wait_for(failed.wait(), 2)
     loop.wake("ns", "g")  # the next wake-up runs the next pass
@@ -259,7 +279,7 @@ async def test_a_wake_ends_the_wait_and_polling_wakes_only_on_a_new_generation(
         return False
 
     task = asyncio.create_task(
-        loop.run("ns", "g", cast(kopf.DaemonStopped, stopped), LOG, reconcile)
+        loop.run(scripted(loop, reconcile), "ns", "g", cast(kopf.DaemonStopped, stopped), LOG)
     )
     await asyncio.wait_for(passes.get(), 2)
     loop.object_changed("ns", "g", generation=1)  # a first sighting: always a wake
@@ -334,9 +354,8 @@ async def test_the_kinds_sweeps_run_every_sweep_seconds_while_connected_never_ov
         runs.append("x")
         raise RuntimeError("a kind's sweep that fails")
 
-    rt.add_sweep(lambda: slow("a"))
-    rt.add_sweep(broken)
-    rt.add_sweep(lambda: slow("b"))
+    for i, sweep in enumerate((lambda: slow("a"), broken, lambda: slow("b"))):
+        rt.controllers[kinds.Kind(f"K{i}", f"k{i}")] = cast(Any, SimpleNamespace(sweep=sweep))
     ticker = asyncio.create_task(rt.sweep_periodically())
     try:
         await asyncio.sleep(0.2)
@@ -374,7 +393,7 @@ async def test_a_new_session_sweeps_the_subtrees_of_groups_that_are_gone(world: 
     world.zk.create(live, b"{}", ephemeral=True, makepath=True)
     world.zk.ensure_path(f"{zl.fork_sources_root('ns')}/k-gone")
     world.zk.ensure_path(f"{zl.fork_sources_root('gone')}/k-old")
-    await pdgroup.sweep(world.groups)
+    await world.groups.sweep()
     assert zl.group_path("ns", "g") in world.zk.nodes
     assert zl.group_path("ns", "ghost") not in world.zk.nodes
     assert zl.groups_root("other") not in world.zk.nodes  # an emptied namespace folder goes too
@@ -389,16 +408,10 @@ async def test_a_namespaces_warm_folder_is_swept_once_no_pool_nor_pool_pod_is_le
     """Issue 31: a namespace deleted with its WarmPool (or whose last pool went) left its DRAM
     plans and folders in ZooKeeper. The sweep removes them once nothing there is a pool's: not
     while a pool exists, nor while a pod of a pool (warm, or claimed: its assignment) is left."""
-    from matrixserve.adapters.zk_warm import WarmStore
-    from matrixserve.handlers import warmpool
+    from matrixserve.handlers.warmpool import WarmPools
 
     rt = world.groups.rt
-    pools = warmpool.WarmPools(
-        rt,
-        rt.reconciler(kinds.WARMPOOL),
-        WarmStore(rt.session),
-        warmpool.WarmPoolMetrics(OperatorMetrics().registry),
-    )
+    pools = WarmPools.install(rt)
     plan = zl.DramPlan(node="n0", models=["llama3-8b"], bytes=1)
     # a pool created after the sweep listed the pools has armed its watch on the folder (under
     # the store's lock): its folder stays (the second reader's finding)
@@ -413,13 +426,13 @@ async def test_a_namespaces_warm_folder_is_swept_once_no_pool_nor_pool_pod_is_le
     world.core.create_namespaced_pod(
         "podded", {"metadata": {"name": "w-0", "labels": {kinds.LABEL_WARMPOOL: "wp"}}}
     )
-    await warmpool.sweep(pools)
+    await pools.sweep()
     assert zl.WarmPaths("pooled").dram("n0") in world.zk.nodes
     assert zl.WarmPaths("podded").dram("n0") in world.zk.nodes
     assert not [p for p in world.zk.nodes if p.startswith(zl.WarmPaths("gone").root)]
     assert zl.WarmPaths("watched").dram("n0") in world.zk.nodes
     world.core.pods.clear()  # the last pool pod went
-    await warmpool.sweep(pools)
+    await pools.sweep()
     assert not [p for p in world.zk.nodes if p.startswith(zl.WarmPaths("podded").root)]
     assert zl.WarmPaths("pooled").dram("n0") in world.zk.nodes
 
@@ -466,13 +479,10 @@ async def test_a_foreign_pod_holding_a_members_name_is_the_reason_not_a_silent_r
 def test_recovery_metrics_count_every_step_of_every_recovery_in_a_pass() -> None:
     """Issue 17's metrics come from each step's own record: two recoveries ending in one pass
     are both counted (keyed by nothing that two records can share)."""
-    from types import SimpleNamespace
-
     from matrixserve.domain.pdgroup.actions import ReportRecovery
-    from matrixserve.handlers.pdgroup.reconcile import _track_recovery
 
     registry = OperatorMetrics().registry
-    metrics = pdgroup.PDGroupMetrics(registry)
+    metrics = PDGroupMetrics(registry)
     get = registry.get_sample_value
 
     def record(kind: str, seconds: float | None = None) -> dict[str, Any]:
@@ -483,10 +493,8 @@ def test_recovery_metrics_count_every_step_of_every_recovery_in_a_pass() -> None
             "restoredAfterSeconds": seconds,
         }
 
-    groups = cast(pdgroup.PDGroups, SimpleNamespace(metrics=metrics))
-    _track_recovery(groups, [ReportRecovery("RecoveryPlanned", "", record=record("die"))])
-    _track_recovery(
-        groups,
+    metrics.record_recovery([ReportRecovery("RecoveryPlanned", "", record=record("die"))])
+    metrics.record_recovery(
         [
             ReportRecovery("Recovered", "", record=record("die", 4.0)),
             ReportRecovery("Recovered", "", record=record("die", 8.0)),
@@ -508,19 +516,16 @@ def test_the_split_metrics_follow_the_policy_and_phi_goes_when_no_window_says_it
     """Issue 19's gauges: the serving and target split and Φ as the status says them; after a
     switch to Fixed (which observes no window) the group's Φ series is gone, not frozen at the
     last Feedback window's."""
-    from types import SimpleNamespace
-
     from matrixserve.domain.pdgroup.actions import ReportRatioChange
     from matrixserve.domain.pdgroup.plan import Plan
-    from matrixserve.handlers.pdgroup.reconcile import _track_ratio
 
     registry = OperatorMetrics().registry
-    groups = cast(pdgroup.PDGroups, SimpleNamespace(metrics=pdgroup.PDGroupMetrics(registry)))
+    metrics = PDGroupMetrics(registry)
     get = registry.get_sample_value
     group = {"namespace": "ns", "group": "g"}
 
     def passed(ratio: dict[str, Any], *actions: Any) -> None:
-        _track_ratio(groups, "ns", "g", Plan(list(actions), {"ratio": ratio}, [], True))
+        metrics.record_ratio("ns", "g", Plan(list(actions), {"ratio": ratio}, [], True))
 
     feedback = {"policy": "Feedback", "current": "3:5", "target": "2:6", "phi": 7.5}
     passed(feedback, ReportRatioChange("Moving one instance from prefill to decode"))
@@ -589,11 +594,8 @@ async def test_warm_pod_claims_are_issued_together_not_one_round_trip_each() -> 
     claims = _claims(4)
     body = {"metadata": {"namespace": "ns", "name": "g", "uid": "uid-g"}}
 
-    async def no_znodes(_: Any) -> None:
-        raise AssertionError("no znode change was planned")
-
     began = time.monotonic()
-    assert await loop.apply(body, claims, no_znodes)
+    assert await loop.apply(body, claims)  # no store: a znode change would fail
     assert sorted(core.patched) == [f"wp-{i}" for i in range(4)]
     assert core.most > 1
     assert time.monotonic() - began < 0.6  # not 4 x 0.2 s
@@ -615,10 +617,7 @@ async def test_a_claim_that_fails_is_raised_after_the_others_are_done() -> None:
     loop, posted = _claiming(kube)
     claims = _claims(3)
 
-    async def no_znodes(_: Any) -> None:
-        raise AssertionError("no znode change was planned")
-
     body = {"metadata": {"namespace": "ns", "name": "g", "uid": "uid-g"}}
     with pytest.raises(client.ApiException):
-        await loop.apply(body, claims, no_znodes)
+        await loop.apply(body, claims)  # no store: a znode change would fail
     assert posted == ["ClaimedWarmPod"] * 2  # both others finished before the raise

@@ -24,6 +24,8 @@ from enginestub.engine import config as engine_config
 from fakes import FakeCore, FakeCustom, FakeKazoo
 from matrixserve import __main__ as operator_main
 from matrixserve.adapters.kube import SECRET_RECHECK_SECONDS, KubeAdapter, SecretTaken
+from matrixserve.adapters.metrics import OperatorMetrics
+from matrixserve.adapters.pdgroup_metrics import PDGroupMetrics
 from matrixserve.adapters.zk_groups import GroupStore
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
@@ -34,9 +36,9 @@ from matrixserve.domain.enginepod import SECRET_LABELS, EngineSettings, platform
 from matrixserve.domain.leadership import Timing
 from matrixserve.domain.pdgroup.pods import pod_manifest
 from matrixserve.gateway import __main__ as gateway_main
-from matrixserve.handlers import pdgroup, runtime
+from matrixserve.handlers import runtime
 from matrixserve.handlers.leadership import Leadership
-from matrixserve.handlers.metrics import OperatorMetrics
+from matrixserve.handlers.pdgroup import PDGroups
 from matrixserve.handlers.reconciler import Reconciler
 from matrixserve.handlers.runtime import OperatorConfig, Runtime
 
@@ -246,8 +248,8 @@ class Upgraded:
         rt = Runtime(config, kube, session, metrics, loop)
         self.events: list[Event] = []
         reconciler = Reconciler(kinds.PDGROUP, kube, metrics, loop, poster=self.record)
-        self.groups = pdgroup.PDGroups(
-            rt, reconciler, GroupStore(session), pdgroup.PDGroupMetrics(metrics.registry)
+        self.groups = PDGroups(
+            rt, reconciler, GroupStore(session), PDGroupMetrics(metrics.registry)
         )
         spec = {
             "service": "chat",
@@ -274,7 +276,7 @@ class Upgraded:
             self.events.append(event)
 
     async def reconcile(self) -> None:
-        await pdgroup.reconcile(self.groups, "ns", "g", LOG)
+        await self.groups.loop.reconcile(self.groups, "ns", "g", LOG)
 
     def reasons(self) -> list[str]:
         return [e.reason for e in self.events]

@@ -442,6 +442,59 @@ class KubeAdapter:
             raise
         return True
 
+    async def create_object(self, kind: Kind, namespace: str, body: Mapping[str, Any]) -> bool:
+        """Create a custom object; True if created, False if one of that name was there."""
+        self._fenced()
+        try:
+            await asyncio.to_thread(
+                self.custom.create_namespaced_custom_object,
+                kind.group,
+                kind.version,
+                namespace,
+                kind.plural,
+                body,
+            )
+        except client.ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    async def patch_object(
+        self,
+        kind: Kind,
+        namespace: str,
+        name: str,
+        patch: Mapping[str, Any],
+        resource_version: str | None = None,
+    ) -> bool:
+        """Merge-patch a custom object (its spec, its metadata), only while it is at
+        ``resource_version`` if given. True if patched; False if it is gone or changed
+        meanwhile (409)."""
+        body = dict(patch)
+        if resource_version is not None:
+            body["metadata"] = {
+                **(patch.get("metadata") or {}),
+                "resourceVersion": resource_version,
+            }
+        self._fenced()
+        try:
+            await asyncio.to_thread(
+                self.custom.patch_namespaced_custom_object,
+                kind.group,
+                kind.version,
+                namespace,
+                kind.plural,
+                name,
+                body,
+                _content_type="application/merge-patch+json",
+            )
+        except client.ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            raise
+        return True
+
     async def patch_status(
         self, kind: Kind, namespace: str, name: str, status: dict[str, Any]
     ) -> None:

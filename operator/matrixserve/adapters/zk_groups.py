@@ -22,13 +22,21 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from matrixserve.api import zk_layout as zl
-from matrixserve.coordination import NotEmptyError, Restricted, Session, ZooKeeperError
+from matrixserve.coordination import (
+    CallTimeout,
+    NotEmptyError,
+    Restricted,
+    Session,
+    ZooKeeperError,
+)
 from matrixserve.domain.effects import ZnodeChange
 from matrixserve.domain.pdgroup import ZkView
 
 log = logging.getLogger("matrixserve.zookeeper")
 DELETE_TRIES = 10
 _UNSEEN = object()
+# What a store call raises when ZooKeeper fails under it (worth a retry soon).
+UNAVAILABLE = (ZooKeeperError, CallTimeout, ConnectionError)
 
 
 def _verdict(data: bytes | None) -> Any:
@@ -245,6 +253,17 @@ class GroupStore:
         return await self.session.run(delete)
 
     # ------------------------------------------------------------------ watches
+    async def arm(self, namespace: str, group: str, wake: Callable[[], None]) -> bool:
+        """The group's subtree made, and watched (:meth:`watch`); False if not connected."""
+        if not self.connected:
+            return False
+        await self.ensure(namespace, group)
+        await self.session.run(self.watch, namespace, group, wake)
+        return True
+
+    def disarm(self, namespace: str, group: str) -> None:
+        self.unwatch(namespace, group)
+
     def watch(self, namespace: str, group: str, wake: Callable[[], None]) -> None:
         """Call ``wake`` (from a kazoo thread) whenever reports, links, health, entrances,
         removals or the map change. The watches end at :meth:`unwatch`, also when the group is

@@ -12,6 +12,7 @@ from typing import Any
 
 from matrixserve.api import zk_layout as zl
 from matrixserve.coordination import NotEmptyError, Session
+from matrixserve.domain.effects import ZnodeChange
 
 log = logging.getLogger("matrixserve.zookeeper")
 
@@ -22,6 +23,7 @@ class WarmStore:
         self._lock = threading.Lock()
         self._watched: dict[str, list[Callable[[], None]]] = {}
         self._handles: dict[str, Any] = {}
+        self._armed: dict[tuple[str, str], Callable[[], None]] = {}  # each pool's wake
 
     @property
     def connected(self) -> bool:
@@ -120,6 +122,24 @@ class WarmStore:
             return changed
 
         return await self.session.run(write)
+
+    async def arm(self, namespace: str, pool: str, wake: Callable[[], None]) -> bool:
+        """Wake the pool when a warm engine of its namespace reports or goes (:meth:`watch`);
+        False if not connected."""
+        if not self.connected:
+            return False
+        await self.ensure(namespace)
+        await self.session.run(self.watch, namespace, wake)
+        self._armed[(namespace, pool)] = wake
+        return True
+
+    def disarm(self, namespace: str, pool: str) -> None:
+        wake = self._armed.pop((namespace, pool), None)
+        if wake is not None:
+            self.unwatch(namespace, wake)
+
+    async def apply(self, namespace: str, pool: str, change: ZnodeChange[Any]) -> None:
+        raise TypeError(f"a WarmPool plan changes no znode ({change!r})")
 
     def watch(self, namespace: str, wake: Callable[[], None]) -> None:
         """Call ``wake`` (from a kazoo thread) when a warm engine reports or goes."""

@@ -2,7 +2,8 @@
 
 A kind's actions are frozen values that say *what* to do and carry everything the applier needs
 (a pod's manifest, a znode's bytes), so applying them is generic: create a pod, delete a pod
-(with a UID precondition), or change znodes in the kind's ZooKeeper subtree. Each action also
+(with a UID precondition), claim a pod, create or patch a custom object the kind owns (of any
+kind: a scenario's PDGroups), or change znodes in the kind's ZooKeeper subtree. Each action also
 says how it is reported (:meth:`Effect.describe`: the Event's reason and message).
 """
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.kinds import Kind
 
 Paths = TypeVar("Paths")
 
@@ -60,6 +62,25 @@ class PodClaim(Effect):
     name: str
     resource_version: str
     patch: Mapping[str, Any]
+
+
+class ObjectCreation(Effect):
+    """Create a custom object of ``kind`` from ``manifest`` in the object's namespace
+    (idempotent: one of that name already there is success, and is not reported)."""
+
+    kind: Kind
+    manifest: Mapping[str, Any]
+
+
+class ObjectPatch(Effect):
+    """Merge-patch the spec or metadata of custom object ``name`` of ``kind`` in the object's
+    namespace, only while it is at ``resource_version`` (None: any); a gone object, or one
+    changed meanwhile (409), is not reported."""
+
+    kind: Kind
+    name: str
+    patch: Mapping[str, Any]
+    resource_version: str | None = None
 
 
 class Notice(Effect):

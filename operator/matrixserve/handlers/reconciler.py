@@ -1,20 +1,22 @@
 """The per-object loop every kind runs (level-based, controller-runtime's habit in kopf).
 
-A kind hands in its ``reconcile(namespace, name, logger) -> busy`` and, if it watches something
-outside Kubernetes, an ``arm(namespace, name, wake) -> armed`` that registers the wake-up. The
-loop, run by the kind's ``@kopf.daemon``:
+A kind is a :class:`~matrixserve.handlers.controller.Controller`; the loop, run by the kind's
+daemon (:mod:`.kinds`), for one object:
 
-- reconciles, then sleeps until woken (a watch, a pod event, a spec change) or a resync period
-  passes; a pass that applied actions (``busy``) is followed by another at once;
-- never dies of a failed pass: the error is counted and logged, and the next pass (a wake-up or
-  the resync) tries again, no sooner than a second later;
+- arms the kind's ZooKeeper store for it (its watches wake the loop), then passes: fetch the
+  object (gone or deleting: stop) -> ``parse`` -> an invalid spec reported once per generation
+  (``Ready=False``, reason ``InvalidSpec``, a Warning Event; nothing touched) -> ``observe`` ->
+  ``plan`` (pure) -> ``admit`` -> apply the actions (one applier per effect type: the table
+  :data:`APPLIERS`) -> write the status if it changed -> ``record``;
+- a pass that applied actions (``busy``) is followed by another at once; otherwise it sleeps
+  until woken (its object, its pods, objects it owns, its store), its plan's ``recheck_after``
+  (a window's end, a cooldown, a deadline) or the resync period, whichever comes first;
+- never dies of a failed pass: the error is counted and logged, and the pass is retried after
+  1, 2, 4, ... seconds (at most :data:`BACKOFF_MAX_SECONDS`) over consecutive failures, or on a
+  wake-up, no sooner than a second after the failure;
 - times every pass (wall and CPU) per kind;
 - passes only while this replica leads (its :class:`Gate`, the Lease election of
   :mod:`.leadership`), and checks it again before every write.
-
-Two helpers every kind's reconcile uses: :meth:`Reconciler.report_invalid` (``Ready=False``,
-reason ``InvalidSpec``, a Warning Event once per generation, nothing touched) and
-:meth:`Reconciler.write_status` (conditions merged, the status patched only if it changed).
 """
 
 from __future__ import annotations
@@ -24,17 +26,21 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import kopf
 
 from matrixserve.adapters.kube import KubeAdapter, status_patch
+from matrixserve.adapters.metrics import OperatorMetrics
 from matrixserve.api.kinds import Kind
 from matrixserve.domain import conditions as cond
 from matrixserve.domain.effects import (
     Effect,
     Event,
     Notice,
+    ObjectCreation,
+    ObjectPatch,
     PodClaim,
     PodCreation,
     PodDeletion,
@@ -42,12 +48,29 @@ from matrixserve.domain.effects import (
 )
 from matrixserve.domain.enginepod import policy_taken
 from matrixserve.domain.leadership import NotLeading
-from matrixserve.handlers.metrics import OperatorMetrics
+from matrixserve.handlers.controller import AnyController, Invalid, Store
 
 Key = tuple[str, str]  # (namespace, name)
-ReconcileFn = Callable[[str, str, logging.Logger], Awaitable[bool]]
-ArmFn = Callable[[str, str, Callable[[], None]], Awaitable[bool]]
-ZnodesFn = Callable[[Any], Awaitable[None]]  # applies a ZnodeChange to the kind's store
+
+
+class Stopped(Protocol):
+    """A daemon's stop flag (kopf's ``DaemonStopped``): truthy once the loop is to end."""
+
+    def __bool__(self) -> bool: ...
+
+
+BACKOFF_MAX_SECONDS = 300.0  # the longest wait between retries of a failing object
+RECHECK_MIN_SECONDS = 0.1  # a plan due again "now" is looked at no sooner than this
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a pass ended: ``busy`` (actions applied: look again at once), ``failed``, and when
+    the plan is due again (seconds; None: only on a change)."""
+
+    busy: bool = False
+    failed: bool = False
+    recheck_after: float | None = None
 
 
 class Gate(Protocol):
@@ -82,23 +105,6 @@ def post(body: Mapping[str, Any], event: Event | None) -> None:
         kopf.warn(body, reason=event.reason, message=event.message)
     else:
         kopf.info(body, reason=event.reason, message=event.message)
-
-
-def wake_on_events(
-    api: tuple[str, str, str], pod_label: str, loop_of: Callable[[kopf.Memo], Reconciler]
-) -> None:
-    """Register a kind's wake-ups with kopf: an event on one of its objects (``api``: group,
-    version, plural) wakes that object's loop, a new generation or not; an event on a pod
-    labelled ``pod_label`` wakes the object the label names."""
-    kind = api[2]
-
-    @kopf.on.event(*api, id=f"{kind}-event")
-    def object_event(name: str, namespace: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
-        loop_of(memo).object_changed(namespace, name, int(meta.get("generation") or 0))
-
-    @kopf.on.event("", "v1", "pods", labels={pod_label: kopf.PRESENT}, id=f"{kind}-pod-event")
-    def pod_event(labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-        loop_of(memo).related_changed(namespace, labels[pod_label])
 
 
 class Reconciler:
@@ -161,63 +167,110 @@ class Reconciler:
     # ------------------------------------------------------------------ the loop
     async def run(
         self,
+        controller: AnyController,
         namespace: str,
         name: str,
-        stopped: kopf.DaemonStopped,
+        stopped: Stopped,
         logger: logging.Logger,
-        reconcile: ReconcileFn,
-        arm: ArmFn | None = None,
     ) -> None:
+        """The object's loop, until ``stopped`` (its daemon's flag, truthy when set)."""
         key = (namespace, name)
         wake = self.wakes.setdefault(key, asyncio.Event())
-        armed = arm is None or not self.event_driven
+        store = controller.store if controller.watches.store else None
+        armed = store is None or not self.event_driven
+        failures = 0
         try:
             while not stopped:
                 if not await self.gate.wait(timeout=1.0):
                     continue
                 if not armed:
-                    assert arm is not None
+                    assert store is not None
                     try:
-                        armed = await arm(namespace, name, lambda: self.wake_threadsafe(*key))
+                        armed = await self._arm(store, namespace, name)
                     except NotLeading:
                         continue  # deposed meanwhile: the gate above holds it
                 wake.clear()
-                busy = await self._pass(namespace, name, logger, reconcile)
+                outcome = await self._pass(controller, namespace, name, logger)
                 last = time.monotonic()
-                if busy:
+                failures = failures + 1 if outcome.failed else 0
+                if outcome.busy:
                     continue  # actions were applied: look again at once
-                while (
-                    not stopped
-                    and not wake.is_set()
-                    and time.monotonic() - last < self.resync_seconds
-                ):
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(1.0):
-                            await wake.wait()
+                await self._sleep(stopped, wake, last, self.next_pass(outcome, failures))
         finally:
+            if store is not None and armed and self.event_driven:
+                store.disarm(namespace, name)
             self.wakes.pop(key, None)
             self.generations.pop(key, None)
             self.invalid_reported.pop(key, None)
             self.noticed.pop(key, None)
             self.taken.pop(key, None)
 
+    async def _arm(self, store: Store, namespace: str, name: str) -> bool:
+        if not store.connected:
+            return False
+        return await store.arm(namespace, name, lambda: self.wake_threadsafe(namespace, name))
+
+    def next_pass(self, outcome: Outcome, failures: int) -> float:
+        """Seconds until the next pass with nothing waking it: the resync, sooner if the plan
+        is due again; after ``failures`` consecutive failures, 1, 2, 4, ... seconds instead."""
+        if failures:
+            return min(BACKOFF_MAX_SECONDS, 2.0 ** (failures - 1))
+        if outcome.recheck_after is None:
+            return self.resync_seconds
+        return min(self.resync_seconds, max(RECHECK_MIN_SECONDS, outcome.recheck_after))
+
+    async def _sleep(
+        self, stopped: Stopped, wake: asyncio.Event, last: float, delay: float
+    ) -> None:
+        while not stopped and not wake.is_set():
+            left = delay - (time.monotonic() - last)
+            if left <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(1.0, left)):
+                    await wake.wait()
+
     async def _pass(
-        self, namespace: str, name: str, logger: logging.Logger, reconcile: ReconcileFn
-    ) -> bool:
+        self, controller: AnyController, namespace: str, name: str, logger: logging.Logger
+    ) -> Outcome:
         kind = self.kind.kind
         wall, cpu = time.perf_counter(), time.process_time()
-        busy = False
+        outcome = Outcome()
         try:
-            busy = await reconcile(namespace, name, logger)
+            outcome = await self.reconcile(controller, namespace, name, logger)
         except NotLeading:  # deposed mid-pass: nothing more written; the next leader goes on
             logger.info("pass of %s/%s stopped: not the leader", namespace, name)
-        except Exception as exc:  # reported, retried on the next pass; never kills the daemon
+        except Exception as exc:  # reported, retried with back-off; never kills the daemon
             self.metrics.reconcile_errors.labels(kind=kind).inc()
             logger.warning("reconcile of %s/%s failed: %s", namespace, name, exc)
+            outcome = Outcome(failed=True)
             await asyncio.sleep(1.0)
         self.metrics.reconcile_seconds.labels(kind=kind).observe(time.perf_counter() - wall)
         self.metrics.reconcile_cpu_seconds.labels(kind=kind).inc(time.process_time() - cpu)
-        return busy
+        return outcome
+
+    async def reconcile(
+        self, controller: AnyController, namespace: str, name: str, logger: logging.Logger
+    ) -> Outcome:
+        """One pass over one object (see the module's docstring); raises what failed."""
+        body = await self.kube.get(self.kind, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return Outcome()
+        spec, errors = controller.parse(body)
+        try:
+            if spec is None or errors:
+                raise Invalid(errors)
+            view = await controller.observe(body, spec, logger)
+        except Invalid as invalid:
+            await self.report_invalid(body, invalid.errors, logger)
+            return Outcome()
+        self.spec_valid(namespace, name)
+        plan = controller.plan(view)
+        actions = await controller.admit(body, view, plan.actions, logger)
+        busy = await self.apply(body, actions, controller.store)
+        await self.write_status(body, plan.stored_status(), plan.conditions)
+        controller.record(body, view, plan)
+        return Outcome(busy=busy, recheck_after=plan.recheck_after)
 
     # ------------------------------------------------------------------ status
     async def report_invalid(
@@ -313,68 +366,136 @@ class Reconciler:
         return [*actions, *(n for n in notices if n is not None)]
 
     async def apply(
-        self, body: Mapping[str, Any], actions: Sequence[Effect], znodes: ZnodesFn
+        self, body: Mapping[str, Any], actions: Sequence[Effect], store: Store | None = None
     ) -> bool:
-        """Pod creations and warm pod claims are independent of each other (each claim is
-        conditional on its own pod's resourceVersion): issued together, so 64 instances cost
-        about one API round trip, not 64; everything else in the plan's order. A notice is posted once while it holds (a plan repeats it every pass
-        its cause lasts), again if it comes back. True if anything was to be changed."""
+        """Apply a plan's actions, each by its type's applier (:data:`APPLIERS`). Those marked
+        independent (pod creations, warm pod claims: each claim is conditional on its own pod's
+        resourceVersion) are issued together, so 64 instances cost about one API round trip,
+        not 64; everything else in the plan's order. A notice is posted once while it holds (a
+        plan repeats it every pass its cause lasts), again if it comes back. True if anything
+        was to be changed."""
         self.gate.check()
         meta = body["metadata"]
         key = (meta["namespace"], meta["name"])
-        notices = [a for a in actions if isinstance(a, Notice)]
         said = self.noticed.get(key, set())
         current: set[tuple[str, str]] = set()
-        for notice in notices:
-            event = notice.describe()
-            if event is None:
-                continue
-            current.add((event.reason, event.message))
-            if (event.reason, event.message) not in said:
-                self.post(body, event)
+        changes: list[tuple[Effect, Applier]] = []
+        for action in actions:
+            applier = applier_of(action)
+            if applier is None:
+                event = action.describe()
+                if event is not None:
+                    current.add((event.reason, event.message))
+                    if (event.reason, event.message) not in said:
+                        self.post(body, event)
+            else:
+                changes.append((action, applier))
         self.noticed[key] = current
-        actions = [a for a in actions if not isinstance(a, Notice)]
-        together = [a for a in actions if isinstance(a, PodCreation | PodClaim)]
+        together = [(a, f) for a, f in changes if f.independent]
         # every one finished (its Event, its bookkeeping) before a failure is raised
         done = await asyncio.gather(
-            *(self._apply(body, a, znodes) for a in together), return_exceptions=True
+            *(self._apply(body, a, f, store) for a, f in together), return_exceptions=True
         )
         failed = next((r for r in done if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed
-        for action in actions:
-            if not isinstance(action, PodCreation | PodClaim):
-                await self._apply(body, action, znodes)
-        return bool(actions)
+        for action, applier in changes:
+            if not applier.independent:
+                await self._apply(body, action, applier, store)
+        return bool(changes)
 
-    async def _apply(self, body: Mapping[str, Any], action: Effect, znodes: ZnodesFn) -> None:
-        namespace = body["metadata"]["namespace"]
+    async def _apply(
+        self, body: Mapping[str, Any], action: Effect, applier: Applier, store: Store | None
+    ) -> None:
         self.gate.check()
         self.metrics.actions.labels(action=type(action).__name__).inc()
-        if isinstance(action, PodCreation):
-            changed = await self.kube.create_pod(namespace, action.manifest)
-            pod = str(action.manifest["metadata"]["name"])
-            taken = self.taken.setdefault((namespace, body["metadata"]["name"]), set())
-            if changed:
-                taken.discard(pod)
-            else:
-                taken.add(pod)
-        elif isinstance(action, PodDeletion):
-            changed = await self.kube.delete_pod(
-                namespace,
-                action.name,
-                action.uid,
-                force=action.force,
-                resource_version=action.resource_version,
-            )
-        elif isinstance(action, PodClaim):
-            changed = await self.kube.claim_pod(
-                namespace, action.name, action.resource_version, action.patch
-            )
-        elif isinstance(action, ZnodeChange):
-            await znodes(action)
-            changed = True
-        else:
-            raise TypeError(f"no applier for {action!r}")
-        if changed:
+        if await applier.apply(self, body, action, store):
             self.post(body, action.describe())
+
+    # ------------------------------------------------------------------ appliers
+    async def create_pod(
+        self, body: Mapping[str, Any], action: PodCreation, _: Store | None
+    ) -> bool:
+        meta = body["metadata"]
+        changed = await self.kube.create_pod(meta["namespace"], action.manifest)
+        pod = str(action.manifest["metadata"]["name"])
+        # a name found taken (409): whose pod holds it is worth a look on the next passes
+        taken = self.taken.setdefault((meta["namespace"], meta["name"]), set())
+        if changed:
+            taken.discard(pod)
+        else:
+            taken.add(pod)
+        return changed
+
+    async def delete_pod(
+        self, body: Mapping[str, Any], action: PodDeletion, _: Store | None
+    ) -> bool:
+        return await self.kube.delete_pod(
+            body["metadata"]["namespace"],
+            action.name,
+            action.uid,
+            force=action.force,
+            resource_version=action.resource_version,
+        )
+
+    async def claim_pod(self, body: Mapping[str, Any], action: PodClaim, _: Store | None) -> bool:
+        return await self.kube.claim_pod(
+            body["metadata"]["namespace"], action.name, action.resource_version, action.patch
+        )
+
+    async def create_object(
+        self, body: Mapping[str, Any], action: ObjectCreation, _: Store | None
+    ) -> bool:
+        return await self.kube.create_object(
+            action.kind, body["metadata"]["namespace"], action.manifest
+        )
+
+    async def patch_object(
+        self, body: Mapping[str, Any], action: ObjectPatch, _: Store | None
+    ) -> bool:
+        return await self.kube.patch_object(
+            action.kind,
+            body["metadata"]["namespace"],
+            action.name,
+            action.patch,
+            resource_version=action.resource_version,
+        )
+
+    async def change_znodes(
+        self, body: Mapping[str, Any], action: ZnodeChange[Any], store: Store | None
+    ) -> bool:
+        if store is None:
+            raise TypeError(f"{self.kind.kind} has no ZooKeeper store for {action!r}")
+        meta = body["metadata"]
+        await store.apply(meta["namespace"], meta["name"], action)
+        return True
+
+
+@dataclass(frozen=True)
+class Applier:
+    """How one type of effect is applied: ``apply(loop, body, effect, store)`` returns whether
+    it changed something (then its Event is posted); ``independent`` ones go together."""
+
+    apply: Callable[[Reconciler, Mapping[str, Any], Any, Store | None], Awaitable[bool]]
+    independent: bool = False
+
+
+# The effect types the loop applies, by their base type in domain.effects; a Notice has none
+# (it changes nothing: its Event is posted). A new kind of effect adds its row here.
+APPLIERS: dict[type[Effect], Applier | None] = {
+    PodCreation: Applier(Reconciler.create_pod, independent=True),
+    PodClaim: Applier(Reconciler.claim_pod, independent=True),
+    PodDeletion: Applier(Reconciler.delete_pod),
+    ObjectCreation: Applier(Reconciler.create_object),
+    ObjectPatch: Applier(Reconciler.patch_object),
+    ZnodeChange: Applier(Reconciler.change_znodes),
+    Notice: None,
+}
+
+
+def applier_of(action: Effect) -> Applier | None:
+    """The applier of ``action``'s nearest base type in the table; None for a notice."""
+    for base in type(action).__mro__:
+        if base in APPLIERS:
+            return APPLIERS[base]
+    raise TypeError(f"no applier for {action!r}")

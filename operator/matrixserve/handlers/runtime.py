@@ -1,9 +1,11 @@
 """Operator start-up and shut-down: explicit kopf settings, clients in the memo, metrics server.
 
 Configuration comes from ``python -m matrixserve`` flags (:class:`OperatorConfig`), passed in
-kopf's memo with the kinds to run (``memo.kinds``: each kind's ``install(runtime)``, which builds
-its controller); nothing lives in module globals. The :class:`Runtime` holds what every kind
-shares: the Kubernetes adapter, the one ZooKeeper session, the engine settings, the metrics.
+kopf's memo with the kinds to run (``memo.kinds``: each kind's controller class, whose
+``install(runtime)`` builds its controller); nothing lives in module globals. The
+:class:`Runtime` holds what every kind shares: the Kubernetes adapter, the one ZooKeeper
+session, the engine settings, the metrics, each kind's loop and controller. The functions here
+are registered with kopf by :mod:`.kinds`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,14 +22,15 @@ from prometheus_client import start_http_server
 
 from matrixserve.adapters.kube import KubeAdapter, api_client, credentials
 from matrixserve.adapters.lease import LeaseAdapter
+from matrixserve.adapters.metrics import OperatorMetrics
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.zk_layout import Credentials
 from matrixserve.coordination import Session, SessionState
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.leadership import Timing
+from matrixserve.handlers.controller import AnyController
 from matrixserve.handlers.leadership import Leadership
-from matrixserve.handlers.metrics import OperatorMetrics
 from matrixserve.handlers.reconciler import Reconciler
 
 WEBHOOK_CONFIGURATION = kinds.GROUP
@@ -70,10 +72,9 @@ class Runtime:
     session: Session
     metrics: OperatorMetrics
     loop: asyncio.AbstractEventLoop
-    controllers: dict[str, Any] = field(default_factory=dict)  # by kind, built by each install
-    reconcilers: list[Reconciler] = field(default_factory=list)
+    controllers: dict[kinds.Kind, AnyController] = field(default_factory=dict)  # built at start-up
+    loops: dict[kinds.Kind, Reconciler] = field(default_factory=dict)
     background: asyncio.Task[None] | None = None
-    sweeps: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     sweeping: asyncio.Task[None] | None = None
     sweep_again: bool = False
     ticker: asyncio.Task[None] | None = None
@@ -95,24 +96,25 @@ class Runtime:
             event_driven=self.config.zk_watches,
             gate=self.leadership,
         )
-        self.reconcilers.append(loop)
+        self.loops[kind] = loop
         return loop
 
+    @property
+    def reconcilers(self) -> list[Reconciler]:
+        return list(self.loops.values())
+
     def wake_all(self) -> None:
-        for loop in self.reconcilers:
+        for loop in self.loops.values():
             loop.wake_all()
 
     # ------------------------------------------------------------------ sweeps
-    def add_sweep(self, sweep: Callable[[], Awaitable[None]]) -> None:
-        """A kind's sweep of ZooKeeper data that belongs to nothing that exists any more (a
-        deletion while ZooKeeper was away, a namespace deleted with everything in it, what
-        engines left when they went): run on every new ZooKeeper session (start-up included)
-        and every ``sweep_seconds`` while connected. A sweep logs its own failures."""
-        self.sweeps.append(sweep)
-
     def sweep(self) -> None:
-        """Start the kinds' sweeps, one after another; asked while they run, they run once more
-        after (a new session's sweep is never dropped). The leader's alone: a standby's sweep
+        """Start the kinds' sweeps of ZooKeeper data that belongs to nothing that exists any
+        more (a deletion while ZooKeeper was away, a namespace deleted with everything in it,
+        what engines left when they went), one after another: on every new ZooKeeper session
+        (start-up included) and every ``sweep_seconds`` while connected. A sweep logs its own
+        failures; asked while they run, they run once more after (a new session's sweep is
+        never dropped). The leader's alone: a standby's sweep
         would delete what the leader has just made (a new group's subtree before its object
         reached the standby's view)."""
         if self.leadership is not None and not self.leadership.may_act():
@@ -125,9 +127,9 @@ class Runtime:
     async def _sweep_all(self) -> None:
         while True:
             self.sweep_again = False
-            for sweep in list(self.sweeps):
+            for controller in list(self.controllers.values()):
                 try:
-                    await sweep()
+                    await controller.sweep()
                 except Exception:  # one kind's failure never skips the others' sweeps
                     log.exception("a sweep failed")
             if not self.sweep_again:
@@ -140,10 +142,6 @@ class Runtime:
                 self.sweep()
 
 
-Install = Callable[[Runtime], Any]  # a kind's set-up: builds and returns its controller
-
-
-@kopf.on.login()
 def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     """kopf's own calls (watches, patches, Events) under the operator's identity: --kubeconfig
     if given, else the pod's service account (kopf's default would read $KUBECONFIG first)."""
@@ -151,7 +149,6 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     return kopf.ConnectionInfo(**credentials(cfg.kubeconfig))
 
 
-@kopf.on.startup()
 async def startup(
     settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any
 ) -> None:
@@ -193,10 +190,8 @@ async def startup(
         leadership=leadership,
     )
     memo.runtime = runtime
-    install: Install
-    for install in memo.kinds:
-        controller = install(runtime)
-        runtime.controllers[controller.kind.kind] = controller
+    for kind in memo.kinds:  # each kind's controller class
+        runtime.controllers[kind.kind] = kind.install(runtime)
 
     last = [SessionState.CONNECTING]
 
@@ -264,7 +259,6 @@ async def _connect(session: Session, leadership: Leadership, logger: logging.Log
         await session.restrict_existing(skip=zl.is_group_root)
 
 
-@kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     runtime: Runtime | None = getattr(memo, "runtime", None)
     if runtime is not None:

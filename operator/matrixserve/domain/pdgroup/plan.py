@@ -52,6 +52,11 @@ class Plan:
     status: dict[str, Any]
     conditions: list[Condition]
     ready: bool
+    # Seconds until this plan is due to change with nothing else happening (None: on a change).
+    recheck_after: float | None = None
+
+    def stored_status(self) -> dict[str, Any]:
+        return self.status
 
 
 # --------------------------------------------------------------------------- today's seams

@@ -65,6 +65,10 @@ class Plan:
     status: dict[str, Any]
     conditions: list[Condition]
     dram: dict[str, dram.NodePlan] = field(default_factory=dict)  # every warm server's plan
+    recheck_after: float | None = None
+
+    def stored_status(self) -> dict[str, Any]:
+        return self.status
 
 
 def _claim_path(pod: PodView) -> str:

@@ -1,136 +1,84 @@
-"""The PDGroup controller: what the kind keeps at run time (its per-object loop, its ZooKeeper
-store, its metrics) and its set-up, including the sweep of subtrees whose group is gone on every
-new ZooKeeper session (issue 15)."""
+"""The PDGroup controller (P/D-Serve §3.2-3.4): a pass reads the group's pods and its ZooKeeper
+subtree (and, when a fault may be, the servers and the warm pods) and plans with the pure
+:mod:`matrixserve.domain.pdgroup`. Beside the plan, a pass keeps the engines' ZooKeeper access:
+their Secret in the namespace (checked by the applier before a pod is made), and the group's
+znodes closed once every pod carries the credential. Deletion removes the group's subtree; a
+sweep on every new ZooKeeper session removes those whose group is gone."""
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
+import dataclasses
 import logging
-from dataclasses import dataclass, field
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
-import kopf
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
+from matrixserve.adapters import zk_groups
+from matrixserve.adapters.pdgroup_metrics import PDGroupMetrics
 from matrixserve.adapters.zk_groups import GroupStore
 from matrixserve.api import kinds
+from matrixserve.api import zk_layout as zl
+from matrixserve.api.resources import PDGroupSpec
+from matrixserve.domain import pdgroup as pd
+from matrixserve.domain.effects import Effect, Event, PodCreation
+from matrixserve.domain.enginepod import (
+    ACCESS_OPEN,
+    access_closed,
+    secret_taken,
+    without_credential,
+)
+from matrixserve.domain.observed import on_nodes
 from matrixserve.domain.pdgroup import cleanup
-from matrixserve.handlers.metrics import Milestones
+from matrixserve.domain.pdgroup.validation import (
+    admit,
+    parse_spec,
+    running_template_changes,
+    spec_changes,
+    with_decode_replicas,
+)
+from matrixserve.handlers.controller import Admission, Body, Invalid, Request, Retry, Watches
 from matrixserve.handlers.reconciler import Key, Reconciler
 from matrixserve.handlers.runtime import Runtime
 
 KIND = kinds.PDGROUP
-API = (KIND.group, KIND.version, KIND.plural)
 log = logging.getLogger("matrixserve.pdgroup")
+# A pass that may recover reads the servers afresh unless another group's pass just did.
+NODES_FRESH_SECONDS = 0.25
 
 
-class PDGroupMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.setup_phase_seconds = Histogram(
-            "matrixserve_operator_setup_phase_seconds",
-            "PDGroup setup phases (wall seconds): gather (created -> RoCE map), "
-            "link (map -> all links), serve (links -> Ready)",
-            ["phase"],
-            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
-            registry=registry,
+async def check_rules(groups: PDGroups, request: Request) -> list[str]:
+    """Create and update: the reconciler's rules before the object is stored. A spec change of
+    an existing group is checked against the template its pods were made from (read only
+    then); metadata-only updates and objects being deleted pass."""
+    old = None if request.old is None else request.old.get("spec")
+    spec = request.body.get("spec") or {}
+    running: Mapping[str, Any] = {}
+    if (
+        request.operation == "UPDATE"
+        and not request.deleting
+        and spec_changes(request.operation, old, spec)
+    ):
+        running = await groups.rt.kube.list_pods(
+            request.namespace, {kinds.LABEL_GROUP: request.name}
         )
-        self.links_verified = Gauge(
-            "matrixserve_operator_links_verified",
-            "Verified P-D sub-links per group",
-            ["namespace", "group"],
-            registry=registry,
-        )
-        self.groups_ready = Gauge(
-            "matrixserve_operator_groups_ready", "PDGroups with Ready=True", registry=registry
-        )
-        # Issue 17: recovery, by fault type (and by the action taken).
-        recovery_buckets = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
-        self.detection_seconds = Histogram(
-            "matrixserve_operator_fault_detection_seconds",
-            "From a fault (as best known) to the operator planning for it (wall seconds)",
-            ["fault", "tier"],
-            buckets=recovery_buckets,
-            registry=registry,
-        )
-        self.restore_seconds = Histogram(
-            "matrixserve_operator_recovery_restore_seconds",
-            "From a fault's detection to its instances serving again (wall seconds)",
-            ["fault", "action"],
-            buckets=recovery_buckets,
-            registry=registry,
-        )
-        self.capacity_lost = Counter(
-            "matrixserve_operator_recovery_capacity_lost_seconds_total",
-            "Capacity-seconds out of service during recoveries (the planner's weighted capacity "
-            "fraction out x seconds until restored)",
-            ["fault"],
-            registry=registry,
-        )
-        self.recoveries = Counter(
-            "matrixserve_operator_recoveries_total",
-            "Recoveries by fault, action and outcome (planned, restored, failed)",
-            ["fault", "action", "outcome"],
-            registry=registry,
-        )
-        # Issue 18: each scale operation's DeepServe phases (engine phases, emulated seconds)
-        # and its total (wall seconds), by the path it came by.
-        self.scale_phase_seconds = Histogram(
-            "matrixserve_operator_scale_phase_seconds",
-            "A new instance's engine phases (TEPreLoad, TELoad, TEPostLoad; emulated seconds) "
-            "by the path it came by (Cold, WarmForkUB, WarmForkRoCE, WarmDRAM, WarmSSD, "
-            "WarmSharedFileService)",
-            ["phase", "path"],
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
-            registry=registry,
-        )
-        self.scale_seconds = Histogram(
-            "matrixserve_operator_scale_seconds",
-            "From a new instance's start (its claim, or its pod's creation) to serving (wall "
-            "seconds), by path",
-            ["path"],
-            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300),
-            registry=registry,
-        )
-        # Issue 19: the P/D split, as the ratio policy has it.
-        self.ratio_instances = Gauge(
-            "matrixserve_operator_ratio_instances",
-            "Instances per role: serving now (current) and the policy's target",
-            ["namespace", "group", "role", "which"],
-            registry=registry,
-        )
-        self.ratio_changes = Counter(
-            "matrixserve_operator_ratio_changes_total",
-            "Target splits the ratio policy moved to, by policy",
-            ["namespace", "group", "policy"],
-            registry=registry,
-        )
-        self.ratio_phi = Gauge(
-            "matrixserve_operator_ratio_phi",
-            "Φ from the last observation window (requests per second per instance, P/D-Serve §2.1)",
-            ["namespace", "group"],
-            registry=registry,
-        )
-        self.per_group: list[tuple[Gauge | Counter, list[tuple[str, ...]]]] = [
-            (self.links_verified, [()]),
-            (self.ratio_phi, [()]),
-            (self.ratio_changes, [(p,) for p in ("Fixed", "Model", "Feedback")]),
-            (
-                self.ratio_instances,
-                [(r, w) for r in ("prefill", "decode") for w in ("current", "target")],
-            ),
-        ]
-        self.setup = Milestones(
-            self.setup_phase_seconds, [("mapped", "gather"), ("linked", "link"), ("ready", "serve")]
-        )
-
-    def forget_group(self, namespace: str, group: str) -> None:
-        """A deleted group's series go with it (a dashboard must not show it serving)."""
-        for metric, rests in self.per_group:
-            for rest in rests:
-                with contextlib.suppress(KeyError):
-                    metric.remove(namespace, group, *rest)
+    return admit(request.operation, old, spec, request.deleting, request.name, running.values())
 
 
-@dataclass
+async def check_scale(groups: PDGroups, request: Request) -> list[str]:
+    """The scale subresource (``kubectl scale``; the request's object is an autoscaling/v1
+    Scale): its ``spec.replicas`` applied to the stored group's ``spec.decode.replicas``, and
+    the result checked as an update."""
+    current = await groups.rt.kube.get(KIND, request.namespace, request.name)
+    if current is None:
+        return []  # gone: the API server answers the write with 404 itself
+    spec = current.get("spec") or {}
+    replicas = (request.body.get("spec") or {}).get("replicas", 0)
+    deleting = bool(current["metadata"].get("deletionTimestamp"))
+    return admit("UPDATE", spec, with_decode_replicas(spec, replicas), deleting, request.name)
+
+
+@dataclasses.dataclass
 class PDGroups:
     """The PDGroup controller: its loop, its ZooKeeper store, its metrics."""
 
@@ -138,46 +86,208 @@ class PDGroups:
     loop: Reconciler
     store: GroupStore
     metrics: PDGroupMetrics
-    ready: set[Key] = field(default_factory=set)
     # Groups whose ZooKeeper subtree this run has closed (or found closed): not walked again.
-    closed: set[Key] = field(default_factory=set)
-    kind: kinds.Kind = KIND
+    closed: set[Key] = dataclasses.field(default_factory=set)
+    kind: ClassVar[kinds.Kind] = KIND
+    watches: ClassVar[Watches] = Watches(pods=kinds.LABEL_GROUP, store=True)
+    finalizer_id: ClassVar[str] = "cleanup-zookeeper"
+    admissions: ClassVar[tuple[Admission, ...]] = (
+        Admission("pdgroup-rules", ("CREATE", "UPDATE"), check_rules),
+        Admission("pdgroup-scale", ("UPDATE",), check_scale, subresource="scale"),
+    )
 
-    def forget(self, key: Key) -> None:
-        self.metrics.setup.forget(key)
-        self.ready.discard(key)
+    @classmethod
+    def install(cls, rt: Runtime) -> PDGroups:
+        return cls(
+            rt, rt.reconciler(KIND), GroupStore(rt.session), PDGroupMetrics(rt.metrics.registry)
+        )
+
+    def parse(self, body: Body) -> tuple[PDGroupSpec | None, list[str]]:
+        return parse_spec(body.get("spec") or {}, body["metadata"]["name"])
+
+    async def observe(self, body: Body, spec: PDGroupSpec, logger: logging.Logger) -> pd.GroupView:
+        rt, meta = self.rt, body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        # set-up is timed from the first pass (a standby's daemon waits long before its first)
+        self.metrics.setup.start((namespace, name), time.monotonic())
+        pods = await rt.kube.list_pods(namespace, {kinds.LABEL_GROUP: name})
+        # the webhook may be off: a template the pods do not run is refused here too
+        errors = running_template_changes(spec, pods.values())
+        if errors:
+            raise Invalid(errors)
+        # A pod holding one of the group's names that is not the group's: looked up (together)
+        # for the names whose creation found a pod there, not on every pass.
+        taken = self.loop.taken.get((namespace, name), set())
+        absent = [p for p in pd.spec_pod_names(name, spec) if p not in pods and p in taken]
+        owners = await asyncio.gather(*(rt.kube.owner_of(namespace, pod) for pod in absent))
+        foreign = {pod: owner for pod, owner in zip(absent, owners, strict=True) if owner}
+        zk = await self.store.snapshot(namespace, name)
+        nodes = await rt.kube.nodes(NODES_FRESH_SECONDS) if _may_recover(pods, zk) else {}
+        view = pd.GroupView(
+            namespace,
+            name,
+            int(meta.get("generation", 0)),
+            spec,
+            on_nodes(pods, nodes),
+            zk,
+            now=time.time(),
+            uid=meta["uid"],
+            engine=rt.engine,
+            previous=body.get("status") or {},
+            foreign=foreign,
+            nodes=nodes,
+        )
+        view = await self._warm(view)
+        if view.zk.connected and not view.zk.present:  # a server that lost the group's data
+            # where the engines report again: open while some of them have no credential
+            still_open = rt.engine.zookeeper_auth is not None and bool(
+                without_credential(view.pods.values(), rt.engine)
+            )
+            await self.store.ensure(namespace, name, open_acl=still_open)
+        return view
+
+    async def _warm(self, view: pd.GroupView) -> pd.GroupView:
+        """The warm pods and fork sources when an instance is missing or a fault may be (the
+        recovery planner prices a warm replacement), the assignments of claimed pods that have
+        not reported."""
+        missing, waiting = pd.warm_needed(view)
+        priced = missing or bool(view.nodes)
+        if not view.zk.connected or not (priced or waiting):
+            return view
+        spec = view.spec
+        warm_pods = (
+            await self.rt.kube.list_pods(view.namespace, {}, pd.claimable(spec)) if priced else {}
+        )
+        reports, sources, assigned = await self.store.warm(
+            view.namespace, spec.model.name if warm_pods or waiting else None, waiting
+        )
+        uids = {p.name: p.uid for p in view.pods.values()}
+        return dataclasses.replace(
+            view,
+            warm_pods=warm_pods,
+            warm_reports=reports,
+            fork_sources=tuple(sources),
+            assigned=frozenset(p for p, uid in assigned.items() if uids.get(p) == uid),
+        )
+
+    def plan(self, view: pd.GroupView) -> pd.Plan:
+        return pd.plan(view)
+
+    async def admit(
+        self, body: Body, view: pd.GroupView, planned: Sequence[Effect], logger: logging.Logger
+    ) -> list[Effect]:
+        """The plan's actions, with what ZooKeeper's identity asks of this pass: the engines'
+        Secret in place before any pod is created (a tenant's Secret of that name: no pod, a
+        notice) and the group's znodes closed once every pod mounts the credential; until then
+        they stay open for the pods made before it (an upgrade), and a notice says so. And the
+        engines' NetworkPolicy kept in place where the group has pods."""
+        rt = self.rt
+        taken: list[str] = []
+        if any(isinstance(a, PodCreation) for a in planned):  # a pass creating no pod asks none
+            try:
+                taken = await rt.kube.pod_secrets_taken(view.namespace)
+            except Exception as exc:  # the API's trouble must not stall the rest of the pass
+                logger.warning(
+                    "the engines' Secrets in %s not checked (%s): no pod created this pass",
+                    view.namespace,
+                    exc,
+                )
+                return [a for a in planned if not isinstance(a, PodCreation)]
+        actions = [a for a in planned if not (taken and isinstance(a, PodCreation))]
+        actions += [secret_taken(view.namespace, secret) for secret in taken]
+        actions = await self.loop.guard_engines(view.namespace, actions, bool(view.pods), logger)
+        key = (view.namespace, view.name)
+        if rt.engine.zookeeper_auth is None or not view.zk.connected or key in self.closed:
+            return actions
+        if without_credential(view.pods.values(), rt.engine):
+            return [*actions, ACCESS_OPEN]
+        done = await self.store.close(*key)
+        if done.refused:  # another identity's znodes in the subtree: logged, tried again
+            logger.warning("%d znodes of the group are not ours: %s", done.refused, done.examples)
+            return actions
+        self.closed.add(key)
+        if done.changed:
+            self.loop.post(body, access_closed(done.changed))
+        return actions
+
+    def record(self, body: Body, view: pd.GroupView, plan: pd.Plan) -> None:
+        self.metrics.record((view.namespace, view.name), view.previous, plan)
+
+    async def finalize(self, body: Body, logger: logging.Logger) -> None:
+        """The group's ZooKeeper subtree removed (its pods go by their owner references), and
+        the assignments of warm pods it claimed. ZooKeeper out of reach: retried, until
+        :data:`cleanup.FINALIZER_WAIT_SECONDS` (then let go with a Warning; the sweep removes
+        the subtree when it is back)."""
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        if not self.store.connected:
+            if not cleanup.give_up_waiting(meta.get("deletionTimestamp"), time.time()):
+                raise Retry("ZooKeeper is not connected; the group's znodes are kept until it is")
+            self.loop.post(
+                body,
+                Event(
+                    "ZooKeeperUnreachable",
+                    f"ZooKeeper unreachable for {cleanup.FINALIZER_WAIT_SECONDS:.0f} s: the "
+                    "group is let go; its znodes are removed when ZooKeeper is back",
+                    warning=True,
+                ),
+            )
+            self.deleted((namespace, name))
+            return
+        try:
+            removed = await self.store.delete(namespace, name)
+            claimed = await self.rt.kube.list_pods(namespace, {kinds.LABEL_CLAIMED_BY: name})
+            await self.store.forget_assignments(namespace, sorted(claimed))
+        except zk_groups.UNAVAILABLE as exc:
+            # lost mid-way: retried within the bound, not after kopf's minute of back-off
+            raise Retry(f"ZooKeeper failed during the deletion: {exc}") from exc
+        self.deleted((namespace, name))
+        logger.info(
+            "deleted the ZooKeeper subtree of %s/%s"
+            if removed
+            else "no ZooKeeper subtree for %s/%s",
+            namespace,
+            name,
+        )
+
+    def deleted(self, key: Key) -> None:
         self.closed.discard(key)
-        self.metrics.groups_ready.set(len(self.ready))
         self.metrics.forget_group(*key)
 
+    def forget(self, namespace: str, name: str) -> None:
+        """The loop ended (deleted, or this replica stopped): the metrics stay until deletion."""
 
-def install(rt: Runtime) -> PDGroups:
-    groups = PDGroups(
-        rt, rt.reconciler(KIND), GroupStore(rt.session), PDGroupMetrics(rt.metrics.registry)
+    async def sweep(self) -> None:
+        """Remove the subtrees of groups that no longer exist (ZooKeeper listed first: see
+        :func:`cleanup.orphans`), and the fork-source folders their engines left empty (a
+        source is an engine's ephemeral znode: its key's folder, and its namespace's, outlive
+        it)."""
+        namespaces = self.rt.config.namespaces
+        try:
+            in_zookeeper = await self.store.groups(namespaces)
+            in_kubernetes = await self.rt.kube.names(KIND, namespaces)
+            for namespace, name in cleanup.orphans(in_zookeeper, in_kubernetes):
+                await self.store.delete(namespace, name)
+                log.info(
+                    "swept the ZooKeeper subtree of %s/%s: the group no longer exists",
+                    namespace,
+                    name,
+                )
+            for folder in await self.store.prune_fork_sources(namespaces):
+                log.info("swept the empty fork-source folder %s", folder)
+        except Exception as exc:  # retried on the next sweep
+            log.warning("sweep of ZooKeeper subtrees failed: %s", exc)
+
+
+def _may_recover(pods: Mapping[str, Any], zk: pd.ZkView) -> bool:
+    """Whether this pass may detect a fault, and so needs the servers (which are down, how
+    many NPUs are free): a pod not Ready (a process exit, a server down: the node lifecycle
+    controller marks its pods not Ready after the Node), or a member's health saying a fault
+    or a blocked sub-link. The usual pass of a healthy group reads no node."""
+    if any(not p.ready for p in pods.values()):
+        return True
+    return any(
+        h.state is not zl.HealthState.SERVING
+        or any(link.state is zl.LinkState.BLOCKED for link in h.links)
+        for h in zk.health.values()
     )
-    rt.add_sweep(lambda: sweep(groups))
-    return groups
-
-
-async def sweep(groups: PDGroups) -> None:
-    """Remove the subtrees of groups that no longer exist (ZooKeeper listed first: see
-    :func:`cleanup.orphans`), and the fork-source folders their engines left empty (a source
-    is an engine's ephemeral znode: its key's folder, and its namespace's, outlive it)."""
-    namespaces = groups.rt.config.namespaces
-    try:
-        in_zookeeper = await groups.store.groups(namespaces)
-        in_kubernetes = await groups.rt.kube.names(KIND, namespaces)
-        for namespace, name in cleanup.orphans(in_zookeeper, in_kubernetes):
-            await groups.store.delete(namespace, name)
-            log.info(
-                "swept the ZooKeeper subtree of %s/%s: the group no longer exists", namespace, name
-            )
-        for folder in await groups.store.prune_fork_sources(namespaces):
-            log.info("swept the empty fork-source folder %s", folder)
-    except Exception as exc:  # retried on the next sweep
-        log.warning("sweep of ZooKeeper subtrees failed: %s", exc)
-
-
-def groups_of(memo: kopf.Memo) -> PDGroups:
-    groups: PDGroups = memo.runtime.controllers[KIND.kind]
-    return groups
