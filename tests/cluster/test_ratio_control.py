@@ -5,6 +5,7 @@ no request fails meanwhile."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -96,3 +97,28 @@ def test_a_model_group_under_prompt_heavy_load_moves_to_prefill_without_a_failed
     assert "TARGET" in header
     assert "POLICY" in header
     assert row.split()[header.split().index("TARGET")] == "3:1"
+
+
+def test_a_ratio_window_ends_within_a_second_of_its_end_not_at_the_resync(
+    groups: Groups, start_operator: Callable[..., Any]
+) -> None:
+    """The plan asks for its own wake-up (``recheck_after``): with a resync of two minutes and
+    nothing else waking the group (no traffic, no pod or ZooKeeper change), each 5 s window of
+    the Feedback policy still ends, and the next starts, within a second of its end."""
+    start_operator(groups.namespace, extra=("--resync-seconds", "120"))
+    body = pdgroup_body("g", prefill=1, decode=1)
+    body["spec"]["ratioPolicy"] = {"mode": "Feedback", "windowSeconds": 5, "cooldownSeconds": 600}
+    groups.create(body)
+    groups.wait_ready("g")
+    starts: list[float] = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(starts) < 4:
+        window = groups.get("g").get("status", {}).get("ratio", {}).get("window") or {}
+        start = window.get("start")
+        if start is not None and (not starts or float(start) != starts[-1]):
+            starts.append(float(start))
+        time.sleep(0.1)
+    gaps = [round(b - a, 2) for a, b in itertools.pairwise(starts)]
+    print("window starts", starts, "gaps", gaps)
+    assert len(starts) >= 3, f"windows started at {starts} in 30 s (resync 120 s)"
+    assert all(gap <= 5 + 1 for gap in gaps), gaps

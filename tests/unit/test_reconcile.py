@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import itertools
 import logging
 import threading
 import time
@@ -34,7 +35,7 @@ from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.pdgroup.actions import ClaimWarmPod
 from matrixserve.handlers.controller import Watches
 from matrixserve.handlers.pdgroup import PDGroups
-from matrixserve.handlers.reconciler import Outcome, Reconciler
+from matrixserve.handlers.reconciler import BACKOFF_MAX_SECONDS, Outcome, Reconciler
 from matrixserve.handlers.runtime import OperatorConfig, Runtime
 
 LOG = logging.getLogger("test")
@@ -621,3 +622,39 @@ async def test_a_claim_that_fails_is_raised_after_the_others_are_done() -> None:
     with pytest.raises(client.ApiException):
         await loop.apply(body, claims)  # no store: a znode change would fail
     assert posted == ["ClaimedWarmPod"] * 2  # both others finished before the raise
+
+
+async def test_the_loop_looks_again_when_the_plan_is_due_and_backs_off_over_failures() -> None:
+    """A plan due again in 0.3 s is looked at then, not at the 30 s resync; consecutive failures
+    wait 1, 2, 4 ... s (at most the cap), and a success ends the back-off."""
+    loop = Reconciler(
+        kinds.PDGROUP, cast(KubeAdapter, None), OperatorMetrics(), asyncio.get_running_loop(), 30.0
+    )
+    assert loop.next_pass(Outcome(recheck_after=0.3), failures=0) == 0.3
+    assert loop.next_pass(Outcome(recheck_after=90.0), failures=0) == 30.0  # the resync first
+    assert loop.next_pass(Outcome(), failures=0) == 30.0
+    assert loop.next_pass(Outcome(recheck_after=-1.0), failures=0) > 0  # never a hot loop
+    assert [loop.next_pass(Outcome(failed=True), n) for n in (1, 2, 3, 4)] == [1, 2, 4, 8]
+    assert loop.next_pass(Outcome(failed=True), failures=30) == BACKOFF_MAX_SECONDS
+
+    stopped = Stopped()
+    passes: list[float] = []
+    clock = asyncio.get_running_loop().time
+
+    async def one(_: Any, namespace: str, name: str, logger: logging.Logger) -> Outcome:
+        passes.append(clock())
+        if len(passes) in (2, 3):
+            raise RuntimeError("API server away")
+        if len(passes) == 5:
+            stopped.flag = True
+        return Outcome(recheck_after=0.3)
+
+    loop.reconcile = one  # type: ignore[method-assign,assignment]
+    await asyncio.wait_for(
+        loop.run(cast(Any, Idle()), "ns", "g", cast(kopf.DaemonStopped, stopped), LOG), timeout=15
+    )
+    gaps = [b - a for a, b in itertools.pairwise(passes)]
+    assert 0.25 < gaps[0] < 0.8  # due again: looked at then
+    assert 1.9 < gaps[1] < 2.6  # a failure: held a second, then 1 s of back-off
+    assert 2.9 < gaps[2] < 3.6  # the second in a row: held a second, then 2 s
+    assert 0.25 < gaps[3] < 0.8  # a success ends the back-off: due again in 0.3 s

@@ -31,7 +31,7 @@ from typing import Any
 
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
-from matrixserve.api.resources import PDGroupSpec
+from matrixserve.api.resources import PDGroupSpec, RatioMode
 from matrixserve.domain.conditions import Condition, find, seconds_since
 from matrixserve.domain.pdgroup import membership, recovery, split, status
 from matrixserve.domain.pdgroup.actions import Action, DeletePod
@@ -172,7 +172,20 @@ def plan(view: GroupView, seams: Seams = TODAY) -> Plan:
         out["ratio"] = {**out.get("ratio", {}), **ratio.status}
         actions += ratio.notices  # said once: the next pass reads the new target
         conditions = status.recovering(conditions, healing.recovering)
-    return Plan(actions, out, conditions, derived.ready and not healing.recovering)
+    ready = derived.ready and not healing.recovering
+    return Plan(actions, out, conditions, ready, recheck_after=_recheck_after(view, out))
+
+
+def _recheck_after(view: GroupView, status: Mapping[str, Any]) -> float | None:
+    """Seconds until this plan is due to change with nothing else happening: the ratio
+    policy's window ends (its decision is taken then, not at the next resync)."""
+    due: list[float] = []
+    ratio = status.get("ratio") or {}
+    window = ratio.get("window")
+    policy = view.spec.ratio_policy
+    if policy.mode is not RatioMode.FIXED and isinstance(window, Mapping) and "start" in window:
+        due.append(float(window["start"]) + policy.window_seconds - view.now)
+    return max(0.0, min(due)) if due else None
 
 
 def _actions(
