@@ -584,6 +584,24 @@ def test_a_starved_serving_pod_gets_the_npus_of_a_warm_pod_and_the_pool_waits() 
     assert plan.conditions[0].reason == "Yielding"
 
 
+def test_only_serving_pods_short_of_npus_starve() -> None:
+    """A serving pod (or a claimed warm one, its group's now) Pending for want of NPUs starves;
+    an unclaimed warm pod, one short of something else, or one being deleted does not."""
+    npus = ("Unschedulable", f"0/3 nodes are available: 3 Insufficient {kinds.NPU_RESOURCE}.")
+    pending = dataclasses.replace(
+        warm_pod("g-p-0"), labels={kinds.LABEL_GROUP: "g"}, phase="Pending", trouble=npus
+    )
+    pods = [
+        pending,
+        dataclasses.replace(warm_pod("wp-two-w0", claimed_by="g"), phase="Pending", trouble=npus),
+        dataclasses.replace(warm_pod("wp-two-w1"), phase="Pending", trouble=npus),
+        dataclasses.replace(pending, trouble=("Unschedulable", "0/3 nodes: Insufficient cpu")),
+        dataclasses.replace(pending, deleting=True),
+        dataclasses.replace(pending, phase="Running"),
+    ]
+    assert wp.starved(pods) == 2
+
+
 def test_a_name_someone_else_holds_is_not_tried_again() -> None:
     plan = wp.plan(dataclasses.replace(pool_view([]), taken=frozenset({"wp-two-w0"})))
     assert [a.name for a in plan.actions if isinstance(a, CreateWarmPod)] == [
@@ -637,7 +655,7 @@ def test_a_first_setups_warm_decodes_come_from_one_superpod() -> None:
 
 
 def test_a_pool_whose_names_cannot_be_labels_or_models_are_unknown_is_refused() -> None:
-    from matrixserve.handlers.warmpool import problems
+    from matrixserve.domain.warmpool.validation import problems
 
     assert problems("wp", pool_spec()) == []
     assert any("at most 63" in e for e in problems("w" * 64, pool_spec()))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +28,9 @@ from pydantic import ValidationError
 from matrixserve.adapters.zk_warm import WarmStore
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
-from matrixserve.api.resources import RefillPolicy, WarmPoolSpec, field_errors
+from matrixserve.api.resources import WarmPoolSpec
 from matrixserve.domain import warmpool as wp
-from matrixserve.domain.observed import PodView
-from matrixserve.domain.warmpool import cleanup, dram
+from matrixserve.domain.warmpool import cleanup, dram, validation
 from matrixserve.handlers.leadership import finalizer_pending, lead_or_gone
 from matrixserve.handlers.reconciler import Reconciler, wake_on_events
 from matrixserve.handlers.runtime import Runtime
@@ -213,68 +211,14 @@ async def _dram_inputs(
     return tuple(demand), nodes
 
 
-LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
-DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-
-
-def problems(name: str, spec: WarmPoolSpec) -> list[str]:
-    """What the schema cannot say about a WarmPool: its name and NPU types become label values,
-    its shapes' names parts of pod names, and a model to pre-load must be one the platform
-    knows the size of."""
-    out = []
-    if len(name) > 63:
-        out.append(
-            f"metadata.name: {len(name)} characters; a WarmPool's name is a label value (at most 63)"
-        )
-    shapes = [wp.view.shape_name(s, i) for i, s in enumerate(spec.shapes)]
-    if len(set(shapes)) != len(shapes):
-        out.append(f"spec.shapes: names must differ (they are {', '.join(shapes)})")
-    for i, (shape, s) in enumerate(zip(shapes, spec.shapes, strict=True)):
-        if not DNS_LABEL.fullmatch(shape) or len(shape) > 40:
-            out.append(f"spec.shapes[{i}]: its name {shape!r} is no DNS label: give it a name")
-        if len(s.npu_type) > 63 or not LABEL_VALUE.fullmatch(s.npu_type):
-            out.append(f"spec.shapes[{i}].npuType: {s.npu_type!r} is no label value")
-    if spec.refill_policy is RefillPolicy.SCHEDULED:  # the CRD's rule (issue 31)
-        out.append(
-            "spec.refillPolicy: Scheduled is not implemented (there is no schedule to refill "
-            "by): use Immediate (refill at once) or Manual (refill on a new generation)"
-        )
-    for i, entry in enumerate(spec.dram_preload):
-        if dram.model_bytes(entry.model) is None:
-            out.append(
-                f"spec.dramPreload[{i}].model: {entry.model!r} is not a model the platform knows "
-                "the size of"
-            )
-    return out
-
-
-def _starved(pods: dict[str, PodView]) -> int:
-    """Serving engine pods the scheduler cannot place for want of NPUs (not warm pods)."""
-    return sum(
-        1
-        for p in pods.values()
-        if p.phase == "Pending"
-        and not p.deleting
-        and (p.label(kinds.LABEL_WARMPOOL) is None or p.label(kinds.LABEL_CLAIMED_BY) is not None)
-        and p.trouble is not None
-        and p.trouble[0] == "Unschedulable"
-        and kinds.NPU_RESOURCE in p.trouble[1]
-    )
-
-
 async def reconcile(pools: WarmPools, namespace: str, name: str, logger: logging.Logger) -> bool:
     rt = pools.rt
     body = await rt.kube.get(KIND, namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return False
     meta = body["metadata"]
-    try:
-        spec = WarmPoolSpec.model_validate(body.get("spec") or {})
-    except ValidationError as exc:
-        await pools.loop.report_invalid(body, field_errors(exc), logger)
-        return False
-    errors = problems(name, spec)
-    if errors:
+    spec, errors = validation.parse(body)
+    if spec is None or errors:
         await pools.loop.report_invalid(body, errors, logger)
         return False
     pools.loop.spec_valid(namespace, name)
@@ -304,7 +248,7 @@ async def reconcile(pools: WarmPools, namespace: str, name: str, logger: logging
         dram_demand=demand,
         nodes=nodes,
         taken=frozenset(pools.loop.taken.get((namespace, name), set())),
-        starved=_starved(engines),
+        starved=wp.starved(engines.values()),
     )
     plan = wp.plan(view)
     if connected:

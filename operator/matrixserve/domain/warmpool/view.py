@@ -3,7 +3,7 @@ engines' reports in ZooKeeper, and how the platform starts engines. Frozen; buil
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,21 @@ def shape_name(shape: WarmShape, index: int) -> str:
     if shape.name:
         return shape.name
     return f"{shape.npu_type.lower()}-{shape.devices_per_pod}"[:63] or f"shape-{index}"
+
+
+def starved(pods: Iterable[PodView]) -> int:
+    """Serving engine pods (of ``pods``, the namespace's engine pods) the scheduler cannot place
+    for want of NPUs; a warm pod is none, a claimed one is (its group's now)."""
+    return sum(
+        1
+        for p in pods
+        if p.phase == "Pending"
+        and not p.deleting
+        and (p.label(kinds.LABEL_WARMPOOL) is None or p.label(kinds.LABEL_CLAIMED_BY) is not None)
+        and p.trouble is not None
+        and p.trouble[0] == "Unschedulable"
+        and kinds.NPU_RESOURCE in p.trouble[1]
+    )
 
 
 @dataclass(frozen=True)
