@@ -29,6 +29,7 @@ from matrixserve.adapters.zk_warm import WarmStore
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import WarmPoolSpec
+from matrixserve.api.status import WarmPoolStatus
 from matrixserve.domain import warmpool as wp
 from matrixserve.domain.warmpool import cleanup, dram, validation
 from matrixserve.handlers.leadership import finalizer_pending, lead_or_gone
@@ -56,16 +57,16 @@ class WarmPoolMetrics:
         )
         self.shown: dict[tuple[str, str], set[str]] = {}  # shapes exported, by pool
 
-    def record(self, namespace: str, pool: str, status: dict[str, Any]) -> None:
-        shapes = {row["name"]: row for row in status["shapes"]}
+    def record(self, namespace: str, pool: str, status: WarmPoolStatus) -> None:
+        shapes = {row.name: row for row in status.shapes}
         for gone in self.shown.get((namespace, pool), set()) - set(shapes):
             for state in ("ready", "warming", "claimed"):
                 self.pods.remove(namespace, pool, gone, state)
         for shape, row in shapes.items():
             for state in ("ready", "warming", "claimed"):
-                self.pods.labels(namespace, pool, shape, state).set(row[state])
+                self.pods.labels(namespace, pool, shape, state).set(getattr(row, state))
         self.shown[(namespace, pool)] = set(shapes)
-        self.forks.labels(namespace, pool).set(status["forksDone"])
+        self.forks.labels(namespace, pool).set(status.forks_done)
 
     def forget(self, namespace: str, pool: str) -> None:
         """A pool that is gone exports nothing."""
@@ -244,7 +245,7 @@ async def reconcile(pools: WarmPools, namespace: str, name: str, logger: logging
         rt.engine,
         now=time.time(),
         connected=connected,
-        previous=body.get("status") or {},
+        previous=WarmPoolStatus.model_validate(body.get("status") or {}),
         dram_demand=demand,
         nodes=nodes,
         taken=frozenset(pools.loop.taken.get((namespace, name), set())),
@@ -274,6 +275,6 @@ async def reconcile(pools: WarmPools, namespace: str, name: str, logger: logging
 
     actions = await pools.loop.guard_engines(namespace, plan.actions, bool(pods), logger)
     busy = await pools.loop.apply(body, actions, no_znodes)
-    await pools.loop.write_status(body, plan.status, plan.conditions)
+    await pools.loop.write_status(body, plan.status.dump(), plan.conditions)
     pools.metrics.record(namespace, name, plan.status)
     return busy

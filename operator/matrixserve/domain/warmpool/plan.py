@@ -31,6 +31,7 @@ from typing import Any
 
 from matrixserve.api import kinds
 from matrixserve.api.resources import RefillPolicy, WarmClaim, WarmShape
+from matrixserve.api.status import WarmDramStatus, WarmPoolStatus, WarmShapeStatus
 from matrixserve.domain.conditions import Condition
 from matrixserve.domain.effects import Event, PodCreation, PodDeletion
 from matrixserve.domain.observed import PodView
@@ -70,7 +71,7 @@ Action = CreateWarmPod | DeleteWarmPod
 @dataclass(frozen=True)
 class Plan:
     actions: list[Action]
-    status: dict[str, Any]
+    status: WarmPoolStatus
     conditions: list[Condition]
     dram: dict[str, dram.NodePlan] = field(default_factory=dict)  # every warm server's plan
 
@@ -130,7 +131,7 @@ def may_refill(view: PoolView) -> bool:
     """Not while yielding; ``Manual``: only a generation not filled yet."""
     return view.starved <= 0 and (
         view.spec.refill_policy is not RefillPolicy.MANUAL
-        or view.previous.get("filledGeneration") != view.generation
+        or view.previous.filled_generation != view.generation
     )
 
 
@@ -168,59 +169,57 @@ def size_shape(
 
 def shape_row(
     view: PoolView, name: str, shape: WarmShape, mine: Sequence[PodView]
-) -> dict[str, Any]:
+) -> WarmShapeStatus:
     """A shape's counts: ready and warming within its size, claimed apart."""
     warm = sum(1 for p in mine if view.warm(p))
     claimed = [p for p in _claimed(view) if p.label(kinds.LABEL_WARM_SHAPE) == name]
-    return {
-        "name": name,
-        "size": shape.size,
-        "npuType": shape.npu_type,
-        "devicesPerPod": shape.devices_per_pod,
-        "ready": min(warm, shape.size),
-        "warming": max(0, min(len(mine), shape.size) - warm),
-        "claimed": len(claimed),
-    }
+    return WarmShapeStatus(
+        name=name,
+        size=shape.size,
+        npuType=shape.npu_type,
+        devicesPerPod=shape.devices_per_pod,
+        ready=min(warm, shape.size),
+        warming=max(0, min(len(mine), shape.size) - warm),
+        claimed=len(claimed),
+    )
 
 
 def pool_status(
     view: PoolView,
-    rows: Sequence[dict[str, Any]],
-    dram_rows: Sequence[dict[str, Any]],
+    rows: Sequence[WarmShapeStatus],
+    dram_rows: Sequence[WarmDramStatus],
     refill: bool,
-) -> dict[str, Any]:
+) -> WarmPoolStatus:
     claimed = _claimed(view)
     paths = [_claim_path(p) for p in claimed]
     found_warm = sum(1 for p in paths if p == "WarmDRAM" or p.startswith("WarmFork"))
-    status: dict[str, Any] = {
-        "observedGeneration": view.generation,
-        "ready": sum(int(r["ready"]) for r in rows),
-        "warming": sum(int(r["warming"]) for r in rows),
-        "claimed": len(claimed),
-        "forksDone": sum(1 for p in paths if p.startswith("WarmFork")),
-        "shapes": list(rows),
+    return WarmPoolStatus(
+        observedGeneration=view.generation,
+        ready=sum(r.ready for r in rows),
+        warming=sum(r.warming for r in rows),
+        claimed=len(claimed),
+        forksDone=sum(1 for p in paths if p.startswith("WarmFork")),
+        shapes=list(rows),
         # stamped once a pass could fill (Manual: a pool made while ZooKeeper was out of
         # reach still fills when it is back)
-        "filledGeneration": view.generation
+        filledGeneration=view.generation
         if refill and view.connected
-        else view.previous.get("filledGeneration", 0),
-    }
-    if paths:
-        status["hitRatePercent"] = round(100 * found_warm / len(paths))
-    status["dram"] = list(dram_rows)
-    return status
+        else (view.previous.filled_generation or 0),
+        hitRatePercent=round(100 * found_warm / len(paths)) if paths else None,
+        dram=list(dram_rows),
+    )
 
 
-def dram_stage(view: PoolView) -> tuple[dict[str, dram.NodePlan], list[dict[str, Any]]]:
+def dram_stage(view: PoolView) -> tuple[dict[str, dram.NodePlan], list[WarmDramStatus]]:
     """Every warm server's host-DRAM plan, and the status rows of the servers running the
     pool's unclaimed pods (planned and loaded models)."""
     plans = dram.plan(view.dram_demand, view.nodes)
     servers = sorted({p.node for p in view.pods.values() if p.node and not view.claimed(p)})
     rows = [
-        {
-            "node": node,
-            "models": list(plans[node].models),
-            "loaded": sorted(
+        WarmDramStatus(
+            node=node,
+            models=list(plans[node].models),
+            loaded=sorted(
                 {
                     m
                     for name, r in view.reports.items()
@@ -228,9 +227,9 @@ def dram_stage(view: PoolView) -> tuple[dict[str, dram.NodePlan], list[dict[str,
                     for m in r.dram_models
                 }
             ),
-            "bytes": int(plans[node].bytes),
-            "capacityBytes": int(plans[node].capacity),
-        }
+            bytes=int(plans[node].bytes),
+            capacityBytes=int(plans[node].capacity),
+        )
         for node in servers
         if node in plans
     ]
@@ -238,9 +237,9 @@ def dram_stage(view: PoolView) -> tuple[dict[str, dram.NodePlan], list[dict[str,
 
 
 def ready_condition(
-    view: PoolView, status: dict[str, Any], rows: Sequence[dict[str, Any]], refill: bool
+    view: PoolView, status: WarmPoolStatus, rows: Sequence[WarmShapeStatus], refill: bool
 ) -> Condition:
-    ready, size = int(status["ready"]), sum(int(r["size"]) for r in rows)
+    ready, size = status.ready, sum(r.size for r in rows)
     if not view.connected:
         return Condition(
             READY,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import WarmPoolSpec, WarmShape
+from matrixserve.api.status import WarmPoolStatus
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.warmpool.dram import Demand
@@ -49,7 +49,7 @@ class PoolView:
     engine: EngineSettings
     now: float
     connected: bool = True  # ZooKeeper (the warm engines' reports) is readable
-    previous: Mapping[str, Any] = field(default_factory=dict)
+    previous: WarmPoolStatus = field(default_factory=WarmPoolStatus)  # as the object stores it
     # DRAM pre-loading (issue 18): what to pre-load, in order, and the servers that run the
     # namespace's warm pods (with their labels, for the pre-loads' node selectors).
     dram_demand: tuple[Demand, ...] = ()
