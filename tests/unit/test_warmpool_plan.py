@@ -5,6 +5,7 @@ source of its model, and writes the claimed pod's assignment until the pod repor
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from typing import Any
@@ -509,6 +510,41 @@ def test_the_pool_status_says_each_servers_planned_and_loaded_models_and_its_hit
     ]
     assert plan.dram["n1"].models == ("llama3-8b",)
     assert plan.status["hitRatePercent"] == 100
+
+
+def test_the_dram_demand_reads_pools_and_groups_through_their_models_in_order() -> None:
+    """Pools in name order with their pre-loads, then the groups' models, the group with the
+    most instances first; an object whose spec does not parse, or a model of unknown size, asks
+    for nothing."""
+    from matrixserve.domain.warmpool import dram
+
+    def body(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return {"metadata": {"name": name}, "spec": spec}
+
+    shapes = [{"size": 1, "devicesPerPod": 2}]
+    pools = [
+        body("b", {"shapes": shapes, "dramPreload": [{"model": "llama3-8b"}]}),
+        body("a", {"shapes": shapes, "dramPreload": [{"model": "gpt3-175b"}, {"model": "x"}]}),
+        body("broken", {"shapes": [], "dramPreload": [{"model": "deepseek-v3"}]}),
+    ]
+    small = group_spec(p=1, d=1).model_dump(by_alias=True, exclude_none=True)
+    big = group_spec(p=2, d=2).model_dump(by_alias=True, exclude_none=True)
+    sized = copy.deepcopy(small)
+    sized["model"] = {"name": "custom", "sizeBytes": 7}
+    groups = [
+        body("small", small),
+        body("big", big),
+        body("sized", sized),
+        body("invalid", {**big, "prefill": {"replicas": -1}}),
+    ]
+    assert [(d.model, d.why) for d in dram.demand(pools, groups)] == [
+        ("gpt3-175b", "WarmPool a"),
+        ("llama3-8b", "WarmPool b"),
+        ("llama3-8b", "PDGroup big"),
+        ("custom", "PDGroup sized"),  # as many instances as "small": by name
+        ("llama3-8b", "PDGroup small"),
+    ]
+    assert dram.demand([], [body("sized", sized)])[0].bytes == 7.0
 
 
 def test_no_pod_or_assignment_fixes_how_many_read_the_shared_file_service() -> None:

@@ -23,12 +23,10 @@ from typing import Any
 
 import kopf
 from prometheus_client import CollectorRegistry, Gauge
-from pydantic import ValidationError
 
 from matrixserve.adapters.zk_warm import WarmStore
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
-from matrixserve.api.resources import WarmPoolSpec
 from matrixserve.api.status import WarmPoolStatus
 from matrixserve.domain import warmpool as wp
 from matrixserve.domain.warmpool import cleanup, dram, validation
@@ -175,41 +173,16 @@ async def deleted(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
 async def _dram_inputs(
     rt: Runtime, namespace: str
 ) -> tuple[tuple[dram.Demand, ...], dict[str, dict[str, str]]]:
-    """What to pre-load in host DRAM, in order (every pool's ``dramPreload`` of the namespace,
-    then its PDGroups' models, the biggest group first), and the servers that run the
-    namespace's warm pods with their labels. Read the same by every pool of the namespace."""
-    demand: list[dram.Demand] = []
-    for pool in sorted(await rt.kube.objects(KIND, namespace), key=lambda o: o["metadata"]["name"]):
-        try:
-            spec = WarmPoolSpec.model_validate(pool.get("spec") or {})
-        except ValidationError:
-            continue
-        for entry in spec.dram_preload:
-            size = dram.model_bytes(entry.model)
-            if size is not None:
-                why = f"WarmPool {pool['metadata']['name']}"
-                demand.append(dram.Demand(entry.model, size, entry.node_selector, why))
-    groups = []
-    for group in await rt.kube.objects(kinds.PDGROUP, namespace):
-        spec_body = group.get("spec") or {}
-        model = spec_body.get("model") or {}
-        replicas = sum(
-            int((spec_body.get(role) or {}).get("replicas") or 0) for role in ("prefill", "decode")
-        )
-        size = dram.model_bytes(str(model.get("name") or ""), model.get("sizeBytes"))
-        if size is not None:
-            groups.append((-replicas, group["metadata"]["name"], str(model["name"]), size))
-    demand += [dram.Demand(m, size, None, f"PDGroup {g}") for _, g, m, size in sorted(groups)]
+    """What to pre-load in host DRAM, in order (:func:`dram.demand` over the namespace's pools
+    and groups), and the servers that run the namespace's warm pods with their labels. Read the
+    same by every pool of the namespace."""
+    demand = dram.demand(
+        await rt.kube.objects(KIND, namespace), await rt.kube.objects(kinds.PDGROUP, namespace)
+    )
     warm = await rt.kube.list_pods(
         namespace, {}, (kinds.LABEL_WARMPOOL, f"!{kinds.LABEL_CLAIMED_BY}")
     )
-    servers = await rt.kube.nodes()
-    nodes = {
-        p.node: dict(servers[p.node].labels) if p.node in servers else {}
-        for p in warm.values()
-        if p.node and not p.deleting
-    }
-    return tuple(demand), nodes
+    return demand, dram.servers(warm.values(), await rt.kube.nodes())
 
 
 async def reconcile(pools: WarmPools, namespace: str, name: str, logger: logging.Logger) -> bool:

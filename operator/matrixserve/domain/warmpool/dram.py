@@ -16,11 +16,17 @@ a namespace computes the same plan from the same inputs, so their writes agree.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
 
 from matrixserve.api import catalog
+from matrixserve.api.resources import PDGroupSpec, WarmPoolSpec
+from matrixserve.domain.observed import NodeView, PodView
 
+Spec = TypeVar("Spec", WarmPoolSpec, PDGroupSpec)
 DRAM_PRELOAD_FRACTION = 0.9  # [design] the rest for the OS and the pods' own memory
 
 
@@ -71,3 +77,50 @@ def plan(
             used += d.bytes
         out[node] = NodePlan(node, tuple(chosen), used, capacity)
     return out
+
+
+def demand(
+    pools: Iterable[Mapping[str, Any]], groups: Iterable[Mapping[str, Any]]
+) -> tuple[Demand, ...]:
+    """What to pre-load, in order, from the namespace's WarmPool and PDGroup objects (as
+    stored): every pool's ``dramPreload`` (pools in name order), then the groups' models, the
+    group with the most instances first. An object whose spec does not parse asks for nothing
+    (its own controller reports it); nor does a model of unknown size."""
+    out: list[Demand] = []
+    for pool in sorted(pools, key=lambda o: str(o["metadata"]["name"])):
+        spec = _parsed(WarmPoolSpec, pool)
+        for entry in spec.dram_preload if spec is not None else ():
+            size = model_bytes(entry.model)
+            if size is not None:
+                why = f"WarmPool {pool['metadata']['name']}"
+                out.append(Demand(entry.model, size, entry.node_selector, why))
+    served = []
+    for group in groups:
+        g = _parsed(PDGroupSpec, group)
+        size = model_bytes(g.model.name, g.model.size_bytes) if g is not None else None
+        if g is not None and size is not None:
+            instances = g.prefill.replicas + g.decode.replicas
+            served.append((-instances, str(group["metadata"]["name"]), g.model.name, size))
+    out += [Demand(model, size, None, f"PDGroup {g}") for _, g, model, size in sorted(served)]
+    return tuple(out)
+
+
+def _parsed(model: type[Spec], body: Mapping[str, Any]) -> Spec | None:
+    """An object's spec, None if it does not parse."""
+    try:
+        return model.model_validate(body.get("spec") or {})
+    except ValidationError:
+        return None
+
+
+def servers(
+    warm_pods: Iterable[PodView], nodes: Mapping[str, NodeView]
+) -> dict[str, dict[str, str]]:
+    """The servers running those of ``warm_pods`` (the namespace's unclaimed ones) not being
+    deleted, with their labels (for the pre-loads' node selectors; none for a server not
+    listed)."""
+    return {
+        p.node: dict(nodes[p.node].labels) if p.node in nodes else {}
+        for p in warm_pods
+        if p.node and not p.deleting
+    }
