@@ -547,6 +547,50 @@ def test_the_dram_demand_reads_pools_and_groups_through_their_models_in_order() 
     assert dram.demand([], [body("sized", sized)])[0].bytes == 7.0
 
 
+def test_dram_plans_are_written_where_zookeepers_differ_stamped_with_the_views_time() -> None:
+    from matrixserve.domain.warmpool import dram
+
+    plans = dram.plan([dram.Demand("llama3-8b", 16e9)], {"n1": {}, "n2": {}, "n3": {}})
+    same = zl.DramPlan(node="n1", models=["llama3-8b"], bytes=16e9, ts=1.0)
+    other = zl.DramPlan(node="n2", models=["gpt3-175b"], bytes=16e9)
+    written = {"n1": same, "n2": other, "n3": None, "n4": zl.DramPlan(node="n4")}
+    change = dram.writes(plans, written, now=42.0)
+    assert change is not None
+    assert [(p.node, p.models, p.ts) for p in change.plans] == [
+        ("n2", ["llama3-8b"], 42.0),
+        ("n3", ["llama3-8b"], 42.0),  # unreadable there: written again
+    ]
+    assert change.removed == ("n4",)
+    assert change.nodes == ["n2", "n3", "n4"]
+    paths = zl.WarmPaths("ns")
+    assert [type(op).__name__ + " " + op.path for op in change.znodes(paths)] == [
+        f"Delete {paths.dram('n4')}",
+        f"Put {paths.dram('n2')}",
+        f"Put {paths.dram('n3')}",
+    ]
+    assert dram.writes(plans, {**written, "n2": same, "n3": same}, now=42.0) == (
+        dram.WriteDramPlans(removed=("n4",))
+    )
+    assert dram.writes({"n1": plans["n1"]}, {"n1": same}, now=42.0) is None
+
+
+def test_the_pool_writes_its_dram_plans_only_with_zookeeper_and_only_what_changed() -> None:
+    from matrixserve.domain.warmpool import dram
+
+    view = dataclasses.replace(
+        pool_view([warm_pod("wp-two-0"), warm_pod("wp-two-1")]),
+        now=7.0,
+        dram_demand=(dram.Demand("llama3-8b", 16e9),),
+        nodes={"n1": {}},
+    )
+    (write,) = [a for a in wp.plan(view).actions if isinstance(a, dram.WriteDramPlans)]
+    assert [(p.node, p.models, p.ts) for p in write.plans] == [("n1", ["llama3-8b"], 7.0)]
+    settled = dataclasses.replace(view, dram_written={"n1": write.plans[0]})
+    assert not wp.plan(settled).actions
+    away = dataclasses.replace(view, connected=False)
+    assert not [a for a in wp.plan(away).actions if isinstance(a, dram.WriteDramPlans)]
+
+
 def test_no_pod_or_assignment_fixes_how_many_read_the_shared_file_service() -> None:
     """The engines count the bucket's readers as they load (enginestub.engine.bucket): a count
     fixed in a pod's environment outlived the first setup, and a container restarted in place

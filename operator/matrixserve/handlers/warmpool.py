@@ -3,9 +3,9 @@ engine pods per shape, refilled after claims, counted in status and metrics.
 
 - ``@kopf.daemon`` per WarmPool runs the shared per-object loop (:mod:`.reconciler`), woken by
   its own events, its pods' events and the namespace's warm engines reporting in ZooKeeper.
-- ``reconcile``: parse -> observe (the pool's pods, the warm reports) -> plan (pure,
-  :mod:`matrixserve.domain.warmpool`) -> apply -> status; assignments whose pod is gone are
-  removed on the way.
+- ``reconcile``: parse -> observe (the pool's pods, the warm reports, the host-DRAM plans) ->
+  plan (pure, :mod:`matrixserve.domain.warmpool`) -> apply (pods; DRAM plans to the store) ->
+  status; assignments whose pod is gone are removed on the way.
 - A claim is not made here: a group claims a warm pod through the API server (the pod's labels
   and owner, with its resourceVersion as precondition), and the pool sees it claimed.
 - Warm pods run at the serving pods' priority (a claimed pod keeps the priority it was made
@@ -26,7 +26,6 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from matrixserve.adapters.zk_warm import WarmStore
 from matrixserve.api import kinds
-from matrixserve.api import zk_layout as zl
 from matrixserve.api.status import WarmPoolStatus
 from matrixserve.domain import warmpool as wp
 from matrixserve.domain.warmpool import cleanup, dram, validation
@@ -221,33 +220,18 @@ async def reconcile(pools: WarmPools, namespace: str, name: str, logger: logging
         previous=WarmPoolStatus.model_validate(body.get("status") or {}),
         dram_demand=demand,
         nodes=nodes,
+        dram_written=await pools.store.dram_plans(namespace) if connected else {},
         taken=frozenset(pools.loop.taken.get((namespace, name), set())),
         starved=wp.starved(engines.values()),
     )
     plan = wp.plan(view)
-    if connected:
-        now = time.time()
-        written = await pools.store.write_dram(
-            namespace,
-            {
-                node: zl.DramPlan(
-                    node=node,
-                    models=list(p.models),
-                    bytes=p.bytes,
-                    capacityBytes=p.capacity,
-                    ts=now,
-                )
-                for node, p in plan.dram.items()
-            },
-        )
-        if written:
-            logger.info("host DRAM pre-load plans changed on %s", ", ".join(sorted(written)))
 
-    async def no_znodes(_: Any) -> None:
-        raise TypeError("a WarmPool plan changes no znode")
+    async def dram_plans(change: dram.WriteDramPlans) -> None:
+        await pools.store.apply(namespace, change)
+        logger.info("host DRAM pre-load plans changed on %s", ", ".join(change.nodes))
 
     actions = await pools.loop.guard_engines(namespace, plan.actions, bool(pods), logger)
-    busy = await pools.loop.apply(body, actions, no_znodes)
+    busy = await pools.loop.apply(body, actions, dram_plans)
     await pools.loop.write_status(body, plan.status.dump(), plan.conditions)
     pools.metrics.record(namespace, name, plan.status)
     return busy

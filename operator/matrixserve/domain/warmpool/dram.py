@@ -12,6 +12,10 @@ instances first (a group that serves more is likelier to scale). Each server tha
 pod gets the longest prefix of that list whose weights fit in ``DRAM_PRELOAD_FRACTION`` of its
 DRAM (a model that does not fit is skipped, a smaller one after it may still go). Every pool of
 a namespace computes the same plan from the same inputs, so their writes agree.
+
+The plans reach the warm engines through ZooKeeper (``/matrixserve/v1/warm/<ns>/dram/<node>``):
+:func:`writes` compares them with what is there and asks for the servers whose plan changed
+(:class:`WriteDramPlans`, an effect like any other), so a settled namespace writes nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from matrixserve.api import catalog
+from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec, WarmPoolSpec
+from matrixserve.domain.effects import ZnodeChange
 from matrixserve.domain.observed import NodeView, PodView
 
 Spec = TypeVar("Spec", WarmPoolSpec, PDGroupSpec)
@@ -124,3 +130,47 @@ def servers(
         for p in warm_pods
         if p.node and not p.deleting
     }
+
+
+@dataclass(frozen=True)
+class WriteDramPlans(ZnodeChange[zl.WarmPaths]):
+    """Make the namespace's ``dram/`` say the plans: ``plans`` written (the servers whose plan
+    changed), the plans of the servers in ``removed`` (no warm pod there any more) deleted."""
+
+    plans: tuple[zl.DramPlan, ...] = ()
+    removed: tuple[str, ...] = ()
+
+    @property
+    def nodes(self) -> list[str]:
+        """The servers whose plan this changes."""
+        return sorted({*self.removed, *(p.node for p in self.plans)})
+
+    def znodes(self, paths: zl.WarmPaths) -> list[zl.ZnodeOp]:
+        return [
+            *(zl.Delete(paths.dram(node)) for node in self.removed),
+            *(zl.Put(paths.dram(p.node), p.dump()) for p in self.plans),
+        ]
+
+
+def writes(
+    plans: Mapping[str, NodePlan], written: Mapping[str, zl.DramPlan | None], now: float
+) -> WriteDramPlans | None:
+    """What makes ``dram/`` (``written``: node -> its plan there, None if unreadable) say
+    ``plans``: a server's plan where it has none or its models or size changed (stamped
+    ``now``), a plan removed where its server is no longer in ``plans``; None if nothing
+    changed."""
+    removed = tuple(node for node in written if node not in plans)
+    changed = []
+    for node, p in plans.items():
+        old = written.get(node)
+        if old is None or (old.models, old.bytes) != (list(p.models), p.bytes):
+            changed.append(
+                zl.DramPlan(
+                    node=node,
+                    models=list(p.models),
+                    bytes=p.bytes,
+                    capacityBytes=p.capacity,
+                    ts=now,
+                )
+            )
+    return WriteDramPlans(tuple(changed), removed) if changed or removed else None

@@ -15,7 +15,8 @@ Each pass, in stages (each a function below, :func:`plan` composes them):
    spec changed, so claims are not refilled until the user asks);
 4. :func:`shape_row` and :func:`pool_status`: ready / warming / claimed per shape and in total,
    claims by NPU-fork, the claims' hit rate;
-5. :func:`dram_stage`: every warm server's host-DRAM plan (:mod:`.dram`), in the status;
+5. :func:`dram_stage`: every warm server's host-DRAM plan (:mod:`.dram`), in the status and
+   written to ZooKeeper where it changed;
 6. :func:`ready_condition`: ``Ready`` and why.
 
 Every deletion holds only while the pod is still at the resourceVersion seen (a pod claimed
@@ -36,6 +37,7 @@ from matrixserve.domain.conditions import Condition
 from matrixserve.domain.effects import Event, PodCreation, PodDeletion
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.warmpool import dram
+from matrixserve.domain.warmpool.dram import WriteDramPlans
 from matrixserve.domain.warmpool.pods import pod_manifest, pod_name, template
 from matrixserve.domain.warmpool.view import PoolView
 
@@ -65,7 +67,7 @@ class DeleteWarmPod(PodDeletion):
         return Event("DeletedWarmPod", f"Deleted warm pod {self.name}: {self.reason}")
 
 
-Action = CreateWarmPod | DeleteWarmPod
+Action = CreateWarmPod | DeleteWarmPod | WriteDramPlans
 
 
 @dataclass(frozen=True)
@@ -85,10 +87,10 @@ def plan(view: PoolView) -> Plan:
     sized: list[Action] = []
     for name, shape in shapes.items():
         sized += size_shape(view, name, shape, by_shape[name], refill, taken)
-    plans, dram_rows = dram_stage(view)
+    plans, dram_rows, write = dram_stage(view)
     rows = [shape_row(view, name, shape, by_shape[name]) for name, shape in shapes.items()]
     status = pool_status(view, rows, dram_rows, refill)
-    actions: list[Action] = [*dropped, *given, *sized]
+    actions: list[Action] = [*([write] if write else []), *dropped, *given, *sized]
     return Plan(actions, status, [ready_condition(view, status, rows, refill)], plans)
 
 
@@ -210,9 +212,12 @@ def pool_status(
     )
 
 
-def dram_stage(view: PoolView) -> tuple[dict[str, dram.NodePlan], list[WarmDramStatus]]:
-    """Every warm server's host-DRAM plan, and the status rows of the servers running the
-    pool's unclaimed pods (planned and loaded models)."""
+def dram_stage(
+    view: PoolView,
+) -> tuple[dict[str, dram.NodePlan], list[WarmDramStatus], WriteDramPlans | None]:
+    """Every warm server's host-DRAM plan; the status rows of the servers running the pool's
+    unclaimed pods (planned and loaded models); the plans to write where ZooKeeper's differ
+    (none without ZooKeeper)."""
     plans = dram.plan(view.dram_demand, view.nodes)
     servers = sorted({p.node for p in view.pods.values() if p.node and not view.claimed(p)})
     rows = [
@@ -233,7 +238,8 @@ def dram_stage(view: PoolView) -> tuple[dict[str, dram.NodePlan], list[WarmDramS
         for node in servers
         if node in plans
     ]
-    return plans, rows
+    write = dram.writes(plans, view.dram_written, view.now) if view.connected else None
+    return plans, rows, write
 
 
 def ready_condition(

@@ -1,5 +1,6 @@
 """What the WarmPool planner knows: the pool's spec, the pods it made (warm or claimed), the warm
-engines' reports in ZooKeeper, and how the platform starts engines. Frozen; built each pass."""
+engines' reports in ZooKeeper, the host-DRAM plans there, and how the platform starts engines.
+Frozen; built each pass."""
 
 from __future__ import annotations
 
@@ -50,10 +51,12 @@ class PoolView:
     now: float
     connected: bool = True  # ZooKeeper (the warm engines' reports) is readable
     previous: WarmPoolStatus = field(default_factory=WarmPoolStatus)  # as the object stores it
-    # DRAM pre-loading (issue 18): what to pre-load, in order, and the servers that run the
-    # namespace's warm pods (with their labels, for the pre-loads' node selectors).
+    # DRAM pre-loading: what to pre-load, in order, the servers that run the namespace's warm
+    # pods (with their labels, for the pre-loads' node selectors), and the plans ZooKeeper holds
+    # (by server; None: unreadable).
     dram_demand: tuple[Demand, ...] = ()
     nodes: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    dram_written: Mapping[str, zl.DramPlan | None] = field(default_factory=dict)
     # Names a creation found taken by someone else's pod (not used again), and the namespace's
     # serving engine pods the scheduler cannot place for want of NPUs (the pool yields its own).
     taken: frozenset[str] = frozenset()
