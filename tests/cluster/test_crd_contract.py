@@ -356,7 +356,7 @@ def test_a_warm_pool_refilled_on_a_schedule_is_refused_saying_what_works(
     """Issue 31: ``refillPolicy: Scheduled`` was accepted and acted as Immediate. The API
     server refuses it, in the words the WarmPool controller's own check uses."""
     from matrixserve.api.resources import WarmPoolSpec
-    from matrixserve.handlers.warmpool import problems
+    from matrixserve.domain.warmpool.validation import problems
 
     body = load(CRDS / "samples" / "warmpool.yaml")
     body["spec"]["refillPolicy"] = "Scheduled"

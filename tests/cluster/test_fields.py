@@ -32,8 +32,8 @@ from matrixserve.devcluster import tools
 from matrixserve.devcluster.cluster import ClusterInfo
 from matrixserve.domain.enginepod import ENGINE_PORT
 from matrixserve.domain.pdgroup.validation import parse_spec, schema_rules
+from matrixserve.domain.warmpool.validation import problems
 from matrixserve.handlers.unserved import REASON as NO_CONTROLLER
-from matrixserve.handlers.warmpool import problems
 
 pytestmark = pytest.mark.skipif(
     tools.legacy(), reason="the refusals are CEL validation rules (1.29+, not on 1.20)"

@@ -438,6 +438,60 @@ async def test_a_namespaces_warm_folder_is_swept_once_no_pool_nor_pool_pod_is_le
     assert zl.WarmPaths("pooled").dram("n0") in world.zk.nodes
 
 
+async def test_a_pools_host_dram_plans_are_written_by_its_plan_only_where_they_changed(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pool's plan writes the namespace's host-DRAM plans as an effect, applied by its
+    store: a server's plan where it changed (stamped with the pass's time), the plan of a
+    server no warm pod runs on any more removed; a settled namespace writes nothing and its
+    pass has nothing to do."""
+    from matrixserve.adapters.warmpool_metrics import WarmPoolMetrics
+    from matrixserve.adapters.zk_warm import WarmStore
+    from matrixserve.handlers.warmpool import WarmPools
+
+    rt = world.groups.rt
+    loop = Reconciler(kinds.WARMPOOL, rt.kube, rt.metrics, rt.loop, poster=world.record)
+    pools = WarmPools(rt, loop, WarmStore(rt.session), WarmPoolMetrics(OperatorMetrics().registry))
+
+    async def reconcile() -> bool:
+        return (await loop.reconcile(pools, "ns", "wp", LOG)).busy
+
+    key = (kinds.GROUP, kinds.VERSION, "ns", kinds.WARMPOOL.plural, "wp")
+    world.custom.objects[key] = {
+        "apiVersion": kinds.API_VERSION,
+        "kind": kinds.WARMPOOL.kind,
+        "metadata": {"name": "wp", "namespace": "ns", "uid": "uid-wp", "generation": 1},
+        "spec": {
+            "shapes": [{"name": "two", "size": 1, "devicesPerPod": 2}],
+            "dramPreload": [{"model": "llama3-8b"}],
+        },
+    }
+    world.core.nodes["n0"] = {}
+    paths = zl.WarmPaths("ns")
+    await pools.store.ensure("ns")
+    assert await reconcile() is True  # its warm pod, no server yet
+    assert not [p for p in world.zk.nodes if p.startswith(f"{paths.root}/dram")]
+    world.core.pods[("ns", "wp-two-w0")]["spec"]["nodeName"] = "n0"
+    world.zk.create(paths.dram("n9"), zl.DramPlan(node="n9").dump(), makepath=True)
+
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        before = time.time()
+        await reconcile()
+    written = zl.DramPlan.parse(world.zk.nodes[paths.dram("n0")][0])
+    assert written.models == ["llama3-8b"]  # the pool's, and the group's model: once
+    assert written.ts >= before
+    assert paths.dram("n9") not in world.zk.nodes
+    assert "host DRAM pre-load plans changed on n0, n9" in caplog.messages
+    assert world.custom.objects[key]["status"]["dram"][0]["models"] == ["llama3-8b"]
+
+    data = world.zk.nodes[paths.dram("n0")]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        assert await reconcile() is False
+    assert world.zk.nodes[paths.dram("n0")] == data  # not written again
+    assert not [m for m in caplog.messages if "DRAM" in m]
+
+
 def test_a_deletion_waits_for_zookeeper_a_bounded_time() -> None:
     from matrixserve.domain.pdgroup.cleanup import FINALIZER_WAIT_SECONDS, give_up_waiting
 

@@ -5,6 +5,7 @@ source of its model, and writes the claimed pod's assignment until the pod repor
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from typing import Any
@@ -511,6 +512,85 @@ def test_the_pool_status_says_each_servers_planned_and_loaded_models_and_its_hit
     assert plan.status["hitRatePercent"] == 100
 
 
+def test_the_dram_demand_reads_pools_and_groups_through_their_models_in_order() -> None:
+    """Pools in name order with their pre-loads, then the groups' models, the group with the
+    most instances first; an object whose spec does not parse, or a model of unknown size, asks
+    for nothing."""
+    from matrixserve.domain.warmpool import dram
+
+    def body(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return {"metadata": {"name": name}, "spec": spec}
+
+    shapes = [{"size": 1, "devicesPerPod": 2}]
+    pools = [
+        body("b", {"shapes": shapes, "dramPreload": [{"model": "llama3-8b"}]}),
+        body("a", {"shapes": shapes, "dramPreload": [{"model": "gpt3-175b"}, {"model": "x"}]}),
+        body("broken", {"shapes": [], "dramPreload": [{"model": "deepseek-v3"}]}),
+    ]
+    small = group_spec(p=1, d=1).model_dump(by_alias=True, exclude_none=True)
+    big = group_spec(p=2, d=2).model_dump(by_alias=True, exclude_none=True)
+    sized = copy.deepcopy(small)
+    sized["model"] = {"name": "custom", "sizeBytes": 7}
+    groups = [
+        body("small", small),
+        body("big", big),
+        body("sized", sized),
+        body("invalid", {**big, "prefill": {"replicas": -1}}),
+    ]
+    assert [(d.model, d.why) for d in dram.demand(pools, groups)] == [
+        ("gpt3-175b", "WarmPool a"),
+        ("llama3-8b", "WarmPool b"),
+        ("llama3-8b", "PDGroup big"),
+        ("custom", "PDGroup sized"),  # as many instances as "small": by name
+        ("llama3-8b", "PDGroup small"),
+    ]
+    assert dram.demand([], [body("sized", sized)])[0].bytes == 7.0
+
+
+def test_dram_plans_are_written_where_zookeepers_differ_stamped_with_the_views_time() -> None:
+    from matrixserve.domain.warmpool import dram
+
+    plans = dram.plan([dram.Demand("llama3-8b", 16e9)], {"n1": {}, "n2": {}, "n3": {}})
+    same = zl.DramPlan(node="n1", models=["llama3-8b"], bytes=16e9, ts=1.0)
+    other = zl.DramPlan(node="n2", models=["gpt3-175b"], bytes=16e9)
+    written = {"n1": same, "n2": other, "n3": None, "n4": zl.DramPlan(node="n4")}
+    change = dram.writes(plans, written, now=42.0)
+    assert change is not None
+    assert [(p.node, p.models, p.ts) for p in change.plans] == [
+        ("n2", ["llama3-8b"], 42.0),
+        ("n3", ["llama3-8b"], 42.0),  # unreadable there: written again
+    ]
+    assert change.removed == ("n4",)
+    assert change.nodes == ["n2", "n3", "n4"]
+    paths = zl.WarmPaths("ns")
+    assert [type(op).__name__ + " " + op.path for op in change.znodes(paths)] == [
+        f"Delete {paths.dram('n4')}",
+        f"Put {paths.dram('n2')}",
+        f"Put {paths.dram('n3')}",
+    ]
+    assert dram.writes(plans, {**written, "n2": same, "n3": same}, now=42.0) == (
+        dram.WriteDramPlans(removed=("n4",))
+    )
+    assert dram.writes({"n1": plans["n1"]}, {"n1": same}, now=42.0) is None
+
+
+def test_the_pool_writes_its_dram_plans_only_with_zookeeper_and_only_what_changed() -> None:
+    from matrixserve.domain.warmpool import dram
+
+    view = dataclasses.replace(
+        pool_view([warm_pod("wp-two-0"), warm_pod("wp-two-1")]),
+        now=7.0,
+        dram_demand=(dram.Demand("llama3-8b", 16e9),),
+        nodes={"n1": {}},
+    )
+    (write,) = [a for a in wp.plan(view).actions if isinstance(a, dram.WriteDramPlans)]
+    assert [(p.node, p.models, p.ts) for p in write.plans] == [("n1", ["llama3-8b"], 7.0)]
+    settled = dataclasses.replace(view, dram_written={"n1": write.plans[0]})
+    assert not wp.plan(settled).actions
+    away = dataclasses.replace(view, connected=False)
+    assert not [a for a in wp.plan(away).actions if isinstance(a, dram.WriteDramPlans)]
+
+
 def test_no_pod_or_assignment_fixes_how_many_read_the_shared_file_service() -> None:
     """The engines count the bucket's readers as they load (enginestub.engine.bucket): a count
     fixed in a pod's environment outlived the first setup, and a container restarted in place
@@ -584,6 +664,24 @@ def test_a_starved_serving_pod_gets_the_npus_of_a_warm_pod_and_the_pool_waits() 
     assert plan.conditions[0].reason == "Yielding"
 
 
+def test_only_serving_pods_short_of_npus_starve() -> None:
+    """A serving pod (or a claimed warm one, its group's now) Pending for want of NPUs starves;
+    an unclaimed warm pod, one short of something else, or one being deleted does not."""
+    npus = ("Unschedulable", f"0/3 nodes are available: 3 Insufficient {kinds.NPU_RESOURCE}.")
+    pending = dataclasses.replace(
+        warm_pod("g-p-0"), labels={kinds.LABEL_GROUP: "g"}, phase="Pending", trouble=npus
+    )
+    pods = [
+        pending,
+        dataclasses.replace(warm_pod("wp-two-w0", claimed_by="g"), phase="Pending", trouble=npus),
+        dataclasses.replace(warm_pod("wp-two-w1"), phase="Pending", trouble=npus),
+        dataclasses.replace(pending, trouble=("Unschedulable", "0/3 nodes: Insufficient cpu")),
+        dataclasses.replace(pending, deleting=True),
+        dataclasses.replace(pending, phase="Running"),
+    ]
+    assert wp.starved(pods) == 2
+
+
 def test_a_name_someone_else_holds_is_not_tried_again() -> None:
     plan = wp.plan(dataclasses.replace(pool_view([]), taken=frozenset({"wp-two-w0"})))
     assert [a.name for a in plan.actions if isinstance(a, CreateWarmPod)] == [
@@ -637,7 +735,7 @@ def test_a_first_setups_warm_decodes_come_from_one_superpod() -> None:
 
 
 def test_a_pool_whose_names_cannot_be_labels_or_models_are_unknown_is_refused() -> None:
-    from matrixserve.handlers.warmpool import problems
+    from matrixserve.domain.warmpool.validation import problems
 
     assert problems("wp", pool_spec()) == []
     assert any("at most 63" in e for e in problems("w" * 64, pool_spec()))

@@ -4,9 +4,10 @@ by pool, shape and state, and claims by NPU-fork (DeepServe §6.1)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
+
+from matrixserve.api.status import WarmPoolStatus
 
 
 class WarmPoolMetrics:
@@ -25,16 +26,16 @@ class WarmPoolMetrics:
         )
         self.shown: dict[tuple[str, str], set[str]] = {}  # shapes exported, by pool
 
-    def record(self, namespace: str, pool: str, status: dict[str, Any]) -> None:
-        shapes = {row["name"]: row for row in status["shapes"]}
+    def record(self, namespace: str, pool: str, status: WarmPoolStatus) -> None:
+        shapes = {row.name: row for row in status.shapes}
         for gone in self.shown.get((namespace, pool), set()) - set(shapes):
             for state in ("ready", "warming", "claimed"):
                 self.pods.remove(namespace, pool, gone, state)
         for shape, row in shapes.items():
             for state in ("ready", "warming", "claimed"):
-                self.pods.labels(namespace, pool, shape, state).set(row[state])
+                self.pods.labels(namespace, pool, shape, state).set(getattr(row, state))
         self.shown[(namespace, pool)] = set(shapes)
-        self.forks.labels(namespace, pool).set(status["forksDone"])
+        self.forks.labels(namespace, pool).set(status.forks_done)
 
     def forget(self, namespace: str, pool: str) -> None:
         """A pool that is gone exports nothing."""

@@ -1,7 +1,8 @@
 """The WarmPool's ZooKeeper store (issue 18): the warm engines' reports of a namespace
 (``/matrixserve/v1/warm/<ns>/pods``), watched so the namespace's pools wake when a warm pod comes
-up or goes, and the assignments left behind by pods that are gone (removed: an assignment is
-bound to its pod's UID, so a later pod of the same name would ignore it anyway)."""
+up or goes, the host-DRAM plans (``dram/``) read and changed by the pools' plans, and the
+assignments left behind by pods that are gone (removed: an assignment is bound to its pod's UID,
+so a later pod of the same name would ignore it anyway)."""
 
 from __future__ import annotations
 
@@ -97,31 +98,29 @@ class WarmStore:
 
         return await self.session.run(sweep)
 
-    async def write_dram(self, namespace: str, plans: Mapping[str, zl.DramPlan]) -> list[str]:
-        """Make ``dram/`` say ``plans`` (node -> plan): a plan written where it changed (its
-        models or size), a node's plan removed when the node is no longer in ``plans``. The
-        nodes whose plan changed."""
+    async def dram_plans(self, namespace: str) -> dict[str, zl.DramPlan | None]:
+        """The host-DRAM plans ``dram/`` holds, by server (None: unreadable, or gone meanwhile)."""
         paths = zl.WarmPaths(namespace)
         root = f"{paths.root}/dram"
 
-        def write() -> list[str]:
-            changed = []
+        def read() -> dict[str, zl.DramPlan | None]:
+            out: dict[str, zl.DramPlan | None] = {}
             for node in self.session.children(root):
-                if node not in plans:
-                    self.session.delete(f"{root}/{node}")
-                    changed.append(node)
-            for node, new in plans.items():
-                raw = self.session.get(paths.dram(node))
+                raw = self.session.get(f"{root}/{node}")
                 try:
-                    old = zl.DramPlan.parse(raw) if raw else None
+                    out[node] = zl.DramPlan.parse(raw) if raw else None
                 except ValueError:
-                    old = None
-                if old is None or (old.models, old.bytes) != (new.models, new.bytes):
-                    self.session.put(paths.dram(node), new.dump(), makepath=True)
-                    changed.append(node)
-            return changed
+                    out[node] = None
+            return out
 
-        return await self.session.run(write)
+        return await self.session.run(read)
+
+    async def apply(self, namespace: str, pool: str, change: ZnodeChange[zl.WarmPaths]) -> None:
+        """Write what a pool's plan asks of the namespace's warm folder (its host-DRAM plans)."""
+        if not self.connected:
+            raise ConnectionError("ZooKeeper is not connected")
+        ops = change.znodes(zl.WarmPaths(namespace))
+        await self.session.run(self.session.apply, ops)
 
     async def arm(self, namespace: str, pool: str, wake: Callable[[], None]) -> bool:
         """Wake the pool when a warm engine of its namespace reports or goes (:meth:`watch`);
@@ -137,9 +136,6 @@ class WarmStore:
         wake = self._armed.pop((namespace, pool), None)
         if wake is not None:
             self.unwatch(namespace, wake)
-
-    async def apply(self, namespace: str, pool: str, change: ZnodeChange[Any]) -> None:
-        raise TypeError(f"a WarmPool plan changes no znode ({change!r})")
 
     def watch(self, namespace: str, wake: Callable[[], None]) -> None:
         """Call ``wake`` (from a kazoo thread) when a warm engine reports or goes."""

@@ -1,6 +1,6 @@
 """The WarmPool kind (pure; issue 18): pre-warmed, model-agnostic engine pods (DeepServe §6.1)."""
 
 from matrixserve.domain.warmpool.plan import Plan, plan
-from matrixserve.domain.warmpool.view import PoolView
+from matrixserve.domain.warmpool.view import PoolView, starved
 
-__all__ = ["Plan", "PoolView", "plan"]
+__all__ = ["Plan", "PoolView", "plan", "starved"]

@@ -12,15 +12,27 @@ instances first (a group that serves more is likelier to scale). Each server tha
 pod gets the longest prefix of that list whose weights fit in ``DRAM_PRELOAD_FRACTION`` of its
 DRAM (a model that does not fit is skipped, a smaller one after it may still go). Every pool of
 a namespace computes the same plan from the same inputs, so their writes agree.
+
+The plans reach the warm engines through ZooKeeper (``/matrixserve/v1/warm/<ns>/dram/<node>``):
+:func:`writes` compares them with what is there and asks for the servers whose plan changed
+(:class:`WriteDramPlans`, an effect like any other), so a settled namespace writes nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
 
 from matrixserve.api import catalog
+from matrixserve.api import zk_layout as zl
+from matrixserve.api.resources import PDGroupSpec, WarmPoolSpec
+from matrixserve.domain.effects import ZnodeChange
+from matrixserve.domain.observed import NodeView, PodView
 
+Spec = TypeVar("Spec", WarmPoolSpec, PDGroupSpec)
 DRAM_PRELOAD_FRACTION = 0.9  # [design] the rest for the OS and the pods' own memory
 
 
@@ -71,3 +83,94 @@ def plan(
             used += d.bytes
         out[node] = NodePlan(node, tuple(chosen), used, capacity)
     return out
+
+
+def demand(
+    pools: Iterable[Mapping[str, Any]], groups: Iterable[Mapping[str, Any]]
+) -> tuple[Demand, ...]:
+    """What to pre-load, in order, from the namespace's WarmPool and PDGroup objects (as
+    stored): every pool's ``dramPreload`` (pools in name order), then the groups' models, the
+    group with the most instances first. An object whose spec does not parse asks for nothing
+    (its own controller reports it); nor does a model of unknown size."""
+    out: list[Demand] = []
+    for pool in sorted(pools, key=lambda o: str(o["metadata"]["name"])):
+        spec = _parsed(WarmPoolSpec, pool)
+        for entry in spec.dram_preload if spec is not None else ():
+            size = model_bytes(entry.model)
+            if size is not None:
+                why = f"WarmPool {pool['metadata']['name']}"
+                out.append(Demand(entry.model, size, entry.node_selector, why))
+    served = []
+    for group in groups:
+        g = _parsed(PDGroupSpec, group)
+        size = model_bytes(g.model.name, g.model.size_bytes) if g is not None else None
+        if g is not None and size is not None:
+            instances = g.prefill.replicas + g.decode.replicas
+            served.append((-instances, str(group["metadata"]["name"]), g.model.name, size))
+    out += [Demand(model, size, None, f"PDGroup {g}") for _, g, model, size in sorted(served)]
+    return tuple(out)
+
+
+def _parsed(model: type[Spec], body: Mapping[str, Any]) -> Spec | None:
+    """An object's spec, None if it does not parse."""
+    try:
+        return model.model_validate(body.get("spec") or {})
+    except ValidationError:
+        return None
+
+
+def servers(
+    warm_pods: Iterable[PodView], nodes: Mapping[str, NodeView]
+) -> dict[str, dict[str, str]]:
+    """The servers running those of ``warm_pods`` (the namespace's unclaimed ones) not being
+    deleted, with their labels (for the pre-loads' node selectors; none for a server not
+    listed)."""
+    return {
+        p.node: dict(nodes[p.node].labels) if p.node in nodes else {}
+        for p in warm_pods
+        if p.node and not p.deleting
+    }
+
+
+@dataclass(frozen=True)
+class WriteDramPlans(ZnodeChange[zl.WarmPaths]):
+    """Make the namespace's ``dram/`` say the plans: ``plans`` written (the servers whose plan
+    changed), the plans of the servers in ``removed`` (no warm pod there any more) deleted."""
+
+    plans: tuple[zl.DramPlan, ...] = ()
+    removed: tuple[str, ...] = ()
+
+    @property
+    def nodes(self) -> list[str]:
+        """The servers whose plan this changes."""
+        return sorted({*self.removed, *(p.node for p in self.plans)})
+
+    def znodes(self, paths: zl.WarmPaths) -> list[zl.ZnodeOp]:
+        return [
+            *(zl.Delete(paths.dram(node)) for node in self.removed),
+            *(zl.Put(paths.dram(p.node), p.dump()) for p in self.plans),
+        ]
+
+
+def writes(
+    plans: Mapping[str, NodePlan], written: Mapping[str, zl.DramPlan | None], now: float
+) -> WriteDramPlans | None:
+    """What makes ``dram/`` (``written``: node -> its plan there, None if unreadable) say
+    ``plans``: a server's plan where it has none or its models or size changed (stamped
+    ``now``), a plan removed where its server is no longer in ``plans``; None if nothing
+    changed."""
+    removed = tuple(node for node in written if node not in plans)
+    changed = []
+    for node, p in plans.items():
+        old = written.get(node)
+        if old is None or (old.models, old.bytes) != (list(p.models), p.bytes):
+            changed.append(
+                zl.DramPlan(
+                    node=node,
+                    models=list(p.models),
+                    bytes=p.bytes,
+                    capacityBytes=p.capacity,
+                    ts=now,
+                )
+            )
+    return WriteDramPlans(tuple(changed), removed) if changed or removed else None

@@ -1,15 +1,16 @@
 """What the WarmPool planner knows: the pool's spec, the pods it made (warm or claimed), the warm
-engines' reports in ZooKeeper, and how the platform starts engines. Frozen; built each pass."""
+engines' reports in ZooKeeper, the host-DRAM plans there, and how the platform starts engines.
+Frozen; built each pass."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import WarmPoolSpec, WarmShape
+from matrixserve.api.status import WarmPoolStatus
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.warmpool.dram import Demand
@@ -20,6 +21,21 @@ def shape_name(shape: WarmShape, index: int) -> str:
     if shape.name:
         return shape.name
     return f"{shape.npu_type.lower()}-{shape.devices_per_pod}"[:63] or f"shape-{index}"
+
+
+def starved(pods: Iterable[PodView]) -> int:
+    """Serving engine pods (of ``pods``, the namespace's engine pods) the scheduler cannot place
+    for want of NPUs; a warm pod is none, a claimed one is (its group's now)."""
+    return sum(
+        1
+        for p in pods
+        if p.phase == "Pending"
+        and not p.deleting
+        and (p.label(kinds.LABEL_WARMPOOL) is None or p.label(kinds.LABEL_CLAIMED_BY) is not None)
+        and p.trouble is not None
+        and p.trouble[0] == "Unschedulable"
+        and kinds.NPU_RESOURCE in p.trouble[1]
+    )
 
 
 @dataclass(frozen=True)
@@ -34,11 +50,13 @@ class PoolView:
     engine: EngineSettings
     now: float
     connected: bool = True  # ZooKeeper (the warm engines' reports) is readable
-    previous: Mapping[str, Any] = field(default_factory=dict)
-    # DRAM pre-loading (issue 18): what to pre-load, in order, and the servers that run the
-    # namespace's warm pods (with their labels, for the pre-loads' node selectors).
+    previous: WarmPoolStatus = field(default_factory=WarmPoolStatus)  # as the object stores it
+    # DRAM pre-loading: what to pre-load, in order, the servers that run the namespace's warm
+    # pods (with their labels, for the pre-loads' node selectors), and the plans ZooKeeper holds
+    # (by server; None: unreadable).
     dram_demand: tuple[Demand, ...] = ()
     nodes: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    dram_written: Mapping[str, zl.DramPlan | None] = field(default_factory=dict)
     # Names a creation found taken by someone else's pod (not used again), and the namespace's
     # serving engine pods the scheduler cannot place for want of NPUs (the pool yields its own).
     taken: frozenset[str] = frozenset()
