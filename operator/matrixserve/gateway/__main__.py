@@ -24,7 +24,7 @@ import sys
 from matrixserve import httpserving
 from matrixserve.adapters.kube import api_client
 from matrixserve.coordination import Session, add_auth_flags, auth_from
-from matrixserve.domain.forwarding import Policy
+from matrixserve.domain.gateway.routing import Policy
 from matrixserve.gateway.app import Gateway, GatewayConfig
 from matrixserve.gateway.auth import keep_keys
 from matrixserve.gateway.discovery import Discovery

@@ -43,18 +43,16 @@ from prometheus_client import (
 
 from matrixserve import httpserving
 from matrixserve.api.engine_protocol import Event
-from matrixserve.domain.forwarding import (
+from matrixserve.domain.gateway.completions import (
     MAX_CHOICES,
-    UNKNOWN_SCENARIO,
     BadRequest,
     Completion,
-    Policy,
-    ReofferOutcome,
-    ReofferStage,
-    error_code,
     parse_completion,
     parse_json_body,
 )
+from matrixserve.domain.gateway.labels import UNKNOWN_SCENARIO, error_code
+from matrixserve.domain.gateway.reoffer import ReofferOutcome, ReofferStage
+from matrixserve.domain.gateway.routing import Policy
 from matrixserve.gateway import openai
 from matrixserve.gateway.auth import ApiKeys
 from matrixserve.gateway.discovery import Discovery
