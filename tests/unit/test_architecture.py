@@ -122,7 +122,7 @@ WRONG = [
     ),
     ("matrixserve/adapters/kube.py", "import kopf", "Only the handlers talk to kopf"),
     (
-        "matrixserve/coordination.py",
+        "matrixserve/coordination/session.py",
         "import matrixserve.adapters.kube",
         "Operator layers: handlers | gateway -> adapters -> coordination -> domain -> api",
     ),
