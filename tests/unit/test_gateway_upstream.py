@@ -393,7 +393,7 @@ async def test_a_prefill_that_cannot_be_reached_is_passed_over_for_a_while() -> 
     so a prefill that could not be reached is not tried first again by the next requests."""
     from matrixserve.domain.gateway.completions import Completion, Prompt
     from matrixserve.domain.gateway.routing import Entrance
-    from matrixserve.gateway.app import GatewayConfig, GatewayMetrics
+    from matrixserve.gateway.config import GatewayConfig, GatewayMetrics
     from matrixserve.gateway.discovery import GroupRoute
     from matrixserve.gateway.forwarder import Forwarder
 
@@ -443,7 +443,7 @@ class _Stream:
 
 
 def _forwarder(**config: Any) -> Any:
-    from matrixserve.gateway.app import GatewayConfig, GatewayMetrics
+    from matrixserve.gateway.config import GatewayConfig, GatewayMetrics
     from matrixserve.gateway.forwarder import Forwarder
 
     return Forwarder(cast(Any, None), GatewayConfig(**config), GatewayMetrics())

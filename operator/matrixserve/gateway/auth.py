@@ -11,17 +11,14 @@ import asyncio
 import base64
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from kubernetes import client
 
 from matrixserve.domain.gateway.keys import TokenBucket, bearer, parse_keys
 from matrixserve.domain.gateway.labels import UNKNOWN_SCENARIO
+from matrixserve.gateway.config import GatewayConfig, GatewayMetrics
 from matrixserve.gateway.openai import failure
-
-if TYPE_CHECKING:  # the app composes this module's parts; they only name its types
-    from matrixserve.gateway.app import GatewayConfig, GatewayMetrics
 
 log = logging.getLogger("matrixserve.gateway")
 KEYS_RELOAD_SECONDS = 10

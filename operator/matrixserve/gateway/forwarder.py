@@ -47,7 +47,6 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -74,11 +73,9 @@ from matrixserve.domain.gateway.reoffer import (
     reoffer_stage,
 )
 from matrixserve.domain.gateway.routing import POLICIES, Entrance, Loads, request_budget
+from matrixserve.gateway.config import GatewayConfig, GatewayMetrics
 from matrixserve.gateway.discovery import Discovery, GroupRoute
 from matrixserve.gateway.upstream import EnginePool, EngineStream, UpstreamError
-
-if TYPE_CHECKING:  # the app composes this module's parts; they only name its types
-    from matrixserve.gateway.app import GatewayConfig, GatewayMetrics
 
 # When every entrance is busy, wait for a slot to be released (a stream's second token or its
 # end), at most this long (wall s: other gateways' requests release slots this one cannot see).
