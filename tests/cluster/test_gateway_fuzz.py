@@ -29,9 +29,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import Groups, metric, wait_for
 from matrixserve.devcluster.procs import Supervisor
 from matrixserve.domain.gateway import completions
+from testkit.helpers import Groups, metric, wait_for
 
 CONCURRENCY = 8
 FIRST_RUN_GROWTH = 16 << 20
