@@ -89,9 +89,9 @@ test-unit: venv helm checkov-venv
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
 lint: venv
-	$(VENV)/bin/ruff check operator engine-stub tests bench
+	$(VENV)/bin/ruff check operator engine-stub tests bench testkit
 	$(VENV)/bin/mypy
-	$(VENV)/bin/mypy --explicit-package-bases tests bench
+	$(VENV)/bin/mypy --explicit-package-bases tests bench testkit
 	$(VENV)/bin/lint-imports
 
 demo: setup

@@ -23,8 +23,8 @@ from typing import Any
 
 import httpx
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("tests", "tests/cluster")]
-from chaoskit import StreamRead, refused_code  # noqa: E402  (the chaos kit's stream reader)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: testkit
+from testkit.chaoskit import StreamRead, refused_code
 
 
 async def one(

@@ -71,12 +71,12 @@ from common import (
 )
 from kubernetes import client, config
 
-sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "cluster")]
-from helpers import poll  # noqa: E402
-from matrixserve.api import kinds  # noqa: E402
-from matrixserve.devcluster.cluster import DevCluster, free_ports  # noqa: E402
-from matrixserve.devcluster.procs import Supervisor  # noqa: E402
-from matrixserve.domain.conditions import is_true  # noqa: E402
+sys.path.insert(0, str(REPO))  # testkit, the kit shared with the tests
+from matrixserve.api import kinds
+from matrixserve.devcluster.cluster import DevCluster, free_ports
+from matrixserve.devcluster.procs import Supervisor
+from matrixserve.domain.conditions import is_true
+from testkit.helpers import poll
 
 RESULTS = REPO / "bench" / "results" / "ratio.json"
 SCALE = 0.25  # emulated seconds per wall second

@@ -74,9 +74,14 @@ from common import (
 from common import zookeeper as zk_client
 from kubernetes import client, config
 
-sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "cluster")]
-from chaoskit import CLIENTS as CHAOS_CLIENTS  # noqa: E402
-from chaoskit import (  # noqa: E402  (the test kit, shared with the chaos tests)
+sys.path.insert(0, str(REPO))  # testkit, the kit shared with the tests
+from matrixserve.api import zk_layout as zl
+from matrixserve.api.kinds import LABEL_INSTANCE, PDGROUP, WARMPOOL
+from matrixserve.devcluster.cluster import DevCluster, free_ports
+from matrixserve.devcluster.procs import Supervisor
+from matrixserve.domain.conditions import is_true
+from testkit.chaoskit import CLIENTS as CHAOS_CLIENTS
+from testkit.chaoskit import (
     GROUP,
     Request,
     Run,
@@ -87,13 +92,7 @@ from chaoskit import (  # noqa: E402  (the test kit, shared with the chaos tests
     pod_runs,
     run_fault,
 )
-
-from helpers import poll  # noqa: E402
-from matrixserve.api import zk_layout as zl  # noqa: E402
-from matrixserve.api.kinds import LABEL_INSTANCE, PDGROUP, WARMPOOL  # noqa: E402
-from matrixserve.devcluster.cluster import DevCluster, free_ports  # noqa: E402
-from matrixserve.devcluster.procs import Supervisor  # noqa: E402
-from matrixserve.domain.conditions import is_true  # noqa: E402
+from testkit.helpers import poll
 
 RESULTS = REPO / "bench" / "results" / "recovery.json"
 SCALE = "1"  # engines' emulated seconds per wall second: the restore is the sum at scale 1

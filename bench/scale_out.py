@@ -102,16 +102,15 @@ from common import (
 from common import zookeeper as zk_client
 from kubernetes import client, config
 
-sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "cluster")]
-from chaoskit import Request, Traffic  # noqa: E402
-
-from enginestub import calibration as cal  # noqa: E402
-from helpers import poll  # noqa: E402
-from matrixserve.api import kinds  # noqa: E402
-from matrixserve.api import zk_layout as zl  # noqa: E402
-from matrixserve.devcluster.cluster import DevCluster, free_ports  # noqa: E402
-from matrixserve.devcluster.procs import Supervisor  # noqa: E402
-from matrixserve.domain.conditions import is_true  # noqa: E402
+sys.path.insert(0, str(REPO))  # testkit, the kit shared with the tests
+from enginestub import calibration as cal
+from matrixserve.api import kinds
+from matrixserve.api import zk_layout as zl
+from matrixserve.devcluster.cluster import DevCluster, free_ports
+from matrixserve.devcluster.procs import Supervisor
+from matrixserve.domain.conditions import is_true
+from testkit.chaoskit import Request, Traffic
+from testkit.helpers import poll
 
 RESULTS = REPO / "bench" / "results" / "scale_out.json"
 SCALE = "1"  # engines' emulated seconds per wall second: the totals are both clocks at once

@@ -75,7 +75,7 @@ from matrixserve.api.kinds import PDGROUP
 from matrixserve.devcluster.cluster import DevCluster, free_ports
 from matrixserve.devcluster.procs import Supervisor
 from matrixserve.domain.conditions import is_true
-from matrixserve.domain.forwarding import ttft_threshold_ms
+from matrixserve.domain.gateway.routing import ttft_threshold_ms
 
 RESULTS = REPO / "bench" / "results" / "ttft-slo.json"
 # Engines' emulated seconds per wall second. 1: at 2 this 2-core machine saturates (~70 req/s

@@ -5,7 +5,7 @@ through another fixture) is ``cluster``. So ``pytest -m unit`` is the fast, clus
 
 The fixtures live with the layer that uses them: ``tests/cluster/conftest.py`` (the local
 cluster, namespaces, ZooKeeper, node emulators, operators), ``tests/engine/conftest.py`` (engine
-processes on loopback); plain helpers are in ``tests/helpers.py``.
+processes on loopback); plain helpers are in ``testkit/helpers.py`` (shared with the benchmarks).
 """
 
 from __future__ import annotations

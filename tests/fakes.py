@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import SimpleNamespace
@@ -653,6 +653,91 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
+# --------------------------------------------------------------------------- group views
+def formed_zk(
+    members: Mapping[str, tuple[zl.Role, int]],
+    *,
+    health_ts: float = 0.0,
+    loads: Mapping[str, zl.Load] | None = None,
+    incarnations: Mapping[str, str] | None = None,
+    links: bool = True,
+) -> ZkView:
+    """Group ``g``'s ZooKeeper once ``members`` (name -> role and engine index, in order) have
+    formed it: each reported (:func:`engine_report`, its incarnation if given), in the RoCE map
+    (version 1) and its init order, serving in its health at ``health_ts`` (with its load if
+    given), the decode meta and the entrances written; every prefill-decode link verified if
+    ``links``."""
+    reports = {
+        n: engine_report(n, i, incarnation=incarnations[n])
+        if incarnations is not None
+        else engine_report(n, i)
+        for n, (_, i) in members.items()
+    }
+    roce_map = zl.build_roce_map(reports.values(), {n: r for n, (r, _) in members.items()}, 1)
+    health = {}
+    for n, (r, i) in members.items():
+        extra: dict[str, Any] = {}
+        if incarnations is not None:
+            extra["incarnation"] = incarnations[n]
+        if loads is not None:
+            extra["load"] = loads[n]
+        health[n] = zl.Health(
+            instance=n,
+            role=r,
+            state=zl.HealthState.SERVING,
+            seq=1,
+            ts=health_ts,
+            podIP=f"127.64.0.{i + 2}",
+            port=8000,
+            **extra,
+        )
+    verified: dict[tuple[str, str], zl.Link] = {
+        (p.instance, d.instance): zl.Link(
+            prefill=p.instance,
+            decode=d.instance,
+            subLinks=zl.verify_sub_links(p, d),
+            verifiedAt=0.0,
+            initiator=p.instance,
+        )
+        for p in roce_map.prefill
+        for d in roce_map.decode
+        if links
+    }
+    return ZkView(
+        connected=True,
+        reports=reports,
+        roce_map=roce_map,
+        init_order=zl.InitOrder(epoch=1, roceMapVersion=1),
+        health=health,
+        decode_meta=zl.DecodeMeta(version=1, decodes=roce_map.decode),
+        entrances=frozenset(e.instance for e in roce_map.prefill),
+        links=verified,
+    )
+
+
+def running_pod(name: str, role: zl.Role, **fields: Any) -> PodView:
+    """Group ``g``'s pod ``name``, Running and ready on ``n1`` (SuperPod ``sp0``), created at 0."""
+    return PodView(
+        name, f"uid-{name}", pod_labels("g", role, name), "Running", True, False, "n1", "sp0", 0.0,
+        **fields,
+    )  # fmt: skip
+
+
+def formed_group(
+    spec: PDGroupSpec,
+    pods: Mapping[str, PodView],
+    zk: ZkView,
+    *,
+    now: float,
+    engine: EngineSettings,
+    **fields: Any,
+) -> GroupView:
+    """PDGroup ``ns/g`` (generation 1, UID ``uid-g``) as one pass of its planner sees it:
+    ``pods`` and ``zk`` (:func:`formed_zk`: once formed) at ``now``; ``fields``, the view's
+    others (``previous``, ``nodes``, ``warm_pods``, ...)."""
+    return GroupView("ns", "g", 1, spec, pods, zk, now=now, uid="uid-g", engine=engine, **fields)
+
+
 def serving_group(
     spec: PDGroupSpec,
     members: dict[str, zl.Role],
@@ -667,35 +752,12 @@ def serving_group(
     """Group ``g`` formed by ``members``, each serving with its ``loads`` and its incarnation in
     its health at ``now``; its pods ``pods`` (the members unless given) Running and ready."""
     index = {n: i for i, n in enumerate(sorted(set(members) | set(pods or {})))}
-    reports = {n: engine_report(n, index[n], incarnation=incarnations[n]) for n in members}
-    roce_map = zl.build_roce_map(reports.values(), dict(members), version=1)
-    health = {
-        n: zl.Health(
-            instance=n,
-            role=r,
-            state=zl.HealthState.SERVING,
-            seq=1,
-            ts=now,
-            podIP=f"127.64.0.{index[n] + 2}",
-            port=8000,
-            incarnation=incarnations[n],
-            load=loads[n],
-        )
-        for n, r in members.items()
-    }
-    zk = ZkView(
-        connected=True,
-        reports=reports,
-        roce_map=roce_map,
-        init_order=zl.InitOrder(epoch=1, roceMapVersion=1),
-        health=health,
-        decode_meta=zl.DecodeMeta(version=1, decodes=roce_map.decode),
-        entrances=frozenset(e.instance for e in roce_map.prefill),
+    zk = formed_zk(
+        {n: (r, index[n]) for n, r in members.items()},
+        health_ts=now,
+        loads=loads,
+        incarnations=incarnations,
+        links=False,
     )
-    pod_views = {
-        n: PodView(n, f"uid-{n}", pod_labels("g", r, n), "Running", True, False, "n1", "sp0", 0.0)
-        for n, r in (pods or members).items()
-    }
-    return GroupView(
-        "ns", "g", 1, spec, pod_views, zk, now=now, uid="uid-g", engine=engine, previous=previous
-    )
+    pod_views = {n: running_pod(n, r) for n, r in (pods or members).items()}
+    return formed_group(spec, pod_views, zk, now=now, engine=engine, previous=previous)

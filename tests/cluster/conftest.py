@@ -30,7 +30,12 @@ from kazoo.client import KazooClient
 from kubernetes import client, config
 
 from enginestub.node.command import node_names, run_argv
-from helpers import (
+from matrixserve.api import kinds
+from matrixserve.devcluster import pki, tools
+from matrixserve.devcluster.cluster import ClusterInfo, DevCluster, free_ports
+from matrixserve.devcluster.namespaces import wait_for_service_account
+from matrixserve.devcluster.procs import Supervisor
+from testkit.helpers import (
     Groups,
     crd_files,
     explain_namespace,
@@ -40,11 +45,6 @@ from helpers import (
     wait_for,
     zookeeper,
 )
-from matrixserve.api import kinds
-from matrixserve.devcluster import pki, tools
-from matrixserve.devcluster.cluster import ClusterInfo, DevCluster, free_ports
-from matrixserve.devcluster.namespaces import wait_for_service_account
-from matrixserve.devcluster.procs import Supervisor
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +71,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterInfo]:
 def _zookeeper_identity(info: ClusterInfo) -> Iterator[None]:
     """The dev cluster's ZooKeeper identity as $MATRIXSERVE_ZK_AUTH for the session: operators
     and gateways the tests start use it (their znodes get digest ACLs, engines read it from the
-    Secret the operator writes), and so do the tests' own clients (``helpers.zookeeper``)."""
+    Secret the operator writes), and so do the tests' own clients (``testkit.helpers.zookeeper``)."""
     with pytest.MonkeyPatch.context() as patch:
         if info.zookeeper_auth:
             patch.setenv("MATRIXSERVE_ZK_AUTH", info.zookeeper_auth)

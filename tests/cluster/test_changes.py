@@ -18,9 +18,9 @@ import httpx
 import pytest
 from kubernetes import client
 
-from helpers import Groups, absent, wait_for
 from matrixserve.api import kinds
 from matrixserve.devcluster import tools
+from testkit.helpers import Groups, absent, wait_for
 
 NOT_ROLLED_OUT = "the operator does not roll out changes to the instance template"
 IMAGE = "matrixserve/engine-stub:0.1.0"  # the default the sample's pods run

@@ -63,14 +63,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chaoskit import CLIENTS, GROUP, SAMPLE_EVERY, Request, Stage, Traffic
 from kubernetes import client, config
 
-from helpers import Groups, absent, events_of, pdgroup_body, zookeeper
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo
 from matrixserve.devcluster.procs import process_start_time
+from testkit.chaoskit import CLIENTS, GROUP, SAMPLE_EVERY, Request, Stage, Traffic
+from testkit.helpers import Groups, absent, events_of, pdgroup_body, zookeeper
 
 TIME_SCALE = "50"
 DETECTION = 2.0  # s: a fault may go unseen this long (Ready still True, a probe failing)

@@ -20,15 +20,15 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from chaoskit import emulator_fault
 from kazoo.client import KazooClient
 from kubernetes import client, config
 
-from helpers import Groups, absent, pdgroup_body, serves, service_account_token, wait_for
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.kinds import LABEL_GROUP
 from matrixserve.devcluster.cluster import ClusterInfo, free_ports
 from matrixserve.devcluster.procs import Supervisor
+from testkit.chaoskit import emulator_fault
+from testkit.helpers import Groups, absent, pdgroup_body, serves, service_account_token, wait_for
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "matrixserve"
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from helpers import Groups, metric, wait_for
+from testkit.helpers import Groups, metric, wait_for
 
 BOUND = 0.5  # seconds from the clients' leaving to engines with nothing of theirs
 

@@ -14,11 +14,11 @@ import pytest
 import yaml
 from kubernetes import client
 
-from helpers import CRDS, load
 from matrixserve.api import kinds
 from matrixserve.api.resources import SPECS
 from matrixserve.devcluster import tools
 from matrixserve.domain.pdgroup.validation import MAX_GROUP_NAME, parse_spec, schema_rules
+from testkit.helpers import CRDS, load
 
 
 @pytest.mark.parametrize("sample", sorted((CRDS / "samples").glob("*.yaml")), ids=lambda p: p.stem)

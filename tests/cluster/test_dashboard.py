@@ -20,8 +20,8 @@ import httpx
 from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import Groups, wait_for
 from matrixserve.api.kinds import LABEL_GROUP
+from testkit.helpers import Groups, wait_for
 
 DASHBOARD = (
     Path(__file__).resolve().parents[2]

@@ -19,10 +19,10 @@ from kazoo.client import KazooClient
 from kubernetes import client
 
 from enginestub import timing
-from helpers import assert_emulated, wait_for
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.catalog import LLAMA3_8B
 from matrixserve.devcluster.cluster import ClusterInfo
+from testkit.helpers import assert_emulated, wait_for
 
 NPU = "huawei.com/Ascend910"
 SCALE = 1.0  # timings are compared with the model, so keep wall-clock jitter small

@@ -24,7 +24,6 @@ import httpx
 import pytest
 from kubernetes import client
 
-from helpers import CRDS, Groups, absent, load, pdgroup_body, wait_for, zookeeper
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import WarmPoolSpec
@@ -34,6 +33,7 @@ from matrixserve.domain.enginepod import ENGINE_PORT
 from matrixserve.domain.pdgroup.validation import parse_spec, schema_rules
 from matrixserve.domain.warmpool.validation import problems
 from matrixserve.handlers.unserved import REASON as NO_CONTROLLER
+from testkit.helpers import CRDS, Groups, absent, load, pdgroup_body, wait_for, zookeeper
 
 pytestmark = pytest.mark.skipif(
     tools.legacy(), reason="the refusals are CEL validation rules (1.29+, not on 1.20)"

@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 from kubernetes import client
 
-from helpers import Groups, TcpProxy, metric, wait_for, zookeeper
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo, free_ports
+from testkit.helpers import Groups, TcpProxy, metric, wait_for, zookeeper
 
 
 def sse(

@@ -29,9 +29,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import Groups, metric, wait_for
 from matrixserve.devcluster.procs import Supervisor
-from matrixserve.domain import forwarding as fw
+from matrixserve.domain.gateway import completions
+from testkit.helpers import Groups, metric, wait_for
 
 CONCURRENCY = 8
 FIRST_RUN_GROWTH = 16 << 20
@@ -289,11 +289,11 @@ _prompt = (
     | st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=3), min_size=1, max_size=3)
 )
 _NAMES = sorted(
-    fw.SUPPORTED_CHAT
-    | fw.SUPPORTED_COMPLETIONS
-    | set(fw.IGNORED_CHAT)
-    | set(fw.REFUSED_CHAT)
-    | set(fw.REFUSED_COMPLETIONS)
+    completions.SUPPORTED_CHAT
+    | completions.SUPPORTED_COMPLETIONS
+    | set(completions.IGNORED_CHAT)
+    | set(completions.REFUSED_CHAT)
+    | set(completions.REFUSED_COMPLETIONS)
     | {"bogus"}
 )
 

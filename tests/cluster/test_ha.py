@@ -24,12 +24,12 @@ from typing import Any
 
 import httpx
 import openai
-from chaoskit import emulator_fault
 from kubernetes import client
 
-from helpers import Groups, pdgroup_body, wait_for
 from matrixserve.api.kinds import LABEL_ROLE
 from matrixserve.devcluster.cluster import ClusterInfo
+from testkit.chaoskit import emulator_fault
+from testkit.helpers import Groups, pdgroup_body, wait_for
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "matrixserve"
 HELD = 60.0  # each server down this long (the issue: >= 60 s)

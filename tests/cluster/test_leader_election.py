@@ -12,7 +12,7 @@ import httpx
 from kubernetes import client
 
 from conftest import OperatorHandle
-from helpers import Groups, metric, pdgroup_body, wait_for
+from testkit.helpers import Groups, metric, pdgroup_body, wait_for
 
 LEASE, RENEW, RETRY = 3, 2.0, 0.5
 TIMING = (

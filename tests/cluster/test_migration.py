@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 
-from helpers import Groups, metric, pdgroup_body, wait_for
 from matrixserve.devcluster.cluster import ClusterInfo
+from testkit.helpers import Groups, metric, pdgroup_body, wait_for
 
 
 @dataclass

@@ -40,7 +40,6 @@ import pytest
 import yaml
 from kubernetes import client
 
-from helpers import Groups, absent, events_of, explain_namespace, pdgroup_body, wait_for
 from matrixserve.adapters.kube import SECRET_RECHECK_SECONDS, KubeAdapter
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.kinds import LABEL_ROLE
@@ -55,6 +54,7 @@ from matrixserve.domain.enginepod import (
 )
 from matrixserve.domain.pdgroup.pods import pod_labels, role_label
 from netpol import Cluster, Endpoint, Pod
+from testkit.helpers import Groups, absent, events_of, explain_namespace, pdgroup_body, wait_for
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "matrixserve"
 SAMPLER = Path(__file__).resolve().parents[1] / "pod_sockets.py"

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from kubernetes import client
 
-from helpers import absent, events_of, wait_for
 from matrixserve.devcluster.procs import process_start_time
+from testkit.helpers import absent, events_of, wait_for
 
 NPU = "huawei.com/Ascend910"
 

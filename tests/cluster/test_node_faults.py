@@ -20,11 +20,11 @@ from kubernetes import client
 from test_node_emulator import pod_body, ready
 
 from enginestub.node.command import node_names, run_argv
-from helpers import absent, events_of, wait_for
 from matrixserve.api.kinds import NPU_RESOURCE, TAINT_NPU_FAULT
 from matrixserve.devcluster import tools
 from matrixserve.devcluster.cluster import ClusterInfo
 from matrixserve.devcluster.procs import Supervisor, process_start_time
+from testkit.helpers import absent, events_of, wait_for
 
 UNREACHABLE = "node.kubernetes.io/unreachable"
 FOREIGN = {"key": "example.com/keep", "value": "yes", "effect": "PreferNoSchedule"}

@@ -15,7 +15,7 @@ import pytest
 from kubernetes import client
 from openai.types.chat import ChatCompletionMessageParam
 
-from helpers import Groups, wait_for
+from testkit.helpers import Groups, wait_for
 
 USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 

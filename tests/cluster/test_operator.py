@@ -15,9 +15,17 @@ import pytest
 from kazoo.client import KazooClient
 from kubernetes import client, watch
 
-from helpers import Groups, absent, events_of, pdgroup_body, wait_for, zookeeper, zookeeper_auth
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo
+from testkit.helpers import (
+    Groups,
+    absent,
+    events_of,
+    pdgroup_body,
+    wait_for,
+    zookeeper,
+    zookeeper_auth,
+)
 
 
 def started_at(pod: client.V1Pod) -> str:
@@ -302,8 +310,8 @@ def test_an_expert_pool_or_dp_domain_says_no_controller_runs_it(
     """Issue 31: an ExpertPool or DPDomain was accepted and nothing said that nothing runs it.
     Each says so in its status (Ready=False, NoController) and in a Warning Event; a new
     generation is said again, and nothing is created for it."""
-    from helpers import CRDS, load
     from matrixserve.api import kinds
+    from testkit.helpers import CRDS, load
 
     start_operator(namespace, webhook=False)
     custom = client.CustomObjectsApi(api_client)

@@ -10,9 +10,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from chaoskit import Traffic
-
-from helpers import Groups, events_of, pdgroup_body, wait_for
+from testkit.chaoskit import Traffic
+from testkit.helpers import Groups, events_of, pdgroup_body, wait_for
 
 # ~4,000-token prompts (16 k characters), 4 tokens out: prompts are nearly all of the work
 PROMPT_REPEAT = 800

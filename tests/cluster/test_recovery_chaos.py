@@ -43,7 +43,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from chaoskit import (
+from kubernetes import client, config
+
+from matrixserve.api import kinds
+from matrixserve.api import zk_layout as zl
+from matrixserve.devcluster.cluster import ClusterInfo
+from matrixserve.devcluster.procs import process_start_time
+from testkit.chaoskit import (
     GROUP,
     LastRecovery,
     Request,
@@ -56,13 +62,7 @@ from chaoskit import (
     pod_runs,
     run_fault,
 )
-from kubernetes import client, config
-
-from helpers import Groups, absent, pdgroup_body, wait_for, zookeeper
-from matrixserve.api import kinds
-from matrixserve.api import zk_layout as zl
-from matrixserve.devcluster.cluster import ClusterInfo
-from matrixserve.devcluster.procs import process_start_time
+from testkit.helpers import Groups, absent, pdgroup_body, wait_for, zookeeper
 
 TIME_SCALE = "50"
 SERVERS, NPUS_PER_SERVER = 6, 2
@@ -360,7 +360,7 @@ def test_a_shrink_gives_up_only_a_prefill_whose_npus_the_decode_can_use(
                             c.type == "Ready" and c.status == "True"
                             for c in pod.status.conditions or []
                         )
-                        and LastRecovery.of(groups.get(GROUP)["status"]).phase == "Restored"
+                        and LastRecovery.of(groups.get(GROUP)["status"]).phase == "Restored"  # type: ignore[union-attr]  # a record was read above
                     ),
                     60,
                     "the new decode serving on g-p-0's server",

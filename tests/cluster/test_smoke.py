@@ -15,9 +15,9 @@ import pytest
 from kazoo.client import KazooClient
 from kubernetes import client, watch
 
-from helpers import install_crds, service_account_token, wait_for
 from matrixserve.devcluster import tools
 from matrixserve.devcluster.cluster import ClusterInfo
+from testkit.helpers import install_crds, service_account_token, wait_for
 
 SMOKE_GROUP = "smoke.matrixserve.io"
 NPU = "huawei.com/Ascend910"

@@ -18,13 +18,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from chaoskit import pod_runs
 from kubernetes import client
 
-from helpers import Groups, events_of, pdgroup_body, wait_for, zookeeper
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo
+from testkit.chaoskit import pod_runs
+from testkit.helpers import Groups, events_of, pdgroup_body, wait_for, zookeeper
 
 WHERE = (kinds.WARMPOOL.group, kinds.WARMPOOL.version)
 

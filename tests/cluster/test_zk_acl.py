@@ -26,11 +26,11 @@ import pytest
 from kazoo.exceptions import NoAuthError
 from kubernetes import client
 
-from helpers import Groups, events_of, pdgroup_body, serves, wait_for, zookeeper
 from matrixserve.api import zk_layout as zl
 from matrixserve.coordination import Session
 from matrixserve.devcluster.cluster import ClusterInfo
 from matrixserve.devcluster.procs import Supervisor
+from testkit.helpers import Groups, events_of, pdgroup_body, serves, wait_for, zookeeper
 
 ENGINE_SECRET = "matrixserve-engine-zookeeper-auth"  # the operator's default
 

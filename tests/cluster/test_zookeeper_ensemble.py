@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chaoskit import emulator_fault
 from kazoo.client import KazooClient
 from kazoo.exceptions import KazooException, NodeExistsError
 from kazoo.handlers.threading import KazooTimeoutError
 from kubernetes import client
 
-from helpers import wait_for, zookeeper
 from matrixserve.devcluster.cluster import ClusterInfo
+from testkit.chaoskit import emulator_fault
+from testkit.helpers import wait_for, zookeeper
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "matrixserve"
 COMPONENT = "app.kubernetes.io/component"

@@ -18,9 +18,9 @@ import pytest
 from kazoo.client import KazooClient
 
 from cluster.conftest import start_zookeeper  # noqa: F401  (a private ZooKeeper, as fixture)
-from helpers import wait_for, zookeeper
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.procs import Supervisor
+from testkit.helpers import wait_for, zookeeper
 
 _hosts = itertools.count(1)
 

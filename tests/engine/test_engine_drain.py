@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 
 from engine.conftest import Group
-from helpers import wait_for
 from matrixserve.api import zk_layout as zl
+from testkit.helpers import wait_for
 
 MODEL = (
     *("--model", "llama3-8b", "--time-scale", "10", "--load-source", "NPUForkUB"),

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from engine.conftest import Group
-from helpers import wait_for
 from matrixserve.api import zk_layout as zl
+from testkit.helpers import wait_for
 
 SCALE = "10"  # emulated seconds per wall second: a health report every 2 wall s
 MODEL = (

@@ -33,7 +33,7 @@ from matrixserve.api.engine_protocol import (
     token_event,
     token_seed,
 )
-from matrixserve.domain.forwarding import entrance_lost
+from matrixserve.domain.gateway.reoffer import entrance_lost
 
 OUT = 3000  # tokens per request: ~12 emulated ms each, 0.7 wall s at time scale 50
 

@@ -18,9 +18,9 @@ from enginestub import calibration as cal
 from enginestub import timing
 from enginestub.node import devicestatus
 from enginestub.node.topology import SuperPodSpec, TopologySpec, build
-from helpers import assert_emulated, metric
 from matrixserve.api import catalog
 from matrixserve.api.catalog import GPT3_175B, HBM_USABLE_FRACTION, LLAMA3_8B
+from testkit.helpers import assert_emulated, metric
 
 LLAMA = ["--model", "llama3-8b", "--dies", "0,1"]
 GPT3 = ["--model", "gpt3-175b", "--dies", "0,1,2,3,4,5,6,7"]

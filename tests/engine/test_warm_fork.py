@@ -45,9 +45,9 @@ from enginestub import timing
 from enginestub.engine.config import parse
 from enginestub.engine.fork import fork_key
 from enginestub.fabric import Plane, link_latency
-from helpers import assert_emulated, metric, wait_for
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.catalog import GPT3_175B, LLAMA3_8B
+from testkit.helpers import assert_emulated, metric, wait_for
 
 NS = "t"
 SOURCES = "src"  # the group of the fork sources the tests ask directly

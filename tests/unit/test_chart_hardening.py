@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 import yaml
 
-from helpers import REPO
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster import tools
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.pdgroup.pods import pod_manifest
 from matrixserve.domain.pdgroup.validation import parse_spec
+from testkit.helpers import REPO
 
 CHART = REPO / "charts" / "matrixserve"
 CHECKOV = REPO / ".venv-checkov" / "bin" / "checkov"

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from helpers import CRDS, crd_files, load
 from matrixserve.api import kinds
 from matrixserve.api.resources import SPECS
+from testkit.helpers import CRDS, crd_files, load
 
 
 def spec_schema(crd: dict[str, Any]) -> dict[str, Any]:

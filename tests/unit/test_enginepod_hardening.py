@@ -15,7 +15,6 @@ import pytest
 
 from enginestub.node import podspec
 from enginestub.node.state import DEFAULT_IMAGE_MAP
-from helpers import CRDS, load
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import QUANTITY_PATTERN, PDGroupSpec, quantity_value
@@ -37,6 +36,7 @@ from matrixserve.domain.pdgroup.validation import (
     stamp,
     validate_update,
 )
+from testkit.helpers import CRDS, load
 
 P, D = zl.Role.PREFILL, zl.Role.DECODE
 SETTINGS = EngineSettings(zookeeper="127.0.0.1:2181")

@@ -6,17 +6,19 @@ from typing import Any
 
 import pytest
 
-from matrixserve.domain.forwarding import (
-    POLICIES,
+from matrixserve.domain.gateway.completions import (
     BadRequest,
+    Prompt,
+    estimate_tokens,
+    parse_completion,
+)
+from matrixserve.domain.gateway.routing import (
+    POLICIES,
     Entrance,
     Loads,
     Policy,
-    Prompt,
     entrances_from_status,
-    estimate_tokens,
     order,
-    parse_completion,
     ttft_threshold_ms,
 )
 
@@ -118,7 +120,7 @@ def test_bad_requests_get_openai_style_errors(
 
 
 def test_token_bucket_limits_a_key_and_refills() -> None:
-    from matrixserve.domain.forwarding import TokenBucket
+    from matrixserve.domain.gateway.keys import TokenBucket
 
     bucket = TokenBucket(rate=2.0, burst=2.0, tokens=2.0, updated=0.0)
     assert [bucket.take(0.0) for _ in range(3)] == [True, True, False]
@@ -173,7 +175,7 @@ def test_token_bucket_limits_a_key_and_refills() -> None:
 def test_a_prefills_refusal_of_the_request_itself_is_worded_as_openai(
     status: int, body: bytes, chat: bool, param: str | None, code: str, said: str
 ) -> None:
-    from matrixserve.domain.forwarding import engine_refusal
+    from matrixserve.domain.gateway.refusals import engine_refusal
 
     refused = engine_refusal(status, body, chat)
     assert refused is not None
@@ -183,7 +185,7 @@ def test_a_prefills_refusal_of_the_request_itself_is_worded_as_openai(
 
 @pytest.mark.parametrize("status", [404, 405, 408, 415, 429, 500, 503])
 def test_other_answers_are_the_prefills_not_the_requests(status: int) -> None:
-    from matrixserve.domain.forwarding import engine_refusal
+    from matrixserve.domain.gateway.refusals import engine_refusal
 
     assert engine_refusal(status, b'{"error": {"message": "x"}}', False) is None
 
@@ -205,13 +207,13 @@ def test_other_answers_are_the_prefills_not_the_requests(status: int) -> None:
     ],
 )
 def test_a_503s_retry_after_is_honoured_up_to_a_bound(header: str | None, seconds: float) -> None:
-    from matrixserve.domain.forwarding import retry_after_seconds
+    from matrixserve.domain.gateway.refusals import retry_after_seconds
 
     assert retry_after_seconds(header, 2.0) == seconds
 
 
 def test_api_keys_and_bearer_parsing() -> None:
-    from matrixserve.domain.forwarding import bearer, parse_keys
+    from matrixserve.domain.gateway.keys import bearer, parse_keys
 
     assert parse_keys({"team-a": "sk-0123456789abcdef\n"}) == {"sk-0123456789abcdef": "team-a"}
     with pytest.raises(ValueError, match="shorter than 16"):

@@ -11,7 +11,7 @@ import pytest
 from kubernetes import client
 
 from matrixserve.coordination import Session
-from matrixserve.domain.forwarding import Entrance
+from matrixserve.domain.gateway.routing import Entrance
 from matrixserve.gateway.discovery import Discovery
 
 

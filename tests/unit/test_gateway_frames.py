@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from matrixserve.domain.forwarding import Completion, Prompt
+from matrixserve.domain.gateway.completions import Completion, Prompt
 from matrixserve.gateway.openai import PIECE as _PIECE
 from matrixserve.gateway.openai import TokenFrame as _TokenFrame
 from matrixserve.gateway.openai import chunk as _chunk

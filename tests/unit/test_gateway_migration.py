@@ -26,7 +26,7 @@ from matrixserve.api.engine_protocol import (
     token_event,
     token_seed,
 )
-from matrixserve.domain.forwarding import (
+from matrixserve.domain.gateway.reoffer import (
     MAX_REOFFERS,
     ReofferStage,
     entrance_lost,

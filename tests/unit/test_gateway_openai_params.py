@@ -14,8 +14,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from matrixserve.domain import forwarding as fw
-from matrixserve.domain.forwarding import BadRequest, Prompt, StopScanner, parse_completion
+from matrixserve.domain.gateway import completions, labels
+from matrixserve.domain.gateway.completions import BadRequest, Prompt, StopScanner, parse_completion
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "gateway.md"
 
@@ -28,7 +28,7 @@ def completion(**extra: Any) -> dict[str, Any]:
     return {"model": "general", "prompt": "hello", **extra}
 
 
-def parse(body: Any, is_chat: bool = True, max_choices: int = 16) -> fw.Completion:
+def parse(body: Any, is_chat: bool = True, max_choices: int = 16) -> completions.Completion:
     return parse_completion(body, is_chat, 1000, 100, max_choices)
 
 
@@ -310,7 +310,7 @@ def test_any_body_decodes_to_a_value_or_a_bad_request(
     raw: bytes, charset: str | None, code: str
 ) -> None:
     with pytest.raises(BadRequest) as err:
-        fw.parse_json_body(raw, charset)
+        completions.parse_json_body(raw, charset)
     assert (err.value.status, err.value.code) == (400, code)
 
 
@@ -319,7 +319,7 @@ def test_any_bytes_in_any_charset_decode_or_are_a_bad_request(
     raw: bytes, charset: str | None
 ) -> None:
     try:
-        fw.parse_json_body(raw, charset)
+        completions.parse_json_body(raw, charset)
     except BadRequest as exc:  # anything else fails the test
         assert exc.status == 400  # noqa: PT017
 
@@ -330,8 +330,8 @@ def test_json_in_its_own_encodings_decodes() -> None:
         encoded = json.dumps(body, ensure_ascii=charset == "us-ascii").encode(
             "ascii" if charset == "us-ascii" else charset
         )
-        assert fw.parse_json_body(encoded, charset) == body
-    assert fw.parse_json_body(b'"\\ud800"', None) == "\ud800"  # a lone surrogate is JSON
+        assert completions.parse_json_body(encoded, charset) == body
+    assert completions.parse_json_body(b'"\\ud800"', None) == "\ud800"  # a lone surrogate is JSON
 
 
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(), st.lists, max_leaves=8))
@@ -388,21 +388,21 @@ def test_text_that_may_begin_a_stop_string_is_held_until_the_next_token_tells() 
 
 
 def test_the_finish_reason_is_length_at_max_tokens() -> None:
-    assert fw.finish_reason(16, 16) == "length"
-    assert fw.finish_reason(3, 16) == "stop"
+    assert completions.finish_reason(16, 16) == "length"
+    assert completions.finish_reason(3, 16) == "stop"
 
 
 # --------------------------------------------------------------------------- metric labels
 def test_an_engines_error_code_and_answer_become_known_labels_only() -> None:
-    assert fw.error_code("ttft_timeout") == "ttft_timeout"
+    assert labels.error_code("ttft_timeout") == "ttft_timeout"
     for hostile in ("\ud800", "x" * 10_000, None, 5, {"a": 1}, "made-up"):
-        assert fw.error_code(hostile) == "engine_error"
-    assert fw.answer_label(503) == "http_503"
-    assert {fw.answer_label(s) for s in range(0, 1000)} <= {
+        assert labels.error_code(hostile) == "engine_error"
+    assert labels.answer_label(503) == "http_503"
+    assert {labels.answer_label(s) for s in range(0, 1000)} <= {
         f"http_{s}" for s in range(100, 600)
     } | {"http_other"}
-    assert fw.answer_label(599) == fw.answer_label(999) == "http_other"
-    assert not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", fw.UNKNOWN_SCENARIO)
+    assert labels.answer_label(599) == labels.answer_label(999) == "http_other"
+    assert not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", labels.UNKNOWN_SCENARIO)
 
 
 # --------------------------------------------------------------------------- the docs' table
@@ -417,23 +417,23 @@ def _documented() -> dict[str, tuple[str, str]]:
 
 
 def _handling(name: str, is_chat: bool) -> str:
-    if name in (fw.SUPPORTED_CHAT if is_chat else fw.SUPPORTED_COMPLETIONS):
+    if name in (completions.SUPPORTED_CHAT if is_chat else completions.SUPPORTED_COMPLETIONS):
         return "supported"
-    if name in (fw.IGNORED_CHAT if is_chat else fw.IGNORED_COMPLETIONS):
+    if name in (completions.IGNORED_CHAT if is_chat else completions.IGNORED_COMPLETIONS):
         return "ignored"
-    if name in (fw.REFUSED_CHAT if is_chat else fw.REFUSED_COMPLETIONS):
+    if name in (completions.REFUSED_CHAT if is_chat else completions.REFUSED_COMPLETIONS):
         return "refused"
     return "—"
 
 
 def test_the_docs_parameter_table_is_the_codes() -> None:
     in_code = (
-        fw.SUPPORTED_CHAT
-        | fw.SUPPORTED_COMPLETIONS
-        | set(fw.IGNORED_CHAT)
-        | set(fw.IGNORED_COMPLETIONS)
-        | set(fw.REFUSED_CHAT)
-        | set(fw.REFUSED_COMPLETIONS)
+        completions.SUPPORTED_CHAT
+        | completions.SUPPORTED_COMPLETIONS
+        | set(completions.IGNORED_CHAT)
+        | set(completions.IGNORED_COMPLETIONS)
+        | set(completions.REFUSED_CHAT)
+        | set(completions.REFUSED_COMPLETIONS)
     )
     documented = _documented()
     assert set(documented) == in_code

@@ -40,7 +40,8 @@ from matrixserve.api.kinds import API_VERSION, PDGROUP
 from matrixserve.coordination import Session
 from matrixserve.devcluster.cluster import free_ports
 from matrixserve.gateway import __main__ as gateway_main
-from matrixserve.gateway.app import Gateway, GatewayConfig
+from matrixserve.gateway.app import Gateway
+from matrixserve.gateway.config import GatewayConfig
 from matrixserve.gateway.discovery import Discovery
 from matrixserve.httpserving import ConnectionLimits
 

@@ -391,8 +391,9 @@ async def test_closing_the_pool_ends_what_waits_on_it() -> None:
 async def test_a_prefill_that_cannot_be_reached_is_passed_over_for_a_while() -> None:
     """Passive health: routes may be stale (ZooKeeper out of reach, the status the last known),
     so a prefill that could not be reached is not tried first again by the next requests."""
-    from matrixserve.domain.forwarding import Completion, Entrance, Prompt
-    from matrixserve.gateway.app import GatewayConfig, GatewayMetrics
+    from matrixserve.domain.gateway.completions import Completion, Prompt
+    from matrixserve.domain.gateway.routing import Entrance
+    from matrixserve.gateway.config import GatewayConfig, GatewayMetrics
     from matrixserve.gateway.discovery import GroupRoute
     from matrixserve.gateway.forwarder import Forwarder
 
@@ -442,7 +443,7 @@ class _Stream:
 
 
 def _forwarder(**config: Any) -> Any:
-    from matrixserve.gateway.app import GatewayConfig, GatewayMetrics
+    from matrixserve.gateway.config import GatewayConfig, GatewayMetrics
     from matrixserve.gateway.forwarder import Forwarder
 
     return Forwarder(cast(Any, None), GatewayConfig(**config), GatewayMetrics())
@@ -454,7 +455,8 @@ async def test_a_try_accepted_in_the_round_another_was_refused_gives_its_stream_
 ) -> None:
     """Review of issue 16, finding 1: tries that end in the same round of ``asyncio.wait`` —
     one refused (or failed), the other accepted — in whichever order the round lists them."""
-    from matrixserve.domain.forwarding import BadRequest, Completion, Entrance, Prompt
+    from matrixserve.domain.gateway.completions import BadRequest, Completion, Prompt
+    from matrixserve.domain.gateway.routing import Entrance
 
     forwarder = _forwarder()
     refused, accepted = Prompt.of_text("refused"), Prompt.of_text("accepted")
@@ -484,7 +486,8 @@ async def test_a_try_accepted_in_the_round_another_was_refused_gives_its_stream_
 
 async def test_a_try_accepted_as_its_request_is_cancelled_gives_its_stream_back() -> None:
     """The request cancelled (its client left) between a try's end and the round's return."""
-    from matrixserve.domain.forwarding import Completion, Entrance, Prompt
+    from matrixserve.domain.gateway.completions import Completion, Prompt
+    from matrixserve.domain.gateway.routing import Entrance
 
     forwarder = _forwarder()
     completion = Completion("general", (Prompt.of_text("x"),), 1, stream=True, chat=False, n=2)
@@ -514,7 +517,8 @@ async def test_a_prefill_that_answers_503_is_passed_over_for_its_retry_after() -
     ``Connection: close``, or not serving) is not tried again before its Retry-After (at most
     2 s), by any request, even when it is the only entrance: no reconnection every 20 ms; a
     request whose budget ends first is answered at once."""
-    from matrixserve.domain.forwarding import Completion, Entrance, Prompt
+    from matrixserve.domain.gateway.completions import Completion, Prompt
+    from matrixserve.domain.gateway.routing import Entrance
     from matrixserve.gateway.discovery import GroupRoute
 
     async def busy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:

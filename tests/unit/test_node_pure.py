@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from enginestub.node import allocator, devicestatus, nodestatus, podspec, podstatus
 from enginestub.node.command import node_names, run_argv
 from enginestub.node.network import AddressExhausted, NodeAddresses, choose_cidrs
-from enginestub.node.runner import ContainerState, Terminated, rfc3339
+from enginestub.node.runner import ContainerState, Terminated
 from enginestub.node.topology import (
     SuperPodSpec,
     TopologySpec,
@@ -25,6 +25,7 @@ from enginestub.node.topology import (
     server_for_existing_node,
 )
 from matrixserve.api.kinds import NPU_RESOURCE, TAINT_NPU_FAULT
+from matrixserve.api.rfc3339 import format_seconds as rfc3339
 
 # ----------------------------------------------------------------------------- topology
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from fakes import engine_report, pdgroup_spec
+from fakes import engine_report, formed_group, formed_zk, pdgroup_spec
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain import conditions, pdgroup
@@ -52,23 +52,11 @@ ENGINE = EngineSettings(zookeeper="127.0.0.1:2181")
 
 
 def group_view(s: PDGroupSpec, pods: Mapping[str, PodView], zk: ZkView, now: float) -> GroupView:
-    return GroupView("ns", "g", 1, s, pods, zk, now=now, uid="uid-g", engine=ENGINE)
+    view: GroupView = formed_group(s, pods, zk, now=now, engine=ENGINE)
+    return view
 
 
 report = engine_report
-
-
-def health(name: str, role: zl.Role, i: int) -> zl.Health:
-    return zl.Health(
-        instance=name,
-        role=role,
-        state=zl.HealthState.SERVING,
-        seq=1,
-        ts=0.0,
-        podIP=f"127.64.0.{i + 2}",
-        port=8000,
-        load=zl.Load(),  # an engine that reports its load drains (issue 19)
-    )
 
 
 NAMES = {"g-p-0": (P, 0), "g-p-1": (P, 1), "g-d-0": (D, 2), "g-d-1": (D, 3)}
@@ -83,29 +71,10 @@ def kinds(plan: pdgroup.Plan) -> list[str]:
 
 
 def serving_group(names: list[str]) -> ZkView:
-    """A formed group: map, links, health, decode meta and entrances for ``names``."""
-    reports = {n: report(n, NAMES[n][1]) for n in names}
-    roce_map = zl.build_roce_map(reports.values(), {n: NAMES[n][0] for n in names}, version=1)
-    links = {}
-    for p in roce_map.prefill:
-        for d in roce_map.decode:
-            links[(p.instance, d.instance)] = zl.Link(
-                prefill=p.instance,
-                decode=d.instance,
-                subLinks=zl.verify_sub_links(p, d),
-                verifiedAt=0.0,
-                initiator=p.instance,
-            )
-    return ZkView(
-        connected=True,
-        reports=reports,
-        roce_map=roce_map,
-        init_order=zl.InitOrder(epoch=1, roceMapVersion=1),
-        links=links,
-        health={n: health(n, NAMES[n][0], NAMES[n][1]) for n in names},
-        decode_meta=zl.DecodeMeta(version=1, decodes=roce_map.decode),
-        entrances=frozenset(e.instance for e in roce_map.prefill),
-    )
+    """A formed group: map, links, health, decode meta and entrances for ``names``; each health
+    with a load (an engine that reports its load drains)."""
+    zk: ZkView = formed_zk({n: NAMES[n] for n in names}, loads={n: zl.Load() for n in names})
+    return zk
 
 
 def test_a_new_group_creates_one_pod_per_instance_and_gathers() -> None:

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fakes import engine_report
+from fakes import formed_group, formed_zk
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec, Protect, RecoveryPolicy
@@ -701,29 +701,8 @@ def health(name: str, state: zl.HealthState = zl.HealthState.SERVING, **extra: A
 
 
 def serving(**health_of: zl.Health) -> ZkView:
-    reports = {n: engine_report(n, i) for n, (_, i) in NAMES.items()}
-    roce_map = zl.build_roce_map(reports.values(), {n: r for n, (r, _) in NAMES.items()}, 1)
-    links = {
-        (p.instance, d.instance): zl.Link(
-            prefill=p.instance,
-            decode=d.instance,
-            subLinks=zl.verify_sub_links(p, d),
-            verifiedAt=0.0,
-            initiator=p.instance,
-        )
-        for p in roce_map.prefill
-        for d in roce_map.decode
-    }
-    return ZkView(
-        connected=True,
-        reports=reports,
-        roce_map=roce_map,
-        init_order=zl.InitOrder(epoch=1, roceMapVersion=1),
-        links=links,
-        health={n: health(n) for n in NAMES} | health_of,
-        decode_meta=zl.DecodeMeta(version=1, decodes=roce_map.decode),
-        entrances=frozenset(e.instance for e in roce_map.prefill),
-    )
+    zk: ZkView = formed_zk(NAMES, health_ts=NOW - 1.0)
+    return dataclasses.replace(zk, health={**zk.health, **health_of})
 
 
 def node(name: str, npus: int, superpod: str = "sp0", **extra: Any) -> NodeView:
@@ -735,10 +714,9 @@ def node(name: str, npus: int, superpod: str = "sp0", **extra: Any) -> NodeView:
 def group_view(zk: ZkView, pods: dict[str, PodView] | None = None, free: int = 8) -> GroupView:
     pods = {n: pod(n) for n in NAMES} | (pods or {})
     nodes = {"n1": node("n1", 12), "n2": node("n2", free)}
-    return GroupView(
-        "ns", "g", 1, spec(), pods, zk, now=NOW, uid="uid-g",
-        engine=EngineSettings(zookeeper="127.0.0.1:2181"), nodes=nodes,
-    )  # fmt: skip
+    engine = EngineSettings(zookeeper="127.0.0.1:2181")
+    view: GroupView = formed_group(spec(), pods, zk, now=NOW, engine=engine, nodes=nodes)
+    return view
 
 
 def die(name: str) -> zl.Health:

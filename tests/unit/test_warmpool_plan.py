@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from fakes import FakeCore, engine_report, pdgroup_spec
+from fakes import FakeCore, engine_report, formed_group, pdgroup_spec
 from matrixserve.adapters.kube import KubeAdapter
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
@@ -217,16 +217,8 @@ def serving_zk(*names: str) -> ZkView:
 
 
 def group_view(pods: list[PodView], warm: list[PodView], **kw: Any) -> GroupView:
-    view = GroupView(
-        "ns",
-        "g",
-        1,
-        group_spec(),
-        {p.name: p for p in pods},
-        ZkView(connected=True),
-        now=50.0,
-        uid="uid-g",
-        engine=ENGINE,
+    view: GroupView = formed_group(
+        group_spec(), {p.name: p for p in pods}, ZkView(connected=True), now=50.0, engine=ENGINE
     )
     return dataclasses.replace(
         view,

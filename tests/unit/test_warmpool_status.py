@@ -13,8 +13,8 @@ import pytest
 from pydantic import BaseModel
 from test_crd_models import compare, model_fields
 
-from helpers import CRDS, load
 from matrixserve.api.status import WarmPoolStatus
+from testkit.helpers import CRDS, load
 
 pytestmark = pytest.mark.unit
 SCALARS = {int: "integer", str: "string", float: "number", bool: "boolean"}

@@ -31,8 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from enginestub.node import podstatus
 from enginestub.node.devicestatus import Fault, FaultKind
 from enginestub.node.nodestatus import allocatable, node_taints
-from enginestub.node.runner import rfc3339
 from enginestub.node.topology import ROCE_NETWORK
+from matrixserve.api import rfc3339
 
 if TYPE_CHECKING:
     from enginestub.node.faults import Faults
@@ -225,7 +225,7 @@ class ControlServer:
             if req.die is None or req.die >= len(server.dies):
                 raise BadRequest(400, f"{req.kind} needs die in 0..{len(server.dies) - 1}")
             dies = [req.die]
-        since = rfc3339(time.time())
+        since = rfc3339.format_seconds(time.time())
         kind = FaultKind(req.kind)
         changed = False
         if kind == FaultKind.LINK_DOWN:

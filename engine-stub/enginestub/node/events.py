@@ -15,8 +15,8 @@ from collections.abc import Mapping
 
 from kubernetes import client
 
-from enginestub.node.runner import rfc3339
 from enginestub.node.state import PodRecord
+from matrixserve.api import rfc3339
 
 log = logging.getLogger("enginestub.node")
 
@@ -50,7 +50,7 @@ class Events:
         kind: str,
         node: str,
     ) -> None:
-        now = rfc3339(time.time())
+        now = rfc3339.format_seconds(time.time())
         body = {
             "metadata": {"generateName": f"{involved['name']}.", "namespace": namespace},
             "involvedObject": dict(involved),

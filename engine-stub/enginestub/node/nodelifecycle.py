@@ -43,8 +43,8 @@ from enginestub.node.nodestatus import (
     node_taints,
     npu_fault_taint_value,
 )
-from enginestub.node.runner import rfc3339
 from enginestub.node.state import EmulatorState, NodeState
+from matrixserve.api import rfc3339
 from matrixserve.api.kinds import (
     ANNOTATION_NODE_EMULATOR,
     LABEL_EMULATED,
@@ -219,7 +219,9 @@ class NodeLifecycle:
         for cond in status["conditions"]:
             old = before.get(cond["type"])
             if old is not None and old.status == cond["status"] and old.last_transition_time:
-                cond["lastTransitionTime"] = rfc3339(old.last_transition_time.timestamp())
+                cond["lastTransitionTime"] = rfc3339.format_seconds(
+                    old.last_transition_time.timestamp()
+                )
         await asyncio.to_thread(core.patch_node_status, name, {"status": status})
 
     async def set_taints(self, state: NodeState) -> None:
@@ -283,7 +285,7 @@ class NodeLifecycle:
 
     async def _renew_lease(self, name: str) -> None:
         now = time.time()
-        micro = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z"
+        micro = rfc3339.format(now)
         body = {
             "metadata": {"name": name, "namespace": LEASE_NAMESPACE},
             "spec": {"holderIdentity": name, "leaseDurationSeconds": 40, "renewTime": micro},

@@ -18,8 +18,8 @@ import os
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from enginestub.node.runner import rfc3339
 from enginestub.node.topology import Server
+from matrixserve.api import rfc3339
 from matrixserve.api.kinds import NPU_RESOURCE, TAINT_NPU_FAULT
 
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
@@ -77,7 +77,13 @@ def node_taints(
     wanted: list[dict[str, Any]] = []
     if down and full:
         wanted.append({"key": UNREACHABLE_TAINT, "effect": "NoSchedule"})
-        wanted.append({"key": UNREACHABLE_TAINT, "effect": "NoExecute", "timeAdded": rfc3339(now)})
+        wanted.append(
+            {
+                "key": UNREACHABLE_TAINT,
+                "effect": "NoExecute",
+                "timeAdded": rfc3339.format_seconds(now),
+            }
+        )
     if faulty:
         value = npu_fault_taint_value(faulty)
         wanted.append({"key": TAINT_NPU_FAULT, "value": value, "effect": "NoSchedule"})
@@ -99,7 +105,7 @@ def node_status(
     """The node's ``status`` as a kubelet posts it: Ready (or Unknown while a node-down fault is
     injected), no pressure, allocatable = capacity less the faulty NPUs, the node's
     InternalIP."""
-    stamp = rfc3339(now)
+    stamp = rfc3339.format_seconds(now)
     if down:
         ready = {
             "type": "Ready",

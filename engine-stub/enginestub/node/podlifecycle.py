@@ -42,8 +42,9 @@ from enginestub.node.events import Events
 from enginestub.node.hosts import HostsFiles, NamedPod, named_pod, published
 from enginestub.node.listwatch import watch_events
 from enginestub.node.podenv import PodEnvironment, remove_volumes
-from enginestub.node.runner import PodRunner, Zygote, rfc3339
+from enginestub.node.runner import PodRunner, Zygote
 from enginestub.node.state import EmulatorState, NodeState, PodRecord
+from matrixserve.api import rfc3339
 
 log = logging.getLogger("enginestub.node")
 MOUNT_RETRY = (0.5, 8.0)  # the first pause before a failed mount is tried again, and the longest
@@ -250,7 +251,7 @@ class PodLifecycle:
     async def mark_not_ready(self, node: str) -> None:
         """What the node lifecycle controller does for a node gone NotReady (the dev cluster
         does not run it): each of its pods' Ready condition turns False, nothing else."""
-        stamp = rfc3339(time.time())
+        stamp = rfc3339.format_seconds(time.time())
         for record in list(self.shared.pods.values()):
             ready = next((c for c in record.conditions if c.get("type") == "Ready"), None)
             if record.node != node or ready is None or ready.get("status") == "False":

@@ -6,15 +6,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from enginestub.node.runner import ContainerState, Terminated, rfc3339
+from enginestub.node.runner import ContainerState, Terminated
+from matrixserve.api import rfc3339
 
 
 def _terminated(t: Terminated) -> dict[str, Any]:
     out: dict[str, Any] = {
         "exitCode": t.exit_code,
         "reason": t.reason,
-        "startedAt": rfc3339(t.started_at),
-        "finishedAt": rfc3339(t.finished_at),
+        "startedAt": rfc3339.format_seconds(t.started_at),
+        "finishedAt": rfc3339.format_seconds(t.finished_at),
     }
     if t.message:
         out["message"] = t.message
@@ -26,7 +27,7 @@ def _terminated(t: Terminated) -> dict[str, Any]:
 def container_status(state: ContainerState, container_id_prefix: str) -> dict[str, Any]:
     current: dict[str, Any]
     if state.phase == "running" and state.started_at is not None:
-        current = {"running": {"startedAt": rfc3339(state.started_at)}}
+        current = {"running": {"startedAt": rfc3339.format_seconds(state.started_at)}}
     elif state.phase == "terminated" and state.terminated is not None:
         current = {"terminated": _terminated(state.terminated)}
     else:
@@ -110,7 +111,7 @@ def render(
     # A condition flips now; one written for the first time holds since the pod started, as
     # a kubelet's first status says (not since this write, which may come after the
     # containers started: a pod not Ready since then has never been Ready).
-    stamp = rfc3339(now) if before else rfc3339(started_at)
+    stamp = rfc3339.format_seconds(now) if before else rfc3339.format_seconds(started_at)
     wanted = [
         _condition("Initialized", True, stamp),
         _condition("Ready", all_ready, stamp, "ContainersNotReady"),
@@ -131,7 +132,7 @@ def render(
         "hostIP": host_ip,
         "podIP": pod_ip,
         "podIPs": [{"ip": pod_ip}],
-        "startTime": rfc3339(started_at),
+        "startTime": rfc3339.format_seconds(started_at),
         "containerStatuses": [container_status(s, "emulated") for s in states],
     }
 
@@ -146,7 +147,7 @@ def waiting(
 ) -> dict[str, Any]:
     """The status of a pod whose containers cannot start (``ErrImagePull``,
     ``CreateContainerConfigError``): Pending, every container waiting with that reason."""
-    stamp = rfc3339(now)
+    stamp = rfc3339.format_seconds(now)
     return {
         "phase": "Pending",
         "hostIP": host_ip,

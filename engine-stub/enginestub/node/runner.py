@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from enginestub.node.podspec import ContainerPlan, Probe
+from matrixserve.api import rfc3339
 
 ENGINE_ARGV = [sys.executable, "-m", "enginestub"]
 
@@ -74,10 +75,6 @@ class Zygote:
 
 BACKOFF_RESET_AFTER = 600.0
 # kubelet: back-off resets after 10 min of running
-
-
-def rfc3339(epoch: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
 
 
 @dataclass
@@ -237,7 +234,8 @@ class PodRunner:
         if proc is None:
             try:
                 with log.open("ab") as out:
-                    out.write(f"=== start {rfc3339(time.time())}: {' '.join(plan.argv)}\n".encode())
+                    stamp = rfc3339.format_seconds(time.time())
+                    out.write(f"=== start {stamp}: {' '.join(plan.argv)}\n".encode())
                     out.flush()
                     proc = await asyncio.create_subprocess_exec(
                         *plan.argv,
@@ -272,9 +270,8 @@ class PodRunner:
             return None
         try:
             with log.open("ab") as out:
-                out.write(
-                    f"=== start {rfc3339(time.time())} (zygote fork): {' '.join(plan.argv)}\n".encode()
-                )
+                stamp = rfc3339.format_seconds(time.time())
+                out.write(f"=== start {stamp} (zygote fork): {' '.join(plan.argv)}\n".encode())
             return await self.zygote.spawn(plan, log, cwd)
         except OSError:
             return None  # no zygote: a fresh interpreter, as usual

@@ -21,8 +21,9 @@ from kubernetes import client
 
 from enginestub.node import allocator, devicestatus
 from enginestub.node.network import NodeAddresses
-from enginestub.node.runner import ENGINE_ARGV, PodRunner, rfc3339
+from enginestub.node.runner import ENGINE_ARGV, PodRunner
 from enginestub.node.topology import Server
+from matrixserve.api import rfc3339
 
 DEFAULT_IMAGE_MAP: dict[str, list[str]] = {
     "matrixserve/engine-stub": ENGINE_ARGV,  # forked from the zygote (runner.py)
@@ -95,7 +96,9 @@ class NodeState:
 
     def write_device_file(self) -> None:
         """Rewrite the node's device status file (atomically: pods read it at any moment)."""
-        devicestatus.write_atomically(self.device_file, self.devices.render(rfc3339(time.time())))
+        devicestatus.write_atomically(
+            self.device_file, self.devices.render(rfc3339.format_seconds(time.time()))
+        )
 
 
 class EmulatorState:

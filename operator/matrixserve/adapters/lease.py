@@ -10,22 +10,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from kubernetes import client
 
+from matrixserve.api import rfc3339
 from matrixserve.domain.leadership import Record
 
 log = logging.getLogger("matrixserve.leadership")
 T = TypeVar("T")
-
-
-def _micro_time(when: datetime) -> str:
-    return when.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class LeaseAdapter:
@@ -62,20 +59,20 @@ class LeaseAdapter:
             lease_seconds=int(spec.lease_duration_seconds or 0),
             transitions=int(spec.lease_transitions or 0),
             resource_version=str(lease.metadata.resource_version),
-            acquire_time=_micro_time(spec.acquire_time) if spec.acquire_time else "",
+            acquire_time=rfc3339.format(spec.acquire_time.timestamp()) if spec.acquire_time else "",
         )
 
     def _spec(
-        self, holder: str, seconds: int, transitions: int, acquired: bool, now: datetime
+        self, holder: str, seconds: int, transitions: int, acquired: bool, now: float
     ) -> dict[str, Any]:
         spec: dict[str, Any] = {
             "holderIdentity": holder,
             "leaseDurationSeconds": seconds,
             "leaseTransitions": transitions,
-            "renewTime": _micro_time(now),
+            "renewTime": rfc3339.format(now),
         }
         if acquired:
-            spec["acquireTime"] = _micro_time(now)
+            spec["acquireTime"] = rfc3339.format(now)
         return spec
 
     async def create(self, holder: str, seconds: int) -> bool:
@@ -84,7 +81,7 @@ class LeaseAdapter:
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
             "metadata": {"name": self.name, "namespace": self.namespace},
-            "spec": self._spec(holder, seconds, 0, True, datetime.now(UTC)),
+            "spec": self._spec(holder, seconds, 0, True, time.time()),
         }
         try:
             await self._call(self.coordination.create_namespaced_lease, self.namespace, body)
@@ -99,7 +96,7 @@ class LeaseAdapter:
     ) -> bool:
         """Replace the record, if it is still the one read (409 otherwise: False): a replace
         carries the whole spec (acquireTime kept when only renewing)."""
-        spec = self._spec(holder, seconds, transitions, acquired, datetime.now(UTC))
+        spec = self._spec(holder, seconds, transitions, acquired, time.time())
         if not acquired and record.acquire_time:
             spec["acquireTime"] = record.acquire_time
         body = {
@@ -124,7 +121,7 @@ class LeaseAdapter:
 
     async def event(self, reason: str, message: str) -> None:
         """A Normal Event on the Lease; a failure is logged, never raised."""
-        now = _micro_time(datetime.now(UTC))
+        now = rfc3339.format(time.time())
         body = {
             "metadata": {
                 "name": f"{self.name}.{uuid.uuid4().hex[:16]}",

@@ -24,9 +24,10 @@ import sys
 from matrixserve import httpserving
 from matrixserve.adapters.kube import api_client
 from matrixserve.coordination import Session, add_auth_flags, auth_from
-from matrixserve.domain.forwarding import Policy
-from matrixserve.gateway.app import Gateway, GatewayConfig
+from matrixserve.domain.gateway.routing import Policy
+from matrixserve.gateway.app import Gateway
 from matrixserve.gateway.auth import keep_keys
+from matrixserve.gateway.config import GatewayConfig
 from matrixserve.gateway.discovery import Discovery
 
 # Clients' own pools drop idle connections sooner (httpx and the openai client: 5 s, aiohttp: 15 s),

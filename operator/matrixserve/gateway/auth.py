@@ -2,7 +2,7 @@
 a rate limit per key (token bucket), and the loader that keeps the keys current (docs/gateway.md,
 "API keys"). Fail closed: until the Secret has been read, and whenever it cannot be, no key is
 valid. The pure parts (the bucket, the Secret's entries, the header) are in
-:mod:`matrixserve.domain.forwarding`.
+:mod:`matrixserve.domain.gateway.keys`.
 """
 
 from __future__ import annotations
@@ -11,16 +11,14 @@ import asyncio
 import base64
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from kubernetes import client
 
-from matrixserve.domain.forwarding import UNKNOWN_SCENARIO, TokenBucket, bearer, parse_keys
+from matrixserve.domain.gateway.keys import TokenBucket, bearer, parse_keys
+from matrixserve.domain.gateway.labels import UNKNOWN_SCENARIO
+from matrixserve.gateway.config import GatewayConfig, GatewayMetrics
 from matrixserve.gateway.openai import failure
-
-if TYPE_CHECKING:  # the app composes this module's parts; they only name its types
-    from matrixserve.gateway.app import GatewayConfig, GatewayMetrics
 
 log = logging.getLogger("matrixserve.gateway")
 KEYS_RELOAD_SECONDS = 10

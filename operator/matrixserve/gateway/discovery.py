@@ -40,7 +40,7 @@ from matrixserve.api.resources import (
     PDGroupSpec,
     field_errors,
 )
-from matrixserve.domain.forwarding import Entrance, entrances_from_status
+from matrixserve.domain.gateway.routing import Entrance, entrances_from_status
 
 log = logging.getLogger("matrixserve.gateway")
 

@@ -5,7 +5,7 @@ try again (waiters in line: each freed slot wakes the first request in line that
 until the TTFT budget is spent, then give the reason. The budget is the request's own threshold
 by its prompt's length (§2.2.2).
 
-The policy (:class:`matrixserve.domain.forwarding.ForwardingPolicy`) says the order, whether it
+The policy (:class:`matrixserve.domain.gateway.routing.ForwardingPolicy`) says the order, whether it
 commits to one choice, what it asks a busy prefill to do, whether prefills whose slots this
 gateway holds are passed over, and whether it needs the prefills' queue reports (polled here).
 What the gateway counts per prefill (open streams, prompts still in prefill, slots held) is the
@@ -27,7 +27,7 @@ prefill that could not be reached, did not answer in time or answered another st
 over for a while, while another is open.
 
 A stream survives its entrance (issue 31 item 2): a leg whose entrance is lost (its stream cut,
-or ended by the entrance's own fault, hang or removal: ``domain.forwarding.entrance_lost``) is
+or ended by the entrance's own fault, hang or removal: ``domain.gateway.reoffer.entrance_lost``) is
 offered to another entrance (:class:`Again`), the lost one passed over: before its first token
 within what is left of its TTFT budget (P/D-Serve §3.5's on-demand forwarding, again), after it
 with ``resumeAt`` (the tokens its client has; the new entrance re-prefills the prompt with them
@@ -47,7 +47,6 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -58,29 +57,25 @@ from matrixserve.api.engine_protocol import (
     error_event,
     generate_body,
 )
-from matrixserve.domain.forwarding import (
-    MAX_REOFFERS,
-    POLICIES,
+from matrixserve.domain.gateway.completions import (
     BadRequest,
     Completion,
-    Entrance,
-    Loads,
     Prompt,
+    StopScanner,
+    finish_reason,
+)
+from matrixserve.domain.gateway.labels import answer_label
+from matrixserve.domain.gateway.refusals import engine_refusal, retry_after_seconds
+from matrixserve.domain.gateway.reoffer import (
+    MAX_REOFFERS,
     ReofferOutcome,
     ReofferStage,
-    StopScanner,
-    answer_label,
-    engine_refusal,
-    finish_reason,
     reoffer_stage,
-    request_budget,
-    retry_after_seconds,
 )
+from matrixserve.domain.gateway.routing import POLICIES, Entrance, Loads, request_budget
+from matrixserve.gateway.config import GatewayConfig, GatewayMetrics
 from matrixserve.gateway.discovery import Discovery, GroupRoute
 from matrixserve.gateway.upstream import EnginePool, EngineStream, UpstreamError
-
-if TYPE_CHECKING:  # the app composes this module's parts; they only name its types
-    from matrixserve.gateway.app import GatewayConfig, GatewayMetrics
 
 # When every entrance is busy, wait for a slot to be released (a stream's second token or its
 # end), at most this long (wall s: other gateways' requests release slots this one cannot see).

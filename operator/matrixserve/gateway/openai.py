@@ -3,7 +3,7 @@ streams rendered as ``/v1/completions`` and ``/v1/chat/completions`` answers —
 plain response, one choice per prompt and ``n``, ``usage`` (in streams only with
 ``stream_options.include_usage``, as OpenAI: a last chunk with ``choices: []``), the
 ``matrixserve`` timings — models, and OpenAI-style errors. The requests are validated in
-:func:`matrixserve.domain.forwarding.parse_completion` (pure).
+:func:`matrixserve.domain.gateway.completions.parse_completion` (pure).
 
 A stream's token chunks are serialised once per choice (:class:`TokenFrame`): only each token's
 text is encoded, to the same bytes the whole chunk would make (the relay's hot path).
@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from matrixserve.api.engine_protocol import Event
-from matrixserve.domain.forwarding import BadRequest, Completion
+from matrixserve.domain.gateway.completions import BadRequest, Completion
 
 PIECE = "\x00piece\x00"  # stands in for a token's text in a serialised chunk
 OWNER = "matrixserve"

@@ -33,6 +33,7 @@ import kopf
 
 from matrixserve.adapters.kube import KubeAdapter, status_patch
 from matrixserve.adapters.metrics import OperatorMetrics
+from matrixserve.api import rfc3339
 from matrixserve.api.kinds import Kind
 from matrixserve.domain import conditions as cond
 from matrixserve.domain.effects import (
@@ -94,7 +95,8 @@ class Always:
 
 
 def now_rfc3339() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    """Now, as a condition's ``lastTransitionTime`` (whole seconds)."""
+    return rfc3339.format_seconds(time.time())
 
 
 def post(body: Mapping[str, Any], event: Event | None) -> None:

@@ -1,6 +1,7 @@
 """Chaos under traffic, the parts three programs share: the chaos test of issue 15
 (``test_chaos.py``), the recovery chaos test of issue 17 (``test_recovery_chaos.py``) and the
-recovery benchmark (``bench/recovery.py``, which puts this folder on its path).
+recovery benchmark (``bench/recovery.py``; ``bench/scale_out.py`` and ``bench/load_player.py``
+use its traffic).
 
 - **traffic**: streamed completions through the gateway from client threads, each request's
   start, tokens (wall time of each), end, outcome and the instances it was on — a failed one's
@@ -38,11 +39,11 @@ from typing import Any
 import httpx
 from kubernetes import client
 
-from helpers import Groups, explain_namespace, poll, wait_for, zookeeper
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.errors import tail
 from matrixserve.devcluster.procs import process_start_time
 from matrixserve.domain.conditions import is_true
+from testkit.helpers import Groups, explain_namespace, poll, wait_for, zookeeper
 
 GROUP = "g"
 CLIENTS = 3

@@ -1,64 +1,23 @@
-"""The one owner of a ZooKeeper session, shared by every MatrixServe process that talks to
-ZooKeeper: the operator's stores, the engine's resident process (P/D-Serve §3.2-3.4) and the
-gateway's entrance discovery. The session policy is written here once.
-
-Patroni's ZooKeeper DCS is the model:
-
-- **State**: ``CONNECTING`` until the first connection, then ``CONNECTED``, ``SUSPENDED``
-  (the connection dropped; the session may still be alive and our ephemerals with it: pause
-  destructive work) or ``LOST`` (the session expired: our ephemerals and watches are gone;
-  whoever owns ephemerals writes them again once ``CONNECTED`` follows). Listeners are called
-  on kazoo's thread and must not block.
-- **Connecting**: :meth:`Session.connect` retries until it connects (ZooKeeper may come up after
-  us), leaving no half-started client behind a failed try; :meth:`Session.start_background`
-  lets kazoo reconnect for ever without waiting (a process that can serve without ZooKeeper).
-- **Writes are idempotent**: :meth:`Session.put` is set-or-create (optionally versioned: a
-  compare-and-set that raises :class:`kazoo.exceptions.BadVersionError` when someone else wrote
-  in between), deletes of absent znodes succeed, and :meth:`Session.apply` runs a list of
-  :mod:`matrixserve.api.zk_layout` operations in order.
-- **Retries with a deadline**: :meth:`Session.retry` re-runs a call through connection losses
-  until it succeeds or the deadline passes (kazoo's ``KazooRetry``).
-- **Watches**: children and data watches, which kazoo re-arms on reconnection within a session;
-  a children watch on a znode that does not exist yet waits for it (kazoo's would stop
-  silently).
-- **A server that lost its data** (reinstalled, or rescheduled on an empty volume) refuses a
-  client that has seen a later zxid, so that client stays SUSPENDED for ever: a session
-  SUSPENDED for longer than the session timeout (not sooner: a lagging ensemble member must not
-  cost live sessions) is given up: listeners hear LOST, a fresh client connects, and every watch
-  still wanted is armed again on it. Whoever owns ephemerals writes them again on CONNECTED, as
-  after any lost session.
-- **Access** (issue 16 finding 7): given :class:`~matrixserve.api.zk_layout.Credentials`, every
-  client (a renewed one too) authenticates with that digest identity and creates every znode
-  with an ACL granting it, and only it, everything (no world access); :meth:`Session.restrict`
-  gives the same ACL to znodes created before (an upgrade). A group's subtree still open (its
-  engines started before the credential existed and still write there) keeps what is made in
-  it open too, until the operator closes it (:meth:`Session.close`). Without credentials,
-  znodes are open to every client, as ZooKeeper's default. Every process takes the identity
-  the same way (:func:`add_auth_flags`): from a file (a mounted Secret) or, for the dev
-  cluster and tests, from the environment.
-
-kazoo is imported here and in the adapters built on it, never in ``matrixserve.domain``.
+"""The ZooKeeper session (see :mod:`matrixserve.coordination` for its policy): one kazoo client
+at a time, its state told to listeners, connecting with bounded tries, idempotent reads and
+writes behind the fence, ACLs for what it makes, and watches armed again on a renewed client.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import atexit
 import contextlib
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
-from pathlib import Path
 from typing import Any, TypeVar
 
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import (
     KazooException,
-    NoAuthError,
     NodeExistsError,
     NoNodeError,
     NotEmptyError,
@@ -66,9 +25,17 @@ from kazoo.exceptions import (
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.recipe.watchers import ChildrenWatch, DataWatch
 from kazoo.retry import KazooRetry
-from kazoo.security import ACL, OPEN_ACL_UNSAFE, make_digest_acl
+from kazoo.security import ACL, OPEN_ACL_UNSAFE
 
 from matrixserve.api import zk_layout as zl
+from matrixserve.coordination.acl import (
+    CLOSE_WALKS,
+    RESTRICT_BATCH,
+    Restricted,
+    is_open,
+    restrict_tree,
+)
+from matrixserve.coordination.credentials import access
 
 log = logging.getLogger("matrixserve.coordination")
 T = TypeVar("T")
@@ -78,24 +45,9 @@ T = TypeVar("T")
 ERRORS: tuple[type[Exception], ...] = (KazooException, KazooTimeoutError)
 ZooKeeperError = KazooException  # the base of what a call on a live client raises
 CallTimeout = KazooTimeoutError  # a call that got no answer in time
-__all__ = [
-    "ERRORS",
-    "CallTimeout",
-    "NotEmptyError",
-    "Restricted",
-    "Session",
-    "SessionState",
-    "ZooKeeperError",
-]
-RESTRICT_BATCH = 256  # znodes asked about at once when ACLs are set on an existing tree
-# A closing walk is repeated until it changes nothing: a znode made open in the subtree just as
-# it was being closed (its creator saw the root still open) is caught by the next walk.
-CLOSE_WALKS = 3
 # The longest a closing session is waited on (its ephemerals go at once when it answers; a
 # stop that never returns is left to the daemon thread it runs on).
 STOP_WAIT = 5.0
-AUTH_ENV = "MATRIXSERVE_ZK_AUTH"  # the identity, user:password (the dev cluster and tests)
-AUTH_FILE_ENV = "MATRIXSERVE_ZK_AUTH_FILE"  # a file holding it (a mounted Secret)
 
 
 class SessionState(StrEnum):
@@ -110,93 +62,6 @@ _FROM_KAZOO = {
     KazooState.SUSPENDED: SessionState.SUSPENDED,
     KazooState.LOST: SessionState.LOST,
 }
-
-
-def _parsed(text: str, where: str = "") -> zl.Credentials:
-    try:
-        return zl.Credentials.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{where}{exc}") from None
-
-
-def _credentials(text: str) -> zl.Credentials | None:
-    return _parsed(text) if text else None
-
-
-def _credentials_file(path: str) -> zl.Credentials | None:
-    if not path:
-        return None
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise argparse.ArgumentTypeError(f"{path}: {exc}") from None
-    return _parsed(text, f"{path}: ")  # an empty file too: a Secret without its value
-
-
-def add_auth_flags(parser: argparse.ArgumentParser, more: str = "") -> None:
-    """``--zookeeper-auth-file`` (default ``$MATRIXSERVE_ZK_AUTH_FILE``: a mounted Secret's
-    file) and ``--zookeeper-auth`` (default ``$MATRIXSERVE_ZK_AUTH``: the dev cluster and tests),
-    taken the same way by every process: parsed into
-    :class:`~matrixserve.api.zk_layout.Credentials`, empty for none, an unreadable file or a
-    malformed identity refused (exit 2) with the reason. :func:`auth_from` gives the one in
-    effect."""
-    flags = [
-        (
-            "--zookeeper-auth-file",
-            _credentials_file,
-            AUTH_FILE_ENV,
-            "PATH",
-            f"a file holding MatrixServe's ZooKeeper digest identity, user:password "
-            f"(${AUTH_FILE_ENV}; in a pod: a Secret mounted as a volume){more}",
-        ),
-        (
-            "--zookeeper-auth",
-            _credentials,
-            AUTH_ENV,
-            "USER:PASSWORD",
-            f"the identity itself (${AUTH_ENV}: prefer it to the flag, which shows in the "
-            "process list; in a pod prefer the file)",
-        ),
-    ]
-    for flag, parse, variable, metavar, help_text in flags:
-        parser.add_argument(
-            flag, type=parse, default=os.environ.get(variable), metavar=metavar, help=help_text
-        )
-
-
-def auth_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> zl.Credentials | None:
-    """The identity :func:`add_auth_flags` parsed; both given is refused (exit 2): two sources
-    that may disagree would make this process a different identity than the others."""
-    inline: zl.Credentials | None = args.zookeeper_auth
-    from_file: zl.Credentials | None = args.zookeeper_auth_file
-    if inline is not None and from_file is not None:
-        parser.error(
-            f"--zookeeper-auth (${AUTH_ENV}) and --zookeeper-auth-file (${AUTH_FILE_ENV}) are "
-            "both given: give the ZooKeeper identity once"
-        )
-    return inline or from_file
-
-
-def access(auth: zl.Credentials | None) -> dict[str, Any]:
-    """A kazoo client's keyword arguments for ``auth``: authenticate with the digest identity and
-    create every znode with an ACL that grants it everything and nobody else anything."""
-    if auth is None:
-        return {}
-    return {
-        "auth_data": [("digest", auth.text())],
-        "default_acl": [make_digest_acl(auth.user, auth.password, all=True)],
-    }
-
-
-@dataclass(frozen=True)
-class Restricted:
-    """What :meth:`Session.restrict` found: znodes seen, given our ACL, and refused to us (owned
-    by another identity; the first few named)."""
-
-    seen: int = 0
-    changed: int = 0
-    refused: int = 0
-    examples: tuple[str, ...] = ()
 
 
 @dataclass(eq=False)
@@ -638,7 +503,7 @@ class Session:
             acls, _ = self.client.get_acls(scope)
         except NoNodeError:
             return None  # made together with this znode: closed from the start
-        if _is_open(acls):
+        if is_open(acls):
             return list(OPEN_ACL_UNSAFE)
         self._closed_scopes.add(scope)
         return None
@@ -658,34 +523,8 @@ class Session:
         differs)."""
         if self.auth is None:
             raise ValueError("no credentials: there is no ACL to give")
-        client = self.client
         wanted = access(self.auth)["default_acl"]
-        seen = changed = 0
-        refused: list[str] = []
-        level = [top] if client.exists(top) is not None else []
-        while level:
-            if skip is not None:
-                level = [path for path in level if not skip(path)]
-            deeper: list[str] = []
-            for start in range(0, len(level), batch):
-                chunk = level[start : start + batch]
-                acls = [(path, client.get_acls_async(path)) for path in chunk]
-                kids = [(path, client.get_children_async(path)) for path in chunk]
-                setting = []
-                self._fenced()  # each batch of ACLs set
-                for path, pending in acls:
-                    current = _answer(pending, path, refused)
-                    if current is None:
-                        continue
-                    seen += 1
-                    if not _same_acl(current[0], wanted):
-                        setting.append((path, client.set_acls_async(path, wanted)))
-                changed += sum(_answer(p, path, refused) is not None for path, p in setting)
-                for path, pending in kids:
-                    children = _answer(pending, path, [])
-                    deeper += [f"{path.rstrip('/')}/{child}" for child in children or ()]
-            level = deeper
-        return Restricted(seen, changed, len(refused), tuple(refused[:5]))
+        return restrict_tree(self.client, wanted, top, batch, skip, self._fenced)
 
     def close(self, top: str) -> Restricted:
         """Close a subtree that was kept open (see :meth:`_acl`): :meth:`restrict` again until a
@@ -812,29 +651,6 @@ def _stopping(client: Any) -> threading.Thread:
     thread = threading.Thread(target=stop, daemon=True, name="zookeeper-stop")
     thread.start()
     return thread
-
-
-def _answer(pending: Any, path: str, refused: list[str]) -> Any:
-    """An asynchronous call's result; None when the znode went meanwhile or is not ours to
-    touch (then its path is noted in ``refused``)."""
-    try:
-        return pending.get()
-    except NoNodeError:
-        return None
-    except NoAuthError:
-        refused.append(path)
-        return None
-
-
-def _is_open(acls: Iterable[ACL]) -> bool:
-    """Whether anyone may do something there (a ``world`` entry: ZooKeeper's default ACL)."""
-    return any(a.id.scheme == "world" for a in acls)
-
-
-def _same_acl(current: Iterable[ACL], wanted: Iterable[ACL]) -> bool:
-    return {(a.perms, a.id.scheme, a.id.id) for a in current} == {
-        (a.perms, a.id.scheme, a.id.id) for a in wanted
-    }
 
 
 def _settle(

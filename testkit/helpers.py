@@ -1,4 +1,4 @@
-"""Small helpers shared by the tests (``pythonpath`` in pyproject puts this folder on the path)."""
+"""Small helpers shared by the tests and the benchmarks (see :mod:`testkit`)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def load(path: Path) -> dict[str, Any]:
 
 
 def wait_for(
-    predicate: Callable[[], Any],
+    predicate: Callable[..., Any],  # a lambda may bind loop variables as defaults
     timeout: float = 60,
     what: str = "condition",
     every: float = 0.1,
@@ -48,7 +48,7 @@ def wait_for(
         pytest.fail(f"{exc}{detail}")
 
 
-def poll(predicate: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
+def poll(predicate: Callable[..., Any], timeout: float, what: str, every: float = 0.1) -> Any:
     """Poll until ``predicate()`` is truthy and return it; TimeoutError naming ``what`` after
     ``timeout`` s (for code that runs without pytest too: the benchmarks)."""
     deadline = time.monotonic() + timeout
