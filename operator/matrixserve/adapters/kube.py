@@ -124,6 +124,14 @@ class KubeAdapter:
         self._superpods: dict[str, str] = {}
         self._nodes: tuple[float, dict[str, NodeView]] | None = None
 
+    async def _custom(
+        self, call: Callable[..., Any], kind: Kind, namespace: str, *rest: Any, **options: Any
+    ) -> Any:
+        """A CustomObjectsApi ``call`` on ``kind`` in ``namespace``, on a worker thread."""
+        return await asyncio.to_thread(
+            call, kind.group, kind.version, namespace, kind.plural, *rest, **options
+        )
+
     def _fenced(self) -> None:
         if self.fence is not None:
             self.fence()
@@ -131,12 +139,10 @@ class KubeAdapter:
     async def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
         """The object as stored, or None once it is gone."""
         try:
-            body: dict[str, Any] = await asyncio.to_thread(
+            body: dict[str, Any] = await self._custom(
                 self.custom.get_namespaced_custom_object,
-                kind.group,
-                kind.version,
+                kind,
                 namespace,
-                kind.plural,
                 name,
             )
         except client.ApiException as exc:
@@ -147,12 +153,10 @@ class KubeAdapter:
 
     async def objects(self, kind: Kind, namespace: str) -> list[dict[str, Any]]:
         """Every object of ``kind`` in ``namespace``, as stored."""
-        found: dict[str, Any] = await asyncio.to_thread(
+        found: dict[str, Any] = await self._custom(
             self.custom.list_namespaced_custom_object,
-            kind.group,
-            kind.version,
+            kind,
             namespace,
-            kind.plural,
         )
         return list(found.get("items") or [])
 
@@ -446,12 +450,10 @@ class KubeAdapter:
         """Create a custom object; True if created, False if one of that name was there."""
         self._fenced()
         try:
-            await asyncio.to_thread(
+            await self._custom(
                 self.custom.create_namespaced_custom_object,
-                kind.group,
-                kind.version,
+                kind,
                 namespace,
-                kind.plural,
                 body,
             )
         except client.ApiException as exc:
@@ -479,12 +481,10 @@ class KubeAdapter:
             }
         self._fenced()
         try:
-            await asyncio.to_thread(
+            await self._custom(
                 self.custom.patch_namespaced_custom_object,
-                kind.group,
-                kind.version,
+                kind,
                 namespace,
-                kind.plural,
                 name,
                 body,
                 _content_type="application/merge-patch+json",
@@ -503,12 +503,10 @@ class KubeAdapter:
         status = omit_empty(status)
         self._fenced()
         try:
-            await asyncio.to_thread(
+            await self._custom(
                 self.custom.patch_namespaced_custom_object_status,
-                kind.group,
-                kind.version,
+                kind,
                 namespace,
-                kind.plural,
                 name,
                 {"status": status},
             )
