@@ -45,14 +45,15 @@ from typing import NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from matrixserve.api import roles
+
+# Known here too (the payloads carry these roles), as most modules that read the payloads name
+# them.
+Role = roles.Role
+
 TOP = "/matrixserve"  # every version's tree: what the ACLs protect
 ROOT = f"{TOP}/v1"
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
-
-
-class Role(StrEnum):
-    PREFILL = "P"
-    DECODE = "D"
 
 
 def _check(name: str, what: str) -> str:

@@ -46,7 +46,7 @@ def missing_pods(view: GroupView, instance: str, role: zl.Role) -> list[str]:
     found = view.instances.get(instance)
     if found is not None and any(view.claimed(p) for p in found.pods):
         return []  # a claimed warm pod is the instance (issue 18: one pod per instance)
-    spec = view.spec.prefill if role is zl.Role.PREFILL else view.spec.decode
+    spec = view.spec.role_spec(role)
     return [p for p in pod_names(instance, spec.pods_per_instance) if p not in view.pods]
 
 
@@ -92,7 +92,7 @@ def warm_or_cold(view: GroupView, missing: Mapping[str, zl.Role]) -> list[Action
         names = [n for n, r in missing.items() if r is role]
         if not names:
             continue
-        spec = view.spec.prefill if role is zl.Role.PREFILL else view.spec.decode
+        spec = view.spec.role_spec(role)
         pods = [p for p in warm_candidates(view, role) if p.name not in taken]
         if role is zl.Role.DECODE and pods:
             # a group's decodes share one SuperPod: with none placed yet, the one with the most

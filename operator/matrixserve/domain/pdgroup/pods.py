@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from matrixserve.api import kinds
-from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
+from matrixserve.api.roles import Role
 from matrixserve.domain.enginepod import (
     EngineSettings,
     credential_mounts,
@@ -32,13 +32,13 @@ from matrixserve.domain.observed import PodView
 from matrixserve.domain.pdgroup.validation import ANNOTATION_TEMPLATE, stamp
 
 
-def role_label(role: zl.Role) -> str:
-    return "prefill" if role is zl.Role.PREFILL else "decode"
+def role_label(role: Role) -> str:
+    return role.label
 
 
-def role_of(pod: PodView) -> zl.Role:
-    """The role a pod was created for, from its label."""
-    return zl.Role.PREFILL if pod.label(kinds.LABEL_ROLE) == "prefill" else zl.Role.DECODE
+def role_of(pod: PodView) -> Role:
+    """The role a pod was created for, from its label (a decode's unless it says prefill)."""
+    return Role.from_label(pod.label(kinds.LABEL_ROLE)) or Role.DECODE
 
 
 def pod_names(instance: str, pods_per_instance: int = 1) -> list[str]:
@@ -46,22 +46,20 @@ def pod_names(instance: str, pods_per_instance: int = 1) -> list[str]:
     return [instance] + [f"{instance}-{k}" for k in range(1, pods_per_instance)]
 
 
-def pod_labels(group: str, role: zl.Role, instance: str) -> dict[str, str]:
+def pod_labels(group: str, role: Role, instance: str) -> dict[str, str]:
     return {
         kinds.LABEL_GROUP: group,
-        kinds.LABEL_ROLE: role_label(role),
+        kinds.LABEL_ROLE: role.label,
         kinds.LABEL_INSTANCE: instance,
         kinds.APP_NAME_LABEL: kinds.ENGINE_APP,
         kinds.MANAGED_BY_LABEL: kinds.OPERATOR_MANAGER,
     }
 
 
-def _affinity(group: str, role: zl.Role) -> dict[str, Any]:
-    term = {
-        "labelSelector": {"matchLabels": {kinds.LABEL_GROUP: group, kinds.LABEL_ROLE: "decode"}},
-        "topologyKey": kinds.LABEL_SUPERPOD,
-    }
-    if role is zl.Role.DECODE:
+def _affinity(group: str, role: Role) -> dict[str, Any]:
+    decodes = {kinds.LABEL_GROUP: group, kinds.LABEL_ROLE: Role.DECODE.label}
+    term = {"labelSelector": {"matchLabels": decodes}, "topologyKey": kinds.LABEL_SUPERPOD}
+    if role is Role.DECODE:
         return {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
     return {
         "podAffinity": {
@@ -77,12 +75,12 @@ def pod_manifest(
     group: str,
     group_uid: str,
     name: str,
-    role: zl.Role,
+    role: Role,
     spec: PDGroupSpec,
     settings: EngineSettings,
     instance: str | None = None,
 ) -> dict[str, Any]:
-    r = spec.prefill if role is zl.Role.PREFILL else spec.decode
+    r = spec.role_spec(role)
     env = [*downward_env(), *engine_env(namespace, group, role, spec, settings)]
     volumes = [*scratch_volumes(), *credential_volumes(settings)]
     container = engine_container(
@@ -112,12 +110,12 @@ def pod_manifest(
     }
 
 
-def pod_annotations(spec: PDGroupSpec, role: zl.Role) -> dict[str, str]:
+def pod_annotations(spec: PDGroupSpec, role: Role) -> dict[str, str]:
     return {
         kinds.ANNOTATION_SERVICE: spec.service,
         kinds.ANNOTATION_SCENARIO: spec.scenario,
         # what it is made from: the reconciler refuses a spec that differs from it
-        ANNOTATION_TEMPLATE: stamp(spec, role_label(role)),
+        ANNOTATION_TEMPLATE: stamp(spec, role.spec_key),
     }
 
 
@@ -135,13 +133,13 @@ def owner(group: str, group_uid: str) -> dict[str, Any]:
 def engine_env(
     namespace: str,
     group: str,
-    role: zl.Role,
+    role: Role,
     spec: PDGroupSpec,
     settings: EngineSettings,
 ) -> list[dict[str, Any]]:
     """The engine's settings for an instance of ``role`` (beside the downward API's): what a
     cold pod gets in its environment, and a claimed warm pod in its assignment (issue 18)."""
-    r = spec.prefill if role is zl.Role.PREFILL else spec.decode
+    r = spec.role_spec(role)
     env: list[dict[str, Any]] = [
         {"name": "ENGINE_ROLE", "value": "auto"},
         {"name": "ENGINE_MODEL", "value": spec.model.name},
