@@ -13,18 +13,19 @@ named as the instance.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from matrixserve.api import kinds
+from matrixserve.api.engine_settings import EngineEnv, downward_env
 from matrixserve.api.resources import PDGroupSpec
 from matrixserve.api.roles import Role
 from matrixserve.domain.enginepod import (
     EngineSettings,
     credential_mounts,
     credential_volumes,
-    downward_env,
     engine_container,
-    platform_env,
+    platform_settings,
     pod_security_context,
     scratch_volumes,
 )
@@ -130,6 +131,32 @@ def owner(group: str, group_uid: str) -> dict[str, Any]:
     }
 
 
+def engine_settings(
+    namespace: str,
+    group: str,
+    role: Role,
+    spec: PDGroupSpec,
+    settings: EngineSettings,
+) -> EngineEnv:
+    """The engine's settings for an instance of ``role`` (beside the downward API's): what a
+    cold pod gets in its environment, and a claimed warm pod in its assignment (issue 18)."""
+    r = spec.role_spec(role)
+    tpot = spec.slo.tpot_milliseconds  # the decode's batch meets it
+    return dataclasses.replace(
+        platform_settings(settings),
+        role="auto",
+        model=spec.model.name,
+        max_batch=str(r.batch_size),
+        max_prompt_tokens=str(spec.model.max_context_tokens),
+        max_output_tokens=str(spec.model.max_context_tokens),
+        group=f"{namespace}/{group}",
+        zookeeper=settings.zookeeper,
+        tpot_slo_ms=None if tpot is None else str(tpot),
+        tp=str(r.parallelism.tp) if r.parallelism.tp else None,
+        ep=str(r.parallelism.ep) if r.parallelism.ep else None,
+    )
+
+
 def engine_env(
     namespace: str,
     group: str,
@@ -137,23 +164,5 @@ def engine_env(
     spec: PDGroupSpec,
     settings: EngineSettings,
 ) -> list[dict[str, Any]]:
-    """The engine's settings for an instance of ``role`` (beside the downward API's): what a
-    cold pod gets in its environment, and a claimed warm pod in its assignment (issue 18)."""
-    r = spec.role_spec(role)
-    env: list[dict[str, Any]] = [
-        {"name": "ENGINE_ROLE", "value": "auto"},
-        {"name": "ENGINE_MODEL", "value": spec.model.name},
-        {"name": "ENGINE_MAX_BATCH", "value": str(r.batch_size)},
-        {"name": "ENGINE_MAX_PROMPT_TOKENS", "value": str(spec.model.max_context_tokens)},
-        {"name": "ENGINE_MAX_OUTPUT_TOKENS", "value": str(spec.model.max_context_tokens)},
-        *platform_env(settings),
-        {"name": "MATRIXSERVE_GROUP", "value": f"{namespace}/{group}"},
-        {"name": "MATRIXSERVE_ZK", "value": settings.zookeeper},
-    ]
-    if spec.slo.tpot_milliseconds is not None:  # the decode's batch meets it (issue 31)
-        env.append({"name": "ENGINE_TPOT_SLO_MS", "value": str(spec.slo.tpot_milliseconds)})
-    if r.parallelism.tp:
-        env.append({"name": "ENGINE_TP", "value": str(r.parallelism.tp)})
-    if r.parallelism.ep:
-        env.append({"name": "ENGINE_EP", "value": str(r.parallelism.ep)})
-    return env
+    """:func:`engine_settings` as a container's ``env`` entries."""
+    return engine_settings(namespace, group, role, spec, settings).to_env()
