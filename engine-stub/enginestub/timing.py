@@ -21,12 +21,11 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
-from enum import StrEnum
 from functools import cache
 
 from enginestub import calibration as cal
 from enginestub.fabric import Plane, link_bandwidth, link_latency
-from matrixserve.api import catalog
+from matrixserve.api import catalog, engine_settings
 from matrixserve.api.catalog import DEEPSEEK_V3, ModelShape
 
 
@@ -245,14 +244,7 @@ def kv_bytes(model: ModelShape, tokens: int) -> float:
     return model.kv_bytes_per_token * tokens
 
 
-class LoadSource(StrEnum):
-    SHARED_FILE_SERVICE = "SharedFileService"
-    SSD = "SSD"
-    HOST_DRAM = "HostDRAM"
-    NPU_FORK_UB = "NPUForkUB"
-    NPU_FORK_ROCE = "NPUForkRoCE"
-
-
+LoadSource = engine_settings.LoadSource  # the operator's too (an assignment's, a health's)
 FORK_PLANES = {LoadSource.NPU_FORK_UB: Plane.UB, LoadSource.NPU_FORK_ROCE: Plane.ROCE}
 
 

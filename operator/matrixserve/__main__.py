@@ -17,6 +17,7 @@ from pathlib import Path
 
 import kopf
 
+from matrixserve.api.engine_settings import LoadSource
 from matrixserve.api.zk_layout import Credentials
 from matrixserve.coordination import add_auth_flags, auth_from
 from matrixserve.domain.enginepod import EngineSettings, engine_network_policy
@@ -96,8 +97,8 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
     )
     p.add_argument(
         "--engine-load-source",
-        default="SharedFileService",
-        choices=["SharedFileService", "SSD", "HostDRAM", "NPUForkUB", "NPUForkRoCE"],
+        default=LoadSource.SHARED_FILE_SERVICE.value,
+        choices=[source.value for source in LoadSource],
     )
     p.add_argument(
         "--engine-health-interval", default="20", help="emulated seconds between health reports"
@@ -303,7 +304,7 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
         engine=EngineSettings(
             zookeeper=args.engine_zookeeper or args.zookeeper,
             time_scale=str(args.engine_time_scale),
-            load_source=args.engine_load_source,
+            load_source=LoadSource(args.engine_load_source),
             health_interval_seconds=str(args.engine_health_interval),
             admission=args.engine_admission,
             pre_load_seconds=None

@@ -1,6 +1,7 @@
 """The engine's configuration, from command-line flags with environment defaults (the node
-emulator and the operator set the environment). Invalid configurations exit with status 2 and
-one clear message, never a traceback."""
+emulator and the operator set the environment, read through its one contract,
+:class:`~matrixserve.api.engine_settings.EngineEnv`). Invalid configurations exit with status 2
+and one clear message, never a traceback."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from matrixserve import httpserving
 from matrixserve.api import catalog
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.catalog import HBM_USABLE_FRACTION, PRESETS, ModelShape
+from matrixserve.api.engine_settings import EngineEnv
 from matrixserve.coordination import add_auth_flags, auth_from
 
 Role = Literal["prefill", "decode", "colocated", "expert", "attention", "auto"]
@@ -113,7 +115,7 @@ class EngineConfig(BaseModel):
         if self.group is not None and self.group.count("/") != 1:
             raise ValueError(f"group {self.group!r} must be <namespace>/<name>")
         if self.group is not None and self.zookeeper is None:
-            raise ValueError("a group needs a ZooKeeper address (MATRIXSERVE_ZK)")
+            raise ValueError(f"a group needs a ZooKeeper address ({EngineEnv.name('zookeeper')})")
         if self.hang_bound <= self.loop_beat_interval:
             raise ValueError(
                 f"--hang-bound {self.hang_bound:g} must be more than --loop-beat-interval "
@@ -141,14 +143,21 @@ class EngineConfig(BaseModel):
         return len(self.dies) * catalog.DIE_HBM_BYTES * HBM_USABLE_FRACTION - self.weights_bytes
 
 
-def _env_list(name: str) -> list[str]:
-    return [x for x in os.environ.get(name, "").split(",") if x]
+def _given(value: str | None, otherwise: str) -> str:
+    """An environment variable's value, ``otherwise`` when it is not set (set empty, it is
+    ``""``)."""
+    return otherwise if value is None else value
+
+
+def _items(value: str | None) -> list[str]:
+    """A comma-separated list variable's items (none when unset or empty)."""
+    return [x for x in (value or "").split(",") if x]
 
 
 def _parser() -> argparse.ArgumentParser:
     """Every flag, with its environment default (read now: a claimed warm pod's environment is
     updated by its assignment before it parses again)."""
-    env = os.environ
+    env = EngineEnv.from_env(os.environ)
     parser = argparse.ArgumentParser(
         prog="python -m enginestub", description="MatrixServe engine stub"
     )
@@ -157,116 +166,116 @@ def _parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="a pre-warmed, model-agnostic engine: TE-Pre-Load, then wait for an assignment in "
-        "ZooKeeper (default: $ENGINE_WARM=1)",
+        f"ZooKeeper (default: ${EngineEnv.name('warm')}=1)",
     )
     parser.add_argument(
         "--pre-load-seconds",
         type=_non_negative,
-        default=env.get("ENGINE_PRE_LOAD_SECONDS", str(cal.TE_PRE_LOAD_SECONDS)),
+        default=_given(env.pre_load_seconds, str(cal.TE_PRE_LOAD_SECONDS)),
         help="emulated s of TE-Pre-Load at start: Python, NPU state, HCCL (DeepServe §6.1)",
     )
     parser.add_argument(
         "--role",
-        default=env.get("ENGINE_ROLE", "colocated"),
+        default=_given(env.role, "colocated"),
         help="prefill | decode | colocated | expert | attention | auto (role from the RoCE map)",
     )
-    parser.add_argument(
-        "--host", default=env.get("MATRIXSERVE_POD_IP") or env.get("POD_IP") or "127.0.0.1"
-    )
-    parser.add_argument("--port", type=int, default=env.get("ENGINE_PORT", "8000"))
+    parser.add_argument("--host", default=env.node_pod_ip or env.pod_ip or "127.0.0.1")
+    parser.add_argument("--port", type=int, default=_given(env.port, "8000"))
     parser.add_argument(
         "--model",
-        default=env.get("ENGINE_MODEL", "llama3-8b"),
+        default=_given(env.model, "llama3-8b"),
         help=f"a preset ({', '.join(sorted(PRESETS))}) or a JSON file with a ModelShape",
     )
     parser.add_argument(
         "--tp",
         type=int,
-        default=env.get("ENGINE_TP", "0"),
+        default=_given(env.tp, "0"),
         help="tensor parallel degree (default: all dies)",
     )
-    parser.add_argument("--ep", type=int, default=env.get("ENGINE_EP", "1"))
-    parser.add_argument("--mtp", action="store_true", default=env.get("ENGINE_MTP") == "1")
+    parser.add_argument("--ep", type=int, default=_given(env.ep, "1"))
+    parser.add_argument("--mtp", action="store_true", default=env.mtp == "1")
     parser.add_argument(
         "--max-batch",
         type=int,
-        default=env.get("ENGINE_MAX_BATCH", "0"),
+        default=_given(env.max_batch, "0"),
         help="prefill slots (default 8) or decode batch (default 64)",
     )
     parser.add_argument(
-        "--max-prompt-tokens", type=int, default=env.get("ENGINE_MAX_PROMPT_TOKENS", "32768")
+        "--max-prompt-tokens", type=int, default=_given(env.max_prompt_tokens, "32768")
     )
     parser.add_argument(
-        "--max-output-tokens", type=int, default=env.get("ENGINE_MAX_OUTPUT_TOKENS", "8192")
+        "--max-output-tokens", type=int, default=_given(env.max_output_tokens, "8192")
     )
-    parser.add_argument("--time-scale", type=float, default=env.get("MATRIXSERVE_TIME_SCALE", "1"))
-    parser.add_argument("--kv-plane", default=env.get("ENGINE_KV_PLANE", "RoCE"))
-    parser.add_argument("--load-source", default=env.get("ENGINE_LOAD_SOURCE", "SharedFileService"))
+    parser.add_argument("--time-scale", type=float, default=_given(env.time_scale, "1"))
+    parser.add_argument("--kv-plane", default=_given(env.kv_plane, Plane.ROCE.value))
     parser.add_argument(
-        "--concurrent-loaders", type=int, default=env.get("ENGINE_CONCURRENT_LOADERS", "1")
+        "--load-source",
+        default=_given(env.load_source, timing.LoadSource.SHARED_FILE_SERVICE.value),
     )
-    parser.add_argument("--group", default=env.get("MATRIXSERVE_GROUP"))
-    parser.add_argument("--zookeeper", default=env.get("MATRIXSERVE_ZK"))
+    parser.add_argument(
+        "--concurrent-loaders", type=int, default=_given(env.concurrent_loaders, "1")
+    )
+    parser.add_argument("--group", default=env.group)
+    parser.add_argument("--zookeeper", default=env.zookeeper)
     add_auth_flags(parser)
     parser.add_argument(
         "--fault-injection",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="accept POST/DELETE /v1/faults (default: $ENGINE_FAULT_INJECTION=1; else 403)",
+        help="accept POST/DELETE /v1/faults "
+        f"(default: ${EngineEnv.name('fault_injection')}=1; else 403)",
     )
     parser.add_argument(
         "--health-interval",
         type=float,
-        default=env.get("ENGINE_HEALTH_INTERVAL", str(cal.HEALTH_REPORT_INTERVAL_SECONDS)),
+        default=_given(env.health_interval, str(cal.HEALTH_REPORT_INTERVAL_SECONDS)),
     )
     parser.add_argument(
         "--tpot-slo-ms",
         type=_positive,
-        default=env.get("ENGINE_TPOT_SLO_MS") or None,
+        default=env.tpot_slo_ms or None,
         help="a decode admits a request only while its batch's modelled step stays within this "
         "many emulated ms (the group's slo.tpotMilliseconds; default: no limit but the batch)",
     )
-    parser.add_argument("--link-timeout", type=float, default=env.get("ENGINE_LINK_TIMEOUT", "60"))
+    parser.add_argument("--link-timeout", type=float, default=_given(env.link_timeout, "60"))
     parser.add_argument(
         "--loop-beat-interval",
         type=_positive,
-        default=env.get("ENGINE_LOOP_BEAT_INTERVAL", str(cal.LOOP_BEAT_INTERVAL_SECONDS)),
+        default=_given(env.loop_beat_interval, str(cal.LOOP_BEAT_INTERVAL_SECONDS)),
         help="emulated s between the serving loop's heartbeats",
     )
     parser.add_argument(
         "--hang-bound",
         type=_positive,
-        default=env.get(
-            "ENGINE_HANG_BOUND", str(cal.LOOP_BEAT_INTERVAL_SECONDS * cal.HANG_MISSED_BEATS)
-        ),
+        default=_given(env.hang_bound, str(cal.LOOP_BEAT_INTERVAL_SECONDS * cal.HANG_MISSED_BEATS)),
         help="emulated s without a beat before the engine says it is hung (at least "
         f"{cal.HANG_WALL_FLOOR_SECONDS:g} wall s)",
     )
     parser.add_argument(
         "--link-probe-interval",
         type=_positive,
-        default=env.get("ENGINE_LINK_PROBE_INTERVAL", str(cal.LINK_PROBE_INTERVAL_SECONDS)),
+        default=_given(env.link_probe_interval, str(cal.LINK_PROBE_INTERVAL_SECONDS)),
         help="emulated s between a prefill's probes of its decodes' sub-links",
     )
     parser.add_argument(
         "--decode-peer",
         action="append",
-        default=_env_list("ENGINE_DECODE_PEERS"),
+        default=_items(env.decode_peers),
         help="host:port of a decode instance (repeatable), when not using ZooKeeper",
     )
     parser.add_argument(
         "--dies",
-        default=env.get("MATRIXSERVE_DIES", "0,1"),
-        help="die ids granted (default: $MATRIXSERVE_DIES from the node emulator)",
+        default=_given(env.dies, "0,1"),
+        help=f"die ids granted (default: ${EngineEnv.name('dies')} from the node emulator)",
     )
     parser.add_argument(
         "--admission",
-        default=env.get("ENGINE_ADMISSION", "reject"),
+        default=_given(env.admission, "reject"),
         help="reject (default) or queue",
     )
     parser.add_argument(
         "--step-scheduling",
-        default=env.get("ENGINE_STEP_SCHEDULING", "absolute"),
+        default=_given(env.step_scheduling, "absolute"),
         help="decode step scheduling: absolute deadlines (default) or relative (naive baseline)",
     )
     httpserving.add_arguments(parser, "ENGINE_", CONNECTION_LIMITS)
@@ -274,27 +283,27 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None = None) -> EngineConfig:
-    env = os.environ
     parser = _parser()
     args = parser.parse_args(argv)
+    env = EngineEnv.from_env(os.environ)
     try:
         model = _model(args.model)
         dies = [int(d) for d in args.dies.split(",") if d.strip()]
-        roce = _env_list("MATRIXSERVE_ROCE_IPS") or [f"198.19.255.{d + 1}" for d in dies]
+        roce = _items(env.roce_ips) or [f"198.19.255.{d + 1}" for d in dies]
         role = args.role
         max_batch = args.max_batch or (8 if role in ("prefill", "colocated") else 64)
-        status_file = env.get("MATRIXSERVE_DEVICE_STATUS_FILE")
+        status_file = env.device_status_file
         return EngineConfig(
             role=role,
             host=args.host,
             port=args.port,
             model=model,
             dies=dies,
-            npus=[int(n) for n in _env_list("MATRIXSERVE_NPUS")],
+            npus=[int(n) for n in _items(env.npus)],
             roce_ips=roce,
-            ub_addresses=_env_list("MATRIXSERVE_UB_ADDRESSES"),
-            node=env.get("MATRIXSERVE_NODE_NAME", "local"),
-            superpod=env.get("MATRIXSERVE_SUPERPOD", "local"),
+            ub_addresses=_items(env.ub_addresses),
+            node=_given(env.node_name, "local"),
+            superpod=_given(env.superpod, "local"),
             tp=args.tp or len(dies),
             ep=args.ep,
             mtp=args.mtp,
@@ -307,15 +316,15 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
             load_source=timing.LoadSource(args.load_source),
             concurrent_loaders=args.concurrent_loaders,
             # a claimed warm pod reports under its assignment's instance name, not its pod's
-            instance=env.get("ENGINE_INSTANCE") or env.get("POD_NAME", "engine"),
-            pod=env.get("POD_NAME", ""),
-            pod_uid=env.get("POD_UID", ""),
-            pod_namespace=env.get("POD_NAMESPACE", "default"),
+            instance=env.instance or _given(env.pod_name, "engine"),
+            pod=_given(env.pod_name, ""),
+            pod_uid=_given(env.pod_uid, ""),
+            pod_namespace=_given(env.pod_namespace, "default"),
             group=args.group,
             zookeeper=args.zookeeper,
             zookeeper_auth=auth_from(parser, args),
             fault_injection=(
-                _switch("ENGINE_FAULT_INJECTION")
+                _switch(env, "fault_injection")
                 if args.fault_injection is None
                 else args.fault_injection
             ),
@@ -373,39 +382,44 @@ class WarmConfig(BaseModel):
 def parse_warm(argv: list[str] | None = None) -> WarmConfig | None:
     """The warm engine's configuration with ``--warm`` or ``$ENGINE_WARM=1``; None without.
     A warm engine needs its pod's name and UID (an assignment is bound to both) and ZooKeeper."""
-    env = os.environ
     parser = _parser()
     args = parser.parse_args(argv)
+    env = EngineEnv.from_env(os.environ)
     try:
-        warm = args.warm if args.warm is not None else _switch("ENGINE_WARM")
+        warm = args.warm if args.warm is not None else _switch(env, "warm")
         if not warm:
             return None
         if not args.zookeeper:
-            raise ValueError("a warm engine needs ZooKeeper (MATRIXSERVE_ZK or --zookeeper)")
-        for name in ("POD_NAME", "POD_UID"):
-            if not env.get(name):
-                raise ValueError(f"a warm engine needs ${name}: its assignment is bound to it")
-        paths = zl.WarmPaths(env.get("POD_NAMESPACE", "default"))  # valid names, or exit 2
-        paths.pod(env["POD_NAME"])
-        paths.dram(env.get("MATRIXSERVE_NODE_NAME", "local"))
+            raise ValueError(
+                f"a warm engine needs ZooKeeper ({EngineEnv.name('zookeeper')} or --zookeeper)"
+            )
+        if not env.pod_name or not env.pod_uid:
+            name = EngineEnv.name("pod_uid" if env.pod_name else "pod_name")
+            raise ValueError(f"a warm engine needs ${name}: its assignment is bound to it")
+        pod, pod_uid = env.pod_name, env.pod_uid
+        namespace = _given(env.pod_namespace, "default")
+        node = _given(env.node_name, "local")
+        paths = zl.WarmPaths(namespace)  # valid names, or exit 2
+        paths.pod(pod)
+        paths.dram(node)
         dies = [int(d) for d in args.dies.split(",") if d.strip()]
         return WarmConfig(
             host=args.host,
             port=args.port,
-            pod=env["POD_NAME"],
-            pod_uid=env["POD_UID"],
-            namespace=env.get("POD_NAMESPACE", "default"),
-            node=env.get("MATRIXSERVE_NODE_NAME", "local"),
-            superpod=env.get("MATRIXSERVE_SUPERPOD", "local"),
-            npus=[int(n) for n in _env_list("MATRIXSERVE_NPUS")],
+            pod=pod,
+            pod_uid=pod_uid,
+            namespace=namespace,
+            node=node,
+            superpod=_given(env.superpod, "local"),
+            npus=[int(n) for n in _items(env.npus)],
             dies=dies,
-            roce_ips=_env_list("MATRIXSERVE_ROCE_IPS") or [f"198.19.255.{d + 1}" for d in dies],
+            roce_ips=_items(env.roce_ips) or [f"198.19.255.{d + 1}" for d in dies],
             zookeeper=args.zookeeper,
             zookeeper_auth=auth_from(parser, args),
             time_scale=args.time_scale,
             pre_load_seconds=args.pre_load_seconds,
             connection_limits=httpserving.limits_from(args),
-            ssd_models=_env_list("MATRIXSERVE_SSD_MODELS"),
+            ssd_models=_items(env.ssd_models),
         )
     except ValidationError as exc:
         raise ConfigError(_errors(exc)) from None
@@ -441,11 +455,12 @@ def _positive(text: str) -> float:
     return value
 
 
-def _switch(name: str) -> bool:
-    """An on/off environment variable: 1/true or 0/false/unset; anything else is refused."""
-    value = os.environ.get(name, "").strip().lower()
+def _switch(env: EngineEnv, field: str) -> bool:
+    """An on/off variable of the engine's environment: 1/true or 0/false/unset; anything else
+    is refused."""
+    value = (getattr(env, field) or "").strip().lower()
     if value not in ("", "0", "1", "false", "true"):
-        raise ValueError(f"{name}={value!r}: 1/true or 0/false expected")
+        raise ValueError(f"{EngineEnv.name(field)}={value!r}: 1/true or 0/false expected")
     return value in ("1", "true")
 
 

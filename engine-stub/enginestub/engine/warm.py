@@ -65,6 +65,7 @@ from matrixserve import coordination, httpserving
 from matrixserve.api import catalog
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.engine_protocol import EngineError
+from matrixserve.api.engine_settings import EngineEnv
 from matrixserve.coordination import Session
 
 log = logging.getLogger("enginestub.warm")
@@ -521,11 +522,10 @@ def assignment_env(a: zl.Assignment) -> dict[str, str]:
             f"env {', '.join(foreign)}: not an instance setting (an assignment carries only "
             f"{', '.join(sorted(zl.ASSIGNMENT_ENV))})"
         )
+    claimed = EngineEnv(group=a.group, instance=a.instance, load_source=a.load_source)
     return {
         **{k: v for k, v in a.env.items() if k not in zl.RETIRED_ASSIGNMENT_ENV},
-        "MATRIXSERVE_GROUP": a.group,
-        "ENGINE_INSTANCE": a.instance,
-        "ENGINE_LOAD_SOURCE": a.load_source,
+        **claimed.to_dict(),
     }
 
 

@@ -1,8 +1,9 @@
 """What a pod's processes get from their node besides their own spec (SYSTEM.md §5): its
 hostname and the cluster DNS's pod names as a hosts file (:mod:`.hosts`), the Ascend device
 plugin's variables (granted NPUs, their dies' RoCE IPs and UB addresses, the node's device
-status file: CloudMatrix-Infer §3, P/D-Serve §3.2 and §3.4), what the server's local SSD holds
-(``--ssd-models``, issue 18), the API server's address, the
+status file: CloudMatrix-Infer §3, P/D-Serve §3.2 and §3.4) and what the server's local SSD holds
+(``--ssd-models``), named as the engine reads them
+(:class:`~matrixserve.api.engine_settings.EngineEnv`), the API server's address, the
 service-account credentials a kubelet would mount, its Secret volumes' files, and the Secrets
 and ConfigMaps the pod's env refers to (fetched here so that :mod:`.podspec` stays pure).
 """
@@ -22,12 +23,13 @@ from kubernetes import client
 from enginestub.node import podspec
 from enginestub.node.hosts import HOSTS_FILE_ENV, hosts_file
 from enginestub.node.state import EmulatorConfig, NodeState, PodRecord
+from matrixserve.api.engine_settings import EngineEnv
 
 # What a process inherits from the emulator's own environment (the rest is the pod's).
 ENV_PASSTHROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "VIRTUAL_ENV")
 # The models the server's local SSD holds (the emulator's --ssd-models), comma-separated: a warm
 # engine reports them as its WarmReport's ssdModels (issue 18).
-SSD_MODELS_ENV = "MATRIXSERVE_SSD_MODELS"
+SSD_MODELS_ENV = EngineEnv.name("ssd_models")
 
 
 class PodEnvironment:
@@ -42,17 +44,21 @@ class PodEnvironment:
         expect them)."""
         dies = state.server.dies_of(record.npus)
         env = {k: os.environ[k] for k in ENV_PASSTHROUGH if k in os.environ}
+        devices = EngineEnv(
+            npus=",".join(map(str, record.npus)),
+            dies=",".join(str(d.index) for d in dies),
+            roce_ips=",".join(d.roce_ip for d in dies),
+            ub_addresses=",".join(d.ub_address for d in dies),
+            device_status_file=str(state.device_file),
+            node_name=state.server.node_name,
+            superpod=state.server.superpod,
+            node_pod_ip=record.ip or "",
+            ssd_models=",".join(self.config.ssd_models) if self.config.ssd_models else None,
+        )
         env.update(
             {
                 "ASCEND_VISIBLE_DEVICES": ",".join(map(str, record.npus)),
-                "MATRIXSERVE_NPUS": ",".join(map(str, record.npus)),
-                "MATRIXSERVE_DIES": ",".join(str(d.index) for d in dies),
-                "MATRIXSERVE_ROCE_IPS": ",".join(d.roce_ip for d in dies),
-                "MATRIXSERVE_UB_ADDRESSES": ",".join(d.ub_address for d in dies),
-                "MATRIXSERVE_DEVICE_STATUS_FILE": str(state.device_file),
-                "MATRIXSERVE_NODE_NAME": state.server.node_name,
-                "MATRIXSERVE_SUPERPOD": state.server.superpod,
-                "MATRIXSERVE_POD_IP": record.ip or "",
+                **devices.to_dict(),
                 # What the container runtime sets: the pod's hostname (a StatefulSet's pods are
                 # named <set>-<ordinal>), and the cluster DNS's names as a hosts file (.hosts).
                 "HOSTNAME": podspec.pod_hostname(record.pod),
@@ -60,8 +66,6 @@ class PodEnvironment:
                 "PYTHONUNBUFFERED": "1",
             }
         )
-        if self.config.ssd_models:
-            env[SSD_MODELS_ENV] = ",".join(self.config.ssd_models)
         if self.config.apiserver_host and self.config.apiserver_port:
             env["KUBERNETES_SERVICE_HOST"] = self.config.apiserver_host
             env["KUBERNETES_SERVICE_PORT"] = str(self.config.apiserver_port)

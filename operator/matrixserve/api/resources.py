@@ -26,6 +26,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from matrixserve.api.kinds import ANNOTATION_CLAIM, ANNOTATION_WARM_TEMPLATE
+from matrixserve.api.roles import Role
 
 DnsLabel = Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)]
 BatchSize = Annotated[int, Field(ge=1, le=4096)]
@@ -299,6 +300,10 @@ class PDGroupSpec(_Spec):
     recovery: Recovery = Recovery()
     moe: MoESpec | None = None
 
+    def role_spec(self, role: Role) -> RoleSpec:
+        """The part of the spec that describes ``role``'s instances."""
+        return self.prefill if role is Role.PREFILL else self.decode
+
 
 # --------------------------------------------------------------------------- DPDomain
 class DPGroups(_Spec):
@@ -405,7 +410,7 @@ class WarmClaim(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     instance: str = ""
-    role: str = ""  # zk_layout.Role values: "P", "D"
+    role: str = ""  # a Role's letter: "P", "D"
     path: str = ""  # scaleout.Path values
     estimate_seconds: float | None = Field(default=None, alias="estimateSeconds")
     phases: dict[str, float] = Field(default_factory=dict)

@@ -45,14 +45,17 @@ from typing import NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from matrixserve.api import engine_settings, roles
+
+# Known here too (the payloads carry these roles, an assignment these settings), as most modules
+# that read the payloads name them.
+Role = roles.Role
+ASSIGNMENT_ENV = engine_settings.ASSIGNMENT_ENV
+RETIRED_ASSIGNMENT_ENV = engine_settings.RETIRED_ASSIGNMENT_ENV
+
 TOP = "/matrixserve"  # every version's tree: what the ACLs protect
 ROOT = f"{TOP}/v1"
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
-
-
-class Role(StrEnum):
-    PREFILL = "P"
-    DECODE = "D"
 
 
 def _check(name: str, what: str) -> str:
@@ -499,7 +502,7 @@ class Health(_Payload):
     gathered_after: float = Field(default=0.0, alias="gatheredAfter")
     # Issue 18: the engine's own DeepServe phases (emulated seconds: "TEPreLoad", "TELoad",
     # "TEPostLoad"; a claimed warm pod's TEPreLoad was paid before the claim and is 0) and where
-    # its weights came from (enginestub.timing.LoadSource: a fork that failed says its fallback).
+    # its weights came from (a LoadSource value: a fork that failed says its fallback).
     phases: dict[str, float] = Field(default_factory=dict)
     load_source: str = Field(default="", alias="loadSource")
     # ... and, from the shared file service, its TE-Load over a lone load's (the readers it
@@ -608,10 +611,10 @@ class Assignment(_Payload):
     pod_uid: str = Field(alias="podUid")
     group: str  # "<namespace>/<name>"
     instance: str
-    env: dict[str, str]  # keys of ASSIGNMENT_ENV only
-    load_source: str = Field(alias="loadSource")  # enginestub.timing.LoadSource values
+    env: dict[str, str]  # keys of ASSIGNMENT_ENV only (engine_settings.EngineEnv's)
+    load_source: str = Field(alias="loadSource")  # LoadSource values
     fork: ForkRef | None = None
-    fallback: str = "SharedFileService"
+    fallback: str = engine_settings.LoadSource.SHARED_FILE_SERVICE.value
     ts: float = 0.0
 
 
@@ -627,30 +630,6 @@ class DramPlan(_Payload):
     bytes: float = 0.0  # their total size
     capacity_bytes: float = Field(default=0.0, alias="capacityBytes")
     ts: float = 0.0
-
-
-# The engine settings an assignment may carry: the instance's own (the rest of a warm engine's
-# environment is its pod's: ZooKeeper, credentials, devices, node, fault injection, platform).
-ASSIGNMENT_ENV = frozenset(
-    {
-        "ENGINE_ROLE",
-        "ENGINE_MODEL",
-        "ENGINE_MAX_BATCH",
-        "ENGINE_TPOT_SLO_MS",
-        "ENGINE_MAX_PROMPT_TOKENS",
-        "ENGINE_MAX_OUTPUT_TOKENS",
-        "ENGINE_TP",
-        "ENGINE_EP",
-        "ENGINE_MTP",
-        "ENGINE_KV_PLANE",
-    }
-)
-
-
-# Keys an older operator wrote in assignments that no engine setting takes now: ignored, not
-# refused (a pod claimed before an upgrade still becomes its instance). The shared file
-# service's readers are counted by the engines themselves (enginestub.engine.bucket).
-RETIRED_ASSIGNMENT_ENV = frozenset({"ENGINE_CONCURRENT_LOADERS"})
 
 
 class ForkSource(_Payload):

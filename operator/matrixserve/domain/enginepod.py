@@ -1,6 +1,7 @@
 """The engine container every kind runs (pure): how the platform starts engine stubs, and the
-parts of an engine pod that do not depend on the kind (downward-API env, probes, NPU request,
-CPU and memory, the security context).
+parts of an engine pod that do not depend on the kind (the platform's engine settings, probes,
+NPU request, CPU and memory, the security context). Every engine setting is written through the
+engine's environment contract (:mod:`matrixserve.api.engine_settings`), which the engine reads.
 
 A kind's own pod module adds what is its own (labels, owner, placement, the engine's role and
 group); a PDGroup instance, a warm pod and an expert server all run this container.
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.engine_settings import EngineEnv, LoadSource, switch
 from matrixserve.api.kinds import (
     APP_NAME_LABEL,
     ENGINE_APP,
@@ -94,7 +96,7 @@ class EngineSettings:
 
     zookeeper: str
     time_scale: str = "1"
-    load_source: str = "SharedFileService"
+    load_source: LoadSource = LoadSource.SHARED_FILE_SERVICE
     health_interval_seconds: str = "20"
     link_timeout_seconds: str = "60"
     admission: str = "reject"  # "queue" only for the gateway benchmark's baseline
@@ -183,37 +185,25 @@ def engine_network_policy(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _field(path: str) -> dict[str, Any]:
-    return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
-
-
-def downward_env() -> list[dict[str, Any]]:
-    """The pod's own name, UID, namespace and IP (the engine binds and reports the IP, and
-    reports the UID as part of who it is)."""
-    return [
-        {"name": "POD_NAME", **_field("metadata.name")},
-        {"name": "POD_UID", **_field("metadata.uid")},
-        {"name": "POD_NAMESPACE", **_field("metadata.namespace")},
-        {"name": "POD_IP", **_field("status.podIP")},
-    ]
+def platform_settings(settings: EngineSettings) -> EngineEnv:
+    """What every engine learns from the platform: load source, health period, link timeout,
+    time scale, prefill admission, whether faults may be injected and its ZooKeeper identity."""
+    return EngineEnv(
+        load_source=str(settings.load_source),
+        health_interval=settings.health_interval_seconds,
+        link_timeout=settings.link_timeout_seconds,
+        time_scale=settings.time_scale,
+        admission=settings.admission,
+        fault_injection=switch(settings.fault_injection),
+        pre_load_seconds=settings.pre_load_seconds,
+        # the file the credential volume holds
+        zookeeper_auth_file=None if settings.zookeeper_auth is None else CREDENTIALS_FILE,
+    )
 
 
 def platform_env(settings: EngineSettings) -> list[dict[str, Any]]:
-    """What every engine learns from the platform: load source, health period, link timeout,
-    time scale, prefill admission, whether faults may be injected and its ZooKeeper identity."""
-    env: list[dict[str, Any]] = [
-        {"name": "ENGINE_LOAD_SOURCE", "value": settings.load_source},
-        {"name": "ENGINE_HEALTH_INTERVAL", "value": settings.health_interval_seconds},
-        {"name": "ENGINE_LINK_TIMEOUT", "value": settings.link_timeout_seconds},
-        {"name": "MATRIXSERVE_TIME_SCALE", "value": settings.time_scale},
-        {"name": "ENGINE_ADMISSION", "value": settings.admission},
-        {"name": "ENGINE_FAULT_INJECTION", "value": "1" if settings.fault_injection else "0"},
-    ]
-    if settings.pre_load_seconds is not None:
-        env.append({"name": "ENGINE_PRE_LOAD_SECONDS", "value": settings.pre_load_seconds})
-    if settings.zookeeper_auth is not None:  # the file the credential volume holds
-        env.append({"name": "MATRIXSERVE_ZK_AUTH_FILE", "value": CREDENTIALS_FILE})
-    return env
+    """:func:`platform_settings` as a container's ``env`` entries."""
+    return platform_settings(settings).to_env()
 
 
 def credential_volumes(settings: EngineSettings) -> list[dict[str, Any]]:

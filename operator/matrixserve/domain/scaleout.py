@@ -33,6 +33,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from matrixserve.api.engine_settings import LoadSource
+
 FORK_FANOUT = 32  # 002 §6.2, Fig. 11: one source broadcasts to up to 32 pre-warmed TEs
 
 
@@ -68,11 +70,11 @@ PRIOR_TE_POST_LOAD_SECONDS = 0.5  # [design] warm-up replaced by profiled sizes 
 # the shared file service 2.1 GB/s per bucket (001 Table 2's cold start).
 _GB = 1e9
 PRIOR_RATES = {
-    "NPUForkUB": 164 * _GB,  # per die
-    "NPUForkRoCE": 25 * _GB,  # per die
-    "HostDRAM": 8.4 * _GB,  # per NPU
-    "SSD": 50 * _GB,
-    "SharedFileService": 2.1 * _GB,
+    LoadSource.NPU_FORK_UB: 164 * _GB,  # per die
+    LoadSource.NPU_FORK_ROCE: 25 * _GB,  # per die
+    LoadSource.HOST_DRAM: 8.4 * _GB,  # per NPU
+    LoadSource.SSD: 50 * _GB,
+    LoadSource.SHARED_FILE_SERVICE: 2.1 * _GB,
 }
 TENSOR_INIT_SECONDS = 0.3  # 002 §6.2
 
@@ -81,22 +83,23 @@ def prior_load_seconds(weights: float, dies: int, npus: int) -> dict[str, float]
     """TE-Load by source before any is observed (emulated seconds)."""
     dies, npus = max(dies, 1), max(npus, 1)
     return {
-        "NPUForkUB": weights / dies / PRIOR_RATES["NPUForkUB"],
-        "NPUForkRoCE": weights / dies / PRIOR_RATES["NPUForkRoCE"],
-        "HostDRAM": weights / npus / PRIOR_RATES["HostDRAM"] + TENSOR_INIT_SECONDS,
-        "SSD": weights / PRIOR_RATES["SSD"],
-        "SharedFileService": weights / PRIOR_RATES["SharedFileService"],
+        LoadSource.NPU_FORK_UB: weights / dies / PRIOR_RATES[LoadSource.NPU_FORK_UB],
+        LoadSource.NPU_FORK_ROCE: weights / dies / PRIOR_RATES[LoadSource.NPU_FORK_ROCE],
+        LoadSource.HOST_DRAM: weights / npus / PRIOR_RATES[LoadSource.HOST_DRAM]
+        + TENSOR_INIT_SECONDS,
+        LoadSource.SSD: weights / PRIOR_RATES[LoadSource.SSD],
+        LoadSource.SHARED_FILE_SERVICE: weights / PRIOR_RATES[LoadSource.SHARED_FILE_SERVICE],
     }
 
 
-# Where each path's weights come from (the engine's load source names them the same way).
+# Where each path's weights come from: the engine's load source for it.
 LOAD_SOURCE = {
-    Path.WARM_FORK_UB: "NPUForkUB",
-    Path.WARM_FORK_ROCE: "NPUForkRoCE",
-    Path.WARM_DRAM: "HostDRAM",
-    Path.WARM_SSD: "SSD",
-    Path.WARM_SHARED: "SharedFileService",
-    Path.COLD: "SharedFileService",
+    Path.WARM_FORK_UB: LoadSource.NPU_FORK_UB,
+    Path.WARM_FORK_ROCE: LoadSource.NPU_FORK_ROCE,
+    Path.WARM_DRAM: LoadSource.HOST_DRAM,
+    Path.WARM_SSD: LoadSource.SSD,
+    Path.WARM_SHARED: LoadSource.SHARED_FILE_SERVICE,
+    Path.COLD: LoadSource.SHARED_FILE_SERVICE,
 }
 SHARED_FILE_SERVICE = LOAD_SOURCE[Path.COLD]  # the one source whose readers share a bucket
 

@@ -26,11 +26,12 @@ from collections.abc import Mapping
 
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.engine_settings import LoadSource
 from matrixserve.api.resources import WarmClaim
 from matrixserve.domain import scaleout as so
 from matrixserve.domain.pdgroup.actions import Action, AssignWarmPod, ClaimWarmPod, CreatePod
 from matrixserve.domain.pdgroup.pods import (
-    engine_env,
+    engine_settings,
     owner,
     pod_annotations,
     pod_labels,
@@ -46,7 +47,7 @@ def missing_pods(view: GroupView, instance: str, role: zl.Role) -> list[str]:
     found = view.instances.get(instance)
     if found is not None and any(view.claimed(p) for p in found.pods):
         return []  # a claimed warm pod is the instance (issue 18: one pod per instance)
-    spec = view.spec.prefill if role is zl.Role.PREFILL else view.spec.decode
+    spec = view.spec.role_spec(role)
     return [p for p in pod_names(instance, spec.pods_per_instance) if p not in view.pods]
 
 
@@ -92,7 +93,7 @@ def warm_or_cold(view: GroupView, missing: Mapping[str, zl.Role]) -> list[Action
         names = [n for n, r in missing.items() if r is role]
         if not names:
             continue
-        spec = view.spec.prefill if role is zl.Role.PREFILL else view.spec.decode
+        spec = view.spec.role_spec(role)
         pods = [p for p in warm_candidates(view, role) if p.name not in taken]
         if role is zl.Role.DECODE and pods:
             # a group's decodes share one SuperPod: with none placed yet, the one with the most
@@ -192,11 +193,7 @@ def assignments(view: GroupView) -> list[Action]:
                 )
         # the instance's own settings; the rest is the warm pod's (its ZooKeeper, credential
         # file, devices, platform), which an assignment never overrides
-        env = {
-            e["name"]: e["value"]
-            for e in engine_env(view.namespace, view.name, role, view.spec, view.engine)
-            if e["name"] in zl.ASSIGNMENT_ENV
-        }
+        env = engine_settings(view.namespace, view.name, role, view.spec, view.engine)
         # a fork whose source is gone since the claim: the fallback at once
         forking = path in (so.Path.WARM_FORK_UB, so.Path.WARM_FORK_ROCE)
         load = so.LOAD_SOURCE[so.Path.WARM_SHARED if forking and fork is None else path]
@@ -204,10 +201,10 @@ def assignments(view: GroupView) -> list[Action]:
             podUid=pod.uid,
             group=f"{view.namespace}/{view.name}",
             instance=instance,
-            env=env,
+            env=env.assignment(),
             loadSource=load,
             fork=fork,
-            fallback="SharedFileService",
+            fallback=LoadSource.SHARED_FILE_SERVICE,
             ts=view.now,
         )
         out.append(AssignWarmPod(view.namespace, pod.name, instance, assignment))

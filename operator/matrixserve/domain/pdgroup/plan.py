@@ -73,9 +73,7 @@ def spec_pod_names(group: str, spec: PDGroupSpec) -> list[str]:
     return [
         pod
         for instance, role in desired.items()
-        for pod in pod_names(
-            instance, (spec.prefill if role is zl.Role.PREFILL else spec.decode).pods_per_instance
-        )
+        for pod in pod_names(instance, spec.role_spec(role).pods_per_instance)
     ]
 
 

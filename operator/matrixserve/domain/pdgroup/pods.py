@@ -13,18 +13,19 @@ named as the instance.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from matrixserve.api import kinds
-from matrixserve.api import zk_layout as zl
+from matrixserve.api.engine_settings import EngineEnv, downward_env
 from matrixserve.api.resources import PDGroupSpec
+from matrixserve.api.roles import Role
 from matrixserve.domain.enginepod import (
     EngineSettings,
     credential_mounts,
     credential_volumes,
-    downward_env,
     engine_container,
-    platform_env,
+    platform_settings,
     pod_security_context,
     scratch_volumes,
 )
@@ -32,13 +33,13 @@ from matrixserve.domain.observed import PodView
 from matrixserve.domain.pdgroup.validation import ANNOTATION_TEMPLATE, stamp
 
 
-def role_label(role: zl.Role) -> str:
-    return "prefill" if role is zl.Role.PREFILL else "decode"
+def role_label(role: Role) -> str:
+    return role.label
 
 
-def role_of(pod: PodView) -> zl.Role:
-    """The role a pod was created for, from its label."""
-    return zl.Role.PREFILL if pod.label(kinds.LABEL_ROLE) == "prefill" else zl.Role.DECODE
+def role_of(pod: PodView) -> Role:
+    """The role a pod was created for, from its label (a decode's unless it says prefill)."""
+    return Role.from_label(pod.label(kinds.LABEL_ROLE)) or Role.DECODE
 
 
 def pod_names(instance: str, pods_per_instance: int = 1) -> list[str]:
@@ -46,22 +47,20 @@ def pod_names(instance: str, pods_per_instance: int = 1) -> list[str]:
     return [instance] + [f"{instance}-{k}" for k in range(1, pods_per_instance)]
 
 
-def pod_labels(group: str, role: zl.Role, instance: str) -> dict[str, str]:
+def pod_labels(group: str, role: Role, instance: str) -> dict[str, str]:
     return {
         kinds.LABEL_GROUP: group,
-        kinds.LABEL_ROLE: role_label(role),
+        kinds.LABEL_ROLE: role.label,
         kinds.LABEL_INSTANCE: instance,
         kinds.APP_NAME_LABEL: kinds.ENGINE_APP,
         kinds.MANAGED_BY_LABEL: kinds.OPERATOR_MANAGER,
     }
 
 
-def _affinity(group: str, role: zl.Role) -> dict[str, Any]:
-    term = {
-        "labelSelector": {"matchLabels": {kinds.LABEL_GROUP: group, kinds.LABEL_ROLE: "decode"}},
-        "topologyKey": kinds.LABEL_SUPERPOD,
-    }
-    if role is zl.Role.DECODE:
+def _affinity(group: str, role: Role) -> dict[str, Any]:
+    decodes = {kinds.LABEL_GROUP: group, kinds.LABEL_ROLE: Role.DECODE.label}
+    term = {"labelSelector": {"matchLabels": decodes}, "topologyKey": kinds.LABEL_SUPERPOD}
+    if role is Role.DECODE:
         return {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
     return {
         "podAffinity": {
@@ -77,12 +76,12 @@ def pod_manifest(
     group: str,
     group_uid: str,
     name: str,
-    role: zl.Role,
+    role: Role,
     spec: PDGroupSpec,
     settings: EngineSettings,
     instance: str | None = None,
 ) -> dict[str, Any]:
-    r = spec.prefill if role is zl.Role.PREFILL else spec.decode
+    r = spec.role_spec(role)
     env = [*downward_env(), *engine_env(namespace, group, role, spec, settings)]
     volumes = [*scratch_volumes(), *credential_volumes(settings)]
     container = engine_container(
@@ -112,12 +111,12 @@ def pod_manifest(
     }
 
 
-def pod_annotations(spec: PDGroupSpec, role: zl.Role) -> dict[str, str]:
+def pod_annotations(spec: PDGroupSpec, role: Role) -> dict[str, str]:
     return {
         kinds.ANNOTATION_SERVICE: spec.service,
         kinds.ANNOTATION_SCENARIO: spec.scenario,
         # what it is made from: the reconciler refuses a spec that differs from it
-        ANNOTATION_TEMPLATE: stamp(spec, role_label(role)),
+        ANNOTATION_TEMPLATE: stamp(spec, role.spec_key),
     }
 
 
@@ -132,30 +131,38 @@ def owner(group: str, group_uid: str) -> dict[str, Any]:
     }
 
 
+def engine_settings(
+    namespace: str,
+    group: str,
+    role: Role,
+    spec: PDGroupSpec,
+    settings: EngineSettings,
+) -> EngineEnv:
+    """The engine's settings for an instance of ``role`` (beside the downward API's): what a
+    cold pod gets in its environment, and a claimed warm pod in its assignment (issue 18)."""
+    r = spec.role_spec(role)
+    tpot = spec.slo.tpot_milliseconds  # the decode's batch meets it
+    return dataclasses.replace(
+        platform_settings(settings),
+        role="auto",
+        model=spec.model.name,
+        max_batch=str(r.batch_size),
+        max_prompt_tokens=str(spec.model.max_context_tokens),
+        max_output_tokens=str(spec.model.max_context_tokens),
+        group=f"{namespace}/{group}",
+        zookeeper=settings.zookeeper,
+        tpot_slo_ms=None if tpot is None else str(tpot),
+        tp=str(r.parallelism.tp) if r.parallelism.tp else None,
+        ep=str(r.parallelism.ep) if r.parallelism.ep else None,
+    )
+
+
 def engine_env(
     namespace: str,
     group: str,
-    role: zl.Role,
+    role: Role,
     spec: PDGroupSpec,
     settings: EngineSettings,
 ) -> list[dict[str, Any]]:
-    """The engine's settings for an instance of ``role`` (beside the downward API's): what a
-    cold pod gets in its environment, and a claimed warm pod in its assignment (issue 18)."""
-    r = spec.prefill if role is zl.Role.PREFILL else spec.decode
-    env: list[dict[str, Any]] = [
-        {"name": "ENGINE_ROLE", "value": "auto"},
-        {"name": "ENGINE_MODEL", "value": spec.model.name},
-        {"name": "ENGINE_MAX_BATCH", "value": str(r.batch_size)},
-        {"name": "ENGINE_MAX_PROMPT_TOKENS", "value": str(spec.model.max_context_tokens)},
-        {"name": "ENGINE_MAX_OUTPUT_TOKENS", "value": str(spec.model.max_context_tokens)},
-        *platform_env(settings),
-        {"name": "MATRIXSERVE_GROUP", "value": f"{namespace}/{group}"},
-        {"name": "MATRIXSERVE_ZK", "value": settings.zookeeper},
-    ]
-    if spec.slo.tpot_milliseconds is not None:  # the decode's batch meets it (issue 31)
-        env.append({"name": "ENGINE_TPOT_SLO_MS", "value": str(spec.slo.tpot_milliseconds)})
-    if r.parallelism.tp:
-        env.append({"name": "ENGINE_TP", "value": str(r.parallelism.tp)})
-    if r.parallelism.ep:
-        env.append({"name": "ENGINE_EP", "value": str(r.parallelism.ep)})
-    return env
+    """:func:`engine_settings` as a container's ``env`` entries."""
+    return engine_settings(namespace, group, role, spec, settings).to_env()

@@ -226,7 +226,7 @@ def topology(view: GroupView, roce_map: zl.RoceMap | None) -> rc.Topology:
         if role is None:
             continue
         instance = view.instances.get(name)
-        spec = view.spec.prefill if role is zl.Role.PREFILL else view.spec.decode
+        spec = view.spec.role_spec(role)
         members[name] = rc.Member(
             name,
             role,
@@ -249,7 +249,7 @@ def _used(view: GroupView) -> dict[str, int]:
     used: dict[str, int] = {}
     for pod in view.pods.values():
         if pod.node is not None and not pod.deleting:
-            spec = view.spec.prefill if role_of(pod) is zl.Role.PREFILL else view.spec.decode
+            spec = view.spec.role_spec(role_of(pod))
             used[pod.node] = used.get(pod.node, 0) + spec.devices_per_instance
     return used
 

@@ -50,6 +50,7 @@ from matrixserve.api.resources import (
     field_errors,
     quantity_value,
 )
+from matrixserve.api.roles import Role
 from matrixserve.domain import ratio
 from matrixserve.domain.observed import PodView
 
@@ -159,8 +160,8 @@ def schema_rules(spec: PDGroupSpec, name: str) -> list[str]:
         errors.append(
             f"metadata.name: at most {MAX_GROUP_NAME} characters (pod names derive from it)"
         )
-    errors += _role_shape("prefill", spec.prefill)
-    errors += _role_shape("decode", spec.decode)
+    for each in Role:
+        errors += _role_shape(each.spec_key, spec.role_spec(each))
     if spec.prefill.devices_per_instance != spec.decode.devices_per_instance:
         errors.append(
             "spec.decode.devicesPerInstance: KV moves device k -> device k (P/D-Serve §2.1), so prefill "
@@ -230,8 +231,8 @@ def admission_rules(spec: PDGroupSpec) -> list[str]:
             "give sizeBytes, layers and hiddenSize"
         )
     context = spec.model.max_context_tokens
-    errors += _role_fit("prefill", spec.prefill, facts, context)
-    errors += _role_fit("decode", spec.decode, facts, context)
+    for role in Role:
+        errors += _role_fit(role.spec_key, spec.role_spec(role), facts, context)
     errors += _ratio_split_errors(spec)
     return errors
 
@@ -313,7 +314,7 @@ def parse_spec(raw: Any, name: str) -> tuple[PDGroupSpec | None, list[str]]:
 
 
 # --------------------------------------------------------------------------- changes
-ROLES = ("prefill", "decode")
+ROLES = tuple(role.spec_key for role in Role)  # ("prefill", "decode")
 # On each pod: the canonical JSON of the instance template it was made from (:func:`stamp`).
 ANNOTATION_TEMPLATE = f"{kinds.LABEL_PREFIX}/instance-template"
 NOT_ROLLED_OUT = (
@@ -327,7 +328,7 @@ def instance_template(spec: PDGroupSpec, role: str) -> dict[str, Any]:
     """What an instance of ``role`` (``prefill`` or ``decode``) is made from, in the spec's shape
     and JSON names: the model, the role's fields but its replicas, ``moe``,
     ``slo.tpotMilliseconds``, ``warmPoolRef``."""
-    r = spec.prefill if role == "prefill" else spec.decode
+    r = spec.role_spec(Role.from_spec_key(role))
     return {
         "model": spec.model.model_dump(mode="json", by_alias=True),
         role: r.model_dump(mode="json", by_alias=True, exclude={"replicas"}),
@@ -427,16 +428,16 @@ def _stamped(pods: Iterable[PodView]) -> list[tuple[PodView, str, dict[str, Any]
     """The running pods that carry a readable template, with their role, in name order."""
     found = []
     for pod in sorted(pods, key=lambda p: p.name):
-        role = pod.label(kinds.LABEL_ROLE)
+        role = Role.from_label(pod.label(kinds.LABEL_ROLE))
         raw = pod.annotations.get(ANNOTATION_TEMPLATE)
-        if pod.deleting or role not in ROLES or raw is None:
+        if pod.deleting or role is None or raw is None:
             continue
         try:
             made_from = json.loads(raw)
         except ValueError:
             continue
         if isinstance(made_from, dict):
-            found.append((pod, str(role), made_from))
+            found.append((pod, role.spec_key, made_from))
     return found
 
 

@@ -101,7 +101,7 @@ class GroupView:
             return pod.name
         if self.claimed(pod):
             return instance
-        role = self.spec.prefill if role_of(pod) is zl.Role.PREFILL else self.spec.decode
+        role = self.spec.role_spec(role_of(pod))
         return instance if pod.name in pod_names(instance, role.pods_per_instance) else pod.name
 
     @cached_property

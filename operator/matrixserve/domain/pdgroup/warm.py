@@ -77,7 +77,7 @@ def lone_load(health: zl.Health) -> float:
 def warm_candidates(view: GroupView, role: zl.Role) -> list[so.WarmPod]:
     """The namespace's claimable warm pods that fit an instance of ``role``: Ready, past
     TE-Pre-Load (their engine's report, of this pod), of its NPU type and NPU count."""
-    spec = view.spec.prefill if role is zl.Role.PREFILL else view.spec.decode
+    spec = view.spec.role_spec(role)
     # a group's decodes stay inside one SuperPod (the cold pods' required affinity, 001 §6.1.2):
     # a warm decode must be in theirs
     decode_superpods = {
@@ -168,7 +168,7 @@ def warm_replacement(view: GroupView, role: zl.Role) -> tuple[int, float | None]
     pods = warm_candidates(view, role)
     if not pods:
         return 0, None
-    spec = view.spec.prefill if role is zl.Role.PREFILL else view.spec.decode
+    spec = view.spec.role_spec(role)
     dies = {len(view.warm_reports[p.name].dies) for p in pods}
     sources = [s for d in dies for s in fork_sources(view, d)]
     want = so.Want("replacement", view.spec.model.name, "", spec.devices_per_instance)

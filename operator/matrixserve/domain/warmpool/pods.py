@@ -11,17 +11,18 @@ cannot place (:mod:`.plan`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from matrixserve.api import kinds
+from matrixserve.api.engine_settings import downward_env, switch
 from matrixserve.api.resources import WarmShape, WarmTemplate
 from matrixserve.domain.enginepod import (
     EngineSettings,
     credential_mounts,
     credential_volumes,
-    downward_env,
     engine_container,
-    platform_env,
+    platform_settings,
     pod_security_context,
     scratch_volumes,
 )
@@ -62,12 +63,10 @@ def pod_manifest(
     image: str,
     settings: EngineSettings,
 ) -> dict[str, Any]:
-    env: list[dict[str, Any]] = [
-        *downward_env(),
-        {"name": "ENGINE_WARM", "value": "1"},
-        *platform_env(settings),
-        {"name": "MATRIXSERVE_ZK", "value": settings.zookeeper},
-    ]
+    engine = dataclasses.replace(
+        platform_settings(settings), warm=switch(True), zookeeper=settings.zookeeper
+    )
+    env = [*downward_env(), *engine.to_env()]
     container = engine_container(image, env, s.devices_per_pod, None, credential_mounts(settings))
     return {
         "apiVersion": "v1",
