@@ -41,15 +41,9 @@ from matrixserve.domain.pdgroup.validation import model_facts, ratio_bounds
 from matrixserve.domain.pdgroup.view import GroupView
 from matrixserve.domain.ratio import Split
 
-# A window's figures need this many requests through each role (fewer say nothing).
-LEAST_REQUESTS = 5
 # [design] A move that has not arrived after this long is given up (back to the split it left):
 # a drain's bound, and as long again for the new instance to start.
 WALK_SECONDS = 2 * DRAIN_SECONDS
-# [design] Model goes back to the split it just left only for this many times its margin, within
-# this many cooldowns of leaving it.
-RETURN_MARGINS = 3
-RETURN_COOLDOWNS = 3
 # [design] what a split served is remembered this many windows (or cooldowns, the longer) at most
 MEMORY_WINDOWS = 20
 
@@ -269,15 +263,17 @@ def ratio_pass(view: GroupView) -> RatioPass:
             # the prefills' slot capacity over the window, in emulated seconds
             emulated = (view.now - float(window["start"])) * float(view.engine.time_scale)
             capacity_s = emulated * serving.prefill * spec.prefill.batch_size
-            params = _feedback_params(rp)
-            signal = ratio.signal_of(dp, dd, LEAST_REQUESTS, capacity_s, emulated)
+            params = ratio.feedback_params(rp)
+            signal = ratio.signal_of(dp, dd, ratio.LEAST_REQUESTS, capacity_s, emulated)
             saturated = signal is not None and ratio.Feedback(params, bounds).saturated(signal)
             history = history.observe(
                 serving,
-                ratio.mix_of(dp, dd) if min(dp.prefilled, dd.decoded) >= LEAST_REQUESTS else None,
+                ratio.mix_of(dp, dd)
+                if min(dp.prefilled, dd.decoded) >= ratio.LEAST_REQUESTS
+                else None,
                 signal,
                 saturated,
-                _batch_point(dd),
+                ratio.batch_point(dd),
                 params.windows,
                 now=view.now,
                 max_age=MEMORY_WINDOWS * max(rp.window_seconds, rp.cooldown_seconds),
@@ -287,27 +283,18 @@ def ratio_pass(view: GroupView) -> RatioPass:
                 dp,
                 dd,
                 spec.decode.batch_size,
-                LEAST_REQUESTS,
+                ratio.LEAST_REQUESTS,
                 kv_share=facts.kv_bytes_per_token / facts.weight_bytes if facts else None,
                 others=history.points(besides=serving),
             )
             if figures is not None:
                 capacity = ratio.capacity(figures, serving).as_status()
             since = max((t for t in (last_change, reached) if t is not None), default=None)
-            decided = _decide(
-                view,
+            decided = ratio.decide(
                 rp,
-                params,
                 bounds,
-                serving,
-                total,
-                figures,
-                signal,
-                dp,
-                dd,
-                feedback,
-                since,
-                left,
+                ratio.Window(serving, total, dp, dd, figures, signal, view.now),
+                ratio.RatioMemory(feedback, since, left),
             )
             if decided is not None:
                 decision, feedback = decided
@@ -327,7 +314,7 @@ def ratio_pass(view: GroupView) -> RatioPass:
                     if worse is not None:
                         reason = f"{decision.reason}; not moved: {worse}"
                         if rp.mode is RatioMode.FEEDBACK:
-                            feedback = _held(feedback, serving, decision.target, view.now)
+                            feedback = ratio.held(feedback, serving, decision.target, view.now)
                     elif refusal is not None:
                         reason = f"{decision.reason}; held at {serving}: {refusal}"
                         if not history.flap_said:
@@ -341,7 +328,7 @@ def ratio_pass(view: GroupView) -> RatioPass:
                             )
                             history = replace(history, flap_said=True)
                         if rp.mode is RatioMode.FEEDBACK:
-                            feedback = _held(feedback, serving, decision.target, view.now)
+                            feedback = ratio.held(feedback, serving, decision.target, view.now)
                     else:
                         notices.append(
                             ReportRatioChange(
@@ -382,88 +369,3 @@ def ratio_pass(view: GroupView) -> RatioPass:
         out["feedback"] = feedback.to_status()
     out["history"] = history.to_status()
     return RatioPass(RoleCounts(counts.prefill, counts.decode), out, notices)
-
-
-def _feedback_params(rp: Any) -> ratio.FeedbackParams:
-    tuning = rp.feedback
-    return ratio.FeedbackParams(
-        e2e_rise=tuning.e2e_rise,
-        share_delta=tuning.tp_share_delta,
-        rejection=tuning.rejection,
-        kv_wait=tuning.kv_wait,
-        slots_full=tuning.slots_full,
-        windows=tuning.windows,
-        improve=tuning.improve,
-        cooldown=float(rp.cooldown_seconds),
-    )
-
-
-def _batch_point(decode: zl.Load) -> ratio.BatchPoint | None:
-    """The decodes' mean batch and TPOT over a window (None: an engine that does not count)."""
-    if not decode.iterations or not decode.tokens:
-        return None
-    return ratio.BatchPoint(decode.batch_sum / decode.iterations, decode.tpot_s / decode.tokens)
-
-
-def _held(
-    state: ratio.FeedbackState, serving: Split, target: Split, now: float
-) -> ratio.FeedbackState:
-    """The feedback rule after the walk held a move that would flap: settled where it is, the
-    role it asked for refuted (the saturation alarms no longer ask for it until the load
-    changes), a fresh baseline and a cooldown."""
-    role = ratio.PREFILL if target.prefill > serving.prefill else ratio.DECODE
-    return ratio.FeedbackState(last_change=now, refuted=tuple(sorted({*state.refuted, role})))
-
-
-def _decide(
-    view: GroupView,
-    rp: Any,
-    params: ratio.FeedbackParams,
-    bounds: ratio.Bounds,
-    serving: Split,
-    total: int,
-    figures: ratio.Figures | None,
-    signal: ratio.Signal | None,
-    prefill: zl.Load,
-    decode: zl.Load,
-    feedback: ratio.FeedbackState,
-    last_change: float | None,
-    left: Split | None,
-) -> tuple[ratio.Decision, ratio.FeedbackState] | None:
-    """The policy's decision on a window, or None when the window says too little. ``left``:
-    the split the last move left; Model goes back to it within ``RETURN_COOLDOWNS`` cooldowns
-    only for ``RETURN_MARGINS`` times its margin (its capacities are estimates)."""
-    if rp.mode is RatioMode.MODEL:
-        if figures is None:
-            return (
-                ratio.Decision(
-                    serving,
-                    False,
-                    f"too few requests in the window ({prefill.prefilled} prefilled, "
-                    f"{decode.decoded} decoded; {LEAST_REQUESTS} each needed)",
-                ),
-                feedback,
-            )
-        decision = ratio.model_target(figures, total, bounds, serving, rp.margin)
-        if not decision.changed:
-            return decision, feedback
-        if last_change is not None and view.now - last_change < rp.cooldown_seconds:
-            return ratio.Decision(
-                serving, False, f"{decision.reason}; cooling down", decision.numbers
-            ), feedback
-        step = ratio.toward(serving, decision.target, rp.step, bounds)
-        recent = last_change is not None and (
-            view.now - last_change < RETURN_COOLDOWNS * rp.cooldown_seconds
-        )
-        now_cap = float(decision.numbers.get("capacityNow") or 0.0)
-        best_cap = float(decision.numbers.get("capacityTarget") or 0.0)
-        if step == left and recent and best_cap <= now_cap * (1 + RETURN_MARGINS * rp.margin):
-            why = (
-                f"{decision.reason}; not back to {left}, left less than "
-                f"{RETURN_COOLDOWNS} cooldowns ago, for less than {RETURN_MARGINS * rp.margin:.0%}"
-            )
-            return ratio.Decision(serving, False, why, decision.numbers), feedback
-        return ratio.Decision(step, step != serving, decision.reason, decision.numbers), feedback
-    if signal is None:
-        return None
-    return ratio.Feedback(params, bounds).decide(feedback, signal, serving, total, view.now)

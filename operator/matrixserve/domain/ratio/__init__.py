@@ -53,6 +53,8 @@ The package, in the order a window is handled:
 - :mod:`.observe` — a window's load counters turned into each policy's inputs;
 - :mod:`.feedback` — the Feedback policy's rule and what it remembers;
 - :mod:`.history` — what the group measured under the current load, for the walk's guards;
+- :mod:`.policy` — each policy's decision on a window (:class:`Window`), given what the group
+  remembers of its moves (:class:`RatioMemory`);
 - :mod:`.walk` — from the serving split to the target, one change and one instance at a time.
 
 The group's plan runs it as its ``ratio`` stage (:mod:`matrixserve.domain.pdgroup.split`).
@@ -98,10 +100,21 @@ from matrixserve.domain.ratio.model import (
 )
 from matrixserve.domain.ratio.observe import (
     Signal,
+    batch_point,
     figures_of,
     load_delta,
     load_sum,
     signal_of,
+)
+from matrixserve.domain.ratio.policy import (
+    LEAST_REQUESTS,
+    RETURN_COOLDOWNS,
+    RETURN_MARGINS,
+    RatioMemory,
+    Window,
+    decide,
+    feedback_params,
+    held,
 )
 from matrixserve.domain.ratio.walk import (
     next_step,
@@ -114,9 +127,12 @@ __all__ = [
     "CHANGE_SIGMAS",
     "CHANGE_WINDOWS",
     "DECODE",
+    "LEAST_REQUESTS",
     "MIX_CHANGE",
     "PREFILL",
     "RATE_CHANGE",
+    "RETURN_COOLDOWNS",
+    "RETURN_MARGINS",
     "SIGNIFICANT",
     "TRAFFIC",
     "BatchPoint",
@@ -131,15 +147,21 @@ __all__ = [
     "History",
     "Measured",
     "Mix",
+    "RatioMemory",
     "Signal",
     "Split",
     "Tally",
     "Transition",
+    "Window",
+    "batch_point",
     "capacity",
     "compare",
+    "decide",
     "decode_line",
     "fallback_split",
+    "feedback_params",
     "figures_of",
+    "held",
     "load_delta",
     "load_sum",
     "mix_of",

@@ -143,3 +143,10 @@ def signal_of(
         finished=decode.decoded if window_s > 0 else 0,
         seconds=max(window_s, 0.0),
     )
+
+
+def batch_point(decode: zl.Load) -> BatchPoint | None:
+    """The decodes' mean batch and TPOT over a window (None: an engine that does not count)."""
+    if not decode.iterations or not decode.tokens:
+        return None
+    return BatchPoint(decode.batch_sum / decode.iterations, decode.tpot_s / decode.tokens)
