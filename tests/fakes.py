@@ -27,6 +27,7 @@ from kubernetes import client
 
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
+from matrixserve.api.status import PDGroupStatus
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.pdgroup import GroupView, ZkView
@@ -697,5 +698,14 @@ def serving_group(
         for n, r in (pods or members).items()
     }
     return GroupView(
-        "ns", "g", 1, spec, pod_views, zk, now=now, uid="uid-g", engine=engine, previous=previous
+        "ns",
+        "g",
+        1,
+        spec,
+        pod_views,
+        zk,
+        now=now,
+        uid="uid-g",
+        engine=engine,
+        previous=PDGroupStatus.read(previous),
     )

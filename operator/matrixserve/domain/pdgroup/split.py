@@ -28,18 +28,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import RatioMode
+from matrixserve.api.status import RatioStatus, RatioWindow, Split
 from matrixserve.domain import ratio
-from matrixserve.domain.conditions import is_true
 from matrixserve.domain.pdgroup import recovery
 from matrixserve.domain.pdgroup.actions import Action, ReportRatioChange
 from matrixserve.domain.pdgroup.membership import DRAIN_SECONDS, RoleCounts
 from matrixserve.domain.pdgroup.validation import model_facts, ratio_bounds
 from matrixserve.domain.pdgroup.view import GroupView
-from matrixserve.domain.ratio import Split
 
 # [design] A move that has not arrived after this long is given up (back to the split it left):
 # a drain's bound, and as long again for the new instance to start.
@@ -53,7 +51,7 @@ class RatioPass:
     """This pass's counts, ``status.ratio``, and the Event of a change (if one was decided)."""
 
     counts: RoleCounts
-    status: dict[str, Any]
+    status: RatioStatus
     notices: list[Action] = field(default_factory=list)
 
 
@@ -79,20 +77,16 @@ def steady(view: GroupView) -> bool:
     return (
         view.zk.connected
         and roce_map is not None
-        and is_true(view.previous, "Ready")
+        and view.previous.is_true("Ready")
         and not recovery.records(view)
         and all(view.healthy(e.instance) for e in [*roce_map.prefill, *roce_map.decode])
         and not any(e.instance in view.zk.removed for e in [*roce_map.prefill, *roce_map.decode])
     )
 
 
-def _split(text: Any) -> Split | None:
-    if not isinstance(text, str):
-        return None
-    try:
-        return Split.parse(text)
-    except ValueError:
-        return None
+def _whole(split: Split | None) -> Split | None:
+    """A split a policy may have targeted (each role an instance), else None."""
+    return split if split is not None and split.whole else None
 
 
 def _members(view: GroupView) -> dict[str, str]:
@@ -124,30 +118,23 @@ def _sums(view: GroupView, members: Mapping[str, str]) -> tuple[zl.Load, zl.Load
     return ratio.load_sum(loads(zl.Role.PREFILL)), ratio.load_sum(loads(zl.Role.DECODE))
 
 
-def _window(view: GroupView, members: Mapping[str, str]) -> dict[str, Any]:
+def _window(view: GroupView, members: Mapping[str, str]) -> RatioWindow:
     prefill, decode = _sums(view, members)
-    return {
-        "start": view.now,
+    return RatioWindow(
+        start=view.now,
         # a list (a merge patch replaces it whole; a map would keep a member that left)
-        "members": _member_list(members),
-        "prefill": prefill.model_dump(by_alias=True),
-        "decode": decode.model_dump(by_alias=True),
-    }
-
-
-def _load(raw: Any) -> zl.Load | None:
-    try:
-        return zl.Load.model_validate(raw) if isinstance(raw, dict) else None
-    except ValueError:
-        return None
+        members=_member_list(members),
+        prefill=prefill,
+        decode=decode,
+    )
 
 
 def _window_end(
-    view: GroupView, window: Mapping[str, Any], members: Mapping[str, str]
+    view: GroupView, window: RatioWindow, members: Mapping[str, str]
 ) -> tuple[zl.Load, zl.Load] | None:
     """What the prefills and the decodes served over the window (its start's counters against
     now's, the same members); None if the start is unreadable or a counter went back."""
-    p0, d0 = _load(window.get("prefill")), _load(window.get("decode"))
+    p0, d0 = window.prefill, window.decode
     if p0 is None or d0 is None:
         return None
     p1, d1 = _sums(view, members)
@@ -171,29 +158,27 @@ def ratio_pass(view: GroupView) -> RatioPass:
     if not rp.total_driven:
         return RatioPass(
             RoleCounts(spec_split.prefill, spec_split.decode),
-            {
-                "target": str(spec_split),
-                "policy": str(rp.mode),
-                "reason": "Fixed policy: the spec's replicas",
-            },
+            RatioStatus(
+                target=spec_split, policy=rp.mode, reason="Fixed policy: the spec's replicas"
+            ),
         )
-    said: Mapping[str, Any] = view.previous.get("ratio") or {}
+    said = view.previous.ratio or RatioStatus()
     # what the status says under another policy is not this one's
-    prev = said if said.get("policy") == str(rp.mode) else {}
+    prev = said if said.policy == rp.mode else RatioStatus()
     total = spec_split.total
     bounds = ratio_bounds(spec)
     serving = serving_split(view)
     is_steady = steady(view)
-    target = _split(prev.get("target"))
-    last_change = recovery.parse_time(prev.get("lastChangeTime"))
-    reason = str(prev.get("reason") or "")
-    numbers: dict[str, Any] = dict(prev.get("numbers") or {})
-    feedback = ratio.FeedbackState.from_status(prev.get("feedback"))
+    target = _whole(prev.target)
+    last_change = prev.last_change_time
+    reason = prev.reason or ""
+    numbers: dict[str, float] = dict(prev.numbers or {})
+    feedback = ratio.FeedbackState.from_status(prev.feedback)
     notices: list[Action] = []
     old_target = target
-    left = _split(prev.get("from"))  # the split the last move left
-    reached = recovery.parse_time(prev.get("reachedTime"))
-    history = ratio.History.from_status(prev.get("history"))
+    left = _whole(prev.from_)  # the split the last move left
+    reached = prev.reached_time
+    history = ratio.History.from_status(prev.history)
 
     # the target: kept while it is a split of the total within the bounds
     if target is None or target.total != total or not bounds.allows(target):
@@ -245,23 +230,27 @@ def ratio_pass(view: GroupView) -> RatioPass:
 
     # the window, and a decision at its end
     members = _members(view)
-    window = prev.get("window")
-    capacity: dict[str, Any] = {
-        k: prev[k] for k in ("phi", "prefillCapacity", "decodeCapacity", "bottleneck") if k in prev
-    }
+    window = prev.window
+    # the figures of the last window that gave some, until another does
+    capacity = RatioStatus(
+        phi=prev.phi,
+        prefill_capacity=prev.prefill_capacity,
+        decode_capacity=prev.decode_capacity,
+        bottleneck=prev.bottleneck,
+    )
     if (
         not is_steady
         or serving != target
-        or not isinstance(window, dict)
-        or window.get("members") != _member_list(members)
+        or window is None
+        or window.members != _member_list(members)
     ):
         window = _window(view, members)
-    elif view.now - float(window.get("start") or 0) >= rp.window_seconds:
+    elif view.now - (window.start or 0.0) >= rp.window_seconds:
         observed = _window_end(view, window, members)
         if observed is not None:
             dp, dd = observed
             # the prefills' slot capacity over the window, in emulated seconds
-            emulated = (view.now - float(window["start"])) * float(view.engine.time_scale)
+            emulated = (view.now - (window.start or 0.0)) * float(view.engine.time_scale)
             capacity_s = emulated * serving.prefill * spec.prefill.batch_size
             params = ratio.feedback_params(rp)
             signal = ratio.signal_of(dp, dd, ratio.LEAST_REQUESTS, capacity_s, emulated)
@@ -347,25 +336,24 @@ def ratio_pass(view: GroupView) -> RatioPass:
     elif is_steady or serving.total != target.total:
         counts = ratio.next_step(serving, target, ratio.Transition(str(rp.transition)))
     else:
-        counts = _split(prev.get("desired")) or target
+        counts = _whole(prev.desired) or target
     if old_target is not None and target != old_target and not notices:
         notices.append(ReportRatioChange(f"{_moving(old_target, target)}: {reason}"))
-    out: dict[str, Any] = {
-        "target": str(target),
-        "desired": str(counts),
-        "policy": str(rp.mode),
-        "reason": reason,
-        "numbers": numbers,
-        "window": window,
-        **capacity,
-    }
-    if last_change is not None:
-        out["lastChangeTime"] = recovery.rfc3339(last_change)
-    if reached is not None:
-        out["reachedTime"] = recovery.rfc3339(reached)
-    if left is not None:
-        out["from"] = str(left)
-    if rp.mode is RatioMode.FEEDBACK:
-        out["feedback"] = feedback.to_status()
-    out["history"] = history.to_status()
+    out = RatioStatus(
+        target=target,
+        desired=counts,
+        policy=rp.mode,
+        reason=reason,
+        numbers=numbers,
+        window=window,
+        phi=capacity.phi,
+        prefill_capacity=capacity.prefill_capacity,
+        decode_capacity=capacity.decode_capacity,
+        bottleneck=capacity.bottleneck,
+        last_change_time=last_change,
+        reached_time=reached,
+        from_=left,
+        feedback=feedback.to_status() if rp.mode is RatioMode.FEEDBACK else None,
+        history=history.to_status(),
+    )
     return RatioPass(RoleCounts(counts.prefill, counts.decode), out, notices)

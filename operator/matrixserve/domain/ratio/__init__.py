@@ -48,8 +48,9 @@ callers pass the time.
 
 The package, in the order a window is handled:
 
-- :mod:`.model` — the vocabulary (:class:`Split`, the roles, :class:`Bounds`,
-  :class:`Decision`), §2.1's figures and capacities, and the Model policy's Eq. (1) target;
+- :mod:`.model` — the vocabulary (the roles, :class:`Bounds`, :class:`Decision`; a split is the
+  API's :class:`~matrixserve.api.status.Split`, as the status stores it), §2.1's figures and
+  capacities, and the Model policy's Eq. (1) target;
 - :mod:`.observe` — a window's load counters turned into each policy's inputs;
 - :mod:`.feedback` — the Feedback policy's rule and what it remembers;
 - :mod:`.history` — what the group measured under the current load, for the walk's guards;
@@ -60,6 +61,7 @@ The package, in the order a window is handled:
 The group's plan runs it as its ``ratio`` stage (:mod:`matrixserve.domain.pdgroup.split`).
 """
 
+from matrixserve.api.status import Split
 from matrixserve.domain.ratio.feedback import (
     SIGNIFICANT,
     Feedback,
@@ -90,7 +92,6 @@ from matrixserve.domain.ratio.model import (
     Decision,
     DecodeLine,
     Figures,
-    Split,
     Transition,
     capacity,
     decode_line,

@@ -9,12 +9,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from matrixserve.api.status import FeedbackStatus, Split, TallyStatus
 from matrixserve.domain.ratio.model import (
     DECODE,
     PREFILL,
     Bounds,
     Decision,
-    Split,
     fallback_split,
     rounded,
 )
@@ -35,18 +35,6 @@ class FeedbackParams:
     # this much worse (saturated: or served less within the noise, still saturated): back
     improve: float = 0.05
     cooldown: float = 300.0  # seconds between two changes
-
-
-def _number(raw: Mapping[str, object], key: str) -> float | None:
-    value = raw.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
-def _count(raw: Mapping[str, object], key: str) -> int:
-    value = raw.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 @dataclass(frozen=True)
@@ -90,21 +78,22 @@ class Tally:
         """Saturated in most of its windows."""
         return 2 * self.saturated > self.windows
 
-    def to_status(self) -> dict[str, object]:
-        return {
-            "windows": self.windows,
-            "e2e": self.e2e,
-            "finished": self.finished,
-            "seconds": self.seconds,
-            "saturated": self.saturated,
-        }
+    def to_status(self) -> TallyStatus:
+        return TallyStatus(
+            windows=self.windows,
+            e2e=self.e2e,
+            finished=self.finished,
+            seconds=self.seconds,
+            saturated=self.saturated,
+        )
 
     @classmethod
-    def from_status(cls, raw: object) -> Tally:
-        if not isinstance(raw, Mapping):
+    def from_status(cls, raw: TallyStatus | None) -> Tally:
+        """Read back what :meth:`to_status` wrote; anything unreadable is no windows."""
+        if raw is None:
             return cls()
-        windows = _count(raw, "windows")
-        sums = [_number(raw, k) for k in ("e2e", "finished", "seconds", "saturated")]
+        windows = raw.windows or 0
+        sums = [raw.e2e, raw.finished, raw.seconds, raw.saturated]
         if not windows or any(v is None or v < 0 for v in sums):
             return cls()
         e2e, finished, seconds, saturated = (float(v or 0.0) for v in sums)
@@ -179,48 +168,44 @@ class FeedbackState:
     def streak(self) -> int:
         return self.trend.windows
 
-    def to_status(self) -> dict[str, object]:
-        return {
-            "baselineE2E": self.baseline_e2e,
-            "baselineShare": self.baseline_share,
-            "alarm": self.alarm,
-            "streak": self.streak,
-            "trend": self.trend.to_status(),
-            "lastChange": self.last_change,
-            "moving": self.moving,
-            "before": self.before.to_status() if self.before is not None else None,
-            "refuted": list(self.refuted),
-            "calm": self.calm,
-            "judged": self.judged.to_status(),
-        }
+    def to_status(self) -> FeedbackStatus:
+        return FeedbackStatus(
+            baseline_e2e=self.baseline_e2e,
+            baseline_share=self.baseline_share,
+            alarm=self.alarm,
+            streak=self.streak,
+            trend=self.trend.to_status(),
+            last_change=self.last_change,
+            moving=self.moving,
+            before=self.before.to_status() if self.before is not None else None,
+            refuted=list(self.refuted),
+            calm=self.calm,
+            judged=self.judged.to_status(),
+        )
 
     @classmethod
-    def from_status(cls, raw: Mapping[str, object] | None) -> FeedbackState:
-        """Read back what :meth:`to_status` wrote; anything unreadable starts afresh (a status
-        of an earlier operator with a move being judged: that move is kept, not judged)."""
-        if not raw:
+    def from_status(cls, raw: FeedbackStatus | Mapping[str, object] | None) -> FeedbackState:
+        """Read back what :meth:`to_status` wrote (or the stored form of it); anything
+        unreadable starts afresh (a status of an earlier operator with a move being judged:
+        that move is kept, not judged)."""
+        status = FeedbackStatus.of(raw)
+        if status is None:
             return cls()
-
-        def role(key: str) -> str | None:
-            value = raw.get(key)
-            return value if isinstance(value, str) and value in (PREFILL, DECODE) else None
-
-        before = Tally.from_status(raw.get("before"))
-        moving = role("moving")
-        refuted = raw.get("refuted")
-        roles = refuted if isinstance(refuted, list) else []
+        before = Tally.from_status(status.before)
+        moving = status.moving
+        roles = status.refuted or []
         return cls(
-            baseline_e2e=_number(raw, "baselineE2E"),
-            baseline_share=_number(raw, "baselineShare"),
-            alarm=role("alarm"),
-            trend=Tally.from_status(raw.get("trend")),
-            last_change=_number(raw, "lastChange"),
+            baseline_e2e=status.baseline_e2e,
+            baseline_share=status.baseline_share,
+            alarm=status.alarm,
+            trend=Tally.from_status(status.trend),
+            last_change=status.last_change,
             # a move is judged only against what asked for it
             moving=moving if before.windows else None,
             before=before if before.windows and moving else None,
             refuted=tuple(sorted({r for r in (PREFILL, DECODE) if r in roles})),
-            calm=_count(raw, "calm"),
-            judged=Tally.from_status(raw.get("judged")),
+            calm=status.calm or 0,
+            judged=Tally.from_status(status.judged),
         )
 
 

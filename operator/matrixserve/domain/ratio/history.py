@@ -10,8 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from matrixserve.api import zk_layout as zl
-from matrixserve.domain.ratio.feedback import SIGNIFICANT, Tally, _count, _number, compare
-from matrixserve.domain.ratio.model import DECODE, PREFILL, BatchPoint, Split, rounded
+from matrixserve.api.status import HistoryStatus, MeasuredStatus, MixStatus, Split
+from matrixserve.domain.ratio.feedback import SIGNIFICANT, Tally, compare
+from matrixserve.domain.ratio.model import DECODE, PREFILL, BatchPoint, rounded
 from matrixserve.domain.ratio.observe import Signal
 
 # ------------------------------------------------------------------------- the load's history
@@ -239,69 +240,65 @@ class History:
             last_reversal=False,
         )
 
-    def to_status(self) -> dict[str, object]:
-        return {
-            "mix": (
-                {"promptTokens": rounded(self.mix.prompt), "outputTokens": rounded(self.mix.output)}
-                if self.mix is not None
+    def to_status(self) -> HistoryStatus:
+        mix = self.mix
+        return HistoryStatus(
+            mix=(
+                MixStatus(prompt_tokens=rounded(mix.prompt), output_tokens=rounded(mix.output))
+                if mix is not None
                 else None
             ),
-            "measured": [
-                {
-                    "split": str(m.split),
-                    "tally": m.tally.to_status(),
-                    "served": rounded(m.tally.served),
-                    "phi": rounded(m.phi),
-                    "e2e": rounded(m.tally.mean_e2e),
-                    "batch": rounded(m.batch),
-                    "tpot": rounded(m.tpot),
-                    "at": m.at,
-                }
+            measured=[
+                MeasuredStatus(
+                    split=m.split,
+                    tally=m.tally.to_status(),
+                    served=rounded(m.tally.served),
+                    phi=rounded(m.phi),
+                    e2e=rounded(m.tally.mean_e2e),
+                    batch=rounded(m.batch),
+                    tpot=rounded(m.tpot),
+                    at=m.at,
+                )
                 for m in self.measured
             ],
-            "lastMove": self.last_move,
-            "reversals": self.reversals,
-            "lastReversal": self.last_reversal,
-            "flapSaid": self.flap_said,
-            "drift": self.drift,
-            "shift": self.shift,
-        }
+            last_move=self.last_move,
+            reversals=self.reversals,
+            last_reversal=self.last_reversal,
+            flap_said=self.flap_said,
+            drift=self.drift,
+            shift=self.shift,
+        )
 
     @classmethod
-    def from_status(cls, raw: Mapping[str, object] | None) -> History:
-        """Read back what :meth:`to_status` wrote; what is unreadable is left out."""
-        if not raw:
+    def from_status(cls, raw: HistoryStatus | Mapping[str, object] | None) -> History:
+        """Read back what :meth:`to_status` wrote (or the stored form of it); what is
+        unreadable is left out."""
+        status = HistoryStatus.of(raw)
+        if status is None:
             return cls()
         mix = None
-        m = raw.get("mix")
-        if isinstance(m, Mapping):
-            prompt, output = _number(m, "promptTokens"), _number(m, "outputTokens")
+        if status.mix is not None:
+            prompt, output = status.mix.prompt_tokens, status.mix.output_tokens
             if prompt is not None and output is not None and prompt > 0 and output > 0:
                 mix = Mix(prompt, output)
         measured: list[Measured] = []
-        items = raw.get("measured")
-        for item in items if isinstance(items, list) else []:
-            if not isinstance(item, Mapping):
+        for item in status.measured or []:
+            split = item.split
+            if split is None or not split.whole:
                 continue
-            try:
-                split = Split.parse(str(item.get("split")))
-            except ValueError:
-                continue
-            tally = Tally.from_status(item.get("tally"))
+            tally = Tally.from_status(item.tally)
             if not tally.windows or any(e.split == split for e in measured):
                 continue
-            batch, tpot = _number(item, "batch") or 0.0, _number(item, "tpot") or 0.0
-            at = _number(item, "at") or 0.0
-            measured.append(Measured(split, tally, max(batch, 0.0), max(tpot, 0.0), at))
-        last = raw.get("lastMove")
-        last_move = last if last in (PREFILL, DECODE) else None
+            batch, tpot = item.batch or 0.0, item.tpot or 0.0
+            measured.append(Measured(split, tally, max(batch, 0.0), max(tpot, 0.0), item.at or 0.0))
+        last_move = status.last_move
         return cls(
             mix=mix,
             measured=tuple(measured),
             last_move=last_move,
-            reversals=_count(raw, "reversals"),
-            last_reversal=raw.get("lastReversal") is True and last_move is not None,
-            flap_said=raw.get("flapSaid") is True,
-            drift=_count(raw, "drift"),
-            shift=_count(raw, "shift"),
+            reversals=status.reversals or 0,
+            last_reversal=status.last_reversal is True and last_move is not None,
+            flap_said=status.flap_said is True,
+            drift=status.drift or 0,
+            shift=status.shift or 0,
         )

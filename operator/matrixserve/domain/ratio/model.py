@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from matrixserve.api.status import RatioStatus, Split
+
 PREFILL = "prefill"
 DECODE = "decode"
 TRAFFIC = "traffic"
@@ -19,32 +21,6 @@ TRAFFIC = "traffic"
 class Transition(StrEnum):
     FIXED_TOTAL = "FixedTotal"  # release first, then add: the total never exceeds the spec's
     ELASTIC = "Elastic"  # add first, then release: capacity never dips during a move
-
-
-@dataclass(frozen=True)
-class Split:
-    """A P/D split: ``prefill`` and ``decode`` instances."""
-
-    prefill: int
-    decode: int
-
-    @property
-    def total(self) -> int:
-        return self.prefill + self.decode
-
-    def __str__(self) -> str:
-        return f"{self.prefill}:{self.decode}"
-
-    @classmethod
-    def parse(cls, text: str) -> Split:
-        """``"P:D"`` (both whole numbers of at least 1), or ValueError saying why."""
-        parts = text.split(":")
-        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-            raise ValueError(f"{text!r} is not P:D (two whole numbers, e.g. 3:1)")
-        p, d = (int(x) for x in parts)
-        if p < 1 or d < 1:
-            raise ValueError(f"{text!r}: each role needs at least one instance")
-        return cls(p, d)
 
 
 # ------------------------------------------------------------------------------- the model
@@ -113,13 +89,14 @@ class Capacity:
     phi: float  # Φ, requests per second per instance
     bottleneck: str  # "prefill", "decode", or "traffic" (I_t is the smallest term)
 
-    def as_status(self) -> dict[str, float | str]:
-        return {
-            "phi": rounded(self.phi),
-            "prefillCapacity": rounded(self.c_p),
-            "decodeCapacity": rounded(self.c_d),
-            "bottleneck": self.bottleneck,
-        }
+    def as_status(self) -> RatioStatus:
+        """The figures ``status.ratio`` says (and nothing else of it)."""
+        return RatioStatus(
+            phi=rounded(self.phi),
+            prefill_capacity=rounded(self.c_p),
+            decode_capacity=rounded(self.c_d),
+            bottleneck=self.bottleneck,
+        )
 
 
 def capacity(figures: Figures, split: Split) -> Capacity:

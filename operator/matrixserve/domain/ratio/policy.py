@@ -12,16 +12,9 @@ from dataclasses import dataclass
 
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import RatioMode, RatioPolicy
+from matrixserve.api.status import Split
 from matrixserve.domain.ratio.feedback import Feedback, FeedbackParams, FeedbackState
-from matrixserve.domain.ratio.model import (
-    DECODE,
-    PREFILL,
-    Bounds,
-    Decision,
-    Figures,
-    Split,
-    model_target,
-)
+from matrixserve.domain.ratio.model import DECODE, PREFILL, Bounds, Decision, Figures, model_target
 from matrixserve.domain.ratio.observe import Signal
 from matrixserve.domain.ratio.walk import toward
 

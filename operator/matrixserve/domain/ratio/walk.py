@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from matrixserve.domain.ratio.model import DECODE, PREFILL, Bounds, Split, Transition
+from matrixserve.api.status import Split
+from matrixserve.domain.ratio.model import DECODE, PREFILL, Bounds, Transition
 
 
 # ------------------------------------------------------------------------------ execution

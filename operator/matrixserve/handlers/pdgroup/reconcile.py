@@ -18,6 +18,14 @@ import kopf
 from matrixserve import coordination
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.status import (
+    FaultStatus,
+    LinksStatus,
+    OptionStatus,
+    PDGroupStatus,
+    RatioStatus,
+    ScaleRecord,
+)
 from matrixserve.domain import pdgroup as pd
 from matrixserve.domain.effects import Effect, PodCreation, ZnodeChange
 from matrixserve.domain.enginepod import (
@@ -120,7 +128,7 @@ async def reconcile(groups: PDGroups, namespace: str, name: str, logger: logging
         now=time.time(),
         uid=meta["uid"],
         engine=rt.engine,
-        previous=body.get("status") or {},
+        previous=PDGroupStatus.read(body.get("status")),
         foreign=foreign,
         nodes=nodes,
     )
@@ -155,13 +163,13 @@ async def reconcile(groups: PDGroups, namespace: str, name: str, logger: logging
         await groups.store.apply(namespace, name, action)
 
     busy = await groups.loop.apply(body, actions, znodes)
-    await groups.loop.write_status(body, plan.status, plan.conditions)
+    await groups.loop.write_status(body, plan.status.dump(), plan.conditions)
     _track_setup(groups, (namespace, name), plan)
     _track_recovery(groups, plan.actions)
-    _track_scale(groups, body.get("status") or {}, plan.status)
+    _track_scale(groups, view.previous, plan.status)
     _track_ratio(groups, namespace, name, plan)
     groups.metrics.links_verified.labels(namespace=namespace, group=name).set(
-        plan.status["links"]["verified"]
+        (plan.status.links or LinksStatus()).verified
     )
     return busy
 
@@ -217,17 +225,17 @@ def _track_recovery(groups: PDGroups, actions: Sequence[Effect]) -> None:
         if not isinstance(action, ReportRecovery) or action.record is None:
             continue
         record = action.record
-        fault, plan = record["fault"], record["plan"]
-        kind, how = fault["kind"], plan["action"]
+        fault, plan = record.fault or FaultStatus(), record.plan or OptionStatus()
+        kind, how = fault.kind, plan.action
         if action.reason == "RecoveryPlanned":
-            m.detection_seconds.labels(kind, fault["detectedBy"]).observe(
-                record["detectedAfterSeconds"]
+            m.detection_seconds.labels(kind, fault.detected_by).observe(
+                record.detected_after_seconds
             )
             m.recoveries.labels(kind, how, "planned").inc()
         elif action.reason == "Recovered":
-            seconds = float(record.get("restoredAfterSeconds") or 0.0)
+            seconds = float(record.restored_after_seconds or 0.0)
             m.restore_seconds.labels(kind, how).observe(seconds)
-            m.capacity_lost.labels(kind).inc(float(plan.get("lostFraction") or 0.0) * seconds)
+            m.capacity_lost.labels(kind).inc(float(plan.lost_fraction or 0.0) * seconds)
             m.recoveries.labels(kind, how, "restored").inc()
         elif action.reason == "RecoveryFailed":
             m.recoveries.labels(kind, how, "failed").inc()
@@ -235,42 +243,43 @@ def _track_recovery(groups: PDGroups, actions: Sequence[Effect]) -> None:
 
 def _track_ratio(groups: PDGroups, namespace: str, name: str, plan: pd.Plan) -> None:
     """The split's metrics (issue 19): serving and target counts, Φ, and each change."""
-    m, ratio = groups.metrics, plan.status.get("ratio") or {}
-    for which in ("current", "target"):
-        parts = str(ratio.get(which) or "").split(":")
-        if len(parts) == 2 and all(p.isdigit() for p in parts):
-            for role, value in zip(("prefill", "decode"), parts, strict=True):
-                m.ratio_instances.labels(namespace, name, role, which).set(int(value))
-    if isinstance(ratio.get("phi"), int | float):
-        m.ratio_phi.labels(namespace, name).set(float(ratio["phi"]))
+    m, ratio = groups.metrics, plan.status.ratio or RatioStatus()
+    for which, split in (("current", ratio.current), ("target", ratio.target)):
+        if split is not None:
+            for role, value in (("prefill", split.prefill), ("decode", split.decode)):
+                m.ratio_instances.labels(namespace, name, role, which).set(value)
+    if ratio.phi is not None:
+        m.ratio_phi.labels(namespace, name).set(ratio.phi)
     else:  # no window observed under this policy (Fixed observes none): no Φ to show
         with contextlib.suppress(KeyError):
             m.ratio_phi.remove(namespace, name)
     changes = sum(1 for a in plan.actions if isinstance(a, ReportRatioChange))
     if changes:
-        m.ratio_changes.labels(namespace, name, str(ratio.get("policy") or "")).inc(changes)
+        m.ratio_changes.labels(namespace, name, str(ratio.policy or "")).inc(changes)
 
 
-def _track_scale(groups: PDGroups, before: Mapping[str, Any], after: Mapping[str, Any]) -> None:
+def _track_scale(groups: PDGroups, before: PDGroupStatus, after: PDGroupStatus) -> None:
     """A new ``lastScale`` record (issue 18): its engine phases and its wall total."""
-    record = after.get("lastScale") or {}
-    if not record or (before.get("lastScale") or {}).get("podUid") == record.get("podUid"):
+    record = after.last_scale
+    if record is None or not record.dump():
         return
-    path = str(record.get("path") or "")
+    if (before.last_scale or ScaleRecord()).pod_uid == record.pod_uid:
+        return
+    path = str(record.path or "")
     if path not in set(Path):  # a label value from a pod's annotation: only the known ones
         path = "Unknown"
-    for phase, seconds in (record.get("phases") or {}).items():
+    for phase, seconds in (record.phases or {}).items():
         if phase in set(Phase):  # the engine's keys: only DeepServe's phases
             groups.metrics.scale_phase_seconds.labels(phase, path).observe(float(seconds))
-    groups.metrics.scale_seconds.labels(path).observe(float(record.get("wallSeconds") or 0.0))
+    groups.metrics.scale_seconds.labels(path).observe(float(record.wall_seconds or 0.0))
 
 
 def _track_setup(groups: PDGroups, key: Key, plan: pd.Plan) -> None:
     """The setup phases' wall times (gather, link, serve), and the count of Ready groups."""
-    links = plan.status["links"]
+    links = plan.status.links or LinksStatus()
     reached = {
-        "mapped": bool(plan.status["roceMapVersion"]),
-        "linked": bool(links["expected"]) and links["verified"] == links["expected"],
+        "mapped": bool(plan.status.roce_map_version),
+        "linked": bool(links.expected) and links.verified == links.expected,
         "ready": plan.ready,
     }
     groups.metrics.setup.update(key, reached, time.monotonic())
