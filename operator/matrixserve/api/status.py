@@ -206,8 +206,9 @@ class Stored(BaseModel):
         except ValidationError:
             return None
 
-    # Read by key as well, the way a status read from the API server is (tests and tools
-    # inspect statuses so); the domain reads the fields.
+    # Read by key as well, as the dict a status was before it was typed (every field, None
+    # where absent; what tests and tools inspect); the domain reads the fields, which mypy
+    # checks (tests/unit/test_status_models.py keeps it so).
     def _keyed(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True)
 
