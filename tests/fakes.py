@@ -27,6 +27,7 @@ from kubernetes import client
 
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
+from matrixserve.api.status import PDGroupStatus
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.pdgroup import GroupView, ZkView
@@ -734,7 +735,10 @@ def formed_group(
 ) -> GroupView:
     """PDGroup ``ns/g`` (generation 1, UID ``uid-g``) as one pass of its planner sees it:
     ``pods`` and ``zk`` (:func:`formed_zk`: once formed) at ``now``; ``fields``, the view's
-    others (``previous``, ``nodes``, ``warm_pods``, ...)."""
+    others (``previous``, ``nodes``, ``warm_pods``, ...); a ``previous`` status given as stored
+    (a dict) is read as the planner reads it."""
+    if isinstance(fields.get("previous"), Mapping):
+        fields["previous"] = PDGroupStatus.read(fields["previous"])
     return GroupView("ns", "g", 1, spec, pods, zk, now=now, uid="uid-g", engine=engine, **fields)
 
 

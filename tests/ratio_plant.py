@@ -18,13 +18,13 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from enginestub import fabric, timing
 from fakes import serving_group
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.catalog import LLAMA3_8B, ModelShape
 from matrixserve.api.resources import PDGroupSpec
+from matrixserve.api.status import RatioStatus
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.pdgroup import GroupView
 from matrixserve.domain.pdgroup.actions import ReportRatioChange
@@ -166,7 +166,7 @@ class Driven:
     serving: Split
     windows: Windows
     now: float = 1_000_000.0
-    status: dict[str, Any] = field(default_factory=dict)
+    status: RatioStatus | None = None
     counters: dict[str, zl.Load] = field(default_factory=dict)
     incarnations: dict[str, int] = field(default_factory=dict)
     changes: list[tuple[float, Split]] = field(default_factory=list)  # (time, new target)

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from fakes import engine_report, formed_group, formed_zk, pdgroup_spec
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
+from matrixserve.api.status import PDGroupStatus
 from matrixserve.domain import conditions, pdgroup
 from matrixserve.domain.enginepod import FIRST_PROBE_GRACE_SECONDS, EngineSettings
 from matrixserve.domain.observed import PodView
@@ -555,7 +556,7 @@ def after_data_loss(pods: list[str], reported: list[str]) -> GroupView:
         entrances_present=False,
     )
     v = view(spec(), pods, zk)
-    return dataclasses.replace(v, previous=LAST_KNOWN)
+    return dataclasses.replace(v, previous=PDGroupStatus.read(LAST_KNOWN))
 
 
 def test_after_data_loss_the_map_is_rebuilt_from_the_reports_continuing_its_version() -> None:
@@ -577,7 +578,7 @@ def test_after_data_loss_the_map_is_rebuilt_from_the_reports_continuing_its_vers
 
 def test_a_group_that_never_served_gathers_as_usual_after_data_loss() -> None:
     pods = ["g-p-0", "g-p-1", "g-d-0"]
-    v = dataclasses.replace(after_data_loss(pods, pods), previous={})
+    v = dataclasses.replace(after_data_loss(pods, pods), previous=PDGroupStatus())
     plan = pdgroup.plan(v)
     write = next(a for a in plan.actions if isinstance(a, WriteRoceMap))
     assert (write.roce_map.version, write.rebuilt) == (1, False)
@@ -624,30 +625,38 @@ def test_the_rebuild_hold_ends_after_its_bound_and_never_holds_an_invalid_status
         "lastTransitionTime": since,
     }
     late = dataclasses.replace(
-        v, previous={**LAST_KNOWN, "conditions": [*LAST_KNOWN["conditions"][:1], rebuilding]}
+        v,
+        previous=PDGroupStatus.read(
+            {**LAST_KNOWN, "conditions": [*LAST_KNOWN["conditions"][:1], rebuilding]}
+        ),
     )
     cond = {c.type: c for c in pdgroup.plan(late).conditions}
     assert cond["Coordinated"].status is True  # derived again: no longer the last known
     assert cond["Ready"].status is False
-    invalid = {
-        **LAST_KNOWN,
-        "conditions": [{"type": "Ready", "status": "False", "reason": "InvalidSpec"}],
-    }
+    invalid = PDGroupStatus.read(
+        {
+            **LAST_KNOWN,
+            "conditions": [{"type": "Ready", "status": "False", "reason": "InvalidSpec"}],
+        }
+    )
     assert hold(dataclasses.replace(v, previous=invalid), {}, "why") is None
-    assert hold(dataclasses.replace(v, previous={"observedGeneration": 1}), {}, "why") is None
+    only_generation = PDGroupStatus.read({"observedGeneration": 1})
+    assert hold(dataclasses.replace(v, previous=only_generation), {}, "why") is None
 
 
 def test_without_zookeeper_a_member_whose_pod_is_gone_is_not_held_ready() -> None:
     pods = ["g-p-0", "g-p-1", "g-d-0"]
     v = view(spec(), ["g-p-0", "g-p-1"], ZkView(connected=False))
-    plan = pdgroup.plan(dataclasses.replace(v, previous=LAST_KNOWN))
+    plan = pdgroup.plan(dataclasses.replace(v, previous=PDGroupStatus.read(LAST_KNOWN)))
     ready = next(c for c in plan.conditions if c.type == "Ready")
     assert (ready.status, ready.reason) == (False, "ZooKeeperUnreachable")
     assert ready.message.startswith("g-d-0 not Ready")
     assert plan.status["entrances"] == ["g-p-0", "g-p-1"]  # still the last known routes
     assert not plan.ready
     kept = pdgroup.plan(
-        dataclasses.replace(view(spec(), pods, ZkView(connected=False)), previous=LAST_KNOWN)
+        dataclasses.replace(
+            view(spec(), pods, ZkView(connected=False)), previous=PDGroupStatus.read(LAST_KNOWN)
+        )
     )
     assert kept.ready
 
@@ -677,7 +686,7 @@ def test_a_group_in_its_first_setup_is_setting_up_not_degraded() -> None:
     # the same world after the group had served: its last status named its entrances
     had_served = dataclasses.replace(
         group_view(spec(), view(spec(), pods, setting_up).pods, setting_up, 10.0),
-        previous={"entrances": ["g-p-0", "g-p-1"]},
+        previous=PDGroupStatus(entrances=["g-p-0", "g-p-1"]),
     )
     no_decode = dataclasses.replace(
         had_served,
@@ -703,7 +712,9 @@ def test_a_group_in_its_first_setup_is_setting_up_not_degraded() -> None:
     cond = {c.type: c for c in lost.conditions}
     assert (cond["Ready"].status, cond["Ready"].reason) == (False, "Recovering")
     ready = {"type": "Ready", "status": "False", "reason": "Recovering"}
-    later = dataclasses.replace(no_prefill, previous={**lost.status, "conditions": [ready]})
+    later = dataclasses.replace(
+        no_prefill, previous=PDGroupStatus.read({**lost.status, "conditions": [ready]})
+    )
     cond = {c.type: c for c in pdgroup.plan(later).conditions}
     assert cond["Ready"].reason == "Recovering"
     # a scale-out of a group that serves sets up: nothing it had is lost
@@ -715,7 +726,7 @@ def test_a_group_in_its_first_setup_is_setting_up_not_degraded() -> None:
     assert (cond["Ready"].status, cond["Ready"].reason) == (False, "SettingUp")
     # next pass: entrances closed and listed nowhere, but Degraded is in the last status
     degraded = {"type": "Degraded", "status": "True", "reason": "NoServingDecode"}
-    later = dataclasses.replace(no_decode, previous={"conditions": [degraded]})
+    later = dataclasses.replace(no_decode, previous=PDGroupStatus.read({"conditions": [degraded]}))
     cond = {c.type: c for c in pdgroup.plan(later).conditions}
     assert (cond["Degraded"].status, cond["Degraded"].reason) == (True, "NoServingDecode")
 

@@ -9,6 +9,7 @@ from typing import Any
 from fakes import pdgroup_spec, serving_group
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
+from matrixserve.api.status import RatioStatus
 from matrixserve.domain import pdgroup
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.pdgroup import GroupView
@@ -204,7 +205,7 @@ def test_feedback_keeps_its_state_in_the_status() -> None:
 def test_a_move_of_several_instances_alternates_and_never_exceeds_the_total() -> None:
     """FixedTotal from 4:1 to 2:3: release, add, release, add (never 6 instances for 5)."""
     s = spec(4, 1, mode="Model")
-    prev: dict[str, Any] = {"policy": "Model", "target": "2:3", "desired": "4:1"}
+    prev: dict[str, Any] | RatioStatus = {"policy": "Model", "target": "2:3", "desired": "4:1"}
     serving = names(4, 1)
     seen = []
     for _ in range(8):

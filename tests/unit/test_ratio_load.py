@@ -16,8 +16,9 @@ from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain import ratio as r
 from matrixserve.domain.pdgroup.actions import ReportRatioChange
-from matrixserve.domain.pdgroup.split import _held, ratio_pass
+from matrixserve.domain.pdgroup.split import ratio_pass
 from matrixserve.domain.ratio import BatchPoint, History, Mix, Split, Tally
+from matrixserve.domain.ratio import held as _held
 from ratio_plant import Driven, Plant, flaps, reversals
 
 pytestmark = pytest.mark.unit

@@ -29,6 +29,7 @@ from matrixserve.adapters.pdgroup_metrics import PDGroupMetrics
 from matrixserve.adapters.zk_groups import GroupStore
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.status import PDGroupStatus, RecoveryRecord
 from matrixserve.coordination import Session
 from matrixserve.domain.effects import Event
 from matrixserve.domain.enginepod import EngineSettings
@@ -540,13 +541,15 @@ def test_recovery_metrics_count_every_step_of_every_recovery_in_a_pass() -> None
     metrics = PDGroupMetrics(registry)
     get = registry.get_sample_value
 
-    def record(kind: str, seconds: float | None = None) -> dict[str, Any]:
-        return {
-            "fault": {"kind": kind, "detectedBy": "device-status"},
-            "plan": {"action": "Replace", "lostFraction": 0.25},
-            "detectedAfterSeconds": 0.4,
-            "restoredAfterSeconds": seconds,
-        }
+    def record(kind: str, seconds: float | None = None) -> RecoveryRecord:
+        return RecoveryRecord.model_validate(
+            {
+                "fault": {"kind": kind, "detectedBy": "device-status"},
+                "plan": {"action": "Replace", "lostFraction": 0.25},
+                "detectedAfterSeconds": 0.4,
+                "restoredAfterSeconds": seconds,
+            }
+        )
 
     metrics.record_recovery([ReportRecovery("RecoveryPlanned", "", record=record("die"))])
     metrics.record_recovery(
@@ -580,7 +583,8 @@ def test_the_split_metrics_follow_the_policy_and_phi_goes_when_no_window_says_it
     group = {"namespace": "ns", "group": "g"}
 
     def passed(ratio: dict[str, Any], *actions: Any) -> None:
-        metrics.record_ratio("ns", "g", Plan(list(actions), {"ratio": ratio}, [], True))
+        status = PDGroupStatus.read({"ratio": ratio})
+        metrics.record_ratio("ns", "g", Plan(list(actions), status, [], True))
 
     feedback = {"policy": "Feedback", "current": "3:5", "target": "2:6", "phi": 7.5}
     passed(feedback, ReportRatioChange("Moving one instance from prefill to decode"))

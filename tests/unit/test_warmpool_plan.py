@@ -17,6 +17,7 @@ from matrixserve.adapters.kube import KubeAdapter
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import EngineResources, Ref, WarmPoolSpec
+from matrixserve.api.status import PDGroupStatus
 from matrixserve.domain import pdgroup
 from matrixserve.domain import warmpool as wp
 from matrixserve.domain.enginepod import EngineSettings
@@ -447,7 +448,7 @@ def test_last_scale_records_the_newest_serving_instance_once() -> None:
     assert record["loadSource"] == "NPUForkUB"
     assert record["emulatedSeconds"] == 0.6
     assert record["wallSeconds"] == 10.0  # claimed at 40, seen serving at 50
-    later = dataclasses.replace(view, now=80.0, previous={"lastScale": record})
+    later = dataclasses.replace(view, now=80.0, previous=PDGroupStatus(last_scale=record))
     assert last_scale(later) == record  # kept, not re-timed
 
 

@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from matrixserve.adapters.metrics import Milestones
+from matrixserve.api.status import (
+    FaultStatus,
+    LinksStatus,
+    OptionStatus,
+    PDGroupStatus,
+    RatioStatus,
+    ScaleRecord,
+)
 from matrixserve.domain import pdgroup as pd
 from matrixserve.domain.effects import Effect
 from matrixserve.domain.pdgroup.actions import ReportRatioChange, ReportRecovery
@@ -121,13 +128,13 @@ class PDGroupMetrics:
             self.setup_phase_seconds, [("mapped", "gather"), ("linked", "link"), ("ready", "serve")]
         )
 
-    def record(self, key: Key, before: Mapping[str, Any], plan: pd.Plan) -> None:
+    def record(self, key: Key, before: PDGroupStatus, plan: pd.Plan) -> None:
         """A pass's plan (``before``: the status it started from)."""
         self.record_setup(key, plan)
         self.record_recovery(plan.actions)
         self.record_scale(before, plan.status)
         self.record_ratio(*key, plan)
-        self.links_verified.labels(*key).set(plan.status["links"]["verified"])
+        self.links_verified.labels(*key).set((plan.status.links or LinksStatus()).verified)
 
     def forget_group(self, namespace: str, group: str) -> None:
         """A deleted group's series go with it (a dashboard must not show it serving)."""
@@ -148,57 +155,58 @@ class PDGroupMetrics:
             if not isinstance(action, ReportRecovery) or action.record is None:
                 continue
             record = action.record
-            fault, plan = record["fault"], record["plan"]
-            kind, how = fault["kind"], plan["action"]
+            fault, plan = record.fault or FaultStatus(), record.plan or OptionStatus()
+            kind, how = fault.kind, plan.action
             if action.reason == "RecoveryPlanned":
-                m.detection_seconds.labels(kind, fault["detectedBy"]).observe(
-                    record["detectedAfterSeconds"]
+                m.detection_seconds.labels(kind, fault.detected_by).observe(
+                    float(record.detected_after_seconds or 0.0)
                 )
                 m.recoveries.labels(kind, how, "planned").inc()
             elif action.reason == "Recovered":
-                seconds = float(record.get("restoredAfterSeconds") or 0.0)
+                seconds = float(record.restored_after_seconds or 0.0)
                 m.restore_seconds.labels(kind, how).observe(seconds)
-                m.capacity_lost.labels(kind).inc(float(plan.get("lostFraction") or 0.0) * seconds)
+                m.capacity_lost.labels(kind).inc(float(plan.lost_fraction or 0.0) * seconds)
                 m.recoveries.labels(kind, how, "restored").inc()
             elif action.reason == "RecoveryFailed":
                 m.recoveries.labels(kind, how, "failed").inc()
 
     def record_ratio(self, namespace: str, name: str, plan: pd.Plan) -> None:
         """The split's metrics: serving and target counts, Φ, and each change."""
-        m, ratio = self, plan.status.get("ratio") or {}
-        for which in ("current", "target"):
-            parts = str(ratio.get(which) or "").split(":")
-            if len(parts) == 2 and all(p.isdigit() for p in parts):
-                for role, value in zip(("prefill", "decode"), parts, strict=True):
-                    m.ratio_instances.labels(namespace, name, role, which).set(int(value))
-        if isinstance(ratio.get("phi"), int | float):
-            m.ratio_phi.labels(namespace, name).set(float(ratio["phi"]))
+        m, ratio = self, plan.status.ratio or RatioStatus()
+        for which, split in (("current", ratio.current), ("target", ratio.target)):
+            if split is not None:
+                for role, value in (("prefill", split.prefill), ("decode", split.decode)):
+                    m.ratio_instances.labels(namespace, name, role, which).set(value)
+        if ratio.phi is not None:
+            m.ratio_phi.labels(namespace, name).set(ratio.phi)
         else:  # no window observed under this policy (Fixed observes none): no Φ to show
             with contextlib.suppress(KeyError):
                 m.ratio_phi.remove(namespace, name)
         changes = sum(1 for a in plan.actions if isinstance(a, ReportRatioChange))
         if changes:
-            m.ratio_changes.labels(namespace, name, str(ratio.get("policy") or "")).inc(changes)
+            m.ratio_changes.labels(namespace, name, str(ratio.policy or "")).inc(changes)
 
-    def record_scale(self, before: Mapping[str, Any], after: Mapping[str, Any]) -> None:
+    def record_scale(self, before: PDGroupStatus, after: PDGroupStatus) -> None:
         """A new ``lastScale`` record: its engine phases and its wall total."""
-        record = after.get("lastScale") or {}
-        if not record or (before.get("lastScale") or {}).get("podUid") == record.get("podUid"):
+        record = after.last_scale
+        if record is None or not record.dump():
             return
-        path = str(record.get("path") or "")
+        if (before.last_scale or ScaleRecord()).pod_uid == record.pod_uid:
+            return
+        path = str(record.path or "")
         if path not in set(Path):  # a label value from a pod's annotation: only the known ones
             path = "Unknown"
-        for phase, seconds in (record.get("phases") or {}).items():
+        for phase, seconds in (record.phases or {}).items():
             if phase in set(Phase):  # the engine's keys: only DeepServe's phases
                 self.scale_phase_seconds.labels(phase, path).observe(float(seconds))
-        self.scale_seconds.labels(path).observe(float(record.get("wallSeconds") or 0.0))
+        self.scale_seconds.labels(path).observe(float(record.wall_seconds or 0.0))
 
     def record_setup(self, key: Key, plan: pd.Plan) -> None:
         """The setup phases' wall times (gather, link, serve), and the count of Ready groups."""
-        links = plan.status["links"]
+        links = plan.status.links or LinksStatus()
         reached = {
-            "mapped": bool(plan.status["roceMapVersion"]),
-            "linked": bool(links["expected"]) and links["verified"] == links["expected"],
+            "mapped": bool(plan.status.roce_map_version),
+            "linked": bool(links.expected) and links.verified == links.expected,
             "ready": plan.ready,
         }
         self.setup.update(key, reached, time.monotonic())

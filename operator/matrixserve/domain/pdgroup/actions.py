@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.status import RecoveryRecord
 from matrixserve.domain.effects import (
     Event,
     Notice,
@@ -65,7 +66,7 @@ class ReportRecovery(Notice):
     reason: str
     message: str
     warning: bool = False
-    record: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
+    record: RecoveryRecord | None = field(default=None, compare=False, hash=False)
 
     def describe(self) -> Event:
         return Event(self.reason, self.message, warning=self.warning)

@@ -100,7 +100,7 @@ def gather(
     instance has reported)."""
     actions: list[Action] = []
     reported = [view.reports[n] for n in desired if n in view.reports]
-    known = int(view.previous.get("roceMapVersion") or 0)
+    known = view.previous.roce_map_version or 0
     if known:  # a formed group whose map ZooKeeper lost: its pods serve; none is released here
         return rebuild(view, desired, reported, known)
     # Extra instances (replicas lowered before the map existed) carry no traffic yet.
@@ -307,7 +307,7 @@ def open_traffic(view: GroupView, change: Change, earlier: list[Action]) -> list
     current = list(zk.decode_meta.decodes) if zk.decode_meta else []
     # Opened before: entrances now, or (ZooKeeper lost them with its data) in the last status.
     opened = bool(zk.entrances - set(change.leaving)) or (
-        not zk.entrances_present and bool(view.previous.get("entrances"))
+        not zk.entrances_present and bool(view.previous.entrances)
     )
     if (opened or all_healthy) and serving_decodes != current:
         version = (zk.decode_meta.version if zk.decode_meta else 0) + 1

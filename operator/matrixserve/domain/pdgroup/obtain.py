@@ -28,6 +28,7 @@ from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.engine_settings import LoadSource
 from matrixserve.api.resources import WarmClaim
+from matrixserve.api.status import ScaleRecord
 from matrixserve.domain import scaleout as so
 from matrixserve.domain.pdgroup.actions import Action, AssignWarmPod, ClaimWarmPod, CreatePod
 from matrixserve.domain.pdgroup.pods import (
@@ -211,13 +212,15 @@ def assignments(view: GroupView) -> list[Action]:
     return out
 
 
-def last_scale(view: GroupView) -> dict[str, object] | None:
+def last_scale(view: GroupView) -> ScaleRecord | None:
     """The latest instance to come and serve, with DeepServe's phases (issue 18 item 6): the
     path it came by (its claim's, or ``Cold``), where its weights actually came from, the
     engine's phases in emulated seconds (its health's), and the wall seconds from its start (the
     claim, or the pod's creation) to the first pass that sees it serving. Kept until a newer
     instance serves."""
-    previous = view.previous.get("lastScale") or {}
+    previous = view.previous.last_scale
+    if previous is not None and not previous.dump():
+        previous = None  # an empty record is none
     newest: tuple[float, str] | None = None
     for name, instance in view.instances.items():
         health = view.zk.health.get(name)
@@ -228,24 +231,25 @@ def last_scale(view: GroupView) -> dict[str, object] | None:
         if newest is None or start > newest[0]:
             newest = (start, name)
     if newest is None:
-        return previous or None
+        return previous
     start, name = newest
     leader = view.instances[name].leader
-    if previous.get("podUid") == leader.uid or start <= float(previous.get("startedAt") or 0):
-        return previous or None
+    known = previous or ScaleRecord()
+    if known.pod_uid == leader.uid or start <= float(known.started_at or 0):
+        return previous
     health = view.zk.health[name]
     claim = _claim(leader) if view.claimed(leader) else WarmClaim()
     engine = {k: round(v, 3) for k, v in health.phases.items()}
-    return {
-        "instance": name,
-        "pod": leader.name,
-        "podUid": leader.uid,
-        "path": claim.path or str(so.Path.COLD),
-        "loadSource": health.load_source,
-        "forkSource": claim.fork_source,
-        "estimateSeconds": claim.estimate_seconds,
-        "phases": engine,
-        "emulatedSeconds": round(sum(engine.values()), 3),
-        "wallSeconds": round(max(0.0, view.now - start), 3),
-        "startedAt": round(start, 3),
-    }
+    return ScaleRecord(
+        instance=name,
+        pod=leader.name,
+        pod_uid=leader.uid,
+        path=claim.path or str(so.Path.COLD),
+        load_source=health.load_source,
+        fork_source=claim.fork_source,
+        estimate_seconds=claim.estimate_seconds,
+        phases=engine,
+        emulated_seconds=round(sum(engine.values()), 3),
+        wall_seconds=round(max(0.0, view.now - start), 3),
+        started_at=round(start, 3),
+    )

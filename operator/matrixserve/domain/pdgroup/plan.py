@@ -32,7 +32,8 @@ from typing import Any
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec, RatioMode
-from matrixserve.domain.conditions import Condition, find, seconds_since
+from matrixserve.api.status import PDGroupStatus
+from matrixserve.domain.conditions import Condition, seconds_since
 from matrixserve.domain.pdgroup import membership, recovery, split, status
 from matrixserve.domain.pdgroup.actions import Action, DeletePod
 from matrixserve.domain.pdgroup.membership import RoleCounts
@@ -49,14 +50,14 @@ from matrixserve.domain.pdgroup.view import GroupView
 @dataclass(frozen=True)
 class Plan:
     actions: list[Action]
-    status: dict[str, Any]
+    status: PDGroupStatus
     conditions: list[Condition]
     ready: bool
     # Seconds until this plan is due to change with nothing else happening (None: on a change).
     recheck_after: float | None = None
 
     def stored_status(self) -> dict[str, Any]:
-        return self.status
+        return self.status.dump()
 
 
 # --------------------------------------------------------------------------- today's seams
@@ -126,13 +127,15 @@ def rebuilding(view: GroupView) -> bool:
     if not (
         zk.connected
         and not zk.entrances_present
-        and bool(view.previous.get("roceMapVersion"))
-        and bool(view.previous.get("entrances"))
+        and bool(view.previous.roce_map_version)
+        and bool(view.previous.entrances)
     ):
         return False
-    held = find(view.previous, status.COORDINATED)
-    since = seconds_since(held.get("lastTransitionTime"), view.now)
-    return held.get("reason") != "Rebuilding" or since is None or since < REBUILD_HOLD_SECONDS
+    held = view.previous.condition(status.COORDINATED)
+    if held is None or held.reason != "Rebuilding":
+        return True
+    since = seconds_since(held.last_transition_time, view.now)
+    return since is None or since < REBUILD_HOLD_SECONDS
 
 
 # --------------------------------------------------------------------------- the plan
@@ -158,31 +161,32 @@ def plan(view: GroupView, seams: Seams = TODAY) -> Plan:
         held = None
     derived = held or status.derive(view, actions, desired, roce_map, blocked)
     conditions = derived.conditions
-    out = dict(derived.status)
+    out = derived.status
     if held is None:
-        # Records in a list are stored as written (no null to delete a key there).
-        out["recovering"] = [
-            {k: v for k, v in r.items() if v is not None} for r in healing.recovering
-        ]
-        out["lastRecovery"] = healing.last
-        out["deferred"] = sorted(healing.deferred)
-        out["lastScale"] = last_scale(view)
-        out["ratio"] = {**out.get("ratio", {}), **ratio.status}
+        serving = out.ratio.current if out.ratio is not None else None
+        out = out.model_copy(
+            update={
+                "recovering": healing.recovering,
+                "last_recovery": healing.last,
+                "deferred": sorted(healing.deferred),
+                "last_scale": last_scale(view),
+                "ratio": ratio.status.model_copy(update={"current": serving}),
+            }
+        )
         actions += ratio.notices  # said once: the next pass reads the new target
         conditions = status.recovering(conditions, healing.recovering)
     ready = derived.ready and not healing.recovering
     return Plan(actions, out, conditions, ready, recheck_after=_recheck_after(view, out))
 
 
-def _recheck_after(view: GroupView, status: Mapping[str, Any]) -> float | None:
+def _recheck_after(view: GroupView, status: PDGroupStatus) -> float | None:
     """Seconds until this plan is due to change with nothing else happening: the ratio
     policy's window ends (its decision is taken then, not at the next resync)."""
     due: list[float] = []
-    ratio = status.get("ratio") or {}
-    window = ratio.get("window")
+    window = status.ratio.window if status.ratio is not None else None
     policy = view.spec.ratio_policy
-    if policy.mode is not RatioMode.FIXED and isinstance(window, Mapping) and "start" in window:
-        due.append(float(window["start"]) + policy.window_seconds - view.now)
+    if policy.mode is not RatioMode.FIXED and window is not None and window.start is not None:
+        due.append(float(window.start) + policy.window_seconds - view.now)
     return max(0.0, min(due)) if due else None
 
 

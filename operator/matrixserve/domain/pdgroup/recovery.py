@@ -40,11 +40,12 @@ import dataclasses
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Any
 
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.rfc3339 import format as rfc3339
+from matrixserve.api.rfc3339 import parse as parse_time
+from matrixserve.api.status import FaultStatus, OptionStatus, RecoveryRecord
 from matrixserve.domain import recovery as rc
 from matrixserve.domain import scaleout as so
 from matrixserve.domain.observed import Fault, FaultKind, Tier
@@ -69,21 +70,6 @@ DEADLINE_FLOOR_SECONDS = 60.0
 # was not cleared by verifying it again, and is planned for as a port that is down.
 RELINK_DEADLINE_SECONDS = 15.0
 FAULT_PREFIX = "fault: "  # a removal marker's reason when recovery wrote it
-
-
-# --------------------------------------------------------------------------- time
-def rfc3339(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def parse_time(text: Any) -> float | None:
-    """An RFC 3339 time (as :func:`rfc3339` writes) in epoch seconds; None if it is not one."""
-    if not isinstance(text, str) or not text:
-        return None
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 # --------------------------------------------------------------------------- detection
@@ -370,34 +356,31 @@ def _backoff(view: GroupView, names: tuple[str, ...]) -> float:
 class Record:
     """One recovery under way (or just ended), as kept in the status."""
 
-    data: Mapping[str, Any]
+    data: RecoveryRecord
 
     @property
     def instances(self) -> list[str]:
-        return list(self.data.get("plan", {}).get("instances") or []) + list(
-            self.data.get("fault", {}).get("instances") or []
-        )
+        return self.data.planned + self.data.faulty
 
     @property
     def action(self) -> str:
-        return str(self.data.get("plan", {}).get("action") or "")
+        return self.data.action
 
     @property
     def sacrificed(self) -> list[str]:
-        return list(self.data.get("plan", {}).get("sacrificed") or [])
+        return self.data.sacrificed
 
     @property
     def replaced(self) -> list[str]:
         """The instances it takes out to restart or replace (a shrink's given-up prefills
         are not replaced)."""
-        plan = self.data.get("plan", {})
-        if plan.get("action") in (rc.ActionKind.MASK_AND_RETRY, rc.ActionKind.RELINK):
+        if self.action in (rc.ActionKind.MASK_AND_RETRY, rc.ActionKind.RELINK):
             return []
-        return [n for n in plan.get("instances") or [] if n not in self.sacrificed]
+        return [n for n in self.data.planned if n not in self.sacrificed]
 
 
 def records(view: GroupView) -> list[Record]:
-    return [Record(r) for r in view.previous.get("recovering") or [] if isinstance(r, dict)]
+    return [Record(r) for r in view.previous.recovering or []]
 
 
 def sacrificed(view: GroupView) -> set[str]:
@@ -405,36 +388,36 @@ def sacrificed(view: GroupView) -> set[str]:
     return {n for r in records(view) if r.action == rc.ActionKind.SHRINK for n in r.sacrificed}
 
 
-def _record(view: GroupView, plan: rc.Plan, incarnations: Mapping[str, str]) -> dict[str, Any]:
+def _record(view: GroupView, plan: rc.Plan, incarnations: Mapping[str, str]) -> RecoveryRecord:
     fault, chosen = plan.fault, plan.chosen
     assert chosen is not None
-    return {
-        "fault": {
-            "kind": str(fault.kind),
-            "instances": list(fault.instances),
-            "detectedBy": str(fault.tier),
-            "at": rfc3339(fault.since),
-            "detail": fault.detail,
-        }
-        | ({"peer": fault.peer} if fault.peer else {}),
-        "detectedAt": rfc3339(view.now),
-        "detectedAfterSeconds": round(max(0.0, view.now - fault.since), 3),
-        "plan": chosen.as_status() | {"sacrificed": list(chosen.sacrificed)},
-        "alternatives": [o.as_status() for o in plan.alternatives],
-        "podsRestarted": chosen.pods_restarted,
-        "incarnations": dict(incarnations),
-        "phase": "InProgress",
-        "restoredAt": None,
-        "restoredAfterSeconds": None,
-        "deferred": list(plan.deferred),
-    }
+    return RecoveryRecord(
+        fault=FaultStatus(
+            kind=str(fault.kind),
+            instances=list(fault.instances),
+            detected_by=str(fault.tier),
+            at=rfc3339(fault.since),
+            detail=fault.detail,
+            peer=fault.peer or None,
+        ),
+        detected_at=rfc3339(view.now),
+        detected_after_seconds=round(max(0.0, view.now - fault.since), 3),
+        plan=OptionStatus.model_validate(
+            chosen.as_status() | {"sacrificed": list(chosen.sacrificed)}
+        ),
+        alternatives=[OptionStatus.model_validate(o.as_status()) for o in plan.alternatives],
+        pods_restarted=chosen.pods_restarted,
+        incarnations=dict(incarnations),
+        phase="InProgress",
+        deferred=list(plan.deferred),
+    )
 
 
 def _restored(view: GroupView, roce_map: zl.RoceMap | None, record: Record) -> bool:
     members = _members(roce_map)
     action = record.action
-    back = record.data.get("plan", {}).get("instances") or record.data["fault"]["instances"]
-    old = record.data.get("incarnations") or {}
+    back = record.data.planned or record.data.faulty
+    old = record.data.incarnations or {}
     for name in back:
         if name in record.sacrificed:
             continue
@@ -449,9 +432,9 @@ def _restored(view: GroupView, roce_map: zl.RoceMap | None, record: Record) -> b
         prefill = roce_map is not None and roce_map.role_of(name) is zl.Role.PREFILL
         if prefill and name not in view.zk.entrances:
             return False
-    fault = record.data.get("fault") or {}
-    if fault.get("kind") == FaultKind.LINK and fault.get("peer"):
-        ends = [*(fault.get("instances") or []), str(fault["peer"])]
+    fault = record.data.fault
+    if fault is not None and fault.kind == FaultKind.LINK and fault.peer:
+        ends = [*(fault.instances or []), fault.peer]
         if any(_blocked(view, a, b) for a in ends for b in ends if a != b):
             return False  # the sub-link still probes blocked (a relink that did not clear it)
     return True
@@ -481,8 +464,8 @@ def _blocked(view: GroupView, prober: str, peer: str) -> bool:
 @dataclass
 class RecoveryPass:
     actions: list[Action] = field(default_factory=list)
-    recovering: list[dict[str, Any]] = field(default_factory=list)
-    last: dict[str, Any] | None = None
+    recovering: list[RecoveryRecord] = field(default_factory=list)
+    last: RecoveryRecord | None = None
     deferred: set[str] = field(default_factory=set)  # faulty, masked, waiting under the cap
     # Instances the pass takes out of the map (a replacement's logical removal is seen by
     # membership through the removal marker; a group restart releases every pod).
@@ -491,15 +474,16 @@ class RecoveryPass:
 
 def recover(view: GroupView, roce_map: zl.RoceMap | None) -> RecoveryPass:
     """Finish the recoveries that are done, then plan for each new fault (pure)."""
-    out = RecoveryPass(last=dict(view.previous.get("lastRecovery") or {}) or None)
+    last = view.previous.last_recovery
+    out = RecoveryPass(last=last if last is not None and last.dump() else None)
     held: set[str] = set()  # not planned for again (damping): under recovery or given up
     replacing: set[str] = set()  # out for a replacement or restart: what the cap counts
-    deferred_before = set(view.previous.get("deferred") or [])
+    deferred_before = set(view.previous.deferred or [])
     relinked_in_vain = _relinked_in_vain(out.last)
     for record in records(view):
-        data = dict(record.data)
-        started = parse_time(data.get("detectedAt")) or view.now
-        predicted = float(data.get("plan", {}).get("predictedRestoreSeconds") or 0.0)
+        data = record.data
+        started = parse_time(data.detected_at) or view.now
+        predicted = float((data.plan.predicted_restore_seconds if data.plan else None) or 0.0)
         floor = (
             RELINK_DEADLINE_SECONDS
             if record.action == rc.ActionKind.RELINK
@@ -507,16 +491,18 @@ def recover(view: GroupView, roce_map: zl.RoceMap | None) -> RecoveryPass:
         )
         deadline = max(floor, DEADLINE_FACTOR * predicted)
         if _restored(view, roce_map, record):
-            data |= {
-                "phase": "Restored",
-                "restoredAt": rfc3339(view.now),
-                "restoredAfterSeconds": round(view.now - started, 3),
-            }
+            data = data.model_copy(
+                update={
+                    "phase": "Restored",
+                    "restored_at": rfc3339(view.now),
+                    "restored_after_seconds": round(view.now - started, 3),
+                }
+            )
             out.actions.append(ReportRecovery("Recovered", _summary(data, "restored"), record=data))
             out.last = data
             continue
         if view.now - started > deadline:
-            data |= {"phase": "Failed"}
+            data = data.model_copy(update={"phase": "Failed"})
             out.actions.append(
                 ReportRecovery(
                     "RecoveryFailed",
@@ -527,7 +513,7 @@ def recover(view: GroupView, roce_map: zl.RoceMap | None) -> RecoveryPass:
             )
             out.last = data
             if record.action == rc.ActionKind.RELINK:
-                relinked_in_vain.update(record.data["fault"]["instances"])
+                relinked_in_vain.update(record.data.faulty)
             continue
         out.recovering.append(data)
         held.update(record.instances)
@@ -587,13 +573,11 @@ def recover(view: GroupView, roce_map: zl.RoceMap | None) -> RecoveryPass:
     return out
 
 
-def _relinked_in_vain(last: Mapping[str, Any] | None) -> set[str]:
+def _relinked_in_vain(last: RecoveryRecord | None) -> set[str]:
     """The instances whose latest recovery was a relink that failed (their link still blocked)."""
-    if not last or last.get("phase") != "Failed":
+    if last is None or last.phase != "Failed" or last.action != rc.ActionKind.RELINK:
         return set()
-    if (last.get("plan") or {}).get("action") != rc.ActionKind.RELINK:
-        return set()
-    return set((last.get("fault") or {}).get("instances") or [])
+    return set(last.faulty)
 
 
 def _detected(view: GroupView, fault: Fault) -> ReportRecovery:
@@ -605,24 +589,24 @@ def _detected(view: GroupView, fault: Fault) -> ReportRecovery:
     )
 
 
-def _summary(data: Mapping[str, Any], what: str) -> str:
-    plan = data.get("plan", {})
-    fault = data.get("fault", {})
+def _summary(data: RecoveryRecord, what: str) -> str:
+    plan = data.plan or OptionStatus()
+    fault = data.fault or FaultStatus()
     text = (
-        f"{plan.get('action')} of {', '.join(plan.get('instances') or []) or 'nothing'} "
-        f"for a {fault.get('kind')} fault on {', '.join(fault.get('instances') or [])}: {what}"
+        f"{plan.action} of {', '.join(plan.instances or []) or 'nothing'} "
+        f"for a {fault.kind} fault on {', '.join(fault.instances or [])}: {what}"
     )
     if what == "planned":
         others = ", ".join(
-            f"{o['action']} {o['cost']}{'' if o['feasible'] else ' (infeasible)'}"
-            for o in data.get("alternatives") or []
+            f"{o.action} {o.cost}{'' if o.feasible else ' (infeasible)'}"
+            for o in data.alternatives or []
         )
         text += (
-            f" (predicted {plan.get('predictedRestoreSeconds')} s, cost {plan.get('cost')}; "
+            f" (predicted {plan.predicted_restore_seconds} s, cost {plan.cost}; "
             f"considered: {others})"
         )
-    if data.get("restoredAfterSeconds") is not None:
-        text += f" after {data['restoredAfterSeconds']} s"
+    if data.restored_after_seconds is not None:
+        text += f" after {data.restored_after_seconds} s"
     return text
 
 

@@ -28,28 +28,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import RatioMode
+from matrixserve.api.status import RatioStatus, RatioWindow, Split
 from matrixserve.domain import ratio
-from matrixserve.domain.conditions import is_true
 from matrixserve.domain.pdgroup import recovery
 from matrixserve.domain.pdgroup.actions import Action, ReportRatioChange
 from matrixserve.domain.pdgroup.membership import DRAIN_SECONDS, RoleCounts
 from matrixserve.domain.pdgroup.validation import model_facts, ratio_bounds
 from matrixserve.domain.pdgroup.view import GroupView
-from matrixserve.domain.ratio import Split
 
-# A window's figures need this many requests through each role (fewer say nothing).
-LEAST_REQUESTS = 5
 # [design] A move that has not arrived after this long is given up (back to the split it left):
 # a drain's bound, and as long again for the new instance to start.
 WALK_SECONDS = 2 * DRAIN_SECONDS
-# [design] Model goes back to the split it just left only for this many times its margin, within
-# this many cooldowns of leaving it.
-RETURN_MARGINS = 3
-RETURN_COOLDOWNS = 3
 # [design] what a split served is remembered this many windows (or cooldowns, the longer) at most
 MEMORY_WINDOWS = 20
 
@@ -59,7 +51,7 @@ class RatioPass:
     """This pass's counts, ``status.ratio``, and the Event of a change (if one was decided)."""
 
     counts: RoleCounts
-    status: dict[str, Any]
+    status: RatioStatus
     notices: list[Action] = field(default_factory=list)
 
 
@@ -85,20 +77,16 @@ def steady(view: GroupView) -> bool:
     return (
         view.zk.connected
         and roce_map is not None
-        and is_true(view.previous, "Ready")
+        and view.previous.is_true("Ready")
         and not recovery.records(view)
         and all(view.healthy(e.instance) for e in [*roce_map.prefill, *roce_map.decode])
         and not any(e.instance in view.zk.removed for e in [*roce_map.prefill, *roce_map.decode])
     )
 
 
-def _split(text: Any) -> Split | None:
-    if not isinstance(text, str):
-        return None
-    try:
-        return Split.parse(text)
-    except ValueError:
-        return None
+def _whole(split: Split | None) -> Split | None:
+    """A split a policy may have targeted (each role an instance), else None."""
+    return split if split is not None and split.whole else None
 
 
 def _members(view: GroupView) -> dict[str, str]:
@@ -130,30 +118,23 @@ def _sums(view: GroupView, members: Mapping[str, str]) -> tuple[zl.Load, zl.Load
     return ratio.load_sum(loads(zl.Role.PREFILL)), ratio.load_sum(loads(zl.Role.DECODE))
 
 
-def _window(view: GroupView, members: Mapping[str, str]) -> dict[str, Any]:
+def _window(view: GroupView, members: Mapping[str, str]) -> RatioWindow:
     prefill, decode = _sums(view, members)
-    return {
-        "start": view.now,
+    return RatioWindow(
+        start=view.now,
         # a list (a merge patch replaces it whole; a map would keep a member that left)
-        "members": _member_list(members),
-        "prefill": prefill.model_dump(by_alias=True),
-        "decode": decode.model_dump(by_alias=True),
-    }
-
-
-def _load(raw: Any) -> zl.Load | None:
-    try:
-        return zl.Load.model_validate(raw) if isinstance(raw, dict) else None
-    except ValueError:
-        return None
+        members=_member_list(members),
+        prefill=prefill,
+        decode=decode,
+    )
 
 
 def _window_end(
-    view: GroupView, window: Mapping[str, Any], members: Mapping[str, str]
+    view: GroupView, window: RatioWindow, members: Mapping[str, str]
 ) -> tuple[zl.Load, zl.Load] | None:
     """What the prefills and the decodes served over the window (its start's counters against
     now's, the same members); None if the start is unreadable or a counter went back."""
-    p0, d0 = _load(window.get("prefill")), _load(window.get("decode"))
+    p0, d0 = window.prefill, window.decode
     if p0 is None or d0 is None:
         return None
     p1, d1 = _sums(view, members)
@@ -177,29 +158,27 @@ def ratio_pass(view: GroupView) -> RatioPass:
     if not rp.total_driven:
         return RatioPass(
             RoleCounts(spec_split.prefill, spec_split.decode),
-            {
-                "target": str(spec_split),
-                "policy": str(rp.mode),
-                "reason": "Fixed policy: the spec's replicas",
-            },
+            RatioStatus(
+                target=spec_split, policy=rp.mode, reason="Fixed policy: the spec's replicas"
+            ),
         )
-    said: Mapping[str, Any] = view.previous.get("ratio") or {}
+    said = view.previous.ratio or RatioStatus()
     # what the status says under another policy is not this one's
-    prev = said if said.get("policy") == str(rp.mode) else {}
+    prev = said if said.policy == rp.mode else RatioStatus()
     total = spec_split.total
     bounds = ratio_bounds(spec)
     serving = serving_split(view)
     is_steady = steady(view)
-    target = _split(prev.get("target"))
-    last_change = recovery.parse_time(prev.get("lastChangeTime"))
-    reason = str(prev.get("reason") or "")
-    numbers: dict[str, Any] = dict(prev.get("numbers") or {})
-    feedback = ratio.FeedbackState.from_status(prev.get("feedback"))
+    target = _whole(prev.target)
+    last_change = prev.last_change_time
+    reason = prev.reason or ""
+    numbers: dict[str, float] = dict(prev.numbers or {})
+    feedback = ratio.FeedbackState.from_status(prev.feedback)
     notices: list[Action] = []
     old_target = target
-    left = _split(prev.get("from"))  # the split the last move left
-    reached = recovery.parse_time(prev.get("reachedTime"))
-    history = ratio.History.from_status(prev.get("history"))
+    left = _whole(prev.from_)  # the split the last move left
+    reached = prev.reached_time
+    history = ratio.History.from_status(prev.history)
 
     # the target: kept while it is a split of the total within the bounds
     if target is None or target.total != total or not bounds.allows(target):
@@ -251,33 +230,39 @@ def ratio_pass(view: GroupView) -> RatioPass:
 
     # the window, and a decision at its end
     members = _members(view)
-    window = prev.get("window")
-    capacity: dict[str, Any] = {
-        k: prev[k] for k in ("phi", "prefillCapacity", "decodeCapacity", "bottleneck") if k in prev
-    }
+    window = prev.window
+    # the figures of the last window that gave some, until another does
+    capacity = RatioStatus(
+        phi=prev.phi,
+        prefill_capacity=prev.prefill_capacity,
+        decode_capacity=prev.decode_capacity,
+        bottleneck=prev.bottleneck,
+    )
     if (
         not is_steady
         or serving != target
-        or not isinstance(window, dict)
-        or window.get("members") != _member_list(members)
+        or window is None
+        or window.members != _member_list(members)
     ):
         window = _window(view, members)
-    elif view.now - float(window.get("start") or 0) >= rp.window_seconds:
+    elif view.now - (window.start or 0.0) >= rp.window_seconds:
         observed = _window_end(view, window, members)
         if observed is not None:
             dp, dd = observed
             # the prefills' slot capacity over the window, in emulated seconds
-            emulated = (view.now - float(window["start"])) * float(view.engine.time_scale)
+            emulated = (view.now - (window.start or 0.0)) * float(view.engine.time_scale)
             capacity_s = emulated * serving.prefill * spec.prefill.batch_size
-            params = _feedback_params(rp)
-            signal = ratio.signal_of(dp, dd, LEAST_REQUESTS, capacity_s, emulated)
+            params = ratio.feedback_params(rp)
+            signal = ratio.signal_of(dp, dd, ratio.LEAST_REQUESTS, capacity_s, emulated)
             saturated = signal is not None and ratio.Feedback(params, bounds).saturated(signal)
             history = history.observe(
                 serving,
-                ratio.mix_of(dp, dd) if min(dp.prefilled, dd.decoded) >= LEAST_REQUESTS else None,
+                ratio.mix_of(dp, dd)
+                if min(dp.prefilled, dd.decoded) >= ratio.LEAST_REQUESTS
+                else None,
                 signal,
                 saturated,
-                _batch_point(dd),
+                ratio.batch_point(dd),
                 params.windows,
                 now=view.now,
                 max_age=MEMORY_WINDOWS * max(rp.window_seconds, rp.cooldown_seconds),
@@ -287,27 +272,18 @@ def ratio_pass(view: GroupView) -> RatioPass:
                 dp,
                 dd,
                 spec.decode.batch_size,
-                LEAST_REQUESTS,
+                ratio.LEAST_REQUESTS,
                 kv_share=facts.kv_bytes_per_token / facts.weight_bytes if facts else None,
                 others=history.points(besides=serving),
             )
             if figures is not None:
                 capacity = ratio.capacity(figures, serving).as_status()
             since = max((t for t in (last_change, reached) if t is not None), default=None)
-            decided = _decide(
-                view,
+            decided = ratio.decide(
                 rp,
-                params,
                 bounds,
-                serving,
-                total,
-                figures,
-                signal,
-                dp,
-                dd,
-                feedback,
-                since,
-                left,
+                ratio.Window(serving, total, dp, dd, figures, signal, view.now),
+                ratio.RatioMemory(feedback, since, left),
             )
             if decided is not None:
                 decision, feedback = decided
@@ -327,7 +303,7 @@ def ratio_pass(view: GroupView) -> RatioPass:
                     if worse is not None:
                         reason = f"{decision.reason}; not moved: {worse}"
                         if rp.mode is RatioMode.FEEDBACK:
-                            feedback = _held(feedback, serving, decision.target, view.now)
+                            feedback = ratio.held(feedback, serving, decision.target, view.now)
                     elif refusal is not None:
                         reason = f"{decision.reason}; held at {serving}: {refusal}"
                         if not history.flap_said:
@@ -341,7 +317,7 @@ def ratio_pass(view: GroupView) -> RatioPass:
                             )
                             history = replace(history, flap_said=True)
                         if rp.mode is RatioMode.FEEDBACK:
-                            feedback = _held(feedback, serving, decision.target, view.now)
+                            feedback = ratio.held(feedback, serving, decision.target, view.now)
                     else:
                         notices.append(
                             ReportRatioChange(
@@ -360,110 +336,24 @@ def ratio_pass(view: GroupView) -> RatioPass:
     elif is_steady or serving.total != target.total:
         counts = ratio.next_step(serving, target, ratio.Transition(str(rp.transition)))
     else:
-        counts = _split(prev.get("desired")) or target
+        counts = _whole(prev.desired) or target
     if old_target is not None and target != old_target and not notices:
         notices.append(ReportRatioChange(f"{_moving(old_target, target)}: {reason}"))
-    out: dict[str, Any] = {
-        "target": str(target),
-        "desired": str(counts),
-        "policy": str(rp.mode),
-        "reason": reason,
-        "numbers": numbers,
-        "window": window,
-        **capacity,
-    }
-    if last_change is not None:
-        out["lastChangeTime"] = recovery.rfc3339(last_change)
-    if reached is not None:
-        out["reachedTime"] = recovery.rfc3339(reached)
-    if left is not None:
-        out["from"] = str(left)
-    if rp.mode is RatioMode.FEEDBACK:
-        out["feedback"] = feedback.to_status()
-    out["history"] = history.to_status()
-    return RatioPass(RoleCounts(counts.prefill, counts.decode), out, notices)
-
-
-def _feedback_params(rp: Any) -> ratio.FeedbackParams:
-    tuning = rp.feedback
-    return ratio.FeedbackParams(
-        e2e_rise=tuning.e2e_rise,
-        share_delta=tuning.tp_share_delta,
-        rejection=tuning.rejection,
-        kv_wait=tuning.kv_wait,
-        slots_full=tuning.slots_full,
-        windows=tuning.windows,
-        improve=tuning.improve,
-        cooldown=float(rp.cooldown_seconds),
+    out = RatioStatus(
+        target=target,
+        desired=counts,
+        policy=rp.mode,
+        reason=reason,
+        numbers=numbers,
+        window=window,
+        phi=capacity.phi,
+        prefill_capacity=capacity.prefill_capacity,
+        decode_capacity=capacity.decode_capacity,
+        bottleneck=capacity.bottleneck,
+        last_change_time=last_change,
+        reached_time=reached,
+        from_=left,
+        feedback=feedback.to_status() if rp.mode is RatioMode.FEEDBACK else None,
+        history=history.to_status(),
     )
-
-
-def _batch_point(decode: zl.Load) -> ratio.BatchPoint | None:
-    """The decodes' mean batch and TPOT over a window (None: an engine that does not count)."""
-    if not decode.iterations or not decode.tokens:
-        return None
-    return ratio.BatchPoint(decode.batch_sum / decode.iterations, decode.tpot_s / decode.tokens)
-
-
-def _held(
-    state: ratio.FeedbackState, serving: Split, target: Split, now: float
-) -> ratio.FeedbackState:
-    """The feedback rule after the walk held a move that would flap: settled where it is, the
-    role it asked for refuted (the saturation alarms no longer ask for it until the load
-    changes), a fresh baseline and a cooldown."""
-    role = ratio.PREFILL if target.prefill > serving.prefill else ratio.DECODE
-    return ratio.FeedbackState(last_change=now, refuted=tuple(sorted({*state.refuted, role})))
-
-
-def _decide(
-    view: GroupView,
-    rp: Any,
-    params: ratio.FeedbackParams,
-    bounds: ratio.Bounds,
-    serving: Split,
-    total: int,
-    figures: ratio.Figures | None,
-    signal: ratio.Signal | None,
-    prefill: zl.Load,
-    decode: zl.Load,
-    feedback: ratio.FeedbackState,
-    last_change: float | None,
-    left: Split | None,
-) -> tuple[ratio.Decision, ratio.FeedbackState] | None:
-    """The policy's decision on a window, or None when the window says too little. ``left``:
-    the split the last move left; Model goes back to it within ``RETURN_COOLDOWNS`` cooldowns
-    only for ``RETURN_MARGINS`` times its margin (its capacities are estimates)."""
-    if rp.mode is RatioMode.MODEL:
-        if figures is None:
-            return (
-                ratio.Decision(
-                    serving,
-                    False,
-                    f"too few requests in the window ({prefill.prefilled} prefilled, "
-                    f"{decode.decoded} decoded; {LEAST_REQUESTS} each needed)",
-                ),
-                feedback,
-            )
-        decision = ratio.model_target(figures, total, bounds, serving, rp.margin)
-        if not decision.changed:
-            return decision, feedback
-        if last_change is not None and view.now - last_change < rp.cooldown_seconds:
-            return ratio.Decision(
-                serving, False, f"{decision.reason}; cooling down", decision.numbers
-            ), feedback
-        step = ratio.toward(serving, decision.target, rp.step, bounds)
-        recent = last_change is not None and (
-            view.now - last_change < RETURN_COOLDOWNS * rp.cooldown_seconds
-        )
-        now_cap = float(decision.numbers.get("capacityNow") or 0.0)
-        best_cap = float(decision.numbers.get("capacityTarget") or 0.0)
-        if step == left and recent and best_cap <= now_cap * (1 + RETURN_MARGINS * rp.margin):
-            why = (
-                f"{decision.reason}; not back to {left}, left less than "
-                f"{RETURN_COOLDOWNS} cooldowns ago, for less than {RETURN_MARGINS * rp.margin:.0%}"
-            )
-            return ratio.Decision(serving, False, why, decision.numbers), feedback
-        return ratio.Decision(step, step != serving, decision.reason, decision.numbers), feedback
-    if signal is None:
-        return None
-    return ratio.Feedback(params, bounds).decide(feedback, signal, serving, total, view.now)
+    return RatioPass(RoleCounts(counts.prefill, counts.decode), out, notices)

@@ -10,13 +10,21 @@ The conditions follow the Kubernetes conventions (``matrixserve.domain.condition
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.status import (
+    InstanceStatus,
+    LinksStatus,
+    OptionStatus,
+    PDGroupStatus,
+    RatioStatus,
+    RecoveryRecord,
+    RoleStatus,
+    Split,
+)
 from matrixserve.domain.conditions import Condition
-from matrixserve.domain.conditions import find as conditions_find
 from matrixserve.domain.enginepod import FIRST_PROBE_GRACE_SECONDS
 from matrixserve.domain.pdgroup.actions import (
     Action,
@@ -31,25 +39,8 @@ from matrixserve.domain.pdgroup.view import GroupView
 
 
 @dataclass(frozen=True)
-class InstanceRow:
-    name: str
-    role: str
-    pod: str
-    node: str
-    superpod: str
-    roce_ips: tuple[str, ...]
-    state: str
-    endpoint: str = ""  # podIP:port of its engine, as reported (the gateway's fallback route)
-
-    def to_status(self) -> dict[str, Any]:
-        row = asdict(self)
-        row["roceIps"] = list(row.pop("roce_ips"))
-        return row
-
-
-@dataclass(frozen=True)
 class GroupStatus:
-    status: dict[str, Any]
+    status: PDGroupStatus
     conditions: list[Condition]
     ready: bool
 
@@ -91,7 +82,7 @@ def serving_since(view: GroupView, health: zl.Health) -> float:
 
 def instance_rows(
     view: GroupView, desired: Mapping[str, zl.Role], roce_map: zl.RoceMap | None
-) -> list[InstanceRow]:
+) -> list[InstanceStatus]:
     """One row per instance that is desired, has pods, or is in the map."""
     in_map = {e.instance for e in (*roce_map.prefill, *roce_map.decode)} if roce_map else set()
     rows = []
@@ -105,13 +96,13 @@ def instance_rows(
             or (role_of(pod) if pod else None)
         )
         rows.append(
-            InstanceRow(
+            InstanceStatus(
                 name=name,
                 role="prefill" if role is zl.Role.PREFILL else "decode",
                 pod=pod.name if pod else "",
                 node=(pod.node or "") if pod else "",
                 superpod=(pod.superpod or "") if pod else "",
-                roce_ips=tuple(report.roce_ips) if report else (),
+                roce_ips=list(report.roce_ips) if report else [],
                 state=instance_state(view, name, roce_map),
                 endpoint=f"{report.pod_ip}:{report.port}" if report else "",
             )
@@ -169,7 +160,24 @@ def coordinated(blocked: str | None, reason: str = "ZooKeeperUnreachable") -> Co
     return Condition(COORDINATED, False, reason, blocked)
 
 
-HELD = ("roceMapVersion", "links", "instances", "entrances", "prefill", "decode")
+def _reason(status: PDGroupStatus, kind: str) -> str | None:
+    found = status.condition(kind)
+    return found.reason if found is not None else None
+
+
+def _kept(status: PDGroupStatus) -> bool:
+    """The status has what the gateway routes by and ``kubectl`` shows of the members."""
+    return all(
+        part is not None
+        for part in (
+            status.roce_map_version,
+            status.links,
+            status.instances,
+            status.entrances,
+            status.prefill,
+            status.decode,
+        )
+    )
 
 
 def hold(
@@ -185,17 +193,14 @@ def hold(
     not Ready makes ``Ready`` False. None when there is no complete status to keep (nothing
     known yet, or only an ``InvalidSpec`` one)."""
     previous = view.previous
-    if (
-        any(k not in previous for k in HELD)
-        or conditions_find(previous, "Ready").get("reason") == "InvalidSpec"
-    ):
+    if not _kept(previous) or _reason(previous, "Ready") == "InvalidSpec":
         return None
     conditions = [
-        Condition(c["type"], c.get("status") == "True", c.get("reason", ""), c.get("message", ""))
-        for c in previous.get("conditions") or []
-        if c.get("type") not in (COORDINATED, "Ready")
+        Condition(c.type, c.true, c.reason or "", c.message or "")
+        for c in previous.conditions or []
+        if c.type not in (COORDINATED, "Ready")
     ]
-    ready = conditions_find(previous, "Ready").get("status") == "True"
+    ready = previous.is_true("Ready")
     down = sorted(
         name
         for name in desired
@@ -206,13 +211,17 @@ def hold(
             "Ready", False, reason, f"{', '.join(down)} not Ready; {blocked}"
         )
     else:
-        old = conditions_find(previous, "Ready")
+        old = previous.condition("Ready")
         ready_condition = Condition(
-            "Ready", ready, old.get("reason", reason), old.get("message", blocked)
+            "Ready",
+            ready,
+            old.reason if old is not None and old.reason is not None else reason,
+            old.message if old is not None and old.message is not None else blocked,
         )
-    kept = {k: v for k, v in previous.items() if k != "conditions"}
     return GroupStatus(
-        kept, [*conditions, ready_condition, coordinated(blocked, reason)], ready and not down
+        previous.without_conditions(),
+        [*conditions, ready_condition, coordinated(blocked, reason)],
+        ready and not down,
     )
 
 
@@ -269,21 +278,15 @@ def derive(
     # The group has served (its entrances opened, now or in its last status, or it is degraded
     # already) and now cannot as it should; during the first setup it is only SettingUp.
     opened = zk.decode_meta is not None and (
-        bool(zk.entrances)
-        or bool(view.previous.get("entrances"))
-        or conditions_find(view.previous, "Degraded").get("status") == "True"
+        bool(zk.entrances) or bool(view.previous.entrances) or view.previous.is_true("Degraded")
     )
     no_decode = opened and bool(members_d) and not (serving & set(members_d))
     # Recovering (issue 31), not SettingUp: an instance that served (the last status says so)
     # and is wanted serves no more, until the group is Ready again; a scale-out sets up
-    was_serving = {
-        str(i.get("name"))
-        for i in view.previous.get("instances") or []
-        if isinstance(i, dict) and i.get("state") == "Serving"
-    }
+    was_serving = {i.name for i in view.previous.instances or [] if i.state == "Serving"}
     recovering_now = opened and (
         bool((was_serving & set(desired)) - serving)
-        or conditions_find(view.previous, "Ready").get("reason") == "Recovering"
+        or _reason(view.previous, "Ready") == "Recovering"
     )
     degraded = opened and (bool(unhealthy) or no_decode)
     if no_decode:
@@ -338,42 +341,34 @@ def derive(
             else (blocked or progress),
         ),
     ]
-    status = {
-        "observedGeneration": view.generation,
-        "selector": f"{kinds.LABEL_GROUP}={view.name},{kinds.LABEL_ROLE}=decode",
-        "prefill": {"replicas": n_p, "ready": ready_p, "summary": f"{ready_p}/{n_p}"},
-        "decode": {"replicas": n_d, "ready": ready_d, "summary": f"{ready_d}/{n_d}"},
-        "instances": [i.to_status() for i in rows],
-        "roceMapVersion": roce_map.version if roce_map else 0,
-        "links": {
-            "expected": expected_links,
-            "verified": verified,
-            "summary": f"{verified}/{expected_links}",
-        },
-        "entrances": entrances,
-        "ratio": {
-            "current": f"{ready_p}:{ready_d}",
-            "target": f"{n_p}:{n_d}",
-            "reason": f"{view.spec.ratio_policy.mode} policy",
-        },
-    }
+    status = PDGroupStatus(
+        observed_generation=view.generation,
+        selector=f"{kinds.LABEL_GROUP}={view.name},{kinds.LABEL_ROLE}=decode",
+        prefill=RoleStatus(replicas=n_p, ready=ready_p, summary=f"{ready_p}/{n_p}"),
+        decode=RoleStatus(replicas=n_d, ready=ready_d, summary=f"{ready_d}/{n_d}"),
+        instances=rows,
+        roce_map_version=roce_map.version if roce_map else 0,
+        links=LinksStatus(
+            expected=expected_links, verified=verified, summary=f"{verified}/{expected_links}"
+        ),
+        entrances=entrances,
+        ratio=RatioStatus(
+            current=Split(ready_p, ready_d),
+            target=Split(n_p, n_d),
+            reason=f"{view.spec.ratio_policy.mode} policy",
+        ),
+    )
     return GroupStatus(status, conditions, ready)
 
 
 def recovering(
-    conditions: Sequence[Condition], records: Sequence[Mapping[str, Any]]
+    conditions: Sequence[Condition], records: Sequence[RecoveryRecord]
 ) -> list[Condition]:
     """``Degraded`` while a recovery is under way (capacity short: issue 17), saying which; a
     ``Ready=False`` that would say ``SettingUp`` says ``Recovering`` then (issue 31)."""
     if not records:
         return list(conditions)
-    what = "; ".join(
-        f"{r.get('plan', {}).get('action')} of "
-        f"{', '.join(r.get('plan', {}).get('instances') or []) or 'nothing'} for a "
-        f"{r.get('fault', {}).get('kind')} fault (predicted "
-        f"{r.get('plan', {}).get('predictedRestoreSeconds')} s)"
-        for r in records
-    )
+    what = "; ".join(_under_way(r) for r in records)
 
     def during(c: Condition) -> Condition:
         if c.type == "Degraded":
@@ -383,3 +378,12 @@ def recovering(
         return c
 
     return [during(c) for c in conditions]
+
+
+def _under_way(record: RecoveryRecord) -> str:
+    plan = record.plan or OptionStatus()
+    kind = record.fault.kind if record.fault is not None else None
+    return (
+        f"{plan.action} of {', '.join(plan.instances or []) or 'nothing'} for a {kind} fault "
+        f"(predicted {plan.predicted_restore_seconds} s)"
+    )

@@ -7,11 +7,11 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
 
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec, WarmClaim
+from matrixserve.api.status import PDGroupStatus
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.observed import InstanceView, NodeView, PodView, group_instances
 from matrixserve.domain.pdgroup.pods import pod_names, role_of
@@ -51,7 +51,7 @@ class GroupView:
     uid: str  # the PDGroup's, for its pods' owner reference
     engine: EngineSettings
     # The status the object has now: what was last known, kept while ZooKeeper is out of reach.
-    previous: Mapping[str, Any] = field(default_factory=dict)
+    previous: PDGroupStatus = field(default_factory=PDGroupStatus)
     # Pods that hold one of the group's pod names and are not the group's: name -> whose.
     foreign: Mapping[str, str] = field(default_factory=dict)
     # The servers the scheduler may place on (read for recovery: free NPUs), by name.

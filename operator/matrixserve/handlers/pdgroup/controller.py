@@ -20,6 +20,7 @@ from matrixserve.adapters.zk_groups import GroupStore
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
+from matrixserve.api.status import PDGroupStatus
 from matrixserve.domain import pdgroup as pd
 from matrixserve.domain.effects import Effect, Event, PodCreation
 from matrixserve.domain.enginepod import (
@@ -133,7 +134,7 @@ class PDGroups:
             now=time.time(),
             uid=meta["uid"],
             engine=rt.engine,
-            previous=body.get("status") or {},
+            previous=PDGroupStatus.read(body.get("status")),
             foreign=foreign,
             nodes=nodes,
         )
