@@ -301,3 +301,24 @@ def test_model_does_not_swing_back_to_the_split_it_just_left() -> None:
         group(s, names(3, 1), now=T0 + 100, previous={"ratio": long_ago}, shape=shape)
     )
     assert back.status["target"] == "2:2"
+
+
+def test_a_plan_asks_to_be_looked_at_when_its_window_ends_and_a_held_one_asks_nothing() -> None:
+    """``recheck_after``: a group under a ratio policy is due again when its window ends; a
+    pass that starts a window asks for its whole length; a held status (ZooKeeper away) keeps
+    an old window and asks nothing (no pass every instant while ZooKeeper is away)."""
+    from dataclasses import replace
+
+    from matrixserve.domain import pdgroup
+
+    s = spec(2, 2, mode="Feedback", windowSeconds=30)
+    first = pdgroup.plan(group(s, names(2, 2), now=T0, previous=READY))
+    assert first.status["ratio"]["window"]["start"] == T0
+    assert first.recheck_after == 30
+    later = group(s, names(2, 2), now=T0 + 12, previous=first.status.dump())
+    assert pdgroup.plan(later).recheck_after == 18
+    away = replace(later, now=T0 + 100, zk=replace(later.zk, connected=False))
+    assert pdgroup.plan(away).status["ratio"]["window"]["start"] == T0  # the last known kept
+    assert pdgroup.plan(away).recheck_after is None
+    fixed = group(spec(2, 2), names(2, 2), now=T0, previous=READY)
+    assert pdgroup.plan(fixed).recheck_after is None  # Fixed observes no window

@@ -471,3 +471,26 @@ def test_a_field_nothing_reads_is_refused_saying_what_works(
 @pytest.mark.parametrize("parallelism", [{"dp": 1}, {"tp": 2, "dp": 2}, {"tp": 4, "dp": 1}])
 def test_a_dp_that_is_what_runs_is_accepted(parallelism: dict[str, int]) -> None:
     assert validate_pdgroup(parsed(changed("decode.parallelism", parallelism)), "g") == []
+
+
+async def test_reconcile_reports_a_rule_error_and_a_template_change_together() -> None:
+    """With the webhook off, a spec both invalid by its rules and naming a template its pods do
+    not run is refused with both reasons at once (not the second only once the first is
+    fixed, under a new generation)."""
+    both = changed("decode.replicas", 200, changed("decode.image", "x:2"))
+    api = Api(both, pods_from=parsed(raw()))
+    loop = Reconciler(
+        kinds.PDGROUP,
+        api.kube,
+        OperatorMetrics(),
+        asyncio.get_running_loop(),
+        poster=lambda _body, _event: None,
+    )
+    groups = PDGroups(
+        api.memo.runtime, loop, cast(Any, None), PDGroupMetrics(OperatorMetrics().registry)
+    )
+    await loop.reconcile(groups, "ns", "g", logging.getLogger("test"))
+    status = api.custom.objects[KEY]["status"]
+    (ready,) = [c for c in status["conditions"] if c["type"] == "Ready"]
+    assert "spec.decode.replicas: 400 decode NPUs cannot be placed" in ready["message"]
+    assert 'spec.decode.image: "x:2" differs from' in ready["message"]

@@ -716,3 +716,80 @@ async def test_the_loop_looks_again_when_the_plan_is_due_and_backs_off_over_fail
     assert 1.9 < gaps[1] < 2.6  # a failure: held a second, then 1 s of back-off
     assert 2.9 < gaps[2] < 3.6  # the second in a row: held a second, then 2 s
     assert 0.25 < gaps[3] < 0.8  # a success ends the back-off: due again in 0.3 s
+
+
+async def test_a_store_that_fails_to_arm_is_let_go_and_armed_again_on_a_later_pass() -> None:
+    """ZooKeeper failing midway through arming an object's watches: what was armed is let go
+    (a later arm starts afresh, not on a half-made registration), the pass still runs, and the
+    next pass arms again; the loop's end lets the watches go."""
+    calls: list[str] = []
+
+    class Store:
+        connected = True
+
+        async def arm(self, namespace: str, name: str, wake: Any) -> bool:
+            calls.append("arm")
+            if calls.count("arm") == 1:
+                raise ConnectionError("ZooKeeper lost midway")
+            return True
+
+        def disarm(self, namespace: str, name: str) -> None:
+            calls.append("disarm")
+
+    class Watched:
+        watches = Watches(store=True)
+        store = Store()
+
+    loop = Reconciler(
+        kinds.PDGROUP, cast(KubeAdapter, None), OperatorMetrics(), asyncio.get_running_loop(), 30.0
+    )
+    stopped = Stopped()
+
+    async def one(_: Any, namespace: str, name: str, logger: logging.Logger) -> Outcome:
+        calls.append("pass")
+        if calls.count("pass") == 2:
+            stopped.flag = True
+        return Outcome(busy=True)
+
+    loop.reconcile = one  # type: ignore[method-assign,assignment]
+    await asyncio.wait_for(
+        loop.run(cast(Any, Watched()), "ns", "g", cast(kopf.DaemonStopped, stopped), LOG), 5
+    )
+    assert calls == ["arm", "disarm", "pass", "arm", "pass", "disarm"]
+
+
+async def test_an_independent_effect_is_applied_though_a_pod_creation_fails() -> None:
+    """A pool's host-DRAM plans (an independent znode change) are written even when the pass's
+    pod creation is refused (a quota, an admission webhook): the failure is raised after."""
+    from dataclasses import dataclass, field
+    from typing import ClassVar
+
+    from matrixserve.domain.effects import PodCreation, ZnodeChange
+
+    @dataclass(frozen=True)
+    class Create(PodCreation):
+        manifest: dict[str, Any] = field(default_factory=lambda: {"metadata": {"name": "p"}})
+
+    @dataclass(frozen=True)
+    class Write(ZnodeChange[Any]):
+        independent: ClassVar[bool] = True
+
+    class Kube:
+        pod_policies: tuple[Any, ...] = ()
+
+        async def create_pod(self, namespace: str, manifest: Any) -> bool:
+            raise client.ApiException(status=403, reason="exceeded quota")
+
+    written: list[Any] = []
+
+    class Store:
+        async def apply(self, namespace: str, name: str, change: Any) -> None:
+            written.append(change)
+
+    loop = Reconciler(
+        kinds.WARMPOOL, cast(KubeAdapter, Kube()), OperatorMetrics(), asyncio.get_running_loop()
+    )
+    body = {"metadata": {"namespace": "ns", "name": "wp"}}
+    with pytest.raises(client.ApiException):
+        await loop.apply(body, [Create(), Write()], cast(Any, Store()))
+    assert written == [Write()]

@@ -128,8 +128,8 @@ class WarmStore:
         if not self.connected:
             return False
         await self.ensure(namespace)
+        self._armed[(namespace, pool)] = wake  # first: a watch that fails midway is disarmed
         await self.session.run(self.watch, namespace, wake)
-        self._armed[(namespace, pool)] = wake
         return True
 
     def disarm(self, namespace: str, pool: str) -> None:

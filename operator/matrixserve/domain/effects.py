@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.kinds import Kind
@@ -29,7 +29,11 @@ class Event:
 
 
 class Effect:
-    """Base of every action; ``describe`` is None for bookkeeping nobody needs to read."""
+    """Base of every action; ``describe`` is None for bookkeeping nobody needs to read.
+    ``independent``: applied with the pass's other independent effects (pod creations and
+    claims), before those in the plan's order, and not held back by their failure."""
+
+    independent: ClassVar[bool] = False
 
     def describe(self) -> Event | None:
         return None

@@ -8,7 +8,7 @@ The split follows controller-runtime's ``For(...).Owns(...)`` builder and ``Reco
   object itself, on its pods (a label naming the object), on custom objects it owns (of any
   kind, a label naming the owner), and its ZooKeeper store (armed once per object).
 - a pass: ``parse(body) -> (spec, errors)`` (an invalid spec is reported once per generation and
-  touches nothing); ``observe(body, spec) -> view`` (reads the world; raises :class:`Invalid`
+  touches nothing; ``refused`` adds what the world refuses of it); ``observe(body, spec) -> view`` (reads the world; raises :class:`Invalid`
   for what only the world can refuse, such as a template its pods do not run); ``plan(view)``
   (pure: a value with actions, status, conditions and when to look again); the loop applies the
   actions through its table of appliers, writes the status if it changed, then ``record(body,
@@ -144,6 +144,10 @@ class Controller(Protocol[SpecT, ViewT, PlanT]):
     def store(self) -> Store | None: ...
 
     def parse(self, body: Body) -> tuple[SpecT | None, list[str]]: ...
+
+    async def refused(self, body: Body, spec: SpecT) -> list[str]:
+        """What the world refuses of a spec already invalid by its rules (reported together;
+        ``observe`` raises :class:`Invalid` for the same on a valid one)."""
 
     async def observe(self, body: Body, spec: SpecT, logger: logging.Logger) -> ViewT: ...
 

@@ -11,9 +11,9 @@ daemon (:mod:`.kinds`), for one object:
 - a pass that applied actions (``busy``) is followed by another at once; otherwise it sleeps
   until woken (its object, its pods, objects it owns, its store), its plan's ``recheck_after``
   (a window's end, a cooldown, a deadline) or the resync period, whichever comes first;
-- never dies of a failed pass: the error is counted and logged, and the pass is retried after
-  1, 2, 4, ... seconds (at most :data:`BACKOFF_MAX_SECONDS`) over consecutive failures, or on a
-  wake-up, no sooner than a second after the failure;
+- never dies of a failed pass: the error is counted and logged, the loop holds a second, then
+  waits 1, 2, 4, ... more seconds over consecutive failures (at most :data:`BACKOFF_MAX_SECONDS`,
+  or the resync if longer) unless woken;
 - times every pass (wall and CPU) per kind;
 - passes only while this replica leads (its :class:`Gate`, the Lease election of
   :mod:`.leadership`), and checks it again before every write.
@@ -60,7 +60,7 @@ class Stopped(Protocol):
     def __bool__(self) -> bool: ...
 
 
-BACKOFF_MAX_SECONDS = 300.0  # the longest wait between retries of a failing object
+BACKOFF_MAX_SECONDS = 60.0  # the longest back-off of a failing object (or the resync, if longer)
 RECHECK_MIN_SECONDS = 0.1  # a plan due again "now" is looked at no sooner than this
 
 
@@ -191,6 +191,9 @@ class Reconciler:
                         armed = await self._arm(store, namespace, name)
                     except NotLeading:
                         continue  # deposed meanwhile: the gate above holds it
+                    except Exception as exc:  # what it armed is let go; tried again next pass
+                        store.disarm(namespace, name)
+                        logger.warning("watches of %s/%s not armed: %s", namespace, name, exc)
                 wake.clear()
                 outcome = await self._pass(controller, namespace, name, logger)
                 last = time.monotonic()
@@ -199,7 +202,7 @@ class Reconciler:
                     continue  # actions were applied: look again at once
                 await self._sleep(stopped, wake, last, self.next_pass(outcome, failures))
         finally:
-            if store is not None and armed and self.event_driven:
+            if store is not None and self.event_driven:  # also after an arm that failed midway
                 store.disarm(namespace, name)
             self.wakes.pop(key, None)
             self.generations.pop(key, None)
@@ -216,7 +219,8 @@ class Reconciler:
         """Seconds until the next pass with nothing waking it: the resync, sooner if the plan
         is due again; after ``failures`` consecutive failures, 1, 2, 4, ... seconds instead."""
         if failures:
-            return min(BACKOFF_MAX_SECONDS, 2.0 ** (failures - 1))
+            cap = max(BACKOFF_MAX_SECONDS, self.resync_seconds)
+            return min(cap, 2.0 ** min(failures - 1, 30))
         if outcome.recheck_after is None:
             return self.resync_seconds
         return min(self.resync_seconds, max(RECHECK_MIN_SECONDS, outcome.recheck_after))
@@ -260,6 +264,8 @@ class Reconciler:
             return Outcome()
         spec, errors = controller.parse(body)
         try:
+            if spec is not None and errors:  # reported with what the world refuses of it too
+                errors += await controller.refused(body, spec)
             if spec is None or errors:
                 raise Invalid(errors)
             view = await controller.observe(body, spec, logger)
@@ -393,7 +399,7 @@ class Reconciler:
             else:
                 changes.append((action, applier))
         self.noticed[key] = current
-        together = [(a, f) for a, f in changes if f.independent]
+        together = [(a, f) for a, f in changes if f.independent or a.independent]
         # every one finished (its Event, its bookkeeping) before a failure is raised
         done = await asyncio.gather(
             *(self._apply(body, a, f, store) for a, f in together), return_exceptions=True
@@ -402,7 +408,7 @@ class Reconciler:
         if failed is not None:
             raise failed
         for action, applier in changes:
-            if not applier.independent:
+            if not (applier.independent or action.independent):
                 await self._apply(body, action, applier, store)
         return bool(changes)
 
@@ -448,9 +454,16 @@ class Reconciler:
     async def create_object(
         self, body: Mapping[str, Any], action: ObjectCreation, _: Store | None
     ) -> bool:
-        return await self.kube.create_object(
-            action.kind, body["metadata"]["namespace"], action.manifest
-        )
+        meta = body["metadata"]
+        changed = await self.kube.create_object(action.kind, meta["namespace"], action.manifest)
+        # a name found taken, as for pods: the kind's plan reads it (no creation asked again)
+        name = f"{action.kind.plural}/{action.manifest['metadata']['name']}"
+        taken = self.taken.setdefault((meta["namespace"], meta["name"]), set())
+        if changed:
+            taken.discard(name)
+        else:
+            taken.add(name)
+        return changed
 
     async def patch_object(
         self, body: Mapping[str, Any], action: ObjectPatch, _: Store | None

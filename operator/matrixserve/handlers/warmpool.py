@@ -52,6 +52,9 @@ class WarmPools:
     def parse(self, body: Body) -> tuple[WarmPoolSpec | None, list[str]]:
         return validation.parse(body)
 
+    async def refused(self, body: Body, spec: WarmPoolSpec) -> list[str]:
+        return []
+
     async def observe(self, body: Body, spec: WarmPoolSpec, logger: logging.Logger) -> wp.PoolView:
         kube, meta = self.rt.kube, body["metadata"]
         namespace, name = meta["namespace"], meta["name"]

@@ -15,7 +15,7 @@ This package imports only ``matrixserve.api`` and the kind-neutral parts of
 """
 
 from matrixserve.domain.pdgroup.plan import Plan, Seams, plan, spec_pod_names, warm_needed
-from matrixserve.domain.pdgroup.view import GroupView, ZkView
+from matrixserve.domain.pdgroup.view import GroupView, ZkView, may_recover
 from matrixserve.domain.pdgroup.warm import claimable
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "Seams",
     "ZkView",
     "claimable",
+    "may_recover",
     "plan",
     "spec_pod_names",
     "warm_needed",

@@ -32,7 +32,7 @@ from typing import Any
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec, RatioMode
-from matrixserve.api.status import PDGroupStatus
+from matrixserve.api.status import PDGroupStatus, RatioStatus
 from matrixserve.domain.conditions import Condition, seconds_since
 from matrixserve.domain.pdgroup import membership, recovery, split, status
 from matrixserve.domain.pdgroup.actions import Action, DeletePod
@@ -176,18 +176,22 @@ def plan(view: GroupView, seams: Seams = TODAY) -> Plan:
         actions += ratio.notices  # said once: the next pass reads the new target
         conditions = status.recovering(conditions, healing.recovering)
     ready = derived.ready and not healing.recovering
-    return Plan(actions, out, conditions, ready, recheck_after=_recheck_after(view, out))
+    recheck = _recheck_after(view, ratio.status) if held is None else None
+    return Plan(actions, out, conditions, ready, recheck_after=recheck)
 
 
-def _recheck_after(view: GroupView, status: PDGroupStatus) -> float | None:
+def _recheck_after(view: GroupView, ratio: RatioStatus) -> float | None:
     """Seconds until this plan is due to change with nothing else happening: the ratio
-    policy's window ends (its decision is taken then, not at the next resync)."""
-    due: list[float] = []
-    window = status.ratio.window if status.ratio is not None else None
+    policy's window ends (its decision is taken then, not at the next resync). From this pass's
+    ratio stage, which starts a new window once one is due: a window that would be due already
+    asks nothing (a held status keeps an old one: no pass every instant while ZooKeeper is
+    away)."""
+    window = ratio.window
     policy = view.spec.ratio_policy
-    if policy.mode is not RatioMode.FIXED and window is not None and window.start is not None:
-        due.append(float(window.start) + policy.window_seconds - view.now)
-    return max(0.0, min(due)) if due else None
+    if policy.mode is RatioMode.FIXED or window is None or window.start is None:
+        return None
+    due = float(window.start) + policy.window_seconds - view.now
+    return due if due > 0 else None
 
 
 def _actions(

@@ -4,7 +4,7 @@ subtree, and how the platform starts engines. Frozen; built by the handler each 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -145,3 +145,17 @@ class GroupView:
         staleness tier: a frozen process whose session lives on)."""
         bound = STALE_INTERVALS * self.health_interval + STALE_GRACE_SECONDS
         return self.now - health.ts > bound
+
+
+def may_recover(pods: Iterable[PodView], zk: ZkView) -> bool:
+    """Whether this pass may detect a fault, and so needs the servers (which are down, how
+    many NPUs are free): a pod not Ready (a process exit, a server down: the node lifecycle
+    controller marks its pods not Ready after the Node), or a member's health saying a fault
+    or a blocked sub-link. The usual pass of a healthy group reads no node."""
+    if any(not p.ready for p in pods):
+        return True
+    return any(
+        h.state is not zl.HealthState.SERVING
+        or any(link.state is zl.LinkState.BLOCKED for link in h.links)
+        for h in zk.health.values()
+    )

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import ValidationError
 
@@ -135,8 +135,10 @@ def servers(
 @dataclass(frozen=True)
 class WriteDramPlans(ZnodeChange[zl.WarmPaths]):
     """Make the namespace's ``dram/`` say the plans: ``plans`` written (the servers whose plan
-    changed), the plans of the servers in ``removed`` (no warm pod there any more) deleted."""
+    changed), the plans of the servers in ``removed`` (no warm pod there any more) deleted.
+    Independent of the pass's pods: a pod creation that fails does not hold it back."""
 
+    independent: ClassVar[bool] = True
     plans: tuple[zl.DramPlan, ...] = ()
     removed: tuple[str, ...] = ()
 

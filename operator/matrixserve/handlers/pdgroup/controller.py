@@ -18,7 +18,6 @@ from matrixserve.adapters import zk_groups
 from matrixserve.adapters.pdgroup_metrics import PDGroupMetrics
 from matrixserve.adapters.zk_groups import GroupStore
 from matrixserve.api import kinds
-from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
 from matrixserve.api.status import PDGroupStatus
 from matrixserve.domain import pdgroup as pd
@@ -104,13 +103,20 @@ class PDGroups:
         )
 
     def parse(self, body: Body) -> tuple[PDGroupSpec | None, list[str]]:
-        return parse_spec(body.get("spec") or {}, body["metadata"]["name"])
+        meta = body["metadata"]
+        # set-up is timed from the first pass (a standby's daemon waits long before its first)
+        self.metrics.setup.start((meta["namespace"], meta["name"]), time.monotonic())
+        return parse_spec(body.get("spec") or {}, meta["name"])
+
+    async def refused(self, body: Body, spec: PDGroupSpec) -> list[str]:
+        """A template its pods do not run (the webhook may be off)."""
+        meta = body["metadata"]
+        pods = await self.rt.kube.list_pods(meta["namespace"], {kinds.LABEL_GROUP: meta["name"]})
+        return running_template_changes(spec, pods.values())
 
     async def observe(self, body: Body, spec: PDGroupSpec, logger: logging.Logger) -> pd.GroupView:
         rt, meta = self.rt, body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        # set-up is timed from the first pass (a standby's daemon waits long before its first)
-        self.metrics.setup.start((namespace, name), time.monotonic())
         pods = await rt.kube.list_pods(namespace, {kinds.LABEL_GROUP: name})
         # the webhook may be off: a template the pods do not run is refused here too
         errors = running_template_changes(spec, pods.values())
@@ -123,7 +129,9 @@ class PDGroups:
         owners = await asyncio.gather(*(rt.kube.owner_of(namespace, pod) for pod in absent))
         foreign = {pod: owner for pod, owner in zip(absent, owners, strict=True) if owner}
         zk = await self.store.snapshot(namespace, name)
-        nodes = await rt.kube.nodes(NODES_FRESH_SECONDS) if _may_recover(pods, zk) else {}
+        nodes = (
+            await rt.kube.nodes(NODES_FRESH_SECONDS) if pd.may_recover(pods.values(), zk) else {}
+        )
         view = pd.GroupView(
             namespace,
             name,
@@ -278,17 +286,3 @@ class PDGroups:
                 log.info("swept the empty fork-source folder %s", folder)
         except Exception as exc:  # retried on the next sweep
             log.warning("sweep of ZooKeeper subtrees failed: %s", exc)
-
-
-def _may_recover(pods: Mapping[str, Any], zk: pd.ZkView) -> bool:
-    """Whether this pass may detect a fault, and so needs the servers (which are down, how
-    many NPUs are free): a pod not Ready (a process exit, a server down: the node lifecycle
-    controller marks its pods not Ready after the Node), or a member's health saying a fault
-    or a blocked sub-link. The usual pass of a healthy group reads no node."""
-    if any(not p.ready for p in pods.values()):
-        return True
-    return any(
-        h.state is not zl.HealthState.SERVING
-        or any(link.state is zl.LinkState.BLOCKED for link in h.links)
-        for h in zk.health.values()
-    )
