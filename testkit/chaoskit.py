@@ -1,17 +1,16 @@
-"""Chaos under traffic, the parts three programs share: the chaos test of issue 15
-(``test_chaos.py``), the recovery chaos test of issue 17 (``test_recovery_chaos.py``) and the
-recovery benchmark (``bench/recovery.py``; ``bench/scale_out.py`` and ``bench/load_player.py``
-use its traffic).
+"""Chaos under traffic, the parts three programs share: the chaos test (``test_chaos.py``), the
+recovery chaos test (``test_recovery_chaos.py``) and the recovery benchmark (``bench/recovery.py``;
+``bench/scale_out.py`` and ``bench/load_player.py`` use its traffic).
 
-- **traffic**: streamed completions through the gateway from client threads, each request's
-  start, tokens (wall time of each), end, outcome and the instances it was on — a failed one's
-  too, from its error chunk's ``matrixserve`` object (issue 17: a client can tell whether a
-  failure was on the faulty instance);
+- **traffic**: streamed completions through the gateway from client threads, each request's start,
+  tokens (wall time of each), end, outcome and the instances it was on — a failed one's too, from
+  its error chunk's ``matrixserve`` object (a client can tell whether a failure was on the faulty
+  instance);
 - **pods** as the node emulator runs them (:class:`PodRun`: UID, server, NPUs, restarts, pids),
   and which of them a fault restarted (:func:`restarted`);
-- **faults** injected the way issue 17 lists them (:func:`inject`): a die, a whole NPU, a
-  server, one sub-link (the node emulator's control API), a hung engine (the engine's
-  ``POST /v1/faults``), a killed engine process (kill -9 of its pid); each with its heal;
+- **faults** injected (:func:`inject`): a die, a whole NPU, a server, one sub-link (the node
+  emulator's control API), a hung engine (the engine's ``POST /v1/faults``), a killed engine process
+  (kill -9 of its pid); each with its heal;
 - **the group whole** in ZooKeeper (:func:`zk_whole`): every desired instance reported,
   healthy (Serving) and linked in its current incarnation, every prefill an entrance, every
   decode in the decode meta, nobody removed; and **clean** (:func:`zk_leftovers`): nothing of
@@ -515,7 +514,7 @@ def _epoch(stamp: object) -> float | None:
 
 @dataclass(frozen=True)
 class LastRecovery:
-    """The group's ``status.lastRecovery`` (issue 17's contract), as read."""
+    """The group's ``status.lastRecovery`` (the operator's recovery contract), as read."""
 
     kind: str
     instances: tuple[str, ...]  # the fault's

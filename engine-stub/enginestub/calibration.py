@@ -147,7 +147,7 @@ FAILURES_PER_WEEK_PER_4096 = 8.8  # 003
 # --------------------------------------------------------------------------- P/D-Serve (004)
 HEALTH_REPORT_INTERVAL_SECONDS = 20.0  # 004 §3.2 "tens of seconds per followup reports"
 
-# --------------------------------------------------------------------------- fault detection (issue 17)
+# --------------------------------------------------------------------------- fault detection
 # xDeepServe §6.1 gives no interval, timeout or probe period ("How fast: NOT STATED", notes/000.md
 # §2.12); these are ours, stated with their reasons (docs/engine-stub.md, "Detection").
 # The serving loop's heartbeat: notes/000.md B28's [I] T2 = 1 s between beats, a fault after 3

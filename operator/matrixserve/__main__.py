@@ -138,8 +138,8 @@ def parse(argv: list[str] | None = None) -> tuple[OperatorConfig, argparse.Names
         metavar="JSON",
         help="the engines' NetworkPolicy spec (JSON: who may reach the engine port; the chart "
         "passes its own engines' policy, rendered for any namespace), written by the operator "
-        "into each namespace where it creates engine pods, before the first, and kept there "
-        "(issue 31); default: none written",
+        "into each namespace where it creates engine pods, before the first, and kept there; "
+        "default: none written",
     )
     p.add_argument(
         "--engine-network-policy-name",

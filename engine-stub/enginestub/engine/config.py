@@ -67,7 +67,7 @@ class EngineConfig(BaseModel):
     ep: int = Field(default=1, ge=1)
     mtp: bool = False
     max_batch: int = Field(ge=1, le=4096)
-    # Issue 31 (CloudMatrix-Infer §5.2: the decode batch is chosen to meet the TPOT SLO): a
+    # The TPOT SLO (CloudMatrix-Infer §5.2: the decode batch is chosen to meet the TPOT SLO): a
     # decode admits a request only while the modelled step of the batch with it stays within
     # this many emulated ms (None: the batch size alone limits)
     tpot_slo_ms: float | None = Field(default=None, gt=0, le=600000)
@@ -89,10 +89,10 @@ class EngineConfig(BaseModel):
     fault_injection: bool = False  # POST/DELETE /v1/faults answered (else 403)
     connection_limits: httpserving.ConnectionLimits = CONNECTION_LIMITS
     health_interval: float = Field(default=cal.HEALTH_REPORT_INTERVAL_SECONDS, gt=0)
-    # Issue 18: DeepServe's TE-Pre-Load (Python, NPU state, HCCL), emulated seconds at start.
+    # DeepServe's TE-Pre-Load (Python, NPU state, HCCL), emulated seconds at start.
     pre_load_seconds: float = Field(default=cal.TE_PRE_LOAD_SECONDS, ge=0)
     link_timeout: float = Field(default=60.0, gt=0)
-    # Issue 17's detection tiers (docs/engine-stub.md, "Detection"), emulated seconds.
+    # The fault-detection tiers (docs/engine-stub.md, "Detection"), emulated seconds.
     loop_beat_interval: float = Field(default=cal.LOOP_BEAT_INTERVAL_SECONDS, gt=0)
     hang_bound: float = Field(default=cal.LOOP_BEAT_INTERVAL_SECONDS * cal.HANG_MISSED_BEATS, gt=0)
     link_probe_interval: float = Field(default=cal.LINK_PROBE_INTERVAL_SECONDS, gt=0)
@@ -347,7 +347,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
 
 
 class WarmConfig(BaseModel):
-    """A pre-warmed engine (issue 18, DeepServe §6.1): who and where it is, nothing of a model,
+    """A pre-warmed engine (DeepServe §6.1): who and where it is, nothing of a model,
     a role or a group; its assignment says those."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

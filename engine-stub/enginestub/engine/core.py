@@ -7,8 +7,8 @@ path through the parts, which live in their own modules:
 - :mod:`.prefill` — prefill admission (accept or reject, never queue; the baselines' local
   queue) and prefill on the instance's shared compute;
 - :mod:`.to_decode` — a prefilled request forwarded to a decode, whose stream is relayed;
-- :mod:`.migration` — a request whose decode was lost mid-stream moves to another (issue 31
-  item 2): the KV still held pulled by it, or a re-prefill here with the output so far;
+- :mod:`.migration` — a request whose decode was lost mid-stream moves to another: the KV still held
+  pulled by it, or a re-prefill here with the output so far;
 - :mod:`.kvpull` — the KV pull: what a prefill holds for a decode, and the decode's transfer;
 - :mod:`.decode` — decode admission and the continuous-batching loop;
 - :mod:`.kvcache` — HBM for KV caches;
@@ -20,14 +20,14 @@ path through the parts, which live in their own modules:
 - :mod:`.streams` — the streams served now, ended with a clear error when this instance is
   logically removed.
 
-Issue 17's detection tiers the engine sees first (a device fault, a hang, a sub-link delayed or
+The fault-detection tiers the engine sees first (a device fault, a hang, a sub-link delayed or
 blocked) are its :meth:`Engine.engine_faults` and :meth:`Engine.link_probes`, which the resident
 process writes into the health at once; a faulty engine answers 503 and is not ready.
 
 What a request takes (a prefill slot or a decode place, and its KV) is a
 :class:`~enginestub.engine.parts.Hold`, given back once on every path; a hold kept without
 progress for :data:`STUCK_BOUNDS` KV-pull wait bounds makes the engine unready (``stuckSlots``
-in its health, 503 from ``/readyz``): issue 16 finding 1.
+in its health, 503 from ``/readyz``): slots nothing will free are not capacity.
 
 The wire format (request bodies, stream events) is :mod:`matrixserve.api.engine_protocol`.
 Every time here is emulated seconds (see :mod:`.clock`).
@@ -87,7 +87,7 @@ _LATE_FIRST_TOKEN = "first token after {seconds:.3f}s exceeds the {budget:.3f}s 
 
 # A hold (prefill slot, decode place) idle for this many KV-pull wait bounds is stuck: every
 # wait on another engine gives up after one bound, so one still held after two is held by
-# nothing that will free it (issue 16 finding 1: such an engine must not look ready).
+# nothing that will free it (such an engine must not look ready).
 STUCK_BOUNDS = 2.0
 
 
@@ -107,7 +107,7 @@ class Engine:
         # start or the zygote's fork; a claimed warm pod's is its claim, given): the health's
         # readyAfter counts from it.
         self.started_wall = time.time() if started_wall is None else started_wall
-        # Issue 18: where the weights come from, and whether this is a claimed warm pod (its
+        # Where the weights come from, and whether this is a claimed warm pod (its
         # TE-Pre-Load paid before it is built: ``pre_loaded`` emulated s, said in its phases,
         # 0 for a pod claimed while warm); DeepServe's phases as they went (emulated s).
         self.plan = plan or fork.LoadPlan(config.load_source)
@@ -135,7 +135,7 @@ class Engine:
         self.decode_entries: list[zl.MapEntry] = []  # the decode meta's, when there is one
         self.removed: set[str] = set()  # host:port of logically removed instances
         self.removal: str | None = None  # why this instance is logically removed, if it is
-        # Issue 19: why it is draining (no new requests; it finishes those it has), if it is,
+        # Why it is draining (no new requests; it finishes those it has), if it is,
         # and the marker's time it answers (echoed in its health)
         self.draining: str | None = None
         self.drain_at = 0.0
@@ -180,8 +180,8 @@ class Engine:
         self.holdings.on_flows_change = self.forks.poke  # a fork shares the KV links
         self._tasks: list[asyncio.Task[None]] = []
         self.metrics.hbm_capacity.set(config.kv_capacity_bytes + config.weights_bytes)
-        # Issue 16 finding 9: the gauges read the state at each scrape, so an emptied batch
-        # reads 0, not the last size it was set to.
+        # The gauges read the state at each scrape, so an emptied batch reads 0, not the last size
+        # it was set to.
         self.metrics.batch_size.set_function(lambda: len(self.batch.running))
         self.metrics.prefill_slots.set_function(lambda: self.prefill.slots)
         self.metrics.hbm_used.set_function(
@@ -195,8 +195,8 @@ class Engine:
 
     @role.setter
     def role(self, role: str) -> None:
-        """The role, and the info gauge's one series with it (issue 16 finding 9: an "auto"
-        instance learns its role from the RoCE map after start)."""
+        """The role, and the info gauge's one series with it (an "auto" instance learns its role
+        from the RoCE map after start)."""
         if role != self._role:
             with contextlib.suppress(KeyError):  # metrics given by the caller, of another role
                 self.metrics.info.remove(self._role)
@@ -387,7 +387,7 @@ class Engine:
         }
 
     def engine_faults(self) -> list[zl.EngineFault]:
-        """What makes this instance Faulty (issue 17): its device faults and a declared hang."""
+        """What makes this instance Faulty: its device faults and a declared hang."""
         hang = self.heartbeat.hang
         return [*self.devices.engine_faults(), *([hang] if hang is not None else [])]
 
@@ -483,7 +483,7 @@ class Engine:
             and self.decode_peers
             and not self._open_decodes()
         ):
-            # Every decode it knows removed or behind a blocked sub-link (issue 17): refused
+            # Every decode it knows removed or behind a blocked sub-link: refused
             # now, while the gateway can still try another prefill, rather than failed after the
             # prompt's prefill (a prefill told of no decode yet serves as it always did).
             stats.refused += 1
@@ -523,7 +523,7 @@ class Engine:
         if late is not None:
             yield late
             return
-        # its first token, or, for a stream that continues here, the next one (issue 31 item 2)
+        # its first token, or, for a stream that continues here, the next one
         first = req.resume_at
         yield token_event(first, synthetic_token(req.seed, first), ttft)
         if req.remaining == 1:
@@ -569,7 +569,7 @@ class Engine:
             "ttft_timeout", why.format(seconds=seconds, budget=budget.emulated_seconds)
         )
 
-    # ================================================================ draining (issue 19)
+    # ================================================================ draining
     def _check_not_draining(self) -> None:
         """A draining instance takes no new request (503: the gateway tries another prefill,
         a prefill another decode); what it holds, KV pulls included, it finishes."""
@@ -591,9 +591,9 @@ class Engine:
 
     # ================================================================ logical removal
     def withdraw(self, why: str) -> None:
-        """This instance is logically removed (issue 17 item 4): its entrance side closes (new
-        requests get 503 ``instance_removed``) and every stream it serves ends with that error,
-        each giving back what it held."""
+        """This instance is logically removed: its entrance side closes (new requests get 503
+        ``instance_removed``) and every stream it serves ends with that error, each giving back what
+        it held."""
         if self.removal is not None:
             return
         self.removal = why

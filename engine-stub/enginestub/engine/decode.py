@@ -5,10 +5,10 @@ group sets one (CloudMatrix-Infer §5.2: the batch is chosen to meet it; a reque
 when the modelled step of the batch with it would exceed the SLO, never when the batch is empty)
 (429 otherwise; a place counts from admission, its KV pull included), pulls the KV (:mod:`.kvpull`), and the request
 joins the running batch at the next iteration; it leaves the batch when its stream is closed
-(its last token, or its caller gone: issue 16 finding 5). One step
-emits a token for every running request; the step time is the model's TPOT for the current batch
-and mean context, scheduled on absolute deadlines so event-loop overhead does not accumulate into
-the reported timings. A colocated instance runs the same batch after its own prefill.
+(its last token, or its caller gone). One step emits a token for every running request; the step
+time is the model's TPOT for the current batch and mean context, scheduled on absolute deadlines so
+event-loop overhead does not accumulate into the reported timings. A colocated instance runs the
+same batch after its own prefill.
 """
 
 from __future__ import annotations
@@ -208,4 +208,4 @@ class DecodeBatch(Part):
                     seq.events.put_nowait(None)
                     seq.hold.release()
             self.running = [s for s in self.running if not s.ended]
-            self.heartbeat.beat()  # an iteration of the serving loop (issue 17: the hang tier)
+            self.heartbeat.beat()  # an iteration of the serving loop (the hang tier)

@@ -4,7 +4,7 @@ the node's fault detector writes it, the engine reads it) and the faults tests i
 
 What a fault does to requests in flight (a die or HBM fault fails them) the engine decides
 (:meth:`enginestub.engine.core.Engine.inject`); here is only what is faulty, and, for the
-engine's health (issue 17 item 1: Faulty, not silent), each device fault as the typed
+engine's health (Faulty, not silent), each device fault as the typed
 :class:`~matrixserve.api.zk_layout.EngineFault` the operator plans from: ``npu`` when every die of
 one NPU is down, ``die`` for fewer, ``hbm`` for an HBM error, each with the wall time this
 engine first saw it (detection latency counts from it).

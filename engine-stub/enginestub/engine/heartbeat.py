@@ -1,4 +1,4 @@
-"""The serving loop's heartbeat and its watchdog (issue 17 detection tier "hang"; xDeepServe §6.1:
+"""The serving loop's heartbeat and its watchdog (detection tier "hang"; xDeepServe §6.1:
 each DP master "only responds to heartbeats when the loop is active", so a stalled loop is a
 fault even while the process and its HTTP server are alive).
 

@@ -3,7 +3,7 @@ decode has pulled it; a decode reserves prompt and output for every request in i
 does not fit is refused (429), never swapped. The weights' share of HBM is fixed at load.
 
 A reservation is a :class:`KvLease`, given back exactly once whichever path ends the request
-(issue 16 finding 1: a lease, not a count that every path must remember to decrement)."""
+(a lease, not a count that every path must remember to decrement)."""
 
 from __future__ import annotations
 

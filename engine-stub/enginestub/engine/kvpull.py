@@ -7,9 +7,9 @@
   pulls the KV over the fabric; the transfer shares the decode's ingress and the prefill's egress
   fairly (UB inside one SuperPod, else RoCE). A link down to the prefill's dies fails the pull.
 
-Both sides wait on the other at most :func:`kv_wait_bound` (issue 16 finding 1). The flows out of
-a prefill are counted from what it holds (a pull asked for and not yet released), so an abandoned
-pull is never counted for ever.
+Both sides wait on the other at most :func:`kv_wait_bound`. The flows out of a prefill are counted
+from what it holds (a pull asked for and not yet released), so an abandoned pull is never counted
+for ever.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class KvHoldings(Part):
         super().__init__(shared)
         self.pending: dict[str, PendingKV] = {}
         # Told when the pulls under way change: an NPU-fork out of this instance shares its
-        # links with them (issue 18).
+        # links with them.
         self.on_flows_change: Callable[[], None] = lambda: None
 
     @property
@@ -139,7 +139,7 @@ class _KvMeta:
     dies: int  # its RoCE addresses, one a die (0: not said)
     node: object
     superpod: object
-    fork_flows: dict[str, int]  # NPU-fork broadcasts out of it, by plane (issue 18)
+    fork_flows: dict[str, int]  # NPU-fork broadcasts out of it, by plane
 
     @classmethod
     def parse(cls, meta: Any) -> _KvMeta:

@@ -1,4 +1,4 @@
-"""Link probing (issue 17 detection tier "link"; xDeepServe §6.1, notes/000.md B30): a delayed
+"""Link probing (detection tier "link"; xDeepServe §6.1, notes/000.md B30): a delayed
 sub-link told from a blocked one.
 
 "Failures in this path, such as a KV cache failing to transfer, are often due to resource

@@ -2,8 +2,7 @@
 
 One registry per engine, so several engines can live in one test process. The gauges of what the
 engine holds (decode batch, prefill slots, HBM) read its state at each scrape, and the info
-gauge's one series follows the role (issue 16 finding 9): :class:`enginestub.engine.core.Engine`
-wires both."""
+gauge's one series follows the role: :class:`enginestub.engine.core.Engine` wires both."""
 
 from __future__ import annotations
 
@@ -19,9 +18,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2, 5,
 
 @dataclass
 class LoadStats:
-    """Cumulative counters of what this engine process served (issue 19), in the health
-    report's :class:`~matrixserve.api.zk_layout.Load`: the operator's ratio control observes
-    the engines through them, one ZooKeeper write per health report, no scraping."""
+    """Cumulative counters of what this engine process served, in the health report's
+    :class:`~matrixserve.api.zk_layout.Load`: the operator's ratio control observes the engines
+    through them, one ZooKeeper write per health report, no scraping."""
 
     offered: int = 0
     refused: int = 0
@@ -137,7 +136,7 @@ class EngineMetrics:
         )
         self.migrations = Counter(
             "matrixserve_engine_migrations",
-            "A prefill's moves of a request whose decode was lost mid-stream (issue 31 item 2),"
+            "A prefill's moves of a request whose decode was lost mid-stream,"
             " by outcome: pull and reprefill moved it (the KV still here, or prefilled again"
             " with the output so far); bound, unavailable, no_decode and no_slot did not",
             ["outcome"],

@@ -1,6 +1,6 @@
-"""A stream that survives its decode (issue 31 item 2): when the decode serving a request dies,
-is logically removed, faults or hangs mid-stream, the request moves to another decode of the
-group and its stream goes on, its caller seeing one stream with no token twice and none missing.
+"""A stream that survives its decode: when the decode serving a request dies, is logically removed,
+faults or hangs mid-stream, the request moves to another decode of the group and its stream goes on,
+its caller seeing one stream with no token twice and none missing.
 
 **Where it lives: in the prefill that relays the decode's stream** (:mod:`.to_decode`), not in
 the gateway. P/D-Serve's stream runs decode -> prefill -> gateway (§3.5), and the prefill is the

@@ -65,11 +65,11 @@ class Releasable:
 class Hold(Releasable):
     """One request's hold on a prefill slot or a place in the decode batch, and on its KV.
 
-    Issue 16 finding 1: given back exactly once, whichever path ends the exchange (its end, an
-    error, the caller gone before the response started, a cancellation): the HTTP exchange holds
-    it in a ``with`` block, and every other owner calls :meth:`release`, which a second time
-    does nothing. Stamped at each step of the request's progress, so a hold kept without
-    progress shows (:meth:`idle`, the health's ``stuckSlots``)."""
+    Given back exactly once, whichever path ends the exchange (its end, an error, the caller gone
+    before the response started, a cancellation): the HTTP exchange holds it in a ``with`` block,
+    and every other owner calls :meth:`release`, which a second time does nothing. Stamped at each
+    step of the request's progress, so a hold kept without progress shows (:meth:`idle`, the
+    health's ``stuckSlots``)."""
 
     def __init__(
         self, clock: Clock, kv: KvLease | None, on_release: Callable[[Hold], None]

@@ -9,11 +9,11 @@ prompts share the instance's compute (processor sharing), so TTFT grows with the
 does on hardware. The baselines' admission ``queue`` keeps a local queue instead (the paper's
 original version).
 
-A request that continues after its decode was lost (issue 31 item 2, :mod:`.migration`) takes a
-slot back for its re-prefill (:meth:`Prefill.retake`): it waits for one, ahead of new requests
-(admission counts it as taken), within a bound, since this prefill already accepted it. Those
-taking slots back are served in arrival order, each as soon as one slot is free: any number of
-them (a decode lost with more streams than this prefill has slots) move in turn.
+A request that continues after its decode was lost (:mod:`.migration`) takes a slot back for its
+re-prefill (:meth:`Prefill.retake`): it waits for one, ahead of new requests (admission counts it as
+taken), within a bound, since this prefill already accepted it. Those taking slots back are served
+in arrival order, each as soon as one slot is free: any number of them (a decode lost with more
+streams than this prefill has slots) move in turn.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ class PrefillTicket(Releasable):
             self.hold.progressed()
 
     def prefilled(self, ttft: float) -> None:
-        """Its prefill is done: counted (issue 19), and its slot's wait for a decode begins."""
+        """Its prefill is done: counted (the load its health reports), and its slot's wait for a
+        decode begins."""
         stats = self._prefill.metrics.load
         stats.prefilled += 1
         stats.ttft_s += ttft

@@ -17,19 +17,18 @@
    initiates, Fig. 7; a serving instance only confirms the handshake and never relinks or
    restarts); ``decode-meta`` tells a prefill where to forward (and which decodes' sub-links it
    probes); ``removed/`` stops traffic to logically removed instances, and when it names this
-   one, closes its entrance side and ends its streams (issue 17 item 4).
-7. **Fork source** (issue 18, DeepServe §6.2): while it serves (loaded, not faulty, not removed,
+   one, closes its entrance side and ends its streams.
+7. **Fork source** (DeepServe §6.2): while it serves (loaded, not faulty, not removed,
    not closing), an ephemeral ``forksources/<ns>/<key>/<group>.<instance>`` names it as a
    source warm targets may fork from; written with each health write, so it goes as soon as the
    instance stops qualifying.
 
-Health rule on faults (issue 17 item 1: Faulty, not silent): a die, NPU or HBM fault on this
-instance, or a hang of its serving loop, makes it ``state: Faulty`` with the typed faults (kind,
-since when, dies); slots held without progress make it ``Degraded``. A sub-link that probes
-Delayed or Blocked (or a RoCE link down) leaves it ``Serving``: it is said in ``links`` (with
-``downAt`` when a device status says the port is down), the prefill keeps off that decode, and
-the operator plans for a blocked one. Every health carries the serving loop's last beat
-(``loopBeat``). The znode is deleted only while
+Health rule on faults (Faulty, not silent): a die, NPU or HBM fault on this instance, or a hang of
+its serving loop, makes it ``state: Faulty`` with the typed faults (kind, since when, dies); slots
+held without progress make it ``Degraded``. A sub-link that probes Delayed or Blocked (or a RoCE
+link down) leaves it ``Serving``: it is said in ``links`` (with ``downAt`` when a device status says
+the port is down), the prefill keeps off that decode, and the operator plans for a blocked one.
+Every health carries the serving loop's last beat (``loopBeat``). The znode is deleted only while
 the model is not loaded, so the operator always reads why, never a silence.
 
 Sessions (:mod:`matrixserve.coordination`, the one session owner): SUSPENDED pauses writes; LOST
@@ -78,7 +77,7 @@ class Resident:
         self.namespace, self.group = cfg.group.split("/", 1)
         self.paths = zl.GroupPaths(self.namespace, self.group)
         self.instance = cfg.instance
-        # Issue 18: while it serves, this instance is a fork source under its content key.
+        # While it serves, this instance is a fork source under its content key.
         self.fork_key = fork_key(cfg)
         self.fork_source_path = zl.fork_source_path(
             self.namespace, self.fork_key, self.group, self.instance
@@ -89,7 +88,7 @@ class Resident:
         self.incarnation = uuid.uuid4().hex[:16]
         self.zk = Session(cfg.zookeeper, timeout=10.0, auth=cfg.zookeeper_auth)
         self.bridge = SessionBridge(self.zk)
-        # the shared file service's readers, counted in ZooKeeper (issue 18: not a number
+        # the shared file service's readers, counted in ZooKeeper (not a number
         # fixed at the pod's creation, which a restart in place would keep)
         engine.bucket = ZkBucket(
             self.zk, self.bridge, f"{self.namespace}.{self.group}.{self.instance}"
@@ -289,9 +288,8 @@ class Resident:
         self._removed_addresses()
 
     def _set_drain(self, data: bytes | None) -> None:
-        """Issue 19: named under ``draining/``, this instance takes no new request and
-        finishes those it has (its health says how many are left, and which drain it
-        answers: the marker's ``at``)."""
+        """Named under ``draining/``, this instance takes no new request and finishes those it has
+        (its health says how many are left, and which drain it answers: the marker's ``at``)."""
         try:
             drain = zl.Drain.parse(data) if data else None
         except ValueError:
@@ -481,7 +479,7 @@ class Resident:
             return None
         faults, links = engine.engine_faults(), engine.link_probes()
         state, message = zl.HealthState.SERVING, ""
-        # Issue 17: a sub-link that probes late (the decode saturated) or blocked (a link
+        # A sub-link that probes late (the decode saturated) or blocked (a link
         # fault) is said in ``links`` and leaves the instance serving: a prefill forwards over
         # its other decodes (and refuses at admission when none is left), the operator plans
         # for a blocked one. Closing the instance for it would turn one link into a whole
@@ -491,13 +489,13 @@ class Resident:
         if links:  # xDeepServe's link probing, saturation told from a link fault
             message = "sub-link(s) " + ", ".join(f"{p.peer}#{p.device} {p.state}" for p in links)
         stuck = engine.stuck_holds()
-        if stuck:  # issue 16 finding 1: slots nothing will free are not capacity
+        if stuck:  # slots nothing will free are not capacity
             state = zl.HealthState.DEGRADED
             message = (
                 f"{stuck} request(s) held without progress for over "
                 f"{engine.stuck_bound():g} s (emulated)"
             )
-        if faults:  # issue 17 item 1: faulty, and why, never a silence
+        if faults:  # faulty, and why, never a silence
             state = zl.HealthState.FAULTY
             message = "; ".join(f"{f.kind}: {f.detail}" for f in faults)
         assert self.role is not None
@@ -543,7 +541,7 @@ class Resident:
             await self.zk.run(self.zk.own, path, health.dump())
             await self._write_fork_source()
 
-    # ------------------------------------------------------------------ fork source (issue 18)
+    # ------------------------------------------------------------------ fork source
     async def check_fork_target(self, pod: str, pod_uid: str) -> None:
         """The fork gate: a target is served only if the operator sent it here, i.e. the
         assignment of its pod (in this group's namespace, read by our own session) is of that

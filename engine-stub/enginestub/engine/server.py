@@ -6,9 +6,9 @@
 ``POST /v1/kv/{id}/pull``       prefill: KV metadata for a decode's pull
 ``POST /v1/kv/{id}/release``    prefill: the decode has the KV; free the slot
 ``POST /v1/link/handshake``     link verification between peers (device k <-> device k)
-``POST /v1/link/probe``         decode: a prefill's dummy payload over its sub-links (issue 17)
+``POST /v1/link/probe``         decode: a prefill's dummy payload over its sub-links
 ``POST /v1/fork``               a fork source: broadcast weights and compiled artefacts to the
-                                calling warm target; answered when the transfer ends (issue 18)
+                                calling warm target; answered when the transfer ends
 ``POST /v1/expert/forward``     expert server role: one expert's FFN for N tokens
 ``POST /v1/attention/step``     attention client role: one decode step with A2E/E2A hops
 ``POST|DELETE /v1/faults``      inject / heal: die-down, link-down, slow, hang, hbm-error
@@ -21,16 +21,15 @@ Stream events are ``data: <json>`` lines with a ``type`` of ``token``, ``done`` 
 Errors before a stream starts are OpenAI-shaped JSON ``{"error": {"message", "type", "param",
 "code"}}`` with a 4xx/5xx status (429 and 503 with ``Retry-After``); malformed bodies (too large,
 not UTF-8, a bad content encoding, not JSON, nested too deeply, not an object, fields of the
-wrong type) are 4xx, never 500 (issue 16 finding 3). The bodies and events are
-:mod:`matrixserve.api.engine_protocol`'s.
+wrong type) are 4xx, never 500. The bodies and events are :mod:`matrixserve.api.engine_protocol`'s.
 
 Every exchange that takes a prefill slot or a decode place holds it in a ``with`` block around
-the whole exchange, response included (issue 16 finding 1), and a caller that goes away cancels
-its handler (``handler_cancellation``), so its slot, KV and any decode it had started are given
-back at once, not at the end of its tokens (finding 5). A stream ended because this instance was
-logically removed ends with its ``error`` event, code ``instance_removed`` (issue 17 item 4).
+the whole exchange, response included (given back exactly once, whatever ends it), and a caller that
+goes away cancels its handler (``handler_cancellation``), so its slot, KV and any decode it had
+started are given back at once, not at the end of its tokens. A stream ended because this instance
+was logically removed ends with its ``error`` event, code ``instance_removed``.
 
-A hung serving loop (issue 17: the hang tier) holds the requests that need it (generate, decode,
+A hung serving loop (the hang tier) holds the requests that need it (generate, decode,
 KV, expert, attention) until it runs again or its hang is declared (then 503 ``engine_hung``);
 health, metrics, info, link handshakes and probes (the transport's, not the loop's) and fault
 injection answer meanwhile.
@@ -294,7 +293,7 @@ def build_app(
         )
 
     async def link_probe(request: web.Request) -> web.Response:
-        """Issue 17 (xDeepServe §6.1): a prefill's dummy payload over the sub-links it names;
+        """Link probing (xDeepServe §6.1): a prefill's dummy payload over the sub-links it names;
         the fabric model says when it lands, or that a sub-link is down."""
         body = await _json(request)
         ips = body.get("roceIps")
@@ -328,7 +327,7 @@ def build_app(
         return web.json_response(engine.receiver.receive(probe))
 
     async def npu_fork(request: web.Request) -> web.Response:
-        """Issue 18 (DeepServe §6.2): a warm target asks for this instance's weights and compiled
+        """NPU-fork (DeepServe §6.2): a warm target asks for this instance's weights and compiled
         artefacts; the answer comes when the emulated broadcast ends. Not bound to the serving
         loop: the NPU's AICPUs move the data, its compute goes on serving."""
         return web.json_response(await engine.forks.serve(await _json(request)))
@@ -358,7 +357,7 @@ def build_app(
         return web.json_response({"batch": batch, "seconds": step, "a2eE2aSeconds": hops})
 
     async def faults(request: web.Request) -> web.Response:
-        if not cfg.fault_injection:  # issue 16 finding 7: no pod may break an engine at will
+        if not cfg.fault_injection:  # no pod may break an engine at will
             raise EngineError(
                 403,
                 "fault_injection_disabled",
@@ -375,7 +374,7 @@ def build_app(
     app = httpserving.application(
         middlewares=[errors],
         client_max_size=MAX_BODY_BYTES,
-        # A caller gone cancels its handler (finding 5): its slot, KV and the decode it
+        # A caller gone cancels its handler: its slot, KV and the decode it
         # started are given back at once, not when its last token fails to write.
         handler_args={"handler_cancellation": True},
     )

@@ -58,8 +58,8 @@ class SharedResource:
         return len(self._jobs)
 
     def busy_seconds(self) -> float:
-        """Emulated seconds it has had at least one job in it (issue 19: the prefill's
-        throughput while busy is what it can serve)."""
+        """Emulated seconds it has had at least one job in it (the prefill's throughput while busy
+        is what it can serve)."""
         since = self._busy_since
         return self._busy + (self.clock.now() - since if since is not None else 0.0)
 

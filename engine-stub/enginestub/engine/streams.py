@@ -1,6 +1,6 @@
 """The streams an engine serves now, so that a logically removed instance leaves no zombie
-stream (issue 17 item 4; P/D-Serve §3.4: the faulty instance is logically removed first, and
-its in-flight requests end cleanly).
+stream (P/D-Serve §3.4: the faulty instance is logically removed first, and its in-flight requests
+end cleanly).
 
 Each streaming exchange (``/v1/generate``, ``/v1/decode``) runs in its handler's task, inside
 :meth:`OpenStreams.track`. :meth:`OpenStreams.end_all` cancels every such task, marking why: the

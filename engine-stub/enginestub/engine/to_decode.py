@@ -5,14 +5,14 @@ decode refused, the prefill keeps the slot and the KV and tries again shortly (a
 frees a decode slot). The decode's stream is relayed (its tokens numbered in the request's
 output) and its ``done`` rewritten with the whole request's timings. A decode lost mid-way (its
 stream broken or ended by its error) is not the end: the request moves to another decode, with
-the KV still held here or re-prefilled with the output so far (:mod:`.migration`, issue 31 item
-2, says why here and the bound).
+the KV still held here or re-prefilled with the output so far (:mod:`.migration` says why here and
+the bound).
 
-Until a decode has pulled the KV, the wait is bounded (issue 16 finding 1): a decode answering,
-even 429, is progress; decodes that cannot be reached, or take the request and never pull it,
-end it with ``kv_pull_timeout`` after :func:`enginestub.engine.kvpull.kv_wait_bound` without
-progress, and the slot is free. Closing the relay (its caller gone) closes the connection to
-the decode, whose handler is cancelled in turn (finding 5).
+Until a decode has pulled the KV, the wait is bounded: a decode answering, even 429, is progress;
+decodes that cannot be reached, or take the request and never pull it, end it with
+``kv_pull_timeout`` after :func:`enginestub.engine.kvpull.kv_wait_bound` without progress, and the
+slot is free. Closing the relay (its caller gone) closes the connection to the decode, whose handler
+is cancelled in turn (so it stops generating for nobody).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class DecodeForwarder(Part):
         return next((e.instance for e in self._entries() if f"{e.pod_ip}:{e.port}" == peer), None)
 
     def _named(self, event: Event, peer: str) -> Event:
-        """An error of a stream the decode at ``peer`` took, naming that decode (issue 17: the
+        """An error of a stream the decode at ``peer`` took, naming that decode (the
         gateway passes the instances on, so a client tells a failure on a faulty instance from
         one elsewhere)."""
         # its host:port if the decode meta no longer lists it: a decode's error always names
@@ -302,12 +302,11 @@ class DecodeForwarder(Part):
             yield event
 
     async def _close(self, response: httpx.Response) -> None:
-        """Close the decode's stream whatever interrupts the close (issue 31 item 4): a caller
-        gone shows first as a write that fails, then its connection's loss cancels the handler
-        task, often while this close awaits; a response left open keeps its decode generating
-        into a connection nobody reads (a batch place held for the request's whole length).
-        The close runs in a task of its own, held until done; a cancellation still ends the
-        stream at once."""
+        """Close the decode's stream whatever interrupts the close: a caller gone shows first as a
+        write that fails, then its connection's loss cancels the handler task, often while this
+        close awaits; a response left open keeps its decode generating into a connection nobody
+        reads (a batch place held for the request's whole length). The close runs in a task of its
+        own, held until done; a cancellation still ends the stream at once."""
         task = asyncio.get_running_loop().create_task(response.aclose())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)

@@ -1,4 +1,4 @@
-"""A pre-warmed, model-agnostic engine (issue 18; DeepServe §6.1: "a small pool of pre-warmed TEs
+"""A pre-warmed, model-agnostic engine (DeepServe §6.1: "a small pool of pre-warmed TEs
 to minimize TE-Pre-Load time").
 
 With ``--warm`` (``$ENGINE_WARM=1``) the process starts with no model, no role and no group:

@@ -5,7 +5,7 @@ picks *which* NPUs. We prefer the lowest free ids, contiguous when possible, and
 NPU to two pods. The grant is recorded on the pod (annotation, like the real plugin's
 ``huawei.com/Ascend910: Ascend910-0,Ascend910-1``) so a restarted emulator rebuilds its books.
 
-A faulty NPU (issue 17, xDeepServe §6.2) is never granted to a new pod; a pod already holding
+A faulty NPU (xDeepServe §6.2) is never granted to a new pod; a pod already holding
 one keeps it (recovery replaces that pod), so the books only change by grants and releases.
 """
 

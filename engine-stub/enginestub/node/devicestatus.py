@@ -117,10 +117,10 @@ class DeviceStatus:
         return {f.die for f in self.faults if f.kind != FaultKind.LINK_DOWN}
 
     def faulty_npus(self) -> frozenset[int]:
-        """The NPUs holding a die with any fault (issue 17, xDeepServe §6.2): no longer
-        allocatable. A die whose RoCE link is down makes its NPU faulty too: the Ascend device
-        plugin lists it ``NetworkUnhealthy`` (``PreSeparateNPU``) and the scheduler keeps new
-        work off it, so a replacement never lands on the port that failed."""
+        """The NPUs holding a die with any fault (xDeepServe §6.2): no longer allocatable. A die
+        whose RoCE link is down makes its NPU faulty too: the Ascend device plugin lists it
+        ``NetworkUnhealthy`` (``PreSeparateNPU``) and the scheduler keeps new work off it, so a
+        replacement never lands on the port that failed."""
         npu_of = {die.index: die.npu for die in self.server.dies}
         return frozenset(npu_of[f.die] for f in self.faults if f.die in npu_of)
 

@@ -3,7 +3,7 @@
 (:mod:`.control`).
 
 A device fault (die, NPU, HBM, RoCE link) rewrites the node's device status file; the pods on
-the node see it there, as on a real server. Each also makes its NPU faulty (issue 17, xDeepServe
+the node see it there, as on a real server. Each also makes its NPU faulty (xDeepServe
 §6.2; a link fault as the Ascend device plugin's ``NetworkUnhealthy``): the Node's allocatable
 drops by it, it is granted to no new pod, and the Node is tainted ``matrixserve.io/npu-fault``
 NoSchedule (:meth:`.NodeLifecycle.publish`); healing gives it all back. A link fault leaves the

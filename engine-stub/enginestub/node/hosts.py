@@ -1,4 +1,4 @@
-"""Pods' cluster DNS names without DNS: hosts files the node emulator keeps (issue 31).
+"""Pods' cluster DNS names without DNS: hosts files the node emulator keeps.
 
 In a real cluster a pod with ``spec.hostname`` and ``spec.subdomain`` (what a StatefulSet gives
 each of its pods: its name and the governing headless Service) is

@@ -8,7 +8,7 @@ that admission puts on new nodes. In advertise mode (kind, where real kubelets o
 it only labels existing Nodes and patches the NPU resource into their capacity, as the Ascend
 device plugin would.
 
-Issue 17: :meth:`NodeLifecycle.publish` shows a node's state on its Node in one go: its status
+:meth:`NodeLifecycle.publish` shows a node's state on its Node in one go: its status
 (allocatable without the faulty NPUs), its taints (computed in one place,
 :func:`.nodestatus.node_taints`: unreachable while down, ``matrixserve.io/npu-fault`` while an
 NPU is faulty, others' kept) and an ``NPUUnhealthy``/``NPUHealthy`` Event per NPU that changed.

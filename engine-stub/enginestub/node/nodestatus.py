@@ -1,5 +1,5 @@
 """The Node as the emulated kubelet and device plugin show it (pure): its ``status`` and its
-taints, both derived from the node's state alone (SYSTEM.md §5; issue 17).
+taints, both derived from the node's state alone (SYSTEM.md §5).
 
 - **Status**: Ready, or Unknown while a node-down fault is injected; ``allocatable``
   ``huawei.com/Ascend910`` is the capacity less the faulty NPUs (a die, NPU or HBM fault in the

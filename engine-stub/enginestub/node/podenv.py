@@ -28,7 +28,7 @@ from matrixserve.api.engine_settings import EngineEnv
 # What a process inherits from the emulator's own environment (the rest is the pod's).
 ENV_PASSTHROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "VIRTUAL_ENV")
 # The models the server's local SSD holds (the emulator's --ssd-models), comma-separated: a warm
-# engine reports them as its WarmReport's ssdModels (issue 18).
+# engine reports them as its WarmReport's ssdModels.
 SSD_MODELS_ENV = EngineEnv.name("ssd_models")
 
 

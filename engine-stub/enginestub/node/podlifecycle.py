@@ -11,7 +11,7 @@ A pod whose Secret volume cannot be set up yet (its Secret missing) waits in Con
 with the kubelet's ``FailedMount`` Warning Event, and the mount is tried again with a growing
 pause (``MOUNT_RETRY``), in the pod's order of events (a deletion meanwhile wins).
 
-A down node's kubelet (issue 17: the node-down fault) does nothing for its pods: no admission, no
+A down node's kubelet (the node-down fault) does nothing for its pods: no admission, no
 status write, no finalised delete; a pod deleted meanwhile stays Terminating. Each pod's latest
 event waits ("parked") until the node is back; then the kubelet acts as one returning: it
 replays that event (a pod deleted meanwhile is finalised, one gone is cleaned up: processes,

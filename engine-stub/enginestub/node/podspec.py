@@ -2,12 +2,12 @@
 containers: image → local command, command/args with ``$(VAR)`` expansion, env with the downward
 API, probes, Secret volumes. Pure: secrets and config maps come through a lookup callable.
 
-Secret volumes (issue 16 finding 7: the engines', operator's and gateway's ZooKeeper identity
-comes as a file): the kubelet's projection of a Secret's keys into files with their modes
-(:func:`secret_files`), and, since a process here cannot see the container's mount path, the
-path a container names moved to the folder the emulator wrote them in (:func:`translate`: in
-its env, command, args and working directory, where the mount path starts a value or follows
-``=``), as the service-account token's kubeconfig is pointed at by ``KUBECONFIG``.
+Secret volumes (the engines', operator's and gateway's ZooKeeper identity comes as a file): the
+kubelet's projection of a Secret's keys into files with their modes (:func:`secret_files`), and,
+since a process here cannot see the container's mount path, the path a container names moved to the
+folder the emulator wrote them in (:func:`translate`: in its env, command, args and working
+directory, where the mount path starts a value or follows ``=``), as the service-account token's
+kubeconfig is pointed at by ``KUBECONFIG``.
 
 Docker semantics: ``command`` replaces the image's entrypoint; ``args`` replace its default
 arguments. The image map names, per image repository (tag ignored), the local entrypoint; the

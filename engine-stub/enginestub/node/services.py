@@ -6,10 +6,10 @@ pipes each connection to one ready pod matching the Service's selector (round-ro
 target port (a number or a container port's name). A backend that refuses the connection (its
 process just died: the pod is not yet marked not Ready) or does not answer in time is passed
 over for the next ready one, as kube-proxy's userspace mode did (``TryConnectEndpoints``), so a
-client of a Service whose one replica went away reaches another at once (issue 31). The ``kubernetes`` Service goes to the API
-server. So the API server reaches a webhook Service, and pods reach ZooKeeper or the gateway by
-their Service, with no kube-proxy, no iptables and no DNS: pods learn the addresses from the
-``<NAME>_SERVICE_HOST`` / ``_PORT`` variables (:func:`service_env`), as a kubelet injects them.
+client of a Service whose one replica went away reaches another at once. The ``kubernetes`` Service
+goes to the API server. So the API server reaches a webhook Service, and pods reach ZooKeeper or the
+gateway by their Service, with no kube-proxy, no iptables and no DNS: pods learn the addresses from
+the ``<NAME>_SERVICE_HOST`` / ``_PORT`` variables (:func:`service_env`), as a kubelet injects them.
 
 Pure helpers here (:func:`service_env`, :func:`matches`, :func:`target_port`) plus the proxy.
 """

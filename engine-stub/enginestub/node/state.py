@@ -56,7 +56,7 @@ class EmulatorConfig:
     delete_nodes_on_exit: bool = False
     stop_grace_on_exit: float = 5.0
     zygote: bool = True  # fork engine-stub containers from a warm process (see .zygote)
-    # The models every server's local SSD holds (issue 18, DeepServe §6.2's local SSD path):
+    # The models every server's local SSD holds (DeepServe §6.2's local SSD path):
     # a property of the emulated servers, given to every pod as $MATRIXSERVE_SSD_MODELS.
     ssd_models: tuple[str, ...] = ()
 

@@ -6,8 +6,8 @@ The synchronous ``kubernetes`` client runs in worker threads (``asyncio.to_threa
 are idempotent (409 is success), deletes carry a UID precondition so a recreated pod of the same
 name is never deleted by mistake, status is written with a merge patch of the status subresource.
 
-The Secrets pods read (the engines' ZooKeeper identity, issue 16 finding 7) and the engines'
-NetworkPolicy (issue 31) are written into a namespace before a pod there, then taken as in place
+The Secrets pods read (the engines' ZooKeeper identity) and the engines' NetworkPolicy are
+written into a namespace before a pod there, then taken as in place
 for ``SECRET_RECHECK_SECONDS`` (a pass costs no call); after that one read finds a deleted copy
 (made again) or a changed one (ours put back: the Secret's data, the policy's spec). One of that
 name that is not ours (without our labels) is never touched: a Secret so taken keeps every
@@ -113,7 +113,7 @@ class KubeAdapter:
         self.custom = client.CustomObjectsApi(api)
         self.networking = client.NetworkingV1Api(api)
         # Secrets every pod we create reads (the engines' ZooKeeper credential), and the
-        # NetworkPolicies that guard them (issue 31), written into the pod's namespace before
+        # NetworkPolicies that guard them, written into the pod's namespace before
         # it (:meth:`pod_secrets_taken`, :meth:`pod_policies_taken`).
         self.pod_secrets = list(pod_secrets)
         self.pod_policies = list(pod_policies)
@@ -321,10 +321,9 @@ class KubeAdapter:
         return list(await self._keep(namespace, self.pod_secrets, kept))
 
     async def pod_policies_taken(self, namespace: str) -> dict[str, dict[str, str]]:
-        """Put the engines' NetworkPolicies in place in ``namespace`` (issue 31), as
-        :meth:`pod_secrets_taken` does the Secrets (their spec ours). Returns those held there
-        by a policy that is not ours (name -> its labels: the chart's own, or a tenant's), left
-        as they are."""
+        """Put the engines' NetworkPolicies in place in ``namespace``, as :meth:`pod_secrets_taken`
+        does the Secrets (their spec ours). Returns those held there by a policy that is not ours
+        (name -> its labels: the chart's own, or a tenant's), left as they are."""
 
         def patch(name: str, namespace: str, body: Mapping[str, Any]) -> Any:
             return self.networking.patch_namespaced_network_policy(

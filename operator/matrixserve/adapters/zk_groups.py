@@ -9,8 +9,7 @@ watches are re-armed by kazoo on reconnection. ExpertPool gets a store of its ow
 one.
 
 With ZooKeeper's identity configured, a group's subtree made before it stays open until the
-handler closes it (:meth:`GroupStore.close`, issue 16 finding 7: once every pod of the group
-carries the credential).
+handler closes it (:meth:`GroupStore.close`: once every pod of the group carries the credential).
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ def _verdict(data: bytes | None) -> Any:
     return (
         health.state,
         health.incarnation,
-        health.draining and health.inflight == 0,  # issue 19: drained, it may leave the map
+        health.draining and health.inflight == 0,  # drained, it may leave the map
         tuple((f.kind, tuple(f.dies)) for f in health.faults),
         tuple((link.peer, link.device, link.state, link.down_at) for link in health.links),
     )
@@ -75,8 +74,8 @@ class GroupStore:
         self._watched: dict[str, list[Callable[[], None]]] = {}
         self._epochs: dict[str, int] = {}  # which watch registration is the live one
         self._handles: dict[str, list[Any]] = {}  # the session's watches, cancelled at unwatch
-        # Issue 17: a data watch per health znode (by group, by instance), and the verdict each
-        # last carried: a health turning Faulty wakes the group at once, a mere refresh does not.
+        # A data watch per health znode (by group, by instance), and the verdict each last
+        # carried: a health turning Faulty wakes the group at once, a mere refresh does not.
         self._health: dict[str, dict[str, Any]] = {}
         self._verdicts: dict[str, dict[str, Any]] = {}
         self._epoch = 0
@@ -145,7 +144,7 @@ class GroupStore:
         ops = action.znodes(zl.GroupPaths(namespace, group))
         await self.session.run(self.session.apply, ops)
 
-    # ------------------------------------------------------------------ warm pods (issue 18)
+    # ------------------------------------------------------------------ warm pods
     def _warm_sync(
         self, namespace: str, model: str | None, waiting: Sequence[str]
     ) -> tuple[dict[str, zl.WarmReport], list[zl.ForkSource], dict[str, str]]:

@@ -1,4 +1,4 @@
-"""The WarmPool's ZooKeeper store (issue 18): the warm engines' reports of a namespace
+"""The WarmPool's ZooKeeper store: the warm engines' reports of a namespace
 (``/matrixserve/v1/warm/<ns>/pods``), watched so the namespace's pools wake when a warm pod comes
 up or goes, the host-DRAM plans (``dram/``) read and changed by the pools' plans, and the
 assignments left behind by pods that are gone (removed: an assignment is bound to its pod's UID,

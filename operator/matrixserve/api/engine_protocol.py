@@ -6,12 +6,12 @@ the units of the TTFT budget.
   :meth:`GenerateRequest.parse` reads it (``prompt`` text or ``promptTokens``).
 - ``POST /v1/decode`` (prefill -> decode): :func:`decode_body` writes it, :func:`parse_decode`
   reads it; the same fields plus :class:`PrefillRef`, where the decode pulls the KV from.
-- A stream that continues elsewhere (issue 31 item 2): ``resumeAt`` says how many of the
-  request's output tokens its caller already has. The engine prefills the prompt plus those
-  tokens (it can write them again: the tokens are a function of the prompt and their index,
-  :func:`synthetic_token`), and its stream goes on at that index, so the caller sees no token
-  twice and none missing. A decode is always told (at least 1: the prefill made the first), a
-  gateway only when it re-offers a stream whose entrance was lost.
+- A stream that continues elsewhere: ``resumeAt`` says how many of the request's output tokens its
+  caller already has. The engine prefills the prompt plus those tokens (it can write them again: the
+  tokens are a function of the prompt and their index, :func:`synthetic_token`), and its stream goes
+  on at that index, so the caller sees no token twice and none missing. A decode is always told (at
+  least 1: the prefill made the first), a gateway only when it re-offers a stream whose entrance was
+  lost.
 - The answer: ``200`` and an SSE stream of ``data: <json>`` events, ``token`` ... then one of
   :data:`LAST_EVENTS` (``done`` with usage, timings and instances, or ``error`` with a code and a
   message); or, before any stream, a status with ``{"error": {"code", "message"}}``
@@ -104,8 +104,9 @@ class TtftBudget:
 # --------------------------------------------------------------------------- errors
 class EngineError(Exception):
     """What an engine answers instead of a stream: an HTTP status and a machine-readable code
-    (``{"error": {"code", "message", "type", "param"}}``, OpenAI's error shape: issue 16 finding
-    3; ``param`` names the body field at fault, if one is)."""
+    (``{"error": {"code", "message", "type", "param"}}``, OpenAI's error shape, so a bad
+    request is a 4xx a client reads, never a 500; ``param`` names the body field at fault, if one
+    is)."""
 
     def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -352,7 +353,7 @@ def done_event(
     migrations: int = 0,
 ) -> Event:
     """A stream's end after its last token; ``migrations``: how many times it moved to another
-    decode on the way (issue 31 item 2)."""
+    decode on the way (each time its decode was lost mid-stream)."""
     return {
         "type": "done",
         "usage": {"promptTokens": prompt_tokens, "completionTokens": completion_tokens},

@@ -55,7 +55,7 @@ LABEL_RACK = f"{LABEL_PREFIX}/rack"
 LABEL_SERVER = f"{LABEL_PREFIX}/server"
 LABEL_NPU_TYPE = f"{LABEL_PREFIX}/npu-type"
 LABEL_EMULATED = f"{LABEL_PREFIX}/emulated-node"  # set by the node emulator on its nodes
-# Issue 18: a warm pod's pool and shape; a claimed one also names the group that claimed it
+# A warm pod's pool and shape; a claimed one also names the group that claimed it
 # (the claim is the label, written with the pod's resourceVersion as precondition).
 LABEL_WARMPOOL = f"{LABEL_PREFIX}/warmpool"
 LABEL_WARM_SHAPE = f"{LABEL_PREFIX}/warm-shape"
@@ -75,7 +75,7 @@ FINALIZER = f"{GROUP}/cleanup"
 
 # The NPU extended resource the (emulated) Ascend device plugin advertises.
 NPU_RESOURCE = "huawei.com/Ascend910"
-# Issue 17 (xDeepServe §6.2: "Kubernetes marks the node as tainted"): a server with a faulty NPU
+# Faults (xDeepServe §6.2: "Kubernetes marks the node as tainted"): a server with a faulty NPU
 # takes no new pods; NoSchedule, not NoExecute, so the instances still serving on it stay. The
 # value lists the faulty NPUs (e.g. "npu-3.npu-5"); the faulty NPUs also leave ``allocatable``.
 TAINT_NPU_FAULT = f"{LABEL_PREFIX}/npu-fault"

@@ -60,9 +60,9 @@ class Parallelism(_Spec):
 
 
 # --------------------------------------------------------------------------- quantities
-# CPU and memory of engine pods (issue 16, finding 8). A Kubernetes resource quantity
-# (k8s.io/apimachinery's resource.Quantity) without a sign; the CRD carries this pattern, so the
-# API server and the models agree on what parses.
+# CPU and memory of engine pods (requested, so an engine is not BestEffort). A Kubernetes resource
+# quantity (k8s.io/apimachinery's resource.Quantity) without a sign; the CRD carries this pattern,
+# so the API server and the models agree on what parses.
 QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[eE][-+]?[0-9]+|[numkMGTPE])?$"
 _QUANTITY = re.compile(QUANTITY_PATTERN)
 _BINARY_EXPONENT = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
@@ -402,10 +402,10 @@ class WarmPoolSpec(_Spec):
 
 
 class WarmClaim(BaseModel):
-    """The record a claimed warm pod carries (``kinds.ANNOTATION_CLAIM``, issue 18): the
-    instance and role it became, the path chosen and its estimate (seconds per phase, every
-    path considered), the fork source, when. (The shared file service's readers are not said:
-    the engines count them as they load, ``enginestub.engine.bucket``.)"""
+    """The record a claimed warm pod carries (``kinds.ANNOTATION_CLAIM``): the instance and role it
+    became, the path chosen and its estimate (seconds per phase, every path considered), the fork
+    source, when. (The shared file service's readers are not said: the engines count them as they
+    load, ``enginestub.engine.bucket``.)"""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -431,7 +431,7 @@ class WarmClaim(BaseModel):
 
 
 class WarmTemplate(BaseModel):
-    """What a warm pod is made from (``kinds.ANNOTATION_WARM_TEMPLATE``, issue 18): a pod of
+    """What a warm pod is made from (``kinds.ANNOTATION_WARM_TEMPLATE``): a pod of
     another template is replaced by its pool, and a group claims only a pod of its own image."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)

@@ -27,11 +27,10 @@ JSON payloads (pydantic), no client. ``docs/zookeeper.md`` has the table of who 
     /matrixserve/v1/expertpools/<ns>/<pool>/map            logical -> physical expert map
     /matrixserve/v1/expertpools/<ns>/<pool>/servers/<id>   EPHEMERAL, one per expert server
 
-Who may touch it (issue 16 finding 7): with :class:`Credentials` configured, every znode under
-``/matrixserve`` belongs to one digest identity that the operator, the gateway and the engines
-share; nobody else may read, write or delete them. A group's subtree (:func:`group_root_of`) is
-the unit of an upgrade: it stays open, and what is made in it open too, until every pod of the
-group carries the credential.
+Who may touch it: with :class:`Credentials` configured, every znode under ``/matrixserve`` belongs
+to one digest identity that the operator, the gateway and the engines share; nobody else may read,
+write or delete them. A group's subtree (:func:`group_root_of`) is the unit of an upgrade: it stays
+open, and what is made in it open too, until every pod of the group carries the credential.
 """
 
 from __future__ import annotations
@@ -141,9 +140,9 @@ def warm_root() -> str:
 
 
 class WarmPaths:
-    """The warm pods of one namespace (issue 18, DeepServe §6.1): each warm engine reports
-    itself under ``pods/`` and waits for its ``assignments/`` znode, which the operator writes
-    when a group claims the pod."""
+    """The warm pods of one namespace (DeepServe §6.1): each warm engine reports itself under
+    ``pods/`` and waits for its ``assignments/`` znode, which the operator writes when a group
+    claims the pod."""
 
     def __init__(self, namespace: str) -> None:
         self.root = f"{warm_root()}/{_check(namespace, 'namespace')}"
@@ -397,7 +396,7 @@ class HealthState(StrEnum):
 
 
 class EngineFaultKind(StrEnum):
-    """What an engine says is wrong with itself (issue 17's detection tiers it sees first)."""
+    """What an engine says is wrong with itself (the fault-detection tiers it sees first)."""
 
     DIE = "die"  # a die of this instance down (the node's device status file, or injected)
     NPU = "npu"  # a whole NPU of this instance down (both its dies)
@@ -439,10 +438,10 @@ class LinkProbe(_Payload):
 
 
 class Load(_Payload):
-    """What an engine has served since its process started (issue 19): cumulative counters
-    the operator's ratio control differences between two health reports of one incarnation
-    (P/D-Serve §3.3: "The monitor records the averaged E2E latency and TTFT"). Emulated
-    seconds; a role's counters stay 0 on the other role."""
+    """What an engine has served since its process started: cumulative counters the operator's ratio
+    control differences between two health reports of one incarnation (P/D-Serve §3.3: "The monitor
+    records the averaged E2E latency and TTFT"). Emulated seconds; a role's counters stay 0 on the
+    other role."""
 
     offered: int = 0  # prefill: requests offered (admitted or refused)
     refused: int = 0  # ... refused at admission (busy: no slot, no HBM, a TTFT budget)
@@ -466,7 +465,7 @@ class Load(_Payload):
 
 
 class Drain(_Payload):
-    """An instance leaving the group in order (a scale-in or a ratio move; issue 19): it gets no
+    """An instance leaving the group in order (a scale-in or a ratio move): it gets no
     new work (its entrance closed, out of the decode meta, and it refuses with 503
     ``draining``) and finishes what it has; it leaves the map once its health says it holds
     nothing (``inflight`` 0) or ``at`` + the drain bound has passed. A fault's removal is not a
@@ -487,7 +486,7 @@ class Health(_Payload):
     pod_ip: str = Field(alias="podIP")
     port: int
     incarnation: str = ""
-    # Issue 17: why the engine is Faulty (empty otherwise), its sub-links that probe unhealthy,
+    # Why the engine is Faulty (empty otherwise), its sub-links that probe unhealthy,
     # and the wall time of its serving loop's last beat (a heartbeat from the loop, not from the
     # writer: a hung loop leaves it behind while ``ts`` keeps moving).
     faults: list[EngineFault] = Field(default_factory=list)
@@ -500,7 +499,7 @@ class Health(_Payload):
     # ... and to the RoCE map naming it: for a member of the group's first setup that includes
     # waiting for every other member to report, which a lone replacement does not wait for.
     gathered_after: float = Field(default=0.0, alias="gatheredAfter")
-    # Issue 18: the engine's own DeepServe phases (emulated seconds: "TEPreLoad", "TELoad",
+    # The engine's own DeepServe phases (emulated seconds: "TEPreLoad", "TELoad",
     # "TEPostLoad"; a claimed warm pod's TEPreLoad was paid before the claim and is 0) and where
     # its weights came from (a LoadSource value: a fork that failed says its fallback).
     phases: dict[str, float] = Field(default_factory=dict)
@@ -510,8 +509,8 @@ class Health(_Payload):
     # is TE-Load / loadShare
     load_share: float = Field(default=0.0, alias="loadShare", ge=0)
     warm: bool = False  # a claimed warm pod (its engine was up before the claim)
-    load: Load | None = None  # issue 19: what it has served (None: an older engine)
-    # Issue 19: asked to drain (its ``draining/`` znode), and the requests it still holds (its
+    load: Load | None = None  # what it has served, for the ratio (None: an older engine)
+    # Asked to drain (its ``draining/`` znode), and the requests it still holds (its
     # open streams: a prefill's last until its decode ends, as it relays them)
     draining: bool = False
     drain_at: float = Field(default=0.0, alias="drainAt")  # the marker's ``at`` it answers
@@ -570,7 +569,7 @@ def verify_sub_links(prefill: MapEntry, decode: MapEntry) -> list[SubLink]:
     ]
 
 
-# --------------------------------------------------------------------------- warm pods (issue 18)
+# --------------------------------------------------------------------------- warm pods
 class WarmReport(_Payload):
     """A warm engine, past TE-Pre-Load (Python, NPU state, HCCL up; no model, no role), waiting
     for an assignment (DeepServe §6.1). ``dramModels``: what its server's host DRAM holds."""

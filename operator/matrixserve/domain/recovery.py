@@ -1,5 +1,5 @@
 """Minimum-cost recovery: a fault, the group's topology, its state and the policy → the
-cheapest plan under an explicit cost (pure; issue 17).
+cheapest plan under an explicit cost (pure).
 
 P/D-Serve §3.4 (Fig. 8) recovers at "minimum cost": the faulty instance is logically removed in
 ZooKeeper first (no new traffic), and exactly one new stateless container is linked in by
@@ -24,13 +24,13 @@ time it takes to restore::
 - ``lost_after``: capacity still out once restored (a prefill given up by a shrink, or an
   instance masked for want of NPUs) for ``horizon_s`` (until capacity returns: a repair).
 
-**Where** (issue 31): NPUs count only where the new pod could go. Given the servers
-(:class:`Server`: free NPUs, SuperPod, and why the scheduler would refuse each role's new pod
-there: not Ready, cordoned, a taint it does not tolerate, another NPU type), a replacement's
-pods must each fit whole on a server that takes its role, in the SuperPod of the instances of
-its role that stay when the role keeps one (the decodes); a shrink gives up only prefills whose
-NPUs, where they run, would fit the decode so (a prefill on a server tainted by another NPU's
-fault, cordoned, down or in another SuperPod is never sacrificed for nothing).
+**Where**: NPUs count only where the new pod could go. Given the servers (:class:`Server`: free
+NPUs, SuperPod, and why the scheduler would refuse each role's new pod there: not Ready, cordoned, a
+taint it does not tolerate, another NPU type), a replacement's pods must each fit whole on a server
+that takes its role, in the SuperPod of the instances of its role that stay when the role keeps one
+(the decodes); a shrink gives up only prefills whose NPUs, where they run, would fit the decode so
+(a prefill on a server tainted by another NPU's fault, cordoned, down or in another SuperPod is
+never sacrificed for nothing).
 
 Ties go to the option restarting fewer pods. Fencing: with ZooKeeper not connected nothing is
 planned (nothing destructive without coordination). A cap on concurrent replacements keeps a
@@ -90,7 +90,7 @@ class Member:
 
 @dataclass(frozen=True)
 class Server:
-    """A server as a new pod of the group would find it (issue 31): the NPUs free there now, its
+    """A server as a new pod of the group would find it: the NPUs free there now, its
     SuperPod, and, per role, why the scheduler would not place that role's new pod there (not
     Ready, cordoned, a taint the pod does not tolerate, not of its NPU type); a role not named
     may go there."""
@@ -135,7 +135,7 @@ class Estimates:
     relink: float = 0.5  # a new map version → the sub-links verified again
     retry_window: float = 10.0  # how long a transient fault is given to clear
     horizon: float = 600.0  # how long capacity masked for want of NPUs stays out (a repair)
-    # Issue 18: warm pods that could replace an instance of each role now, and the fastest warm
+    # Warm pods that could replace an instance of each role now, and the fastest warm
     # path's seconds from the claim to serving (the scale-out path choice's estimate).
     warm_pods: Mapping[zl.Role, int] = field(default_factory=dict)
     warm_ready: Mapping[zl.Role, float] = field(default_factory=dict)
@@ -384,7 +384,7 @@ def options(
 
 def _warm(topology: Topology, est: Estimates, faulty: tuple[str, ...]) -> float | None:
     """The warm replacement's seconds from the claim to serving, if there is a warm pod for
-    every faulty instance (issue 18); None otherwise (a cold replacement)."""
+    every faulty instance; None otherwise (a cold replacement)."""
     if not faulty:
         return None
     need: dict[zl.Role, int] = {}
@@ -409,7 +409,7 @@ def _shrink(
     """Give up prefills so their NPUs restore the protected decode(s): a faulty prefill first
     (not replaced: its NPUs are gone with its server), then healthy ones from the last, as few
     as cover the decodes' NPUs, never the last prefill. Only a prefill whose NPUs the decode's
-    new pod could use counts (issue 31): on a server that takes a decode (Ready, not cordoned,
+    new pod could use counts: on a server that takes a decode (Ready, not cordoned,
     no taint the decode does not tolerate, of its NPU type) in the decodes' SuperPod; giving up
     any other would cost its capacity and restore nothing."""
     decodes = tuple(n for n in faulty if topology.members[n].role is zl.Role.DECODE)
@@ -465,7 +465,7 @@ def _shrink(
 
 
 class Room:
-    """Where the new pods of a plan would go (issue 31): each instance's pods (``npus / pods``
+    """Where the new pods of a plan would go: each instance's pods (``npus / pods``
     NPUs each) placed whole on one server that takes its role, within the SuperPod of its
     role's instances that stay when the role keeps one, onto the NPUs free there now plus those
     the instances given up free where they ran (``out``: the instances whose pods go). Without

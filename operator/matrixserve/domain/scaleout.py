@@ -1,4 +1,4 @@
-"""How each new instance is obtained: the scale-out path choice (pure; issue 18).
+"""How each new instance is obtained: the scale-out path choice (pure).
 
 DeepServe §6 (Table 2, Fig. 8) splits a scale operation into five phases and attacks each:
 

@@ -1,6 +1,6 @@
 """``python -m matrixserve.gateway``: the OpenAI-compatible gateway. Exit 2 on bad flags.
 
-Stopping (issue 31: a replica leaves without failing a request). On SIGTERM (or SIGINT) the
+Stopping (a replica leaves without failing a request). On SIGTERM (or SIGINT) the
 gateway first **drains** for ``--drain-seconds``: ``/healthz`` answers 503 ``draining``, so the
 readiness probe fails and the Service stops sending here, while every request that still
 arrives is served (its answer says ``Connection: close``). The default outlasts the chart's

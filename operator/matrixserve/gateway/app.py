@@ -4,22 +4,22 @@ and not), ``/v1/models``, ``/v1/routes`` (what it routes by), ``/healthz``, ``/m
 P/D-Serve §3.5: a request is routed by its scenario to the groups serving it, forwarded on demand
 to a prefill entrance that accepts within its TTFT budget (:mod:`.forwarder`), and the accepting
 prefill's stream (decode -> prefill -> gateway), read through the gateway's pooled engine client
-(:mod:`.upstream`), is relayed as OpenAI chunks (:mod:`.openai`). Issue 31 item 2: a decode
-lost mid-stream is replaced behind the prefill, a lost entrance by the forwarder (another
-entrance takes the stream on where its client is); the client's stream ends with an error chunk
-and ``[DONE]`` only when neither can. API keys: :mod:`.auth`.
+(:mod:`.upstream`), is relayed as OpenAI chunks (:mod:`.openai`). A stream outlives what serves
+it: a decode lost mid-stream is replaced behind the prefill, a lost entrance by the forwarder
+(another entrance takes the stream on where its client is); the client's stream ends with an
+error chunk and ``[DONE]`` only when neither can. API keys: :mod:`.auth`.
 
-Issue 16: a body is decoded here and validated in the domain, so whatever bytes a client sends
-get an OpenAI-shaped 4xx, never a 500 (finding 3); metric labels take known values only, so no
-request can break ``/metrics`` or grow its series (finding 2); a request whose client leaves is
-cancelled (``handler_cancellation``, set where the server is run) and its legs give their engine
-streams back, so the engines stop working on it, streamed or not (finding 5); ``n``, lists of
-prompts, ``stop`` and ``stream_options.include_usage`` are honoured (finding 6). Its review: a
-prefill's refusal of the request itself is the client's 400 (``context_length_exceeded`` for a
-prompt the engines do not take), never a 503; an unexpected failure is counted
-``internal_error``, not ``client_gone``; chat answers' ids start ``chatcmpl-``.
+Hardened against its clients: a body is decoded here and validated in the domain, so whatever bytes
+a client sends get an OpenAI-shaped 4xx, never a 500; metric labels take known values only, so no
+request can break ``/metrics`` or grow its series; a request whose client leaves is cancelled
+(``handler_cancellation``, set where the server is run) and its legs give their engine streams back,
+so the engines stop working on it, streamed or not; ``n``, lists of prompts, ``stop`` and
+``stream_options.include_usage`` are honoured. A prefill's refusal of the request itself is the
+client's 400 (``context_length_exceeded`` for a prompt the engines do not take), never a 503; an
+unexpected failure is counted ``internal_error``, not ``client_gone``; chat answers' ids start
+``chatcmpl-``.
 
-Issue 31 (a gateway replica going away loses nothing): while :meth:`Gateway.drain` is in effect
+A gateway replica going away loses nothing: while :meth:`Gateway.drain` is in effect
 (``__main__`` on SIGTERM, for ``--drain-seconds``) ``/healthz`` answers 503 ``draining`` and every
 request is still served, its answer with ``Connection: close``.
 """
@@ -290,8 +290,8 @@ class Gateway:
         """The gateway's app as it is served (``__main__``, and the tests that serve it): a
         client that leaves cancels its request's handler (``handler_cancellation``: aiohttp >= 3.9
         does not by default), which gives the request's engine streams back, so the engines stop
-        working on a request nobody waits for, streamed or not (issue 16, finding 5). ``server``:
-        the server's other settings."""
+        working on a request nobody waits for, streamed or not. ``server``: the server's other
+        settings."""
         return web.AppRunner(self.app(), access_log=None, handler_cancellation=True, **server)
 
     def app(self) -> web.Application:

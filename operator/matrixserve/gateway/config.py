@@ -79,7 +79,7 @@ class GatewayMetrics:
         )
         self.migrations = Counter(
             "matrixserve_gateway_migrations",
-            "Choices offered to another entrance after theirs was lost (issue 31 item 2), by"
+            "Choices offered to another entrance after theirs was lost, by"
             " stage (before_first_token, mid_stream) and outcome (moved, no_capacity, bound)",
             ["stage", "outcome"],
             registry=r,

@@ -11,30 +11,28 @@ gateway holds are passed over, and whether it needs the prefills' queue reports 
 What the gateway counts per prefill (open streams, prompts still in prefill, slots held) is the
 prefill's feedback; a :class:`Flight` is one request's share of it.
 
-A request has one choice per prompt and ``n`` (issue 16, finding 6); each is forwarded on its
-own, together, and is a :class:`Leg`: its prefill's stream, its flight, its text up to a stop
-string. A request goes ahead only when every choice was accepted; else the accepted ones are
-dropped at once — every try's stream that was not handed out as a leg, whether its try ended
-before, with or after the refusal (the review of issue 16, finding 1). A leg that ends (its last
-event, a stop string, a failure) gives its stream back, so a stop string ends the upstream work
-there and then.
+A request has one choice per prompt and ``n``; each is forwarded on its own, together, and is a
+:class:`Leg`: its prefill's stream, its flight, its text up to a stop string. A request goes ahead
+only when every choice was accepted; else the accepted ones are dropped at once — every try's stream
+that was not handed out as a leg, whether its try ended before, with or after the refusal, so none
+is left holding an engine's slot. A leg that ends (its last event, a stop string, a failure) gives
+its stream back, so a stop string ends the upstream work there and then.
 
-A prefill's answer other than accepted or busy (the review, findings 2 and 5): a refusal of the
-request itself (400, 413, 422: every prefill would refuse it) is final, the client's 400
-(:class:`BadRequest`, raised); a 503 passes the prefill over for its ``Retry-After``, at most
-:data:`PASSED_OVER_SECONDS` (it is not tried again before, even when it is the only one); a
-prefill that could not be reached, did not answer in time or answered another status is passed
-over for a while, while another is open.
+A prefill's answer other than accepted or busy: a refusal of the request itself (400, 413, 422:
+every prefill would refuse it) is final, the client's 400 (:class:`BadRequest`, raised); a 503
+passes the prefill over for its ``Retry-After``, at most :data:`PASSED_OVER_SECONDS` (it is not
+tried again before, even when it is the only one); a prefill that could not be reached, did not
+answer in time or answered another status is passed over for a while, while another is open.
 
-A stream survives its entrance (issue 31 item 2): a leg whose entrance is lost (its stream cut,
-or ended by the entrance's own fault, hang or removal: ``domain.gateway.reoffer.entrance_lost``) is
-offered to another entrance (:class:`Again`), the lost one passed over: before its first token
-within what is left of its TTFT budget (P/D-Serve §3.5's on-demand forwarding, again), after it
-with ``resumeAt`` (the tokens its client has; the new entrance re-prefills the prompt with them
-and goes on with the next, under a fresh budget for that longer prompt). At most
-``MAX_REOFFERS`` times per choice; the client gets the error only when no entrance takes it. A
-decode lost behind the entrance is the prefill's to mend (``enginestub.engine.migration`` says
-why it lives there), so its named errors are not re-offered.
+A stream survives its entrance: a leg whose entrance is lost (its stream cut, or ended by the
+entrance's own fault, hang or removal: ``domain.gateway.reoffer.entrance_lost``) is offered to
+another entrance (:class:`Again`), the lost one passed over: before its first token within what is
+left of its TTFT budget (P/D-Serve §3.5's on-demand forwarding, again), after it with ``resumeAt``
+(the tokens its client has; the new entrance re-prefills the prompt with them and goes on with the
+next, under a fresh budget for that longer prompt). At most ``MAX_REOFFERS`` times per choice; the
+client gets the error only when no entrance takes it. A decode lost behind the entrance is the
+prefill's to mend (``enginestub.engine.migration`` says why it lives there), so its named errors are
+not re-offered.
 """
 
 from __future__ import annotations
@@ -104,7 +102,7 @@ class Forwarder:
         self.prefilling: dict[str, int] = {}  # accepted, no first token yet, per prefill
         self.holding: dict[str, int] = {}  # accepted, KV not yet pulled by a decode, per prefill
         # Requests waiting for a slot, oldest first, each with the prefills it may use: a slot
-        # freed wakes the oldest waiter that may use it, one per slot (issue 31)
+        # freed wakes the oldest waiter that may use it, one per slot
         self.waiting: collections.deque[_Waiter] = collections.deque()
         self.last_accepted: dict[str, str] = {}  # per scenario
         self.reported: dict[str, int] = {}  # the prefills' last queue reports
@@ -480,8 +478,8 @@ def _drop_accepted(task: asyncio.Future[tuple[Entrance, EngineStream] | str]) ->
 
 @dataclass
 class Again:
-    """How a leg is offered to another entrance when its own is lost (issue 31 item 2): the
-    request it belongs to, and when it came (its TTFT budget counts from then)."""
+    """How a leg is offered to another entrance when its own is lost: the request it belongs
+    to, and when it came (its TTFT budget counts from then)."""
 
     forwarder: Forwarder
     scenario: str

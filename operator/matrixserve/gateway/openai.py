@@ -54,8 +54,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 def served(done: Event | None, prefill: str, reoffers: int = 0) -> dict[str, Any]:
     """The engines' own account of a choice: emulated timings and the instances that served it
     (from their ``done``; a choice the gateway cut at a stop string has only its prefill), and
-    how many times it moved (issue 31 item 2: to another decode, its last entrance says; to
-    another entrance, ``reoffers``)."""
+    how many times it moved (to another decode, its last entrance says; to another entrance,
+    ``reoffers``)."""
     if done is None:
         return {
             "timings": None,
@@ -174,8 +174,8 @@ def failure(
 
 
 def failed_on(error: Event, prefill: str) -> dict[str, Any]:
-    """Where a choice that failed was served (issue 17: a client tells a failure on a faulty
-    instance from one elsewhere): its prefill, and the decode the engines name in their error
+    """Where a choice that failed was served (so a client tells a failure on a faulty instance
+    from one elsewhere): its prefill, and the decode the engines name in their error
     (one had taken the request; a name only, nothing else of an engine's is passed on)."""
     said = error.get("instances")
     decode = said.get("decode") if isinstance(said, dict) else None

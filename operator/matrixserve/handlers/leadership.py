@@ -1,4 +1,4 @@
-"""Which replica of the operator acts: leader election on a Lease (issue 31 item 1).
+"""Which replica of the operator acts: leader election on a Lease.
 
 Why a ``coordination.k8s.io`` Lease and not kopf's peering: kopf's peering pauses every operator
 when two of the same priority meet and resumes a lower one only after the other's record goes
@@ -38,8 +38,8 @@ log = logging.getLogger("matrixserve.leadership")
 
 
 class Leadership:
-    """This replica's leadership. Without a Lease (``lease`` None: one operator, as before
-    issue 31) it always leads."""
+    """This replica's leadership. Without a Lease (``lease`` None: one operator, no election)
+    it always leads."""
 
     def __init__(
         self,

@@ -350,7 +350,7 @@ class Reconciler:
         engines: bool,
         logger: logging.Logger,
     ) -> list[Effect]:
-        """The engines' NetworkPolicy in place in ``namespace`` (issue 31) for a pass that has
+        """The engines' NetworkPolicy in place in ``namespace`` for a pass that has
         engine pods there or creates one: re-checked at most once a ``SECRET_RECHECK_SECONDS``
         (a deleted or changed policy put back), written before the first pod. One of that name
         that is not ours is left alone (a notice says so, unless it is the chart's own). Where

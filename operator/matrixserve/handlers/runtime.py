@@ -58,7 +58,7 @@ class OperatorConfig:
     sweep_seconds: float = 60.0  # the kinds' sweeps of ZooKeeper data nothing owns any more
     namespaces: tuple[str, ...] = ()  # watched namespaces (none: the whole cluster)
     zookeeper_auth: Credentials | None = None  # the digest identity (None: open znodes)
-    # Leader election (issue 31): the Lease "<namespace>/<name>" replicas elect on (None: no
+    # Leader election: the Lease "<namespace>/<name>" replicas elect on (None: no
     # election, this operator always acts), this replica's identity in it, the timing.
     leader_lease: str | None = None
     leader_identity: str = ""

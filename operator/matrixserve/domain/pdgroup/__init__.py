@@ -5,7 +5,7 @@
 - :mod:`.membership` — gathering, dynamic RoCE construction, release, traffic;
 - :mod:`.status` — status, conditions and readiness;
 - :mod:`.pods` — the instance's pods (names, labels, manifest);
-- :mod:`.obtain` — how missing instances come: a warm pod claimed, or a cold pod (issue 18);
+- :mod:`.obtain` — how missing instances come: a warm pod claimed, or a cold pod;
 - :mod:`.validation` — the cross-field rules of the webhook and the reconciler;
 - :mod:`.plan` — the stages composed, with the seams where the ratio policy, the scale-out
   path and recovery plug in.

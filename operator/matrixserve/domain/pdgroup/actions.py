@@ -60,7 +60,7 @@ class ReportPodTrouble(Notice):
 
 @dataclass(frozen=True)
 class ReportRecovery(Notice):
-    """A step of a recovery (issue 17): a fault detected, a plan chosen, restored, failed;
+    """A step of a recovery: a fault detected, a plan chosen, restored, failed;
     ``record`` is the recovery's status record (what the handler's metrics count)."""
 
     reason: str
@@ -74,7 +74,7 @@ class ReportRecovery(Notice):
 
 @dataclass(frozen=True)
 class ReportRatioChange(Notice):
-    """The ratio policy moved the group's target split (issue 19): why, with the numbers."""
+    """The ratio policy moved the group's target split: why, with the numbers."""
 
     message: str
     reason: str = "RatioChange"
@@ -105,7 +105,7 @@ class WriteRoceMap(_GroupZnodes):
     removed: tuple[str, ...]
     rejoined: tuple[str, ...] = ()  # members now someone else: new pod, RoCE IPs or engine
     rebuilt: bool = False  # written again after ZooKeeper lost the group's data
-    relinked: tuple[str, ...] = ()  # issue 17: the same members, their sub-links verified again
+    relinked: tuple[str, ...] = ()  # the same members, their sub-links verified again
 
     def znodes(self, paths: zl.GroupPaths) -> list[zl.ZnodeOp]:
         return [zl.Put(paths.roce_map, self.roce_map.dump())]
@@ -201,7 +201,7 @@ class EraseInstance(_GroupZnodes):
 
 @dataclass(frozen=True)
 class ForgetLink(_GroupZnodes):
-    """Drop a pair's verified link (issue 17's relink): both ends verify it again (a new
+    """Drop a pair's verified link (a recovery's relink): both ends verify it again (a new
     handshake) on the next map version, instead of taking the old znode as proof."""
 
     prefill: str
@@ -223,7 +223,7 @@ class ClearRemoved(_GroupZnodes):
 
 @dataclass(frozen=True)
 class StartDrain(_GroupZnodes):
-    """An instance leaving in order (issue 19): no new work, it finishes what it has."""
+    """An instance leaving in order: no new work, it finishes what it has."""
 
     drain: zl.Drain
     reason = "Draining"
@@ -245,7 +245,7 @@ class ClearDrain(_GroupZnodes):
         return [zl.Delete(paths.draining_of(self.name))]
 
 
-# --------------------------------------------------------------------------- warm pods (issue 18)
+# --------------------------------------------------------------------------- warm pods
 @dataclass(frozen=True)
 class ClaimWarmPod(PodClaim):
     """Claim a warm pod for a new instance: its labels, annotations and owner become the

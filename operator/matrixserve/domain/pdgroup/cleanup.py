@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from matrixserve.domain.conditions import seconds_since
 
-# How long a deletion waits for ZooKeeper before the object is let go (the bound for
+# How long a deletion waits for ZooKeeper before the object is let go (the bound required of
 # `kubectl delete` while ZooKeeper is down is 60 s, so this leaves room for the retries).
 FINALIZER_WAIT_SECONDS = 30.0
 

@@ -11,7 +11,7 @@ P/D-Serve §3.2-3.3 as stages of a level-based plan (pure; ``now`` comes with th
   restarted: a new pod IP, new RoCE IPs or a new incarnation) rejoins: its entry is replaced in
   the same way, its entrance closed, and its links count again only once verified between the
   current incarnations. Nobody else restarts.
-- **Drain** (issue 19, ``[design]``: the paper's removal is for faults): an instance no longer
+- **Drain** (``[design]``: the paper's removal is for faults): an instance no longer
   desired first gets no new work (its entrance closed, out of the decode meta, a ``draining/``
   marker it answers by refusing new requests) and finishes the requests it holds; it leaves the
   map once its health says it holds none, or after ``DRAIN_SECONDS``, or at once if it is not

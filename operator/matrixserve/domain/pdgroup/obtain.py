@@ -1,4 +1,4 @@
-"""How the group's missing instances are obtained (pure; issue 18): the ``obtain`` seam.
+"""How the group's missing instances are obtained (pure): the ``obtain`` seam.
 
 Per missing instance, :func:`matrixserve.domain.scaleout.choose` picks the fastest path by
 estimate (DeepServe §6: a warm pod past TE-Pre-Load, loading by NPU-fork from a live instance of
@@ -47,7 +47,7 @@ from matrixserve.domain.pdgroup.warm import estimates, fork_sources, warm_candid
 def missing_pods(view: GroupView, instance: str, role: zl.Role) -> list[str]:
     found = view.instances.get(instance)
     if found is not None and any(view.claimed(p) for p in found.pods):
-        return []  # a claimed warm pod is the instance (issue 18: one pod per instance)
+        return []  # a claimed warm pod is the instance (one pod per instance)
     spec = view.spec.role_spec(role)
     return [p for p in pod_names(instance, spec.pods_per_instance) if p not in view.pods]
 
@@ -213,11 +213,10 @@ def assignments(view: GroupView) -> list[Action]:
 
 
 def last_scale(view: GroupView) -> ScaleRecord | None:
-    """The latest instance to come and serve, with DeepServe's phases (issue 18 item 6): the
-    path it came by (its claim's, or ``Cold``), where its weights actually came from, the
-    engine's phases in emulated seconds (its health's), and the wall seconds from its start (the
-    claim, or the pod's creation) to the first pass that sees it serving. Kept until a newer
-    instance serves."""
+    """The latest instance to come and serve, with DeepServe's phases: the path it came by (its
+    claim's, or ``Cold``), where its weights actually came from, the engine's phases in emulated
+    seconds (its health's), and the wall seconds from its start (the claim, or the pod's creation)
+    to the first pass that sees it serving. Kept until a newer instance serves."""
     previous = view.previous.last_scale
     if previous is not None and not previous.dump():
         previous = None  # an empty record is none

@@ -5,17 +5,17 @@ The stages, in order (P/D-Serve §3.2-3.4):
 1. **Desired counts** — seam ``Seams.ratio``: how many prefill and decode instances the group
    should have: the spec's replicas under the ``Fixed`` policy; under ``Model`` and
    ``Feedback`` the replicas' total, split by the policy and walked to one instance at a time
-   (:mod:`.split`, issue 19), which also says ``status.ratio`` and a change's Event.
+   (:mod:`.split`), which also says ``status.ratio`` and a change's Event.
 2. **Obtaining instances** — seam ``Seams.obtain``: how the missing instances' pods come to be
    (all of this pass's at once): a warm pod claimed (loading by NPU-fork, DRAM, SSD or the
    shared file service) where faster by estimate, else a cold start (a new role-less pod)
-   (:mod:`.obtain`, issue 18); each claimed pod's assignment follows.
+   (:mod:`.obtain`); each claimed pod's assignment follows.
 3. Without coordination (ZooKeeper session not connected) nothing destructive is planned: only
    missing pods are obtained; the status keeps what was last known (entrances, map version,
    instances: the gateway routes by it) and says ``Coordinated=False`` since when. The same
    status is kept while a group whose server lost its data is rebuilt (``Rebuilding``).
 4. **Faults** — seam ``Seams.faults``: detection and minimum-cost recovery
-   (:mod:`.recovery`, issue 17): the records of recoveries under way, each new fault's plan, and
+   (:mod:`.recovery`): the records of recoveries under way, each new fault's plan, and
    its first actions (a logical removal, a relink, a group restart). A shrink under way leaves
    its prefill out of the desired instances.
 5. **Membership** (:mod:`.membership`): gathering, or the map's joins and leaves by dynamic RoCE
@@ -79,7 +79,7 @@ def spec_pod_names(group: str, spec: PDGroupSpec) -> list[str]:
 
 
 def warm_needed(view: GroupView, seams: Seams | None = None) -> tuple[bool, list[str]]:
-    """What this pass must read of the warm pods (issue 18): whether an instance is missing a
+    """What this pass must read of the warm pods: whether an instance is missing a
     pod (the warm pods and fork sources are then read), and the claimed pods that have not
     reported (their assignments are then read)."""
     desired = membership.desired_instances(view.name, counts(view, seams))
@@ -116,7 +116,7 @@ REBUILDING = (
 )
 
 
-REBUILD_HOLD_SECONDS = 30.0  # the issue's bound for Ready after data loss
+REBUILD_HOLD_SECONDS = 30.0  # the bound required for Ready after data loss
 
 
 def rebuilding(view: GroupView) -> bool:

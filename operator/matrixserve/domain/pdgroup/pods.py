@@ -4,8 +4,8 @@ Every pod starts role-less (``ENGINE_ROLE=auto``): its role is bound in the RoCE
 (P/D-Serve §3.3: "newly added containers (stateless and no P/D role)"). Placement: a group's decode
 instances are tightly coupled and stay inside one SuperPod (required pod affinity on the SuperPod
 label, 001 §6.1.2); prefill prefers the same SuperPod but may go elsewhere over RoCE. Each pod
-runs the hardened engine container (:mod:`matrixserve.domain.enginepod`, issue 16 finding 8)
-with its role's ``resources``, and ZooKeeper's identity as a read-only file (finding 7).
+runs the hardened engine container (:mod:`matrixserve.domain.enginepod`: least privilege) with
+its role's ``resources``, and ZooKeeper's identity as a read-only file.
 
 An instance is an ordered list of pods (:func:`pod_names`); today every instance is one pod,
 named as the instance.
@@ -139,7 +139,7 @@ def engine_settings(
     settings: EngineSettings,
 ) -> EngineEnv:
     """The engine's settings for an instance of ``role`` (beside the downward API's): what a
-    cold pod gets in its environment, and a claimed warm pod in its assignment (issue 18)."""
+    cold pod gets in its environment, and a claimed warm pod in its assignment."""
     r = spec.role_spec(role)
     tpot = spec.slo.tpot_milliseconds  # the decode's batch meets it
     return dataclasses.replace(

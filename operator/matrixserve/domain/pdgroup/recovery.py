@@ -1,4 +1,4 @@
-"""Recovery for a P/D group (issue 17): detection over the group's view, the planner
+"""Recovery for a P/D group: detection over the group's view, the planner
 (:mod:`matrixserve.domain.recovery`) per fault, and the plan executed with the group's own
 primitive, dynamic RoCE construction (P/D-Serve §3.4, Fig. 8: "the faulty instance is logically
 removed ... and one new container is added").
@@ -20,7 +20,7 @@ the view holds; the engine-side tiers are the engine stub's, docs/engine-stub.md
 (``removed/<instance>``: out of the entrances and the decode meta, then out of the map), its pod
 released (force-deleted on a server that is down: no kubelet will finish it), and once gone a new
 pod of the same instance joins by dynamic RoCE construction; nobody else restarts.
-``RestartInPlace``: the kubelet restarts the container; it rejoins as someone else (issue 15).
+``RestartInPlace``: the kubelet restarts the container; it rejoins as someone else.
 ``Relink``: a new map version, so the members verify their sub-links again. ``Shrink``: the
 faulty decode is replaced and the last prefill is left out of the desired instances until the
 decode serves again. ``RestartGroup`` (the anchors' default, ``spec.recovery.policy``): every
@@ -96,7 +96,7 @@ def detect(view: GroupView, roce_map: zl.RoceMap | None) -> list[Fault]:
             by_node.setdefault(node, []).append(name)
             node_since[node] = min(node_since.get(node, view.now), down[0].node_down_since or 0)
             continue
-        # a member draining out (issue 19) leaves anyway: its fault is not one to recover
+        # a member draining out leaves anyway: its fault is not one to recover
         if instance.deleting or name in view.zk.removed or name in view.zk.draining:
             continue
         found = _instance_fault(view, name, members[name])
@@ -254,7 +254,7 @@ def free_npus(view: GroupView) -> int | None:
 
 
 def servers(view: GroupView) -> dict[str, rc.Server] | None:
-    """Each server as a new pod of the group would find it (issue 31): its free NPUs, its
+    """Each server as a new pod of the group would find it: its free NPUs, its
     SuperPod, and why the scheduler would not place a new pod of each role there, judged by
     what the operator would create (the role's pod: its node selector and tolerations). None:
     no servers seen."""
@@ -288,7 +288,7 @@ def estimates(view: GroupView) -> rc.Estimates:
     # A replacement's time to serve: a member's own link + load (its readyAfter less its wait
     # for the map), plus the shortest wait for the map any member had (a lone newcomer's join;
     # a first-setup member's wait also counts the others' reports); its load as it would be
-    # alone (a first setup's members shared the shared file service's bucket: issue 18).
+    # alone (a first setup's members shared the shared file service's bucket).
     said = [h for h in view.zk.health.values() if h.ready_after > 0]
     gathered = [h.gathered_after for h in said if 0 < h.gathered_after <= h.ready_after]
     join = min(gathered, default=0.0)

@@ -1,4 +1,4 @@
-"""The P/D ratio policy in a group's plan (issue 19): the plan's ``ratio`` seam (pure).
+"""The P/D ratio policy in a group's plan: the plan's ``ratio`` seam (pure).
 
 Under ``Fixed`` the spec's replicas are the counts. Under ``Model`` and ``Feedback`` the
 replicas set the **total** and the policy splits it (P/D-Serve §2.1, §3.3;
@@ -290,7 +290,7 @@ def ratio_pass(view: GroupView) -> RatioPass:
                 numbers = dict(decision.numbers)
                 reason = decision.reason
                 if decision.changed and decision.target != target:
-                    # the walk's two guards, for both policies (issue 29): never to a split
+                    # the walk's two guards, for both policies: never to a split
                     # measured worse under this load; at most one reversal per load
                     improve = rp.margin if rp.mode is RatioMode.MODEL else params.improve
                     worse = history.worse(serving, decision.target, improve)

@@ -281,7 +281,7 @@ def derive(
         bool(zk.entrances) or bool(view.previous.entrances) or view.previous.is_true("Degraded")
     )
     no_decode = opened and bool(members_d) and not (serving & set(members_d))
-    # Recovering (issue 31), not SettingUp: an instance that served (the last status says so)
+    # Recovering, not SettingUp: an instance that served (the last status says so)
     # and is wanted serves no more, until the group is Ready again; a scale-out sets up
     was_serving = {i.name for i in view.previous.instances or [] if i.state == "Serving"}
     recovering_now = opened and (
@@ -364,8 +364,8 @@ def derive(
 def recovering(
     conditions: Sequence[Condition], records: Sequence[RecoveryRecord]
 ) -> list[Condition]:
-    """``Degraded`` while a recovery is under way (capacity short: issue 17), saying which; a
-    ``Ready=False`` that would say ``SettingUp`` says ``Recovering`` then (issue 31)."""
+    """``Degraded`` while a recovery is under way (capacity short), saying which; a
+    ``Ready=False`` that would say ``SettingUp`` says ``Recovering`` then."""
     if not records:
         return list(conditions)
     what = "; ".join(_under_way(r) for r in records)

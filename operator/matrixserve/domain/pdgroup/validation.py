@@ -1,7 +1,7 @@
 """A PDGroup's rules beyond the schema's types and ranges, and the rules for changing an
 existing group.
 
-Which rule lives where (issue 30, ``docs/operator.md``): the per-object rules the CRD states to
+Which rule lives where (``docs/operator.md``): the per-object rules the CRD states to
 the API server itself — CEL ``x-kubernetes-validations`` (Kubernetes 1.29+) and the name's
 ``maxLength`` — are :func:`schema_rules`; the API server refuses a create, an update or a scale
 that breaks them, in the words these functions use (the name's rule in the schema's own). The
@@ -17,8 +17,8 @@ template the running pods were made from
 (:func:`running_template_changes`), and on a violation sets Ready=False, reason InvalidSpec and
 touches nothing. Pure: the hardware facts (CloudMatrix384, 001 §3) and the model shapes come
 from the API's catalogue (:mod:`matrixserve.api.catalog`), which the engine stub emulates. A
-role's ``resources`` (CPU and memory, issue 16 finding 8) have their quantities checked by the
-model and their limits against their requests here.
+role's ``resources`` (CPU and memory) have their quantities checked by the model and their limits
+against their requests here.
 
 What may change on an existing group: the replicas (scale out and in by dynamic RoCE
 construction, P/D-Serve §3.3), and ``service``, ``scenario``, ``slo``, ``ratioPolicy``,
@@ -192,7 +192,7 @@ def schema_rules(spec: PDGroupSpec, name: str) -> list[str]:
         and (moe.dp_domain_ref is None or moe.expert_pool_ref is None)
     ):
         errors.append("spec.moe: Disaggregated needs dpDomainRef and expertPoolRef")
-    # Issue 31: accepted and read by nothing before; refused, saying what works
+    # Once accepted and read by nothing; refused now, saying what works
     if moe is not None:
         errors.append(f"spec.moe: {MOE_UNSUPPORTED}")
     for field, given in (
@@ -333,7 +333,7 @@ def instance_template(spec: PDGroupSpec, role: str) -> dict[str, Any]:
         "model": spec.model.model_dump(mode="json", by_alias=True),
         role: r.model_dump(mode="json", by_alias=True, exclude={"replicas"}),
         "moe": None if spec.moe is None else spec.moe.model_dump(mode="json", by_alias=True),
-        # the decodes' batch meets it (ENGINE_TPOT_SLO_MS: issue 31), so it is the instances'
+        # the decodes' batch meets it (ENGINE_TPOT_SLO_MS), so it is the instances'
         "slo": {"tpotMilliseconds": spec.slo.tpot_milliseconds},
         "warmPoolRef": (
             None

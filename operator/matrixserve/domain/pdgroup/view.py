@@ -34,7 +34,7 @@ class ZkView:
     decode_meta: zl.DecodeMeta | None = None
     entrances: frozenset[str] = frozenset()
     removed: frozenset[str] = frozenset()
-    draining: Mapping[str, zl.Drain] = field(default_factory=dict)  # issue 19: leaving in order
+    draining: Mapping[str, zl.Drain] = field(default_factory=dict)  # leaving in order
     present: bool = True  # the group's subtree exists (it is gone after a server lost its data)
     entrances_present: bool = True  # entrances/ exists (it appears with the first entrance)
 
@@ -56,7 +56,7 @@ class GroupView:
     foreign: Mapping[str, str] = field(default_factory=dict)
     # The servers the scheduler may place on (read for recovery: free NPUs), by name.
     nodes: Mapping[str, NodeView] = field(default_factory=dict)
-    # Issue 18, read only when an instance is missing: the namespace's unclaimed warm pods (by
+    # Read only when an instance is missing: the namespace's unclaimed warm pods (by
     # name), their engines' reports, and the live instances that can fork the group's model.
     warm_pods: Mapping[str, PodView] = field(default_factory=dict)
     warm_reports: Mapping[str, zl.WarmReport] = field(default_factory=dict)
@@ -91,8 +91,8 @@ class GroupView:
     def instances(self) -> dict[str, InstanceView]:
         """The group's pods gathered into instances: a pod belongs to the instance its label
         names only if its name is one of that instance's pod names, or it is a warm pod the
-        group claimed for that instance (issue 18); any other pod (a stray
-        carrying the group's label) is an instance of its own, which the plan releases."""
+        group claimed for that instance; any other pod (a stray carrying the group's label) is an
+        instance of its own, which the plan releases."""
         return group_instances(self.pods, self._instance_of)
 
     def _instance_of(self, pod: PodView) -> str:
@@ -141,7 +141,7 @@ class GroupView:
         return float(self.engine.health_interval_seconds) / float(self.engine.time_scale)
 
     def stale(self, health: zl.Health) -> bool:
-        """Not refreshed for ``STALE_INTERVALS`` health intervals and a grace (issue 17's
+        """Not refreshed for ``STALE_INTERVALS`` health intervals and a grace (the
         staleness tier: a frozen process whose session lives on)."""
         bound = STALE_INTERVALS * self.health_interval + STALE_GRACE_SECONDS
         return self.now - health.ts > bound

@@ -1,5 +1,5 @@
 """What a group knows of warm pods and fork sources, and what each scale-out path would cost it
-(pure; issue 18): the estimates the path choice (:mod:`.obtain`) and the recovery planner's
+(pure): the estimates the path choice (:mod:`.obtain`) and the recovery planner's
 replacement (:mod:`.recovery`) price new instances by.
 
 Control-plane phases are wall seconds (a pod's start learned from the group's pods; a claim

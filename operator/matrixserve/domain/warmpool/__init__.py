@@ -1,4 +1,4 @@
-"""The WarmPool kind (pure; issue 18): pre-warmed, model-agnostic engine pods (DeepServe §6.1)."""
+"""The WarmPool kind (pure): pre-warmed, model-agnostic engine pods (DeepServe §6.1)."""
 
 from matrixserve.domain.warmpool.plan import Plan, plan
 from matrixserve.domain.warmpool.view import PoolView, starved

@@ -1,4 +1,4 @@
-"""What is left of a namespace's warm pods in ZooKeeper when they all go (pure; issue 31).
+"""What is left of a namespace's warm pods in ZooKeeper when they all go (pure).
 
 ``/matrixserve/v1/warm/<ns>`` holds the warm engines' reports (ephemeral), the assignments of
 claimed pods and the host-DRAM plans the namespace's pools wrote (DeepServe §6.1). A namespace

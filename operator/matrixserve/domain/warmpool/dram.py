@@ -1,4 +1,4 @@
-"""Which models each server keeps in host DRAM (pure; issue 18, DeepServe §6.2 pre-loading).
+"""Which models each server keeps in host DRAM (pure; DeepServe §6.2 pre-loading).
 
 "The cluster manager predicts models that are likely to scale and pre-loads them into DRAM page
 cache using pre-warmed TEs. When scaling is triggered, the master prioritizes selecting
