@@ -11,6 +11,7 @@ engine's timing model.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from typing import Any
 
@@ -61,8 +62,14 @@ def test_the_health_report_counts_what_was_served(
     bodies: list[dict[str, Any]] = [
         {"requestId": f"r{i}", "promptTokens": 4000 + 100 * i, "maxTokens": 20} for i in range(6)
     ]
+    together = threading.Barrier(len(bodies))  # sent at once, even on a busy machine
+
+    def send(body: dict[str, Any]) -> Any:
+        together.wait(timeout=30)
+        return stream(url, body, 120)
+
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        answers = list(pool.map(lambda b: stream(url, b, 120), bodies))
+        answers = list(pool.map(send, bodies))
     served = [b for b, (status, events) in zip(bodies, answers, strict=True) if status == 200]
     refused = [status for status, _ in answers if status == 429]
     assert served, answers
