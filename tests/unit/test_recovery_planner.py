@@ -492,6 +492,32 @@ def test_a_pod_is_placed_whole_on_one_server() -> None:
     assert "not enough for pods of 4 NPUs each" in by_action(plan)[A.SHRINK].why
 
 
+def test_a_replacement_needs_every_npu_of_an_instance_whose_pods_split_them_unevenly() -> None:
+    """The property test's example: g-p-0 holds 1 NPU over 2 pods, a die withholds it and none
+    is free. Its new pods must ask for that NPU between them (1 and 0), not 0 each (each pod's
+    share rounded down: a replacement that fitted in no NPU at all, chosen on a full cluster)."""
+    members = {
+        "g-p-0": rc.Member("g-p-0", P, 1, "n0", pods=2),
+        "g-p-1": rc.Member("g-p-1", P, 1, "n0"),
+        "g-d-0": rc.Member("g-d-0", D, 1, "n0"),
+        "g-d-1": rc.Member("g-d-1", D, 1, "n0"),
+    }
+    quick = rc.Estimates(0.0, 0.0, 0.0, relink=0.0, retry_window=0.0, horizon=1.0)
+    die = fault(FaultKind.DIE, "g-p-0")
+    plan = choose(die, rc.Topology(members, 0), est=quick)
+    replace = by_action(plan)[A.REPLACE]
+    assert not replace.feasible
+    assert replace.why == "1 NPUs needed, 0 come back where the faulty pods ran, 0 free elsewhere"
+    assert chosen(plan).action is A.MASK_AND_RETRY
+    assert chosen(choose(die, rc.Topology(members, 1), est=quick)).action is A.REPLACE
+    # with the servers known: the pod asking for the NPU needs it free where it may go
+    cordoned = rc.Server("n1", 1, refuses={P: "n1 is cordoned"})
+    full = rc.Topology(members, 0, {"n0": rc.Server("n0", 0), "n1": cordoned})
+    assert not by_action(choose(die, full, est=quick))[A.REPLACE].feasible
+    room = dataclasses.replace(full, servers={"n0": rc.Server("n0", 1), "n1": cordoned})
+    assert chosen(choose(die, room, est=quick)).action is A.REPLACE
+
+
 # --------------------------------------------------------------------------- the property
 def npus_withheld(f: Fault, topo: rc.Topology, names: set[str]) -> int:
     """As the module defines it: a down server keeps all its members' NPUs, and so does a
