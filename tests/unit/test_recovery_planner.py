@@ -11,6 +11,7 @@ in place 0 + 1 + 2 = 3 s, a relink 0.5 s, a retry 10 s, and the horizon is 600 s
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -492,6 +493,32 @@ def test_a_pod_is_placed_whole_on_one_server() -> None:
     assert "not enough for pods of 4 NPUs each" in by_action(plan)[A.SHRINK].why
 
 
+def test_a_replacement_needs_every_npu_of_an_instance_whose_pods_split_them_unevenly() -> None:
+    """The property test's example: g-p-0 holds 1 NPU over 2 pods, a die withholds it and none
+    is free. Its new pods must ask for that NPU between them (1 and 0), not 0 each (each pod's
+    share rounded down: a replacement that fitted in no NPU at all, chosen on a full cluster)."""
+    members = {
+        "g-p-0": rc.Member("g-p-0", P, 1, "n0", pods=2),
+        "g-p-1": rc.Member("g-p-1", P, 1, "n0"),
+        "g-d-0": rc.Member("g-d-0", D, 1, "n0"),
+        "g-d-1": rc.Member("g-d-1", D, 1, "n0"),
+    }
+    quick = rc.Estimates(0.0, 0.0, 0.0, relink=0.0, retry_window=0.0, horizon=1.0)
+    die = fault(FaultKind.DIE, "g-p-0")
+    plan = choose(die, rc.Topology(members, 0), est=quick)
+    replace = by_action(plan)[A.REPLACE]
+    assert not replace.feasible
+    assert replace.why == "1 NPUs needed, 0 come back where the faulty pods ran, 0 free elsewhere"
+    assert chosen(plan).action is A.MASK_AND_RETRY
+    assert chosen(choose(die, rc.Topology(members, 1), est=quick)).action is A.REPLACE
+    # with the servers known: the pod asking for the NPU needs it free where it may go
+    cordoned = rc.Server("n1", 1, refuses={P: "n1 is cordoned"})
+    full = rc.Topology(members, 0, {"n0": rc.Server("n0", 0), "n1": cordoned})
+    assert not by_action(choose(die, full, est=quick))[A.REPLACE].feasible
+    room = dataclasses.replace(full, servers={"n0": rc.Server("n0", 1), "n1": cordoned})
+    assert chosen(choose(die, room, est=quick)).action is A.REPLACE
+
+
 # --------------------------------------------------------------------------- the property
 def npus_withheld(f: Fault, topo: rc.Topology, names: set[str]) -> int:
     """As the module defines it: a down server keeps all its members' NPUs, and so does a
@@ -550,10 +577,18 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
 @settings(max_examples=200, deadline=None)
 @given(scenarios())
 def test_every_plan_is_feasible_on_its_snapshot(case: dict[str, Any]) -> None:
+    """Whatever the snapshot, the plan is the cheapest feasible option and could be carried out
+    on it. A cold replacement, or a group restart, needs the NPUs the fault withholds free (the
+    rest come back where the faulty pods ran). A warm replacement needs none: its warm pods
+    already hold their NPUs (DeepServe §6.1's pre-warmed pods; the module's rule, and
+    ``test_a_warm_pod_replaces_a_faulty_instance_without_free_npus_and_sooner``), so it is
+    checked for a warm pod per faulty instance instead (held to the free NPUs, it failed
+    whenever a warm pod was drawn for a device fault on a full cluster)."""
     topo: rc.Topology = case["topo"]
+    est: rc.Estimates = case["est"]
     f: Fault = case["fault"]
     policy: rc.Policy = case["policy"]
-    plan = choose(f, topo, policy, case["est"], case["connected"], case["in_recovery"])
+    plan = choose(f, topo, policy, est, case["connected"], case["in_recovery"])
     if not case["connected"]:
         assert plan.chosen is None
         assert not plan.alternatives
@@ -580,7 +615,12 @@ def test_every_plan_is_feasible_on_its_snapshot(case: dict[str, Any]) -> None:
     assert pick.cost == pytest.approx(min(o.cost for o in feasible), abs=1e-6)
     free = topo.free_npus
     held = npus_withheld(f, topo, taken)
-    if pick.action in (A.REPLACE, A.RESTART_GROUP):
+    if "warmReady" in pick.terms:  # a warm pod per faulty instance, of its role
+        assert pick.action is A.REPLACE
+        roles = Counter(topo.members[n].role for n in taken)
+        assert all(est.warm_pods.get(r, 0) >= k and r in est.warm_ready for r, k in roles.items())
+        assert est.warm_total is None or est.warm_total >= len(taken)
+    elif pick.action in (A.REPLACE, A.RESTART_GROUP):
         assert free is None or free >= held
     if pick.action is A.SHRINK:
         decodes = {n for n in taken if topo.members[n].role is D}

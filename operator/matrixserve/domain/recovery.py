@@ -464,12 +464,22 @@ def _shrink(
     )
 
 
+def _pod_sizes(member: Member) -> list[int]:
+    """The NPUs each of the member's pods asks for: ``npus`` split over its pods, so they add
+    up to all of them (an uneven split's remainder on the first pods; rounding every pod down
+    would let a replacement fit in fewer NPUs than :func:`withheld` says it must find)."""
+    pods = max(1, member.pods)
+    each, rest = divmod(member.npus, pods)
+    return [each + 1] * rest + [each] * (pods - rest)
+
+
 class Room:
     """Where the new pods of a plan would go: each instance's pods (``npus / pods``
-    NPUs each) placed whole on one server that takes its role, within the SuperPod of its
-    role's instances that stay when the role keeps one, onto the NPUs free there now plus those
-    the instances given up free where they ran (``out``: the instances whose pods go). Without
-    servers (not known) every NPU is one pool: the free ones and all those given up.
+    NPUs each, :func:`_pod_sizes`) placed whole on one server that takes its role, within the
+    SuperPod of its role's instances that stay when the role keeps one, onto the NPUs free
+    there now plus those the instances given up free where they ran (``out``: the instances
+    whose pods go). Without servers (not known) every NPU is one pool: the free ones and all
+    those given up.
 
     The placement is best-fit decreasing (the largest pod first, each onto the fullest server
     that still takes it): not an exact bin packing, so it may miss a placement on fragmented
@@ -542,9 +552,9 @@ class Room:
     def fits(self, instances: Sequence[str], given: Sequence[str] = ()) -> bool:
         """Whether new pods for ``instances`` find room once ``given`` are given up."""
         pods = [
-            (m.role, m.npus // max(1, m.pods))
+            (m.role, size)
             for m in (self.topology.members[n] for n in instances)
-            for _ in range(max(1, m.pods))
+            for size in _pod_sizes(m)
         ]
         together = sorted(
             {r for r, _ in pods if r in self.topology.same_superpod and not self._home(r)}
@@ -590,9 +600,7 @@ class Room:
         servers: the count says it)."""
         if self.topology.servers is None:
             return ""
-        sizes = sorted(
-            {m.npus // max(1, m.pods) for m in (self.topology.members[n] for n in instances)}
-        )
+        sizes = sorted({size for n in instances for size in _pod_sizes(self.topology.members[n])})
         return (
             f"; {self.usable(instances, given)} free where the new pods may go, not enough "
             f"for pods of {' and '.join(map(str, sizes))} NPUs each"
