@@ -45,7 +45,7 @@ def test_samples_are_accepted_by_the_api_server_and_the_models(
         ({"spec": {"prefill": {"replicas": -1}}}, "spec.prefill.replicas"),
         ({"spec": {"ratioPolicy": {"mode": "Sometimes"}}}, 'Unsupported value: "Sometimes"'),
         ({"spec": {"service": "Not A DNS Name"}}, "spec.service"),
-        ({"spec": {"decode": {"podsPerInstance": 2}}}, "spec.decode.podsPerInstance"),
+        ({"spec": {"decode": {"podsPerInstance": 49}}}, "spec.decode.podsPerInstance"),
         ({"spec": {"slo": {"ttftMillisecondsPer1kTokens": -5}}}, "ttftMillisecondsPer1kTokens"),
     ],
 )
@@ -182,7 +182,13 @@ CEL_RULES = [
     (
         {"spec.prefill.devicesPerInstance": 16, "spec.decode.devicesPerInstance": 16},
         "spec.prefill.devicesPerInstance",
-        "16 NPUs do not fit one server (8 NPUs); an instance is one pod on one server",
+        "16 NPUs over 1 pod(s) are 16 per pod, more than a server has (8 NPUs); an instance runs "
+        "one pod per server: set podsPerInstance to at least 2",
+    ),
+    (
+        {"spec.prefill.podsPerInstance": 3},
+        "spec.prefill.podsPerInstance",
+        "3 pods cannot share 2 NPUs equally; an instance's pods have the same NPUs each",
     ),
     (
         {"spec.prefill.parallelism": {"tp": 3}},

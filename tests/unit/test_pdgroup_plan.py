@@ -319,7 +319,7 @@ def test_a_ladder_rung_that_is_not_p_to_d_is_refused(rung: str) -> None:
                 "prefill": {"replicas": 1, "devicesPerInstance": 16},
                 "decode": {"replicas": 1, "devicesPerInstance": 16},
             },
-            "do not fit one server",
+            "more than a server has (8 NPUs)",
         ),
         ({"decode": {"replicas": 1, "devicesPerInstance": 4}}, "same devices per instance"),
         ({"model": {"name": "mystery-70b"}}, "cannot be served yet"),

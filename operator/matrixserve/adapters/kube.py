@@ -27,6 +27,7 @@ from typing import Any
 from kubernetes import client, config
 
 from matrixserve.api.kinds import (
+    LABEL_SERVER,
     LABEL_SUPERPOD,
     NPU_RESOURCE,
     Kind,
@@ -123,6 +124,7 @@ class KubeAdapter:
         # A node's SuperPod is fixed by its hardware: read each node once, not every pass.
         self._superpods: dict[str, str] = {}
         self._nodes: tuple[float, dict[str, NodeView]] | None = None
+        self._usage: tuple[float, dict[str, int]] | None = None
 
     async def _custom(
         self, call: Callable[..., Any], kind: Kind, namespace: str, *rest: Any, **options: Any
@@ -224,6 +226,8 @@ class KubeAdapter:
                 last_exit_at=_last_exit(pod),
                 restart_backoff=_restart_backoff(pod),
                 resource_version=pod.metadata.resource_version or "",
+                gated=bool(pod.spec.scheduling_gates),
+                pinned=(pod.spec.node_selector or {}).get(LABEL_SERVER),
                 owner=next(
                     (
                         f"{o.kind}/{o.name}"
@@ -264,6 +268,30 @@ class KubeAdapter:
             )
         self._nodes = (now, out)
         return out
+
+    async def npus_in_use(self, max_age: float = NODES_TTL_SECONDS) -> dict[str, int]:
+        """NPUs every pod of the cluster holds or has reserved, by server: a bound pod's on its
+        node, a gated pod's on the server its node selector pins it to (a gang's reservation,
+        not yet the scheduler's); finished pods hold none. One list shared by every group's pass
+        while it is younger than ``max_age`` s (the ClusterRole lists pods)."""
+        now = self._clock()
+        if self._usage is not None and now - self._usage[0] < max_age:
+            return self._usage[1]
+        found = await asyncio.to_thread(self.core.list_pod_for_all_namespaces)
+        used: dict[str, int] = {}
+        for pod in found.items:
+            if (pod.status.phase or "") in ("Succeeded", "Failed"):
+                continue
+            server = pod.spec.node_name or (
+                (pod.spec.node_selector or {}).get(LABEL_SERVER)
+                if pod.spec.scheduling_gates
+                else None
+            )
+            npus = sum(_npus(c) for c in pod.spec.containers or [])
+            if server and npus:
+                used[server] = used.get(server, 0) + npus
+        self._usage = (now, used)
+        return used
 
     async def _superpod_of(self, node: str) -> str | None:
         if node in self._superpods:
@@ -416,6 +444,29 @@ class KubeAdapter:
             await asyncio.to_thread(self.core.delete_namespaced_pod, name, namespace, body=options)
         except client.ApiException as exc:
             if exc.status in (404, 409):
+                return False
+            raise
+        return True
+
+    async def ungate_pod(self, namespace: str, name: str, uid: str) -> bool:
+        """Remove the pod's scheduling gates, only while it is the pod of that UID (a JSON
+        patch's test). True if lifted; False if it is gone, someone else's now, or no longer
+        gated."""
+        body = [
+            {"op": "test", "path": "/metadata/uid", "value": uid},
+            {"op": "remove", "path": "/spec/schedulingGates"},
+        ]
+        self._fenced()
+        try:
+            await asyncio.to_thread(
+                self.core.patch_namespaced_pod,
+                name,
+                namespace,
+                body,
+                _content_type="application/json-patch+json",
+            )
+        except client.ApiException as exc:
+            if exc.status in (404, 409, 422):  # gone; changed; the test or the path failed
                 return False
             raise
         return True
@@ -576,6 +627,20 @@ BLOCKING_WAITS = frozenset(
         "CrashLoopBackOff",
     }
 )
+
+
+def _npus(container: client.V1Container) -> int:
+    """The NPUs a container asks for (extended resources: requests equal limits)."""
+    resources = container.resources
+    if resources is None:
+        return 0
+    asked = (resources.limits or {}).get(NPU_RESOURCE) or (resources.requests or {}).get(
+        NPU_RESOURCE
+    )
+    try:
+        return int(asked) if asked is not None else 0
+    except ValueError:
+        return 0
 
 
 def _engine_status(pod: client.V1Pod) -> Any:

@@ -86,6 +86,8 @@ class EngineEnv:
     mtp: str | None = _var("ENGINE_MTP")  # "1": multi-token prediction
     kv_plane: str | None = _var("ENGINE_KV_PLANE")  # UB | RoCE
     instance: str | None = _var("ENGINE_INSTANCE")
+    rank: str | None = _var("ENGINE_RANK")  # this pod's rank in its instance ("0": the leader)
+    ranks: str | None = _var("ENGINE_RANKS")  # pods per instance
     # without ZooKeeper: how many read the shared file service with it
     concurrent_loaders: str | None = _var("ENGINE_CONCURRENT_LOADERS")
 
@@ -173,6 +175,8 @@ ASSIGNMENT_ENV = frozenset(
         "ep",
         "mtp",
         "kv_plane",
+        "rank",
+        "ranks",
     )
 )
 

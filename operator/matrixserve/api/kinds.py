@@ -65,6 +65,12 @@ ANNOTATION_CLAIM = f"{LABEL_PREFIX}/claim"  # JSON: instance, role, path, estima
 ANNOTATION_WARM_TEMPLATE = f"{LABEL_PREFIX}/warm-template"  # JSON: image, NPUs, type, selector
 ANNOTATION_SERVICE = f"{LABEL_PREFIX}/service"
 ANNOTATION_SCENARIO = f"{LABEL_PREFIX}/scenario"
+# Gang placement: the scheduling gate an instance's pods are created with (lifted together once
+# every pod of the instance exists), the SuperPod its servers were reserved in, and the plane
+# its KV moves on (UB | RoCE), as the placement chose them.
+GANG_GATE = f"{LABEL_PREFIX}/gang"
+ANNOTATION_SUPERPOD = f"{LABEL_PREFIX}/superpod"
+ANNOTATION_KV_PLANE = f"{LABEL_PREFIX}/kv-plane"
 APP_NAME_LABEL = "app.kubernetes.io/name"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 ENGINE_APP = "matrixserve-engine"

@@ -25,8 +25,11 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from matrixserve.api import catalog
 from matrixserve.api.kinds import ANNOTATION_CLAIM, ANNOTATION_WARM_TEMPLATE
 from matrixserve.api.roles import Role
+
+SUPERPOD_NPUS = catalog.SERVERS_PER_SUPERPOD * catalog.NPUS_PER_SERVER  # 384
 
 DnsLabel = Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)]
 BatchSize = Annotated[int, Field(ge=1, le=4096)]
@@ -177,8 +180,8 @@ def _at_most(value: str, bound: Decimal, bound_text: str) -> str:
     if quantity_value(value) > bound:
         raise PydanticCustomError(
             "quantity_bound",
-            "{text} is more than {bound}, more than one server has (an instance is one pod on "
-            "one server)",
+            "{text} is more than {bound}, more than one server has (each pod of an instance runs "
+            "on a server of its own)",
             {"text": repr(value), "bound": bound_text},
         )
     return value
@@ -194,13 +197,22 @@ class EngineResources(_Spec):
 
 class RoleSpec(_Spec):
     replicas: int = Field(ge=0, le=256)
-    devices_per_instance: int = Field(default=2, alias="devicesPerInstance", ge=1, le=64)
-    pods_per_instance: int = Field(default=1, alias="podsPerInstance", ge=1, le=1)
+    # NPUs of the whole instance, over its pods (each pod ``npus_per_pod`` of them, one pod per
+    # server): at most a SuperPod's (001 §3.3.3), the largest block the fabric keeps together.
+    devices_per_instance: int = Field(default=2, alias="devicesPerInstance", ge=1, le=SUPERPOD_NPUS)
+    pods_per_instance: int = Field(
+        default=1, alias="podsPerInstance", ge=1, le=catalog.SERVERS_PER_SUPERPOD
+    )
     npu_type: str = Field(default="Ascend910C", alias="npuType", max_length=63)
     parallelism: Parallelism = Parallelism()
     batch_size: BatchSize = Field(default=DEFAULT_BATCH, alias="batchSize")
     image: str = Field(default="matrixserve/engine-stub:0.1.0", max_length=512)
     resources: EngineResources | None = None
+
+    @property
+    def npus_per_pod(self) -> int:
+        """Each pod's NPUs (validation refuses an instance its pods cannot share equally)."""
+        return max(1, self.devices_per_instance // self.pods_per_instance)
 
 
 class RatioMode(StrEnum):

@@ -432,6 +432,10 @@ class InstanceStatus(Stored):
     state: str = ""
     # podIP:port of its engine, as reported (the gateway's fallback route)
     endpoint: str | None = None
+    # an instance of several pods: each pod and its server, in rank order (leader first)
+    pods: list[str] | None = None
+    servers: list[str] | None = None
+    kv_plane: str | None = None  # UB | RoCE
 
 
 class LinksStatus(Stored):

@@ -2,7 +2,7 @@
 
 A kind's actions are frozen values that say *what* to do and carry everything the applier needs
 (a pod's manifest, a znode's bytes), so applying them is generic: create a pod, delete a pod
-(with a UID precondition), claim a pod, create or patch a custom object the kind owns (of any
+(with a UID precondition), claim a pod, lift a pod's scheduling gates, create or patch a custom object the kind owns (of any
 kind: a scenario's PDGroups), or change znodes in the kind's ZooKeeper subtree. Each action also
 says how it is reported (:meth:`Effect.describe`: the Event's reason and message).
 """
@@ -66,6 +66,14 @@ class PodClaim(Effect):
     name: str
     resource_version: str
     patch: Mapping[str, Any]
+
+
+class PodUngate(Effect):
+    """Lift the scheduling gates of pod ``name`` (only while it is the one with ``uid``): the
+    scheduler may place it from then on. A gone pod, or one no longer gated, is not reported."""
+
+    name: str
+    uid: str
 
 
 class ObjectCreation(Effect):

@@ -50,6 +50,10 @@ class PodView:
     # ("Kind/name", None if none).
     resource_version: str = ""
     owner: str | None = None
+    # Gang placement: the pod still carries scheduling gates (the scheduler leaves it alone),
+    # and the server its node selector pins it to (``matrixserve.io/server``), if any.
+    gated: bool = False
+    pinned: str | None = None
 
     def label(self, key: str) -> str | None:
         return self.labels.get(key)
@@ -125,6 +129,7 @@ class FaultKind(StrEnum):
     KILL = "kill"  # the engine process exited (the kubelet restarts its container)
     SESSION = "session"  # the engine's ZooKeeper session ended while its pod still runs
     STALE = "stale"  # its health report stopped being refreshed (a frozen process)
+    RANK = "rank"  # a rank (a pod but the leader) of a multi-pod instance lost, faulty or silent
 
 
 class Tier(StrEnum):
@@ -152,6 +157,9 @@ class Fault:
     node: str | None = None
     peer: str | None = None  # the other end of a link fault
     on_device: bool = False  # a link fault the device status names (the port is down)
+    # The pods at fault, when not every pod of the instance is (a worker of a multi-pod
+    # instance): what a restart in place restarts.
+    pods: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

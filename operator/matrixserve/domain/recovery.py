@@ -314,7 +314,7 @@ def options(
                 if fault.kind is FaultKind.KILL
                 else "only for an engine process that exited (the kubelet restarts it)"
             ),
-            pods_restarted=_pods(topology, faulty),
+            pods_restarted=len(fault.pods) or _pods(topology, faulty),
         )
     )
 

@@ -45,6 +45,7 @@ from matrixserve.domain.effects import (
     PodClaim,
     PodCreation,
     PodDeletion,
+    PodUngate,
     ZnodeChange,
 )
 from matrixserve.domain.enginepod import policy_taken
@@ -451,6 +452,9 @@ class Reconciler:
             body["metadata"]["namespace"], action.name, action.resource_version, action.patch
         )
 
+    async def ungate_pod(self, body: Mapping[str, Any], action: PodUngate, _: Store | None) -> bool:
+        return await self.kube.ungate_pod(body["metadata"]["namespace"], action.name, action.uid)
+
     async def create_object(
         self, body: Mapping[str, Any], action: ObjectCreation, _: Store | None
     ) -> bool:
@@ -501,6 +505,7 @@ APPLIERS: dict[type[Effect], Applier | None] = {
     PodCreation: Applier(Reconciler.create_pod, independent=True),
     PodClaim: Applier(Reconciler.claim_pod, independent=True),
     PodDeletion: Applier(Reconciler.delete_pod),
+    PodUngate: Applier(Reconciler.ungate_pod),
     ObjectCreation: Applier(Reconciler.create_object),
     ObjectPatch: Applier(Reconciler.patch_object),
     ZnodeChange: Applier(Reconciler.change_znodes),

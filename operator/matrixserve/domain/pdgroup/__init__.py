@@ -6,6 +6,7 @@
 - :mod:`.status` — status, conditions and readiness;
 - :mod:`.pods` — the instance's pods (names, labels, manifest);
 - :mod:`.obtain` — how missing instances come: a warm pod claimed, or a cold pod;
+- :mod:`.gang` — the instances of several pods placed whole (gated, pinned, lifted together);
 - :mod:`.validation` — the cross-field rules of the webhook and the reconciler;
 - :mod:`.plan` — the stages composed, with the seams where the ratio policy, the scale-out
   path and recovery plug in.
@@ -14,6 +15,7 @@ This package imports only ``matrixserve.api`` and the kind-neutral parts of
 ``matrixserve.domain``; no other kind's package (``make lint`` checks it).
 """
 
+from matrixserve.domain.pdgroup.gang import needs_servers
 from matrixserve.domain.pdgroup.plan import Plan, Seams, plan, spec_pod_names, warm_needed
 from matrixserve.domain.pdgroup.view import GroupView, ZkView, may_recover
 from matrixserve.domain.pdgroup.warm import claimable
@@ -25,6 +27,7 @@ __all__ = [
     "ZkView",
     "claimable",
     "may_recover",
+    "needs_servers",
     "plan",
     "spec_pod_names",
     "warm_needed",

@@ -16,6 +16,7 @@ from matrixserve.domain.effects import (
     PodClaim,
     PodCreation,
     PodDeletion,
+    PodUngate,
     ZnodeChange,
 )
 from matrixserve.domain.pdgroup.pods import role_label
@@ -44,6 +45,17 @@ class DeletePod(PodDeletion):
 
     def describe(self) -> Event:
         return Event("DeletedPod", f"Deleted pod {self.name}: {self.reason}")
+
+
+@dataclass(frozen=True)
+class UngatePod(PodUngate):
+    """Lift a gang-placed pod's scheduling gate (every pod of its instance exists)."""
+
+    name: str
+    uid: str
+
+    def describe(self) -> Event:
+        return Event("PlacedPod", f"Lifted the scheduling gate of pod {self.name}")
 
 
 @dataclass(frozen=True)
@@ -301,6 +313,7 @@ Action = (
     | ClaimWarmPod
     | AssignWarmPod
     | DeletePod
+    | UngatePod
     | ReportPodTrouble
     | ReportRecovery
     | ReportRatioChange

@@ -30,6 +30,7 @@ from matrixserve.api.engine_settings import LoadSource
 from matrixserve.api.resources import WarmClaim
 from matrixserve.api.status import ScaleRecord
 from matrixserve.domain import scaleout as so
+from matrixserve.domain.pdgroup import gang
 from matrixserve.domain.pdgroup.actions import Action, AssignWarmPod, ClaimWarmPod, CreatePod
 from matrixserve.domain.pdgroup.pods import (
     engine_settings,
@@ -37,7 +38,6 @@ from matrixserve.domain.pdgroup.pods import (
     pod_annotations,
     pod_labels,
     pod_manifest,
-    pod_names,
 )
 from matrixserve.domain.pdgroup.view import GroupView
 from matrixserve.domain.pdgroup.warm import claim_of as _claim
@@ -45,17 +45,14 @@ from matrixserve.domain.pdgroup.warm import estimates, fork_sources, warm_candid
 
 
 def missing_pods(view: GroupView, instance: str, role: zl.Role) -> list[str]:
-    found = view.instances.get(instance)
-    if found is not None and any(view.claimed(p) for p in found.pods):
-        return []  # a claimed warm pod is the instance (one pod per instance)
-    spec = view.spec.role_spec(role)
-    return [p for p in pod_names(instance, spec.pods_per_instance) if p not in view.pods]
+    return view.missing_pods(instance, role)
 
 
 def cold_start(view: GroupView, missing: Mapping[str, zl.Role]) -> list[Action]:
-    """A new, role-less pod for each missing pod of each instance. (Every pod of an instance
-    gets the same engine settings: instances are one pod until ``podsPerInstance`` > 1 comes
-    with its leader/worker roles.)"""
+    """A new, role-less pod for each missing pod of each instance, its rank's (the leader's
+    name is the instance's). The pods of an instance of several pods are created only where
+    gang placement seated them all (:mod:`.gang`: gated and pinned), else none of them."""
+    seats = gang.plan_seats(view, gang.wanted(view, missing)).seats
     return [
         CreatePod(
             pod,
@@ -69,11 +66,13 @@ def cold_start(view: GroupView, missing: Mapping[str, zl.Role]) -> list[Action]:
                 view.spec,
                 view.engine,
                 instance,
+                seat=seats.get(pod),
             ),
         )
         for instance, role in missing.items()
-        for pod in missing_pods(view, instance, role)
+        for pod in view.missing_pods(instance, role)
         if pod not in view.foreign  # taken: creating it would only be refused again
+        and (pod in seats or not gang.multi_pod(view, role))
     ]
 
 

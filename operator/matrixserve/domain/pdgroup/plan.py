@@ -34,7 +34,7 @@ from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec, RatioMode
 from matrixserve.api.status import PDGroupStatus, RatioStatus
 from matrixserve.domain.conditions import Condition, seconds_since
-from matrixserve.domain.pdgroup import membership, recovery, split, status
+from matrixserve.domain.pdgroup import gang, membership, recovery, split, status
 from matrixserve.domain.pdgroup.actions import Action, DeletePod
 from matrixserve.domain.pdgroup.membership import RoleCounts
 from matrixserve.domain.pdgroup.obtain import (
@@ -205,8 +205,10 @@ def _actions(
     zk = view.zk
     missing = {n: r for n, r in desired.items() if missing_pods(view, n, r)}
     actions: list[Action] = seams.obtain(view, missing) if missing else []
+    actions += gang.lift(view)
     if not zk.connected:
         return actions, zk.roce_map, "ZooKeeper is not connected"
+    actions += gang.overdue(view)
     actions += assignments(view)
     actions += healing.actions
     if healing.restarting_group and any(isinstance(a, DeletePod) for a in healing.actions):

@@ -7,13 +7,18 @@ label, 001 §6.1.2); prefill prefers the same SuperPod but may go elsewhere over
 runs the hardened engine container (:mod:`matrixserve.domain.enginepod`: least privilege) with
 its role's ``resources``, and ZooKeeper's identity as a read-only file.
 
-An instance is an ordered list of pods (:func:`pod_names`); today every instance is one pod,
-named as the instance.
+An instance is an ordered list of pods (:func:`pod_names`): the first, named as the instance, runs
+the engine that serves (its leader); the others (``<instance>-1`` ...) hold their NPUs as its
+ranks (``ENGINE_RANK`` of ``ENGINE_RANKS``, all under the instance's name). ``devicesPerInstance``
+counts the whole instance's NPUs, shared equally by its pods. A pod given a :class:`Seat` (gang
+placement, :mod:`.gang`) is created gated, pinned to its server (the scheduler still checks fit)
+and told its KV plane.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from matrixserve.api import kinds
@@ -71,6 +76,15 @@ def _affinity(group: str, role: Role) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class Seat:
+    """Where gang placement put a pod: its server (reserved), the SuperPod, the KV plane."""
+
+    server: str
+    superpod: str
+    kv_plane: str
+
+
 def pod_manifest(
     namespace: str,
     group: str,
@@ -80,21 +94,40 @@ def pod_manifest(
     spec: PDGroupSpec,
     settings: EngineSettings,
     instance: str | None = None,
+    seat: Seat | None = None,
 ) -> dict[str, Any]:
     r = spec.role_spec(role)
-    env = [*downward_env(), *engine_env(namespace, group, role, spec, settings)]
+    instance = instance or name
+    ranks = pod_names(instance, r.pods_per_instance)
+    rank = ranks.index(name) if name in ranks else 0
+    settings_env = engine_settings(namespace, group, role, spec, settings)
+    if r.pods_per_instance > 1:
+        settings_env = dataclasses.replace(
+            settings_env, instance=instance, rank=str(rank), ranks=str(r.pods_per_instance)
+        )
+    if seat is not None:
+        settings_env = dataclasses.replace(settings_env, kv_plane=seat.kv_plane)
+    env = [*downward_env(), *settings_env.to_env()]
     volumes = [*scratch_volumes(), *credential_volumes(settings)]
     container = engine_container(
-        r.image, env, r.devices_per_instance, r.resources, credential_mounts(settings)
+        r.image, env, r.npus_per_pod, r.resources, credential_mounts(settings)
     )
+    annotations = pod_annotations(spec, role)
+    selector = {kinds.LABEL_NPU_TYPE: r.npu_type}
+    placed: dict[str, Any] = {}
+    if seat is not None:
+        selector[kinds.LABEL_SERVER] = seat.server
+        annotations[kinds.ANNOTATION_SUPERPOD] = seat.superpod
+        annotations[kinds.ANNOTATION_KV_PLANE] = seat.kv_plane
+        placed["schedulingGates"] = [{"name": kinds.GANG_GATE}]
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
             "name": name,
             "namespace": namespace,
-            "labels": pod_labels(group, role, instance or name),
-            "annotations": pod_annotations(spec, role),
+            "labels": pod_labels(group, role, instance),
+            "annotations": annotations,
             "ownerReferences": [owner(group, group_uid)],
         },
         "spec": {
@@ -102,11 +135,12 @@ def pod_manifest(
             "terminationGracePeriodSeconds": 10,
             # Engines talk to ZooKeeper and their peers, never to the Kubernetes API.
             "automountServiceAccountToken": False,
-            "nodeSelector": {kinds.LABEL_NPU_TYPE: r.npu_type},
+            "nodeSelector": selector,
             "affinity": _affinity(group, role),
             "securityContext": pod_security_context(),
             "containers": [container],
             "volumes": volumes,
+            **placed,
         },
     }
 

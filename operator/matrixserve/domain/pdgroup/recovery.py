@@ -48,7 +48,7 @@ from matrixserve.api.rfc3339 import parse as parse_time
 from matrixserve.api.status import FaultStatus, OptionStatus, RecoveryRecord
 from matrixserve.domain import recovery as rc
 from matrixserve.domain import scaleout as so
-from matrixserve.domain.observed import Fault, FaultKind, Tier
+from matrixserve.domain.observed import Fault, FaultKind, PodView, Tier
 from matrixserve.domain.pdgroup.actions import (
     Action,
     DeleteEntrance,
@@ -126,11 +126,39 @@ _ENGINE_KINDS = {
 _ENGINE_ORDER = (zl.EngineFaultKind.NPU, zl.EngineFaultKind.DIE, zl.EngineFaultKind.HBM)
 
 
+def _exited(pod: PodView, report: zl.Report | None, entry: zl.MapEntry) -> float | None:
+    """When the pod's engine container exited, if the member the map names has not reported
+    again since (the kubelet restarts it, or is waiting to)."""
+    exited = pod.last_exit_at
+    if (
+        exited is not None
+        and (report is None or report.incarnation == entry.incarnation)
+        and (pod.running_since is None or pod.running_since >= exited)
+        and (report is None or report.ts <= exited)
+    ):
+        return exited
+    return None
+
+
 def _instance_fault(view: GroupView, name: str, entry: zl.MapEntry) -> Fault | None:
     instance = view.instances[name]
     pod = instance.leader
     report = view.reports.get(name)
     health = view.zk.health.get(name)
+    # A rank of a multi-pod instance exited: the instance's fault (its leader stops serving
+    # with it), restarted in place as that one pod; the leader re-forms around it.
+    for rank, worker in enumerate(instance.pods[1:], start=1):
+        exited = _exited(worker, report, entry)
+        if exited is not None:
+            return Fault(
+                FaultKind.KILL,
+                (name,),
+                Tier.POD,
+                exited,
+                f"rank {rank} (pod {worker.name}) exited (restart {worker.restarts})",
+                node=worker.node,
+                pods=(worker.name,),
+            )
     if health is not None and report is not None and health.incarnation == report.incarnation:
         if health.state is zl.HealthState.FAULTY and health.faults:
             ranked = sorted(
@@ -138,7 +166,7 @@ def _instance_fault(view: GroupView, name: str, entry: zl.MapEntry) -> Fault | N
                 key=lambda f: _ENGINE_ORDER.index(f.kind) if f.kind in _ENGINE_ORDER else 9,
             )
             first = ranked[0]
-            kind, tier = _ENGINE_KINDS[first.kind]
+            kind, tier = _ENGINE_KINDS.get(first.kind, (FaultKind.RANK, Tier.HEARTBEAT))
             detail = first.detail or f"{first.kind} fault"
             return Fault(kind, (name,), tier, first.since, detail, node=pod.node)
         blocked = [link for link in health.links if link.state is zl.LinkState.BLOCKED]
@@ -175,13 +203,8 @@ def _instance_fault(view: GroupView, name: str, entry: zl.MapEntry) -> Fault | N
                 node=pod.node,
             )
     # The engine the map names exited: the kubelet restarts it (or is waiting to).
-    exited = pod.last_exit_at
-    if (
-        exited is not None
-        and (report is None or report.incarnation == entry.incarnation)
-        and (pod.running_since is None or pod.running_since >= exited)
-        and (report is None or report.ts <= exited)
-    ):
+    exited = _exited(pod, report, entry)
+    if exited is not None:
         return Fault(
             FaultKind.KILL,
             (name,),
@@ -216,7 +239,7 @@ def topology(view: GroupView, roce_map: zl.RoceMap | None) -> rc.Topology:
         members[name] = rc.Member(
             name,
             role,
-            spec.devices_per_instance * spec.pods_per_instance,
+            spec.devices_per_instance,
             node=instance.leader.node if instance else None,
             restarts=max((p.restarts for p in instance.pods), default=0) if instance else 0,
             pods=spec.pods_per_instance,
@@ -236,7 +259,7 @@ def _used(view: GroupView) -> dict[str, int]:
     for pod in view.pods.values():
         if pod.node is not None and not pod.deleting:
             spec = view.spec.role_spec(role_of(pod))
-            used[pod.node] = used.get(pod.node, 0) + spec.devices_per_instance
+            used[pod.node] = used.get(pod.node, 0) + spec.npus_per_pod
     return used
 
 

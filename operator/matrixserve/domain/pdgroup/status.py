@@ -26,6 +26,7 @@ from matrixserve.api.status import (
 )
 from matrixserve.domain.conditions import Condition
 from matrixserve.domain.enginepod import FIRST_PROBE_GRACE_SECONDS
+from matrixserve.domain.pdgroup import gang
 from matrixserve.domain.pdgroup.actions import (
     Action,
     CreatePod,
@@ -90,6 +91,7 @@ def instance_rows(
         report = view.reports.get(name)
         instance = view.instances.get(name)
         pod = instance.leader if instance else None
+        several = instance is not None and len(instance.pods) > 1
         role = (
             desired.get(name)
             or (roce_map.role_of(name) if roce_map else None)
@@ -105,6 +107,9 @@ def instance_rows(
                 roce_ips=list(report.roce_ips) if report else [],
                 state=instance_state(view, name, roce_map),
                 endpoint=f"{report.pod_ip}:{report.port}" if report else "",
+                pods=[p.name for p in instance.pods] if several else None,
+                servers=[gang.server_of(p) or "" for p in instance.pods] if several else None,
+                kv_plane=(pod.annotations.get(kinds.ANNOTATION_KV_PLANE) or "RoCE") if pod else "",
             )
         )
     return rows
@@ -120,6 +125,8 @@ def troubles(view: GroupView, desired: Mapping[str, zl.Role]) -> dict[str, tuple
         for pod in instance.pods
         if pod.trouble is not None and not pod.deleting
     }
+    for waiting, why in gang.waiting(view, desired).items():
+        found[waiting] = (gang.UNPLACEABLE, f"not placed whole, holding no NPU: {why}")
     for pod, owner in view.foreign.items():
         found[pod] = (
             "PodNameTaken",

@@ -100,10 +100,17 @@ def _role_shape(role: str, r: RoleSpec) -> list[str]:
     """A role's own rules the CRD states (CEL on the role)."""
     errors = []
     dies = r.devices_per_instance * catalog.DIES_PER_NPU
-    if r.devices_per_instance > catalog.NPUS_PER_SERVER:
+    npus, pods, server = r.devices_per_instance, r.pods_per_instance, catalog.NPUS_PER_SERVER
+    if npus % pods:
         errors.append(
-            f"spec.{role}.devicesPerInstance: {r.devices_per_instance} NPUs do not fit one server "
-            f"({catalog.NPUS_PER_SERVER} NPUs); an instance is one pod on one server"
+            f"spec.{role}.podsPerInstance: {pods} pods cannot share {npus} NPUs equally; an "
+            "instance's pods have the same NPUs each"
+        )
+    elif npus > server * pods:
+        errors.append(
+            f"spec.{role}.devicesPerInstance: {npus} NPUs over {pods} pod(s) are {npus // pods} "
+            f"per pod, more than a server has ({server} NPUs); an instance runs one pod per "
+            f"server: set podsPerInstance to at least {-(-npus // server)}"
         )
     tp = r.parallelism.tp
     if tp is not None and dies % tp:

@@ -63,6 +63,18 @@ class GroupView:
     fork_sources: tuple[zl.ForkSource, ...] = ()
     # The group's claimed pods whose assignment (of that pod's UID) is written.
     assigned: frozenset[str] = frozenset()
+    # NPUs every pod of the cluster holds or has reserved, by server (read with the nodes, for
+    # gang placement: what a server can still give is its allocatable NPUs less these).
+    npus_used: Mapping[str, int] = field(default_factory=dict)
+
+    def missing_pods(self, instance: str, role: zl.Role) -> list[str]:
+        """The instance's pods that do not exist, in rank order (none once a claimed warm pod
+        is the instance)."""
+        found = self.instances.get(instance)
+        if found is not None and any(self.claimed(p) for p in found.pods):
+            return []
+        wanted = pod_names(instance, self.spec.role_spec(role).pods_per_instance)
+        return [p for p in wanted if p not in self.pods]
 
     def learned_pod_start(self, default: float) -> float:
         """A pod's start as the group's pods showed it (created -> its container running; the

@@ -129,9 +129,13 @@ class PDGroups:
         owners = await asyncio.gather(*(rt.kube.owner_of(namespace, pod) for pod in absent))
         foreign = {pod: owner for pod, owner in zip(absent, owners, strict=True) if owner}
         zk = await self.store.snapshot(namespace, name)
+        placing = pd.needs_servers(spec, pods.values())
         nodes = (
-            await rt.kube.nodes(NODES_FRESH_SECONDS) if pd.may_recover(pods.values(), zk) else {}
+            await rt.kube.nodes(NODES_FRESH_SECONDS)
+            if placing or pd.may_recover(pods.values(), zk)
+            else {}
         )
+        used = await rt.kube.npus_in_use(NODES_FRESH_SECONDS) if placing else {}
         view = pd.GroupView(
             namespace,
             name,
@@ -145,6 +149,7 @@ class PDGroups:
             previous=PDGroupStatus.read(body.get("status")),
             foreign=foreign,
             nodes=nodes,
+            npus_used=used,
         )
         view = await self._warm(view)
         if view.zk.connected and not view.zk.present:  # a server that lost the group's data

@@ -1,0 +1,223 @@
+"""Gang placement of multi-pod instances (pure): pods created gated and pinned only when the whole
+instance has servers in one SuperPod, their gates lifted together once all exist, a half-bound
+instance released after the bound, a wait that holds nothing and names the free NPUs per
+SuperPod; rank settings in each pod; the instance's fault when a worker exits."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fakes import formed_group, pdgroup_spec
+from matrixserve.api import kinds
+from matrixserve.api import zk_layout as zl
+from matrixserve.api.engine_settings import EngineEnv
+from matrixserve.domain import pdgroup
+from matrixserve.domain.enginepod import EngineSettings
+from matrixserve.domain.observed import FaultKind, NodeView, PodView
+from matrixserve.domain.pdgroup import ZkView, gang
+from matrixserve.domain.pdgroup.actions import CreatePod, DeletePod, UngatePod
+from matrixserve.domain.pdgroup.pods import pod_labels
+from matrixserve.domain.pdgroup.recovery import detect
+
+P, D = zl.Role.PREFILL, zl.Role.DECODE
+ENGINE = EngineSettings(zookeeper="127.0.0.1:2181")
+
+
+def spec(p_pods: int = 2, d_pods: int = 2, p_npus: int = 16, d_npus: int = 16) -> Any:
+    """1 prefill + 1 decode of DeepSeek-V3 sized instances (p_npus over p_pods, ...)."""
+    s = pdgroup_spec(1, 1)
+    return s.model_copy(
+        update={
+            "prefill": s.prefill.model_copy(
+                update={"devices_per_instance": p_npus, "pods_per_instance": p_pods}
+            ),
+            "decode": s.decode.model_copy(
+                update={"devices_per_instance": d_npus, "pods_per_instance": d_pods}
+            ),
+        }
+    )
+
+
+def servers(layout: Mapping[str, int], per: int = 8) -> dict[str, NodeView]:
+    """``layout``: SuperPod -> servers; each server ``<sp>-s<i>`` with ``per`` NPUs."""
+    return {
+        f"{sp}-s{i}": NodeView(
+            f"{sp}-s{i}",
+            True,
+            per,
+            labels={
+                kinds.LABEL_SUPERPOD: sp,
+                kinds.LABEL_SERVER: f"{sp}-s{i}",
+                kinds.LABEL_NPU_TYPE: "Ascend910C",
+            },
+        )
+        for sp, n in layout.items()
+        for i in range(n)
+    }
+
+
+def pod(
+    name: str,
+    role: zl.Role,
+    instance: str,
+    *,
+    node: str | None = None,
+    pinned: str | None = None,
+    gated: bool = False,
+    running: float | None = None,
+    created: float = 0.0,
+    **extra: Any,
+) -> PodView:
+    return PodView(
+        name,
+        f"uid-{name}",
+        pod_labels("g", role, instance),
+        "Running" if running is not None else "Pending",
+        running is not None,
+        False,
+        node,
+        None,
+        created,
+        gated=gated,
+        pinned=pinned,
+        running_since=running,
+        **extra,
+    )
+
+
+def view(
+    s: Any,
+    pods: Mapping[str, PodView],
+    nodes: Mapping[str, NodeView],
+    now: float = 100.0,
+    used: Mapping[str, int] | None = None,
+    zk: ZkView | None = None,
+) -> Any:
+    return formed_group(
+        s,
+        pods,
+        zk or ZkView(connected=True),
+        now=now,
+        engine=ENGINE,
+        nodes=nodes,
+        npus_used=used or {},
+    )
+
+
+def created(plan: pdgroup.Plan) -> dict[str, dict[str, Any]]:
+    return {a.name: dict(a.manifest) for a in plan.actions if isinstance(a, CreatePod)}
+
+
+def env_of(manifest: Mapping[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in manifest["spec"]["containers"][0]["env"] if "value" in e}
+
+
+def test_a_multi_pod_instance_is_created_gated_and_pinned_in_one_superpod() -> None:
+    nodes = servers({"sp0": 4, "sp1": 4})
+    plan = pdgroup.plan(view(spec(), {}, nodes))
+    pods = created(plan)
+    assert set(pods) == {"g-p-0", "g-p-0-1", "g-d-0", "g-d-0-1"}
+    pinned = {n: m["spec"]["nodeSelector"][kinds.LABEL_SERVER] for n, m in pods.items()}
+    assert len(set(pinned.values())) == 4  # one pod per server
+    for _name, manifest in pods.items():
+        assert manifest["spec"]["schedulingGates"] == [{"name": kinds.GANG_GATE}]
+        resources = manifest["spec"]["containers"][0]["resources"]
+        assert resources["limits"][kinds.NPU_RESOURCE] == "8"  # 16 NPUs over 2 pods
+    # each instance's pods in one SuperPod; the prefill paired with its decode's SuperPod
+    sp = {n: m["metadata"]["annotations"][kinds.ANNOTATION_SUPERPOD] for n, m in pods.items()}
+    assert sp["g-p-0"] == sp["g-p-0-1"] == sp["g-d-0"] == sp["g-d-0-1"]
+    env = {n: env_of(m) for n, m in pods.items()}
+    assert env["g-p-0-1"][EngineEnv.name("instance")] == "g-p-0"
+    assert env["g-p-0-1"][EngineEnv.name("rank")] == "1"
+    assert env["g-p-0"][EngineEnv.name("rank")] == "0"
+    assert env["g-d-0"][EngineEnv.name("ranks")] == "2"
+    assert env["g-p-0"][EngineEnv.name("kv_plane")] == "UB"
+
+
+def test_an_instance_no_superpod_can_hold_waits_holding_nothing_and_says_why() -> None:
+    # 16-NPU prefill on 2 servers: each SuperPod has one whole free server only
+    nodes = servers({"sp0": 2, "sp1": 2})
+    used = {"sp0-s0": 8, "sp1-s0": 4}
+    s = spec(d_pods=1, d_npus=2)
+    plan = pdgroup.plan(view(s, {}, nodes, used=used))
+    pods = created(plan)
+    assert "g-p-0" not in pods
+    assert "g-p-0-1" not in pods
+    assert "g-d-0" in pods  # a single-pod decode is the scheduler's, as before
+    ready = next(c for c in plan.conditions if c.type == "Ready")
+    assert ready.reason == gang.UNPLACEABLE
+    progressing = next(c for c in plan.conditions if c.type == "Progressing")
+    assert "holding no NPU" in progressing.message
+    assert "sp0" in progressing.message
+    assert "sp1" in progressing.message
+
+
+def test_gates_are_lifted_together_only_once_every_pod_exists() -> None:
+    nodes = servers({"sp0": 4})
+    s = spec(d_pods=1, d_npus=2)
+    half = {"g-p-0": pod("g-p-0", P, "g-p-0", pinned="sp0-s0", gated=True)}
+    plan = pdgroup.plan(view(s, half, nodes, used={"sp0-s0": 8}))
+    assert not [a for a in plan.actions if isinstance(a, UngatePod)]
+    # the missing rank is seated in the same SuperPod, on another server
+    rest = created(plan)["g-p-0-1"]
+    assert rest["spec"]["nodeSelector"][kinds.LABEL_SERVER] != "sp0-s0"
+    whole = {
+        **half,
+        "g-p-0-1": pod("g-p-0-1", P, "g-p-0", pinned="sp0-s1", gated=True),
+    }
+    plan = pdgroup.plan(view(s, whole, nodes, used={"sp0-s0": 8, "sp0-s1": 8}))
+    lifted = {a.name for a in plan.actions if isinstance(a, UngatePod)}
+    assert lifted == {"g-p-0", "g-p-0-1"}
+
+
+def test_a_half_bound_instance_is_released_after_the_bound() -> None:
+    nodes = servers({"sp0": 4})
+    s = spec(d_pods=1, d_npus=2)
+    pods = {
+        "g-p-0": pod("g-p-0", P, "g-p-0", node="sp0-s0", running=5.0, created=1.0),
+        "g-p-0-1": pod("g-p-0-1", P, "g-p-0", pinned="sp0-s1", created=2.0),
+    }
+    early = pdgroup.plan(view(s, pods, nodes, now=2.0 + gang.GANG_BOUND_SECONDS - 1))
+    assert not [a for a in early.actions if isinstance(a, DeletePod)]
+    late = pdgroup.plan(view(s, pods, nodes, now=2.0 + gang.GANG_BOUND_SECONDS + 1))
+    released = {a.name for a in late.actions if isinstance(a, DeletePod)}
+    assert released == {"g-p-0", "g-p-0-1"}
+
+
+def test_a_worker_exit_is_its_instance_fault_restarting_one_pod() -> None:
+    s = spec(d_pods=1, d_npus=2)
+    entry = zl.MapEntry(
+        instance="g-p-0", podIP="127.0.0.1", port=1, roceIps=["10.0.0.1"], incarnation="a"
+    )
+    report = zl.Report(
+        instance="g-p-0",
+        podIP="127.0.0.1",
+        port=1,
+        node="sp0-s0",
+        superpod="sp0",
+        dies=[0],
+        roceIps=["10.0.0.1"],
+        ts=10.0,
+        podUid="uid-g-p-0",
+        incarnation="a",
+    )
+    roce_map = zl.RoceMap(version=1, P=[entry], D=[])
+    pods = {
+        "g-p-0": pod("g-p-0", P, "g-p-0", node="sp0-s0", running=1.0),
+        "g-p-0-1": pod(
+            "g-p-0-1", P, "g-p-0", node="sp0-s1", running=21.0, last_exit_at=20.0, restarts=1
+        ),
+    }
+    zk = ZkView(connected=True, reports={"g-p-0": report}, roce_map=roce_map)
+    faults = detect(view(s, pods, servers({"sp0": 2}), zk=zk), roce_map)
+    assert len(faults) == 1
+    fault = faults[0]
+    assert fault.kind is FaultKind.KILL
+    assert fault.instances == ("g-p-0",)
+    assert fault.pods == ("g-p-0-1",)
+    assert "rank 1" in fault.detail
+    # once the leader reported again after the exit, it is no fault any more
+    later = report.model_copy(update={"ts": 25.0})
+    zk = ZkView(connected=True, reports={"g-p-0": later}, roce_map=roce_map)
+    assert detect(view(s, pods, servers({"sp0": 2}), zk=zk), roce_map) == []
