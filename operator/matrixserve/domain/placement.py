@@ -195,19 +195,21 @@ def _check_pods(what: str, pods: Sequence[int]) -> None:
 
 
 def _check_requests(requests: Sequence[Request]) -> None:
-    seen: set[str] = set()
+    _check_once((r.name for r in requests), "instance {} asked to be placed twice")
     for r in requests:
-        if r.name in seen:
-            raise ValueError(f"instance {r.name} asked to be placed twice")
-        seen.add(r.name)
         _check_pods(f"instance {r.name}", r.pods)
 
 
 def _check_servers(servers: Sequence[Server]) -> None:
-    seen: set[str] = set()
+    _check_once((s.name for s in servers), "server {} listed twice")
     for s in servers:
-        if s.name in seen:
-            raise ValueError(f"server {s.name} listed twice")
-        seen.add(s.name)
         if s.free_npus < 0:
             raise ValueError(f"server {s.name} has {s.free_npus} free NPUs (at least 0)")
+
+
+def _check_once(names: Iterable[str], message: str) -> None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(message.format(name))
+        seen.add(name)
