@@ -19,7 +19,7 @@ CHECKOV_STAMP := $(CHECKOV_VENV)/.installed-$(CHECKOV_VERSION)
 .PHONY: help venv setup test test-unit lint checkov checkov-venv helm demo cluster-up cluster-down \
         cluster-status bench \
         bench-node-emulator bench-engine-streams bench-operator-setup bench-gateway-overhead bench-ttft-slo \
-        bench-recovery bench-scale-out bench-ratio kind-up kind-down kind-load e2e-kind images clean
+        bench-recovery bench-scale-out bench-ratio bench-placement kind-up kind-down kind-load e2e-kind images clean
 
 help:
 	@echo "make demo          bring up the local control plane + ZooKeeper and show what runs"
@@ -109,10 +109,10 @@ cluster-down: venv
 cluster-status: venv
 	$(DEVCLUSTER) status
 
-# --- benchmarks: each starts its own cluster and processes, prints ours vs the baseline and
-# writes bench/results/<name>.json -------------------------------------------------------------
+# --- benchmarks: each starts its own cluster and processes (bench-placement: pure, none), prints
+# ours vs the baseline and writes bench/results/<name>.json ------------------------------------
 bench: bench-node-emulator bench-engine-streams bench-operator-setup bench-gateway-overhead bench-ttft-slo \
-       bench-recovery bench-scale-out bench-ratio
+       bench-recovery bench-scale-out bench-ratio bench-placement
 
 bench-node-emulator: setup
 	$(PY) bench/node_emulator_scale.py
@@ -137,6 +137,9 @@ bench-scale-out: setup
 
 bench-ratio: setup
 	$(PY) bench/ratio.py
+
+bench-placement: setup
+	$(PY) bench/placement.py
 
 # --- kind (needs Docker; not available on the project's own CI machines) -------------------
 kind-up:
