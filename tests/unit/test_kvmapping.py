@@ -1,4 +1,4 @@
-"""The sub-links of a P–D pair (``matrixserve.api.kvmapping``): CloudMatrix-Infer §4.3.3's
+"""The sub-links of a P-D pair (``matrixserve.api.kvmapping``): CloudMatrix-Infer §4.3.3's
 deterministic group connection mapping for different sizes (the worked examples of notes 001
 §2.6, its invariant, its preconditions), device k <-> device k for the same size, and the RoCE
 map, links and sub-links built on it (``zk_layout``)."""
@@ -151,7 +151,9 @@ def test_a_pair_the_mapping_refuses_raises_naming_both_and_joins_nothing() -> No
     forged = zl.Link(
         prefill="p",
         decode="d",
-        subLinks=[zl.SubLink(device=k, prefillIp=f"p.{k % 4}", decodeIp=f"d.{k}") for k in range(8)],
+        subLinks=[
+            zl.SubLink(device=k, prefillIp=f"p.{k % 4}", decodeIp=f"d.{k}") for k in range(8)
+        ],
         verifiedAt=0.0,
         initiator="d",
         prefillIncarnation="i1",

@@ -471,7 +471,11 @@ def test_a_field_nothing_reads_is_refused_saying_what_works(
 def sized(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
     """The default spec with these prefill and decode fields."""
     base = raw()
-    return {**base, "prefill": {**base["prefill"], **prefill}, "decode": {**base["decode"], **decode}}
+    return {
+        **base,
+        "prefill": {**base["prefill"], **prefill},
+        "decode": {**base["decode"], **decode},
+    }
 
 
 MAPPING = "pair by CloudMatrix-Infer §4.3.3's KV mapping"
@@ -531,7 +535,9 @@ def test_a_broken_precondition_of_the_mapping_is_refused_naming_the_field(
 def test_the_mapping_is_not_judged_where_a_roles_tp_does_not_divide_its_dies() -> None:
     """The role's own rule says so; the mapping's would only repeat it in other words."""
     (error,) = validate_pdgroup(
-        parsed(sized({"devicesPerInstance": 2}, {"devicesPerInstance": 4, "parallelism": {"tp": 3}})),
+        parsed(
+            sized({"devicesPerInstance": 2}, {"devicesPerInstance": 4, "parallelism": {"tp": 3}})
+        ),
         "g",
     )
     assert error == "spec.decode.parallelism.tp: 3 does not divide the instance's 8 dies"

@@ -1,4 +1,4 @@
-"""Which prefill die each decode die pulls a request's KV cache from: the sub-links of a P–D pair.
+"""Which prefill die each decode die pulls a request's KV cache from: the sub-links of a P-D pair.
 
 Two rules, one function (:func:`source_dies`):
 
@@ -28,7 +28,7 @@ uneven and some prefill ranks get no pull), and the prefill is one TP group
 further prefill DP group would hold KV with no sub-link to move it (§4.3.1's prefill spreads
 attention heads over all of its dies, one TP group).
 
-Sub-links per P–D pair: one per decode die in both cases (same size: K = both sides' dies). The
+Sub-links per P-D pair: one per decode die in both cases (same size: K = both sides' dies). The
 operator counts the expected links by it (``RoceMap.expected_links``, the group's status) and
 the engines link and probe by it (``zk_layout.verify_sub_links``).
 """
@@ -110,7 +110,7 @@ def source_dies(prefill: Side, decode: Side) -> list[int]:
 
 
 def sub_links_per_pair(prefill: Side, decode: Side) -> int:
-    """Sub-links of one P–D pair: one per decode die (either rule). Raises as
+    """Sub-links of one P-D pair: one per decode die (either rule). Raises as
     :func:`source_dies` does."""
     return len(source_dies(prefill, decode))
 

@@ -365,7 +365,7 @@ class RoceMap(_Payload):
         return []
 
     def expected_links(self) -> int:
-        """The sub-links of every P–D pair, summed: one per decode die each (either rule of
+        """The sub-links of every P-D pair, summed: one per decode die each (either rule of
         :mod:`~matrixserve.api.kvmapping`), so n_p · n_d · K when every instance has K dies."""
         return len(self.prefill) * sum(len(d.roce_ips) for d in self.decode)
 

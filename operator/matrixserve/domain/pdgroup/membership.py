@@ -75,7 +75,7 @@ def desired_instances(group: str, counts: RoleCounts) -> dict[str, zl.Role]:
 
 
 def sub_links_per_pair(spec: PDGroupSpec) -> int:
-    """Sub-links of each P–D pair: one per decode die (:mod:`matrixserve.api.kvmapping`, the
+    """Sub-links of each P-D pair: one per decode die (:mod:`matrixserve.api.kvmapping`, the
     same size's k <-> k and CloudMatrix-Infer §4.3.3's mapping alike); a decode's RoCE IPs are
     one per die, two dies per NPU."""
     return spec.decode.devices_per_instance * catalog.DIES_PER_NPU
