@@ -500,6 +500,42 @@ def test_link_probe_tells_a_working_sub_link_from_a_delayed_and_a_blocked_one(
     assert mismatch.json()["error"]["code"] == "device_mismatch"
 
 
+def test_a_probe_between_unequal_sizes_names_sub_links_by_the_kv_mapping(
+    start_engine: Any,
+) -> None:
+    """A decode of 8 dies (tp 2, dp 4) probed by a prefill of 4 dies (tp 4): one sub-link per
+    decode die, from the prefill die CloudMatrix-Infer §4.3.3's mapping gives it
+    (``kvmapping.source_dies``: 0,1,0,1,2,3,2,3); a link down to prefill die 1 blocks exactly
+    the sub-links of decode dies 1 and 3; a prefill the mapping cannot pair is refused."""
+    decode = launch(
+        start_engine,
+        "uneq-d",
+        role="decode",
+        model=["--model", "llama3-8b", "--dies", "0,1,2,3,4,5,6,7"],
+        scale="0.1",
+        extra=["--tp", "2"],
+    )
+    prefill_ips = [f"198.19.0.{k + 1}" for k in range(4)]
+    body = {"instance": "uneq-p", "roceIps": prefill_ips, "tp": 4, "bytes": 1 << 20}
+    healthy = httpx.post(f"{decode.url}/v1/link/probe", json=body, trust_env=False).json()
+    assert (healthy["blocked"], healthy["tp"]) == ({}, 2)
+    httpx.post(
+        f"{decode.url}/v1/faults",
+        json={"kind": "link-down", "peerRoceIp": prefill_ips[1]},
+        trust_env=False,
+    ).raise_for_status()
+    broken = httpx.post(f"{decode.url}/v1/link/probe", json=body, trust_env=False).json()
+    assert broken["blocked"] == {
+        "1": f"RoCE link down to {prefill_ips[1]}",
+        "3": f"RoCE link down to {prefill_ips[1]}",
+    }
+    for refused in ({**body, "tp": 2}, {**body, "roceIps": prefill_ips[:3], "tp": 3}):
+        answer = httpx.post(f"{decode.url}/v1/link/probe", json=refused, trust_env=False)
+        assert answer.status_code == 409, answer.text
+        assert answer.json()["error"]["code"] == "device_mismatch"
+        assert "CloudMatrix-Infer §4.3.3's mapping needs" in answer.json()["error"]["message"]
+
+
 def test_a_prefill_slot_frees_once_the_decode_has_pulled_the_kv(
     start_engine: Any, stream: Any
 ) -> None:

@@ -445,7 +445,7 @@ class LinkState(StrEnum):
 
 class LinkProbe(_Payload):
     peer: str  # the peer instance
-    device: int  # the sub-link's device index k (k <-> k pairing)
+    device: int  # the sub-link: its decode die's index (kvmapping; k <-> k for the same size)
     peer_roce_ip: str = Field(alias="peerRoceIp")
     state: LinkState
     since: float  # wall time (epoch s) the probe first saw this state
