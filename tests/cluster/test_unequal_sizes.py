@@ -90,5 +90,9 @@ def test_a_2_npu_prefill_and_a_4_npu_decode_link_by_the_mapping_and_serve(
     two_links = timing.kv_bytes(LLAMA3_8B, 8192) / (
         timing.kv_pull_links(DECODE.tp, PREFILL.dies, 1) * per_die
     )
+    print(
+        f"sub-links {status['links']['summary']} ({per_pair} per pair); KV transfer "
+        f"{done['timings']['kvTransfer'] * 1e3:.1f} ms, its 2 links' model {two_links * 1e3:.1f} ms"
+    )
     # never faster than its DP group's 2 links (the whole 8-die decode would be 4x faster)
     assert done["timings"]["kvTransfer"] >= 0.98 * two_links, (done["timings"], two_links)

@@ -268,6 +268,43 @@ def test_kv_over_roce_vs_ub_differs_by_the_modelled_bandwidth_ratio(
     assert ratio > modelled / 2, "UB must be the far faster plane"
 
 
+def test_kv_into_a_larger_decode_moves_over_its_dp_groups_sub_links(
+    start_engine: Any, stream: Any
+) -> None:
+    """A prefill of 4 dies and a decode of 8 dies with tp 2 (dp 4; CloudMatrix-Infer §4.3.3):
+    the request decodes on one DP group, whose 2 dies pull over their own sub-links from 2
+    distinct prefill dies (``timing.kv_pull_links``), not over all 8 of the decode's."""
+    decode = launch(
+        start_engine,
+        "big-d",
+        role="decode",
+        model=["--model", "llama3-8b", "--dies", "0,1,2,3,4,5,6,7"],
+        scale="0.1",
+        extra=["--kv-plane", "RoCE", "--tp", "2"],
+    )
+    prefill = launch(
+        start_engine,
+        "small-p",
+        role="prefill",
+        model=["--model", "llama3-8b", "--dies", "0,1,2,3"],
+        scale="0.1",
+        extra=["--kv-plane", "RoCE", "--decode-peer", decode.address],
+    )
+    status, events = stream(
+        f"{prefill.url}/v1/generate",
+        {"requestId": "kv", "promptTokens": 8192, "maxTokens": 2},
+        timeout=120,
+    )
+    assert status == 200, events
+    assert events[-1]["type"] == "done", events[-1]
+    links = timing.kv_pull_links(2, 4, 1)
+    assert links == 2
+    nbytes = timing.kv_bytes(LLAMA3_8B, 8192)
+    measured = events[-1]["timings"]["kvTransfer"]
+    print(f"\nKV {nbytes / 2**30:.2f} GiB into a DP group of 2 dies over RoCE: {measured:.4f}s")
+    assert_emulated(measured, cal.ROCE_LATENCY + nbytes / (links * cal.ROCE_DIE_BANDWIDTH), 0.1)
+
+
 def test_two_concurrent_kv_pulls_into_one_decode_take_twice_as_long(
     start_engine: Any, stream: Any
 ) -> None:
