@@ -244,6 +244,23 @@ def kv_bytes(model: ModelShape, tokens: int) -> float:
     return model.kv_bytes_per_token * tokens
 
 
+def kv_pull_links(decode_tp: int, prefill_dies: int, egress_flows: int) -> float:
+    """How many die links' bandwidth one request's KV pull may use (each die has one port on
+    the KV plane, :func:`~enginestub.fabric.link_bandwidth`).
+
+    The request decodes on one DP group of the decode, its ``decode_tp`` dies, and each of them
+    pulls over its own sub-link from the prefill die :mod:`matrixserve.api.kvmapping` gives it;
+    a DP group's TP ranks have distinct sources under either rule (k <-> k, or
+    ``group_id x decode_tp + tp_rank``), so the KV, moved once, is split over ``decode_tp``
+    links. The prefill's egress, one link per die, is shared fairly by the pulls out of it. A
+    decode whose TP spans its dies (the default) uses every link of a same-size pair, as
+    before. Not modelled: under MLA each TP rank holds a whole copy (001 §4.3.3), which would
+    move it ``decode_tp`` times; the KV budget counts a request's KV once too."""
+    if decode_tp < 1 or prefill_dies < 1 or egress_flows < 1:
+        raise ValueError("decode_tp, prefill_dies and egress_flows must be at least 1")
+    return min(float(decode_tp), prefill_dies / egress_flows)
+
+
 LoadSource = engine_settings.LoadSource  # the operator's too (an assignment's, a health's)
 FORK_PLANES = {LoadSource.NPU_FORK_UB: Plane.UB, LoadSource.NPU_FORK_ROCE: Plane.ROCE}
 

@@ -173,11 +173,32 @@ def _refused(api_client: client.ApiClient, namespace: str, body: dict[str, Any])
 # the API server must refuse it with — the words ``schema_rules`` says them in (the reconciler's
 # check of an object stored without the rule), so that the two cannot drift apart.
 CEL_RULES = [
+    # prefill and decode of different sizes: the KV mapping's preconditions (CloudMatrix-Infer
+    # §4.3.3), each naming the field to change
     (
         {"spec.decode.devicesPerInstance": 4},
+        "spec.decode.parallelism.tp",
+        "8 does not divide the prefill's tp 4: a prefill and a decode of different sizes (4 and "
+        "8 dies) pair by CloudMatrix-Infer §4.3.3's KV mapping, which needs prefill tp to be a "
+        "multiple of decode tp",
+    ),
+    (
+        {"spec.prefill.devicesPerInstance": 4, "spec.decode.parallelism": {"tp": 2}},
         "spec.decode.devicesPerInstance",
-        "KV moves device k -> device k (P/D-Serve §2.1), so prefill and decode need the same "
-        "devices per instance (2 vs 4)",
+        "4 dies / decode tp 2 = dp 2 is not a multiple of prefill tp / decode tp = 4: a prefill "
+        "and a decode of different sizes (8 and 4 dies) pair by CloudMatrix-Infer §4.3.3's KV "
+        "mapping, which needs decode dp to be a multiple of that ratio",
+    ),
+    (
+        {
+            "spec.prefill.parallelism": {"tp": 2},
+            "spec.decode.devicesPerInstance": 4,
+            "spec.decode.parallelism": {"tp": 1},
+        },
+        "spec.prefill.parallelism.tp",
+        "2 is not the prefill's 4 dies: a prefill and a decode of different sizes (4 and 8 dies) "
+        "pair by CloudMatrix-Infer §4.3.3's KV mapping, which names prefill TP ranks only, so "
+        "the prefill must be one TP group (leave tp out, or set it to 4)",
     ),
     (
         {"spec.prefill.devicesPerInstance": 16, "spec.decode.devicesPerInstance": 16},

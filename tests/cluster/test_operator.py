@@ -198,8 +198,12 @@ def test_the_webhook_rejects_an_invalid_spec_with_a_clear_message(
     with pytest.raises(client.ApiException) as rejected:
         groups.create(bad)
     assert rejected.value.status == 422
-    # (a rule of the CRD's, CEL since issue 30: the API server's own refusal)
-    assert "same devices per instance (2 vs 4)" in rejected.value.body
+    # (a rule of the CRD's, CEL since issue 30: the API server's own refusal) A larger decode
+    # whose TP (its 8 dies) does not divide the prefill's (4): the KV mapping cannot pair them.
+    assert (
+        "spec.decode.parallelism.tp: Invalid value: 8 does not divide the prefill's tp 4"
+        in rejected.value.body
+    )
     too_big = pdgroup_body("big", 1, 1)
     too_big["spec"]["model"]["name"] = "gpt3-175b"
     with pytest.raises(client.ApiException) as rejected_model:

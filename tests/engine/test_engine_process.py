@@ -268,6 +268,43 @@ def test_kv_over_roce_vs_ub_differs_by_the_modelled_bandwidth_ratio(
     assert ratio > modelled / 2, "UB must be the far faster plane"
 
 
+def test_kv_into_a_larger_decode_moves_over_its_dp_groups_sub_links(
+    start_engine: Any, stream: Any
+) -> None:
+    """A prefill of 4 dies and a decode of 8 dies with tp 2 (dp 4; CloudMatrix-Infer §4.3.3):
+    the request decodes on one DP group, whose 2 dies pull over their own sub-links from 2
+    distinct prefill dies (``timing.kv_pull_links``), not over all 8 of the decode's."""
+    decode = launch(
+        start_engine,
+        "big-d",
+        role="decode",
+        model=["--model", "llama3-8b", "--dies", "0,1,2,3,4,5,6,7"],
+        scale="0.1",
+        extra=["--kv-plane", "RoCE", "--tp", "2"],
+    )
+    prefill = launch(
+        start_engine,
+        "small-p",
+        role="prefill",
+        model=["--model", "llama3-8b", "--dies", "0,1,2,3"],
+        scale="0.1",
+        extra=["--kv-plane", "RoCE", "--decode-peer", decode.address],
+    )
+    status, events = stream(
+        f"{prefill.url}/v1/generate",
+        {"requestId": "kv", "promptTokens": 8192, "maxTokens": 2},
+        timeout=120,
+    )
+    assert status == 200, events
+    assert events[-1]["type"] == "done", events[-1]
+    links = timing.kv_pull_links(2, 4, 1)
+    assert links == 2
+    nbytes = timing.kv_bytes(LLAMA3_8B, 8192)
+    measured = events[-1]["timings"]["kvTransfer"]
+    print(f"\nKV {nbytes / 2**30:.2f} GiB into a DP group of 2 dies over RoCE: {measured:.4f}s")
+    assert_emulated(measured, cal.ROCE_LATENCY + nbytes / (links * cal.ROCE_DIE_BANDWIDTH), 0.1)
+
+
 def test_two_concurrent_kv_pulls_into_one_decode_take_twice_as_long(
     start_engine: Any, stream: Any
 ) -> None:
@@ -498,6 +535,42 @@ def test_link_probe_tells_a_working_sub_link_from_a_delayed_and_a_blocked_one(
     )
     assert mismatch.status_code == 409
     assert mismatch.json()["error"]["code"] == "device_mismatch"
+
+
+def test_a_probe_between_unequal_sizes_names_sub_links_by_the_kv_mapping(
+    start_engine: Any,
+) -> None:
+    """A decode of 8 dies (tp 2, dp 4) probed by a prefill of 4 dies (tp 4): one sub-link per
+    decode die, from the prefill die CloudMatrix-Infer §4.3.3's mapping gives it
+    (``kvmapping.source_dies``: 0,1,0,1,2,3,2,3); a link down to prefill die 1 blocks exactly
+    the sub-links of decode dies 1 and 3; a prefill the mapping cannot pair is refused."""
+    decode = launch(
+        start_engine,
+        "uneq-d",
+        role="decode",
+        model=["--model", "llama3-8b", "--dies", "0,1,2,3,4,5,6,7"],
+        scale="0.1",
+        extra=["--tp", "2"],
+    )
+    prefill_ips = [f"198.19.0.{k + 1}" for k in range(4)]
+    body = {"instance": "uneq-p", "roceIps": prefill_ips, "tp": 4, "bytes": 1 << 20}
+    healthy = httpx.post(f"{decode.url}/v1/link/probe", json=body, trust_env=False).json()
+    assert (healthy["blocked"], healthy["tp"]) == ({}, 2)
+    httpx.post(
+        f"{decode.url}/v1/faults",
+        json={"kind": "link-down", "peerRoceIp": prefill_ips[1]},
+        trust_env=False,
+    ).raise_for_status()
+    broken = httpx.post(f"{decode.url}/v1/link/probe", json=body, trust_env=False).json()
+    assert broken["blocked"] == {
+        "1": f"RoCE link down to {prefill_ips[1]}",
+        "3": f"RoCE link down to {prefill_ips[1]}",
+    }
+    for refused in ({**body, "tp": 2}, {**body, "roceIps": prefill_ips[:3], "tp": 3}):
+        answer = httpx.post(f"{decode.url}/v1/link/probe", json=refused, trust_env=False)
+        assert answer.status_code == 409, answer.text
+        assert answer.json()["error"]["code"] == "device_mismatch"
+        assert "CloudMatrix-Infer §4.3.3's mapping needs" in answer.json()["error"]["message"]
 
 
 def test_a_prefill_slot_frees_once_the_decode_has_pulled_the_kv(

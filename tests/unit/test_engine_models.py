@@ -383,3 +383,25 @@ async def test_admission_protects_the_new_jobs_deadline_and_the_running_ones() -
     finally:
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
+
+
+# ----------------------------------------------------------------------------- KV pulls
+@pytest.mark.parametrize(
+    ("decode_tp", "prefill_dies", "flows", "links"),
+    [
+        (4, 4, 1, 4.0),  # a same-size pair whose decode TP spans its dies: every link, as before
+        (4, 4, 2, 2.0),  # two pulls out of the prefill share its egress
+        (1, 4, 1, 1.0),  # decode DP ranks of one die each: one sub-link per request
+        (2, 8, 1, 2.0),  # the mapping's example decode (tp 2): its DP group's two links
+        (8, 4, 1, 4.0),  # a smaller prefill's egress bounds it
+    ],
+)
+def test_a_kv_pull_uses_its_decode_dp_groups_links_within_the_prefills_egress(
+    decode_tp: int, prefill_dies: int, flows: int, links: float
+) -> None:
+    assert timing.kv_pull_links(decode_tp, prefill_dies, flows) == links
+
+
+def test_a_kv_pull_of_no_links_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        timing.kv_pull_links(0, 4, 1)

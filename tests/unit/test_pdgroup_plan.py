@@ -321,7 +321,10 @@ def test_a_ladder_rung_that_is_not_p_to_d_is_refused(rung: str) -> None:
             },
             "more than a server has (8 NPUs)",
         ),
-        ({"decode": {"replicas": 1, "devicesPerInstance": 4}}, "same devices per instance"),
+        (  # a larger decode whose TP (its 8 dies) does not divide the prefill's (4)
+            {"decode": {"replicas": 1, "devicesPerInstance": 4}},
+            "spec.decode.parallelism.tp: 8 does not divide the prefill's tp 4",
+        ),
         ({"model": {"name": "mystery-70b"}}, "cannot be served yet"),
         ({"model": {"name": "gpt3-175b"}}, "of weights do not fit 2 NPUs"),
         ({"decode": {"replicas": 1, "devicesPerInstance": 2, "batchSize": 4096}}, "GB of KV cache"),

@@ -160,7 +160,7 @@ def test_an_update_is_checked_by_every_rule_and_keeps_the_template() -> None:
     assert error.startswith("spec.decode.batchSize: cannot change")
     # a template change that also breaks a rule: both reasons
     errors = admit("UPDATE", raw(), changed("decode.devicesPerInstance", 4), False, "g")
-    assert any("same devices per instance" in e for e in errors)
+    assert any("CloudMatrix-Infer §4.3.3's KV mapping" in e for e in errors)
     assert any(e.startswith("spec.decode.devicesPerInstance: cannot change") for e in errors)
 
 
@@ -466,6 +466,81 @@ def test_a_field_nothing_reads_is_refused_saying_what_works(
     rule, in these words; by the webhook and the reconciler where the API server did not)."""
     errors = validate_pdgroup(parsed(changed(path, value)), "g")
     assert words in errors, errors
+
+
+def sized(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
+    """The default spec with these prefill and decode fields."""
+    base = raw()
+    return {
+        **base,
+        "prefill": {**base["prefill"], **prefill},
+        "decode": {**base["decode"], **decode},
+    }
+
+
+MAPPING = "pair by CloudMatrix-Infer §4.3.3's KV mapping"
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode"),
+    [
+        ({"devicesPerInstance": 2}, {"devicesPerInstance": 4, "parallelism": {"tp": 1}}),
+        ({"devicesPerInstance": 2}, {"devicesPerInstance": 8, "parallelism": {"tp": 2}}),
+        ({"devicesPerInstance": 4}, {"devicesPerInstance": 8, "parallelism": {"tp": 8}}),
+        ({"devicesPerInstance": 1}, {"devicesPerInstance": 2, "parallelism": {"tp": 1}}),
+        # the same size pairs device k with device k, whatever the TPs
+        ({"devicesPerInstance": 4, "parallelism": {"tp": 2}}, {"devicesPerInstance": 4}),
+    ],
+)
+def test_prefill_and_decode_of_different_sizes_are_accepted_when_the_mapping_pairs_them(
+    prefill: dict[str, Any], decode: dict[str, Any]
+) -> None:
+    assert validate_pdgroup(parsed(sized(prefill, decode)), "g") == []
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "words"),
+    [
+        (
+            {"devicesPerInstance": 2},
+            {"devicesPerInstance": 4},
+            "spec.decode.parallelism.tp: 8 does not divide the prefill's tp 4: a prefill and a "
+            f"decode of different sizes (4 and 8 dies) {MAPPING}, which needs prefill tp to be a "
+            "multiple of decode tp",
+        ),
+        (
+            {"devicesPerInstance": 4},
+            {"devicesPerInstance": 2, "parallelism": {"tp": 2}},
+            "spec.decode.devicesPerInstance: 4 dies / decode tp 2 = dp 2 is not a multiple of "
+            f"prefill tp / decode tp = 4: a prefill and a decode of different sizes (8 and 4 dies) "
+            f"{MAPPING}, which needs decode dp to be a multiple of that ratio",
+        ),
+        (
+            {"devicesPerInstance": 2, "parallelism": {"tp": 2}},
+            {"devicesPerInstance": 4, "parallelism": {"tp": 1}},
+            "spec.prefill.parallelism.tp: 2 is not the prefill's 4 dies: a prefill and a decode "
+            f"of different sizes (4 and 8 dies) {MAPPING}, which names prefill TP ranks only, so "
+            "the prefill must be one TP group (leave tp out, or set it to 4)",
+        ),
+    ],
+)
+def test_a_broken_precondition_of_the_mapping_is_refused_naming_the_field(
+    prefill: dict[str, Any], decode: dict[str, Any], words: str
+) -> None:
+    errors = validate_pdgroup(parsed(sized(prefill, decode)), "g")
+    assert errors == [words]
+    assert admit("CREATE", None, sized(prefill, decode), False, "g") == [words]
+
+
+def test_the_mapping_is_not_judged_where_a_roles_tp_does_not_divide_its_dies() -> None:
+    """The role's own rule says so; the mapping's would only repeat it in other words."""
+    (error,) = validate_pdgroup(
+        parsed(
+            sized({"devicesPerInstance": 2}, {"devicesPerInstance": 4, "parallelism": {"tp": 3}})
+        ),
+        "g",
+    )
+    assert error == "spec.decode.parallelism.tp: 3 does not divide the instance's 8 dies"
 
 
 @pytest.mark.parametrize("parallelism", [{"dp": 1}, {"tp": 2, "dp": 2}, {"tp": 4, "dp": 1}])

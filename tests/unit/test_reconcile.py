@@ -160,7 +160,7 @@ async def test_an_invalid_spec_is_reported_once_per_generation_and_touches_nothi
         "InvalidSpec",
         2,
     )
-    assert "spec.decode.devicesPerInstance" in ready["message"]
+    assert "spec.decode.parallelism.tp" in ready["message"]
     warnings = [e for e in world.events if e.warning]
     assert [e.reason for e in warnings] == ["InvalidSpec"]
     assert world.core.pods == pods

@@ -5,7 +5,9 @@
   to size the transfer, ``/release`` says it is done); the slot then frees.
 - **Decode side** (:class:`KvPuller`): once a decode has a batch slot and HBM for the request, it
   pulls the KV over the fabric; the transfer shares the decode's ingress and the prefill's egress
-  fairly (UB inside one SuperPod, else RoCE). A link down to the prefill's dies fails the pull.
+  fairly (UB inside one SuperPod, else RoCE), over the sub-links of the DP group it decodes on
+  (:func:`enginestub.timing.kv_pull_links`: the mapping's, whatever the two sizes). A link down
+  to the prefill's dies fails the pull.
 
 Both sides wait on the other at most :func:`kv_wait_bound`. The flows out of a prefill are counted
 from what it holds (a pull asked for and not yet released), so an abandoned pull is never counted
@@ -23,6 +25,7 @@ from urllib.parse import quote
 
 import httpx
 
+from enginestub import timing
 from enginestub.engine.config import EngineConfig
 from enginestub.engine.parts import Part, Shared
 from enginestub.engine.prefill import PrefillTicket
@@ -43,8 +46,9 @@ def kv_wait_bound(config: EngineConfig, slow_factor: float) -> float:
 
     Twice the time to move every byte of KV this instance can hold through its KV links at
     the slowest plane a pull may use (HBM bounds the KV in flight out of a prefill, and into a
-    decode of the same shape: links join devices of equal count), slowed by any injected slow
-    factor; never under :data:`WAIT_FLOOR_WALL_SECONDS` of wall time."""
+    decode; every die of either side has a sub-link of each pair, :mod:`matrixserve.api.kvmapping`,
+    so its own dies' links carry its own KV), slowed by any injected slow factor; never under
+    :data:`WAIT_FLOOR_WALL_SECONDS` of wall time."""
     planes = {config.kv_plane, Plane.ROCE}  # UB reaches only inside a SuperPod: RoCE beyond
     link = min(link_bandwidth(p, same_node=False) for p in planes) * len(config.dies)
     transfer = 2.0 * config.kv_capacity_bytes / link * slow_factor
@@ -232,7 +236,9 @@ class KvPuller(Part):
         # The prefill's egress, shared fairly by its pulls and any fork broadcast on this plane
         # (a share fixed at the pull's start).
         flows = meta.egress_flows + meta.fork_flows.get(str(plane), 0)
-        egress_cap = per_die * (meta.dies or len(self.config.dies)) / flows
+        # Its decode DP group's links, each from a distinct prefill die (the mapping's).
+        links = timing.kv_pull_links(self.config.tp, meta.dies or len(self.config.dies), flows)
+        egress_cap = per_die * links
         await self.clock.sleep(link_latency(plane, same_node))
         seconds = await self.ingress.consume(nbytes * self.faults.slow_factor, cap=egress_cap)
         self.metrics.kv_bytes.labels(plane=str(plane), direction="in").inc(nbytes)

@@ -10,7 +10,9 @@ differentiate between decode-side saturation (which delays dummy data) and link-
   less the logically removed) one small request every ``--link-probe-interval`` emulated s
   (:data:`~enginestub.calibration.LINK_PROBE_INTERVAL_SECONDS`, never more often than
   :data:`~enginestub.calibration.LINK_PROBE_WALL_FLOOR_SECONDS` of wall time): one dummy payload
-  over all the sub-links of the pair (device k <-> device k) it can send on, as KV goes. A
+  over all the sub-links of the pair it can send on, as KV goes: one per decode die, named by
+  its index, from the prefill die :mod:`matrixserve.api.kvmapping` pairs it with (device k <->
+  device k for the same size; CloudMatrix-Infer §4.3.3's mapping otherwise). A
   sub-link is **Blocked** when it was never delivered: down on our side (we cannot send on it),
   down on the decode's (the decode says so), or no answer within
   :data:`~enginestub.calibration.LINK_PROBE_TIMEOUT_WALL_SECONDS`; **Delayed** when delivered
@@ -44,6 +46,7 @@ from enginestub import calibration as cal
 from enginestub.engine.parts import Part, Shared
 from enginestub.engine.sharing import SharedResource
 from enginestub.fabric import link_bandwidth, link_latency
+from matrixserve.api import kvmapping
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.engine_protocol import EngineError
 
@@ -68,9 +71,10 @@ class Probe:
 
     instance: str  # the prefill
     roce_ips: tuple[str, ...]  # the prefill's, by device index
-    devices: tuple[int, ...]  # the sub-links it sent on
+    devices: tuple[int, ...]  # the sub-links it sent on (by decode die)
     nbytes: float
     egress_flows: int  # KV pulls out of the prefill now: the dummy is one more
+    tp: int | None = None  # the prefill's (None: its dies, an engine from before it was said)
 
     def body(self) -> dict[str, Any]:
         return {
@@ -79,6 +83,7 @@ class Probe:
             "devices": list(self.devices),
             "bytes": self.nbytes,
             "egressFlows": self.egress_flows,
+            **({} if self.tp is None else {"tp": self.tp}),
         }
 
 
@@ -99,26 +104,30 @@ class ProbeReceiver(Part):
 
     def receive(self, probe: Probe) -> dict[str, Any]:
         cfg = self.config
-        if len(probe.roce_ips) != len(cfg.roce_ips):
-            raise EngineError(
-                409,
-                "device_mismatch",
-                f"{len(probe.roce_ips)} devices against our {len(cfg.roce_ips)}: sub-links "
-                "pair device k with device k",
+        try:
+            sources = kvmapping.source_dies(
+                kvmapping.Side.of(len(probe.roce_ips), probe.tp),
+                kvmapping.Side.of(len(cfg.roce_ips), cfg.tp),
             )
+        except ValueError as exc:
+            raise EngineError(409, "device_mismatch", str(exc)) from None
         down = self.faults.links_down
         blocked = {
-            k: f"RoCE link down to {probe.roce_ips[k]}"
-            for k in probe.devices
-            if probe.roce_ips[k] in down
+            j: f"RoCE link down to {probe.roce_ips[sources[j]]}"
+            for j in probe.devices
+            if j < len(sources) and probe.roce_ips[sources[j]] in down
         }
-        link = link_bandwidth(cfg.kv_plane, same_node=False) * len(cfg.dies)
+        # The pair's sub-links run from every die of the smaller side (the mapping spreads them):
+        # its dies' links bound the dummy's rate.
+        dies = min(len(cfg.dies), len(probe.roce_ips))
+        link = link_bandwidth(cfg.kv_plane, same_node=False) * dies
         latency = link_latency(cfg.kv_plane, same_node=False)
         # The dummy is one more flow out of the prefill and one more into this instance.
         share = self.ingress.share_for(link / (probe.egress_flows + 1))
         return {
             "instance": cfg.instance,
             "roceIps": cfg.roce_ips,
+            "tp": cfg.tp,
             "blocked": {str(k): why for k, why in blocked.items()},
             "seconds": latency + probe.nbytes * self.faults.slow_factor / share,
             "aloneSeconds": latency + probe.nbytes / link,
@@ -141,6 +150,8 @@ def verdicts(
     )
     out: _Verdicts = {}
     for k in devices:
+        if peer_ips and k >= len(peer_ips):  # sent before the decode's dies were known
+            continue
         ip = peer_ips[k] if k < len(peer_ips) else ""
         if k in blocked:
             out[k] = (zl.LinkState.BLOCKED, ip, peer)
@@ -249,7 +260,9 @@ class LinkProber(Part):
         rest; all Blocked without an answer in time; None if the decode is not there."""
         cfg = self.config
         peer_ips = self._peer_ips(target)
-        count = len(peer_ips) or len(cfg.roce_ips)  # links join devices of equal count
+        # One sub-link per decode die (kvmapping); its dies not known yet, as many as ours (the
+        # decode answers for those it has).
+        count = len(peer_ips) or len(cfg.roce_ips)
         ours = {
             k for k in range(count) if k < len(peer_ips) and peer_ips[k] in self.faults.links_down
         }
@@ -261,7 +274,12 @@ class LinkProber(Part):
         if not devices:
             return _Verdict(name, subs)
         probe = Probe(
-            cfg.instance, tuple(cfg.roce_ips), devices, cal.LINK_PROBE_BYTES, self._egress_flows()
+            cfg.instance,
+            tuple(cfg.roce_ips),
+            devices,
+            cal.LINK_PROBE_BYTES,
+            self._egress_flows(),
+            cfg.tp,
         )
         try:
             async with asyncio.timeout(cal.LINK_PROBE_TIMEOUT_WALL_SECONDS):

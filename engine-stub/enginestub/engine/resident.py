@@ -175,6 +175,7 @@ class Resident:
             ts=time.time(),
             podUid=cfg.pod_uid,
             incarnation=self.incarnation,
+            tp=cfg.tp,
         )
 
     async def _write_report(self) -> None:
@@ -315,7 +316,8 @@ class Resident:
     def check_handshake(self, body: dict[str, Any]) -> dict[str, Any]:
         """The peer side of a link: the caller must be in our map as it is (the same RoCE IPs
         and incarnation: a map that still names its previous incarnation is not proof), with
-        the opposite role and the same number of devices."""
+        the opposite role, and its dies must pair with ours (the same number, or two shapes
+        CloudMatrix-Infer §4.3.3's mapping pairs: ``zk_layout.verify_sub_links``)."""
         if self.roce_map is None or self.role is None:
             raise EngineError(409, "not_linked", "this instance has no RoCE map yet")
         caller = body["instance"]
@@ -341,13 +343,15 @@ class Resident:
             raise EngineError(
                 409, "same_role", f"{caller} has the same role {self.role}; links join P and D"
             )
-        theirs = body.get("roceIps") or []
-        if len(theirs) != len(self.engine.config.roce_ips):
-            raise EngineError(
-                409,
-                "device_mismatch",
-                f"{len(theirs)} devices against our {len(self.engine.config.roce_ips)}",
-            )
+        cfg = self.engine.config
+        me = zl.MapEntry(
+            instance=self.instance, podIP=cfg.host, port=cfg.port, roceIps=cfg.roce_ips, tp=cfg.tp
+        )
+        pair = (entry, me) if caller_role is zl.Role.PREFILL else (me, entry)
+        try:
+            zl.verify_sub_links(*pair)
+        except ValueError as exc:
+            raise EngineError(409, "device_mismatch", str(exc)) from None
         return {
             "instance": self.instance,
             "role": str(self.role),

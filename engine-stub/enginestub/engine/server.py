@@ -309,12 +309,21 @@ def build_app(
                 f"a probe needs instance and roceIps (1..{PROBE_MAX_DEVICES} strings)",
                 "roceIps",
             )
-        devices = body.get("devices", list(range(len(ips))))
+        # A sub-link is named by its decode die (kvmapping: one per decode die of the pair).
+        devices = body.get("devices", list(range(len(cfg.roce_ips))))
         if not isinstance(devices, list) or not all(
-            isinstance(k, int) and not isinstance(k, bool) and 0 <= k < len(ips) for k in devices
+            isinstance(k, int) and not isinstance(k, bool) and 0 <= k < PROBE_MAX_DEVICES
+            for k in devices
         ):
             raise EngineError(
-                400, "invalid_request", "devices must be indices into roceIps", "devices"
+                400, "invalid_request", "devices must be sub-link (decode die) indices", "devices"
+            )
+        tp = body.get("tp")
+        if tp is not None and (
+            not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= len(ips)
+        ):
+            raise EngineError(
+                400, "invalid_request", "tp must be an integer from 1 to the roceIps given", "tp"
             )
         probe = Probe(
             body["instance"],
@@ -322,6 +331,7 @@ def build_app(
             tuple(sorted(set(devices))),
             _number(body, "bytes", 1, PROBE_MAX_BYTES, float(1 << 20)),
             int(_number(body, "egressFlows", 0, 1_000_000, 0)),
+            tp,
         )
         engine.require_role("decode")  # the side KV lands on
         return web.json_response(engine.receiver.receive(probe))

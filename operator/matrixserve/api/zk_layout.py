@@ -11,7 +11,7 @@ JSON payloads (pydantic), no client. ``docs/zookeeper.md`` has the table of who 
         reports/<instance>     EPHEMERAL  Report: RoCE IPs ordered by device id   (engine)
         init-order             PERSISTENT InitOrder, once reports == expected     (operator)
         roce-map               PERSISTENT RoceMap {P: [...], D: [...]}, versioned  (operator)
-        links/<p>--<d>         PERSISTENT Link: verified sub-links k <-> k         (engine)
+        links/<p>--<d>         PERSISTENT Link: verified sub-links (kvmapping)     (engine)
         health/<instance>      EPHEMERAL  Health, refreshed every few tens of s    (engine)
         decode-meta            PERSISTENT DecodeMeta, pushed to every prefill     (operator)
         entrances/<instance>   PERSISTENT Entrance: a prefill open for requests    (operator)
@@ -44,7 +44,7 @@ from typing import NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from matrixserve.api import engine_settings, roles
+from matrixserve.api import engine_settings, kvmapping, roles
 
 # Known here too (the payloads carry these roles, an assignment these settings), as most modules
 # that read the payloads name them.
@@ -286,6 +286,9 @@ class Report(_Payload):
     ts: float
     pod_uid: str = Field(default="", alias="podUid")
     incarnation: str = ""
+    # The engine's tensor-parallel degree (its --tp; None: an engine from before, whose TP is
+    # its dies): the RoCE map carries it to the peers, which pair dies by it (kvmapping).
+    tp: int | None = Field(default=None, ge=1)
 
     def identity(self) -> Identity:
         return Identity(self.pod_ip, self.port, tuple(self.roce_ips), self.incarnation)
@@ -314,14 +317,26 @@ class Identity(NamedTuple):
 
 
 class MapEntry(_Payload):
+    """A member as the map names it. ``tp``: its engine's tensor-parallel degree, from its
+    report; the peers need it to pair dies when the two sides differ in size (CloudMatrix-Infer
+    §4.3.3, :mod:`~matrixserve.api.kvmapping`). Absent (a map or report from before it was
+    carried): the member's dies, as the engine's own default, so old payloads parse and pair
+    as they did (the same size pairs device k with device k whatever the TP)."""
+
     instance: str
     pod_ip: str = Field(alias="podIP")
     port: int
     roce_ips: list[str] = Field(alias="roceIps")
     incarnation: str = ""
+    tp: int | None = Field(default=None, ge=1)
 
     def identity(self) -> Identity:
         return Identity(self.pod_ip, self.port, tuple(self.roce_ips), self.incarnation)
+
+    def side(self) -> kvmapping.Side:
+        """Its dies and TP as the mapping takes them (ValueError if its TP does not divide
+        its dies)."""
+        return kvmapping.Side.of(len(self.roce_ips), self.tp)
 
 
 class RoceMap(_Payload):
@@ -350,22 +365,26 @@ class RoceMap(_Payload):
         return []
 
     def expected_links(self) -> int:
-        """n_p · n_d · K sub-links (K devices per instance, same-index pairing)."""
-        if not self.prefill or not self.decode:
-            return 0
-        k = len(self.prefill[0].roce_ips)
-        return len(self.prefill) * len(self.decode) * k
+        """The sub-links of every P-D pair, summed: one per decode die each (either rule of
+        :mod:`~matrixserve.api.kvmapping`), so n_p · n_d · K when every instance has K dies."""
+        return len(self.prefill) * sum(len(d.roce_ips) for d in self.decode)
 
 
 class SubLink(_Payload):
+    """One sub-link: ``device`` is the decode die's index (rank order), ``prefillDevice`` the
+    prefill die it pulls from (the same index when both sides are the same size; absent in
+    links written before it was said)."""
+
     device: int
     prefill_ip: str = Field(alias="prefillIp")
     decode_ip: str = Field(alias="decodeIp")
+    prefill_device: int | None = Field(default=None, alias="prefillDevice")
 
 
 class Link(_Payload):
-    """A verified P↔D link: device k of the prefill paired with device k of the decode, between
-    the two engines of the incarnations named (a link proves nothing for later ones)."""
+    """A verified P↔D link: each decode die paired with the prefill die the mapping gives it
+    (:mod:`~matrixserve.api.kvmapping`: device k with device k for the same size), between the
+    two engines of the incarnations named (a link proves nothing for later ones)."""
 
     prefill: str
     decode: str
@@ -377,15 +396,18 @@ class Link(_Payload):
 
     def joins(self, prefill: MapEntry, decode: MapEntry) -> bool:
         """Whether this link was verified between exactly these two members: their current
-        RoCE IPs device by device, and their current incarnations."""
+        RoCE IPs paired as the mapping pairs them now, and their current incarnations (a pair
+        the mapping cannot pair joins nothing)."""
+        try:
+            expected = [(s.prefill_ip, s.decode_ip) for s in verify_sub_links(prefill, decode)]
+        except ValueError:
+            return False
         return (
             self.prefill == prefill.instance
             and self.decode == decode.instance
             and self.prefill_incarnation == prefill.incarnation
             and self.decode_incarnation == decode.incarnation
-            and [(s.prefill_ip, s.decode_ip) for s in self.sub_links]
-            == list(zip(prefill.roce_ips, decode.roce_ips, strict=False))
-            and len(prefill.roce_ips) == len(decode.roce_ips)
+            and [(s.prefill_ip, s.decode_ip) for s in self.sub_links] == expected
         )
 
 
@@ -423,7 +445,7 @@ class LinkState(StrEnum):
 
 class LinkProbe(_Payload):
     peer: str  # the peer instance
-    device: int  # the sub-link's device index k (k <-> k pairing)
+    device: int  # the sub-link: its decode die's index (kvmapping; k <-> k for the same size)
     peer_roce_ip: str = Field(alias="peerRoceIp")
     state: LinkState
     since: float  # wall time (epoch s) the probe first saw this state
@@ -551,21 +573,28 @@ def build_roce_map(reports: Iterable[Report], roles: dict[str, Role], version: i
                 port=report.port,
                 roceIps=report.roce_ips,
                 incarnation=report.incarnation,
+                tp=report.tp,
             )
         )
     return RoceMap(version=version, P=by_role[Role.PREFILL], D=by_role[Role.DECODE])
 
 
 def verify_sub_links(prefill: MapEntry, decode: MapEntry) -> list[SubLink]:
-    """Same-index pairing (P/D-Serve §2.1, §3.7); the device counts must match."""
-    if len(prefill.roce_ips) != len(decode.roce_ips):
-        raise ValueError(
-            f"{prefill.instance} has {len(prefill.roce_ips)} devices and {decode.instance} "
-            f"{len(decode.roce_ips)}: same-index pairing needs equal counts"
-        )
+    """The pair's sub-links, one per decode die (:func:`kvmapping.source_dies`: device k <-> k
+    for the same size, P/D-Serve §2.1, §3.7; CloudMatrix-Infer §4.3.3's mapping otherwise).
+    Raises ValueError naming the two and the preconditions they break."""
+    try:
+        sources = kvmapping.source_dies(prefill.side(), decode.side())
+    except ValueError as exc:
+        raise ValueError(f"{prefill.instance} and {decode.instance}: {exc}") from None
     return [
-        SubLink(device=k, prefillIp=p, decodeIp=d)
-        for k, (p, d) in enumerate(zip(prefill.roce_ips, decode.roce_ips, strict=True))
+        SubLink(
+            device=j,
+            prefillIp=prefill.roce_ips[i],
+            decodeIp=decode.roce_ips[j],
+            prefillDevice=i,
+        )
+        for j, i in enumerate(sources)
     ]
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from matrixserve.api import catalog
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain.observed import InstanceView
@@ -73,9 +74,11 @@ def desired_instances(group: str, counts: RoleCounts) -> dict[str, zl.Role]:
     return out
 
 
-def devices_k(spec: PDGroupSpec) -> int:
-    """RoCE IPs per instance: one per die, two dies per NPU."""
-    return spec.prefill.devices_per_instance * 2
+def sub_links_per_pair(spec: PDGroupSpec) -> int:
+    """Sub-links of each P-D pair: one per decode die (:mod:`matrixserve.api.kvmapping`, the
+    same size's k <-> k and CloudMatrix-Infer §4.3.3's mapping alike); a decode's RoCE IPs are
+    one per die, two dies per NPU."""
+    return spec.decode.devices_per_instance * catalog.DIES_PER_NPU
 
 
 def release_pods(instance: InstanceView, reason: str) -> list[Action]:
@@ -168,6 +171,7 @@ def _as_report(entry: zl.MapEntry) -> zl.Report:
         roceIps=entry.roce_ips,
         ts=0.0,
         incarnation=entry.incarnation,
+        tp=entry.tp,  # kept through a new version: the peers pair its dies by it
     )
 
 

@@ -1,8 +1,9 @@
 """The PDGroup's status, derived from what was observed and what this pass plans (pure).
 
 Ready means the group serves what its spec asks: every desired instance serving (the map names
-it as it is now, its current engine healthy in ZooKeeper, its pods Ready), exactly n_p·n_d·K
-sub-links verified between the members' current incarnations (P/D-Serve §3.2), every prefill an
+it as it is now, its current engine healthy in ZooKeeper, its pods Ready), exactly n_p·n_d·K_d
+sub-links verified between the members' current incarnations (P/D-Serve §3.2; one per decode
+die for each pair, :mod:`matrixserve.api.kvmapping`), every prefill an
 entrance and the decode meta complete; and nothing left to change this pass.
 The conditions follow the Kubernetes conventions (``matrixserve.domain.conditions``).
 """
@@ -34,7 +35,7 @@ from matrixserve.domain.pdgroup.actions import (
     ReportPodTrouble,
     WriteRoceMap,
 )
-from matrixserve.domain.pdgroup.membership import devices_k
+from matrixserve.domain.pdgroup.membership import sub_links_per_pair
 from matrixserve.domain.pdgroup.pods import role_of
 from matrixserve.domain.pdgroup.view import GroupView
 
@@ -250,7 +251,7 @@ def derive(
     ready_d = sum(1 for n in serving if desired.get(n) is zl.Role.DECODE)
     members_p = [e.instance for e in roce_map.prefill] if roce_map else []
     members_d = [e.instance for e in roce_map.decode] if roce_map else []
-    expected_links = len(members_p) * len(members_d) * devices_k(view.spec)
+    expected_links = len(members_p) * len(members_d) * sub_links_per_pair(view.spec)
     verified = current_sub_links(view, roce_map)
     entrances = sorted(zk.entrances)
     stable = set(members_p) | set(members_d) == set(desired) and not any(

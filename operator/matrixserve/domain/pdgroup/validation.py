@@ -41,7 +41,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from matrixserve.api import catalog, kinds
+from matrixserve.api import catalog, kinds, kvmapping
 from matrixserve.api.catalog import HBM_USABLE_FRACTION, PRESETS
 from matrixserve.api.resources import (
     MoEMode,
@@ -128,6 +128,45 @@ def _role_shape(role: str, r: RoleSpec) -> list[str]:
     return errors
 
 
+def _pairing_rules(spec: PDGroupSpec) -> list[str]:
+    """A prefill and a decode of different sizes pair their dies by CloudMatrix-Infer §4.3.3's
+    mapping (:mod:`matrixserve.api.kvmapping`): each precondition it breaks, naming the field to
+    change (the same size pairs device k with device k, always). Judged only where each role's
+    tp divides its dies (the role's own rule says so otherwise)."""
+    sides = []
+    for r in (spec.prefill, spec.decode):
+        dies = r.devices_per_instance * catalog.DIES_PER_NPU
+        tp = r.parallelism.tp or dies  # the engine's tp: the instance's dies when not given
+        if dies % tp:
+            return []
+        sides.append(kvmapping.Side(dies, tp))
+    p, d = sides
+    why = (
+        f"a prefill and a decode of different sizes ({p.dies} and {d.dies} dies) pair by "
+        "CloudMatrix-Infer §4.3.3's KV mapping, which "
+    )
+    errors = []
+    for broken in kvmapping.broken(p, d):
+        if broken is kvmapping.Precondition.PREFILL_ONE_TP_GROUP:
+            errors.append(
+                f"spec.prefill.parallelism.tp: {p.tp} is not the prefill's {p.dies} dies: {why}"
+                f"names prefill TP ranks only, so the prefill must be one TP group (leave tp "
+                f"out, or set it to {p.dies})"
+            )
+        elif broken is kvmapping.Precondition.TP_DIVIDES:
+            errors.append(
+                f"spec.decode.parallelism.tp: {d.tp} does not divide the prefill's tp {p.tp}: "
+                f"{why}needs prefill tp to be a multiple of decode tp"
+            )
+        else:
+            errors.append(
+                f"spec.decode.devicesPerInstance: {d.dies} dies / decode tp {d.tp} = dp {d.dp} "
+                f"is not a multiple of prefill tp / decode tp = {p.tp // d.tp}: {why}needs "
+                "decode dp to be a multiple of that ratio"
+            )
+    return errors
+
+
 def _role_fit(role: str, r: RoleSpec, facts: ModelFacts | None, context: int) -> list[str]:
     """A role's resources, and the model's weights and KV in its instances' HBM."""
     errors = _resource_rules(role, r)
@@ -169,12 +208,7 @@ def schema_rules(spec: PDGroupSpec, name: str) -> list[str]:
         )
     for each in Role:
         errors += _role_shape(each.spec_key, spec.role_spec(each))
-    if spec.prefill.devices_per_instance != spec.decode.devices_per_instance:
-        errors.append(
-            "spec.decode.devicesPerInstance: KV moves device k -> device k (P/D-Serve §2.1), so prefill "
-            f"and decode need the same devices per instance ({spec.prefill.devices_per_instance} vs "
-            f"{spec.decode.devices_per_instance})"
-        )
+    errors += _pairing_rules(spec)
     for role, r, why in (
         ("prefill", spec.prefill, "the prefills are the group's entrances: none takes requests"),
         ("decode", spec.decode, "every request's KV cache moves from a prefill to a decode"),
