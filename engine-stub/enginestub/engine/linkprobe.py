@@ -112,7 +112,7 @@ class ProbeReceiver(Part):
             for k in probe.devices
             if probe.roce_ips[k] in down
         }
-        link = link_bandwidth(cfg.kv_plane, same_node=False) * len(cfg.dies)
+        link = link_bandwidth(cfg.kv_plane, same_node=False) * cfg.instance_dies
         latency = link_latency(cfg.kv_plane, same_node=False)
         # The dummy is one more flow out of the prefill and one more into this instance.
         share = self.ingress.share_for(link / (probe.egress_flows + 1))
