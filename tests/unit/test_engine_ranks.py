@@ -121,7 +121,8 @@ def test_a_leader_formed_takes_every_ranks_roce_ips_its_own_first() -> None:
     formed = leader.formed([*own, "198.19.9.1", "198.19.9.2"])
     assert formed.roce_ips == [*own, "198.19.9.1", "198.19.9.2"]
     assert formed.own_roce_ips == own
-    assert formed.dies == leader.dies and formed.shape == leader.shape
+    assert formed.dies == leader.dies
+    assert formed.shape == leader.shape
     with pytest.raises(ValueError, match="has 4 RoCE IPs, its leader's first"):
         leader.formed(["198.19.9.1", "198.19.9.2", *own])
     with pytest.raises(ValueError, match="has 4 RoCE IPs"):
@@ -184,7 +185,9 @@ def test_a_rank_report_round_trips_with_the_layouts_aliases() -> None:
     raw = json.loads(report.dump())
     assert {"podUid", "podIP", "roceIps", "ts", "state", "faults"} <= set(raw)
     again = zl.RankReport.parse(report.dump())
-    assert again == report and again.state is zl.HealthState.FAULTY and again.faults == [fault]
+    assert again == report
+    assert again.state is zl.HealthState.FAULTY
+    assert again.faults == [fault]
     assert again.entry() == zl.RankEntry(
         rank=1,
         pod="d-0-1",
@@ -196,9 +199,9 @@ def test_a_rank_report_round_trips_with_the_layouts_aliases() -> None:
         roceIps=["198.19.1.1", "198.19.1.2"],
         incarnation="inc-1",
     )
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
         _rank_report(k=0)  # rank 0 is the leader: it writes the report, not a rank report
-    assert zl.EngineFaultKind.RANK == "Rank"
+    assert zl.EngineFaultKind("Rank") is zl.EngineFaultKind.RANK
 
 
 def test_one_pods_report_is_the_report_it_always_was_and_a_leaders_lists_its_ranks() -> None:
@@ -277,7 +280,8 @@ def test_a_formed_instance_lists_its_ranks_in_order_and_a_lost_rank_is_a_fault_n
     assert list(faults) == [1]
     assert faults[1].kind is zl.EngineFaultKind.RANK
     assert faults[1].detail == "rank 1 (pod d-0-1 on server server-1): its report is gone"
-    assert faults[1].dies == [0, 1] and faults[1].since == now
+    assert faults[1].dies == [0, 1]
+    assert faults[1].since == now
     assert gang.faults(now + 1)[1].since == now  # since first seen
 
     gang._set(1, _rank_report(1, incarnation="inc-1b", podIP="127.0.0.9").dump())
@@ -303,7 +307,7 @@ def test_a_rank_loads_its_share_of_the_weights_by_the_same_load_model() -> None:
         assert timing.rank_load_seconds(DEEPSEEK_V3, shape, local, 2) == timing.load_seconds(
             DEEPSEEK_V3, shape, local
         )
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="ranks must be >= 1"):
         timing.rank_load_seconds(LLAMA3_8B, timing.InstanceShape(dies=2, tp=2), shared, 0)
 
 

@@ -43,6 +43,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 from enginestub.engine.bucket import ZkBucket
 from enginestub.engine.config import EngineConfig
@@ -108,12 +109,16 @@ class RankGang:
 
     def watch(self, zk: Session, bridge: SessionBridge) -> None:
         """Follow every worker's report (created, refreshed, deleted) on the event loop."""
-        for k in self.workers:
 
-            def on_report(data: bytes | None, _stat: object, k: int = k) -> None:
+        def follow(k: int) -> Callable[[bytes | None, object], None]:
+            # two parameters exactly: kazoo passes a third (the event) to a callback taking one
+            def on_report(data: bytes | None, _stat: object) -> None:
                 bridge.call(self._set, k, data)
 
-            zk.watch_data(self.paths.rank(self.config.instance, k), on_report)
+            return on_report
+
+        for k in self.workers:
+            zk.watch_data(self.paths.rank(self.config.instance, k), follow(k))
 
     def _set(self, k: int, data: bytes | None) -> None:
         report = None
@@ -123,7 +128,9 @@ class RankGang:
             except ValueError:
                 log.error("ignoring an unreadable report of rank %d", k)
         if report is not None and (report.instance, report.rank) != (self.config.instance, k):
-            log.error("ignoring rank %d's znode: it reports %s rank %d", k, report.instance, k)
+            log.error(
+                "ignoring rank %d's znode: it reports %s rank %d", k, report.instance, report.rank
+            )
             report = None
         self.reports[k] = report
         self.changed.set()
