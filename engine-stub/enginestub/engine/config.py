@@ -129,7 +129,7 @@ class EngineConfig(BaseModel):
                 f"({EngineEnv.name('group')}): its ranks meet in ZooKeeper"
             )
         if self.instance_dies % self.tp:
-            raise ValueError(f"tp {self.tp} does not divide the instance's {self._dies_said()}")
+            raise ValueError(f"tp {self.tp} does not divide the {self._dies_said()}")
         if self.roce_ips and len(self.roce_ips) not in (len(self.dies), self.instance_dies):
             raise ValueError(f"{len(self.roce_ips)} RoCE IPs for {len(self.dies)} dies")
         if self.group is not None and self.group.count("/") != 1:
@@ -154,7 +154,7 @@ class EngineConfig(BaseModel):
         dies = len(self.dies)
         if self.ranks == 1:
             return f"{dies} dies granted"
-        return f"{self.instance_dies} dies ({dies} granted to each of its {self.ranks} pods)"
+        return f"instance's {self.instance_dies} dies ({dies} granted to each of its {self.ranks} pods)"
 
     @property
     def instance_dies(self) -> int:

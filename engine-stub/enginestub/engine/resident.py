@@ -718,17 +718,19 @@ class Resident:
         rejoins by the dynamic RoCE construction as a newcomer (report, map, links, serve).
         Meanwhile it is not ready and has no health (as a restarted engine has none)."""
         assert self.gang is not None
+        # formed of the ranks as they are now, before anything awaits (they may change meanwhile:
+        # the watch sees it once this instance serves again)
+        self.incarnation = uuid.uuid4().hex[:16]
+        self.rank_entries = self.gang.form(own_entry(self.engine.config, self.incarnation))
+        self.engine.form(instance_roce_ips(self.rank_entries))
         self._forming = True
         self.ready = False
         self.phase = "Reforming"
         t0 = time.monotonic()
         try:
+            dropped = self.engine.drop_streams(f"instance {self.instance} is re-forming")
             async with self._writes:
                 await self.zk.run(self.zk.delete, self.paths.health_of(self.instance))
-            dropped = self.engine.drop_streams(f"instance {self.instance} is re-forming")
-            self.incarnation = uuid.uuid4().hex[:16]
-            self.rank_entries = self.gang.form(own_entry(self.engine.config, self.incarnation))
-            self.engine.form(instance_roce_ips(self.rank_entries))
             log.info(
                 "instance %s re-forms as incarnation %s (%d stream(s) ended): %s",
                 self.instance,

@@ -459,17 +459,13 @@ class EngineFault(_Payload):
     dies: list[int] = Field(default_factory=list)  # the faulty dies (die, NPU, HBM faults)
 
 
-class RankReport(_Payload):
-    """What a worker (rank k >= 1) of a multi-pod instance keeps under ``ranks/`` while it holds
-    its dies: who and where it is, and its heartbeat (``ts``, every health interval) and state,
-    rewritten at once when it changes (a die, NPU or HBM fault of its own: ``Faulty`` with the
-    typed faults). Its RoCE IPs are identities in the instance's report, never a connection
-    target: it serves nothing, its leader does."""
+class PodReport(_Payload):
+    """A pod's engine as it reports itself outside a group's membership (a warm pod, a worker
+    of a multi-pod instance): the pod, where it runs, its devices, its engine's incarnation and
+    the wall time (epoch s) of its last report."""
 
-    instance: str
-    rank: int = Field(ge=1)
     pod: str
-    pod_uid: str = Field(default="", alias="podUid")
+    pod_uid: str = Field(alias="podUid")
     pod_ip: str = Field(alias="podIP")
     port: int
     node: str
@@ -478,7 +474,18 @@ class RankReport(_Payload):
     dies: list[int]
     roce_ips: list[str] = Field(alias="roceIps")
     incarnation: str
-    ts: float  # wall time (epoch s) of its last heartbeat
+    ts: float
+
+
+class RankReport(PodReport):
+    """What a worker (rank k >= 1) of a multi-pod instance keeps under ``ranks/`` while it holds
+    its dies: who and where it is, and its heartbeat (``ts``, every health interval) and state,
+    rewritten at once when it changes (a die, NPU or HBM fault of its own: ``Faulty`` with the
+    typed faults). Its RoCE IPs are identities in the instance's report, never a connection
+    target: it serves nothing, its leader does."""
+
+    instance: str
+    rank: int = Field(ge=1)
     state: HealthState
     faults: list[EngineFault] = Field(default_factory=list)
 
@@ -654,21 +661,10 @@ def verify_sub_links(prefill: MapEntry, decode: MapEntry) -> list[SubLink]:
 
 
 # --------------------------------------------------------------------------- warm pods
-class WarmReport(_Payload):
+class WarmReport(PodReport):
     """A warm engine, past TE-Pre-Load (Python, NPU state, HCCL up; no model, no role), waiting
     for an assignment (DeepServe §6.1). ``dramModels``: what its server's host DRAM holds."""
 
-    pod: str
-    pod_uid: str = Field(alias="podUid")
-    pod_ip: str = Field(alias="podIP")
-    port: int
-    node: str
-    superpod: str
-    npus: list[int] = Field(default_factory=list)
-    dies: list[int]
-    roce_ips: list[str] = Field(alias="roceIps")
-    incarnation: str
-    ts: float
     pre_load_seconds: float = Field(default=0.0, alias="preLoadSeconds")  # emulated
     dram_models: list[str] = Field(default_factory=list, alias="dramModels")
     ssd_models: list[str] = Field(default_factory=list, alias="ssdModels")
