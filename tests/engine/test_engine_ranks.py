@@ -171,6 +171,46 @@ def test_an_instance_of_two_pods_forms_serves_goes_faulty_with_its_worker_and_re
     assert httpx.get(f"{worker.url}/healthz", trust_env=False).status_code == 200
     assert "matrixserve_" in httpx.get(f"{worker.url}/metrics", trust_env=False).text
 
+    # A die of the worker's own faulty: its rank report says so at once, and the instance is
+    # Faulty; healed, the instance re-forms (same worker, a new leader incarnation).
+    fault = {"kind": "die-down", "die": 1}
+    assert httpx.post(f"{worker.url}/v1/faults", json=fault, trust_env=False).status_code == 201
+    injected = time.monotonic()
+
+    def faulty() -> zl.Health | None:
+        health = group.health("d-0")
+        return health if health is not None and health.state is zl.HealthState.FAULTY else None
+
+    _until("d-0 Faulty by its worker's die", faulty, 5)
+    print(f"d-0 Faulty {(time.monotonic() - injected) * 1000:.0f} ms after its worker's die fault")
+    health = faulty()
+    assert health is not None
+    assert [f.kind for f in health.faults] == [zl.EngineFaultKind.RANK]
+    assert health.faults[0].detail == (
+        "rank 1 (pod d-0-1 on server server-b): Faulty (die: die 1: DIE_DOWN (injected))"
+    )
+    assert zl.RankReport.parse(group.zk.get(rank_path)[0]).state is zl.HealthState.FAULTY
+    assert httpx.get(f"{worker.url}/readyz", trust_env=False).status_code == 503
+    assert (
+        httpx.request("DELETE", f"{worker.url}/v1/faults", json=fault, trust_env=False).status_code
+        == 200
+    )
+    _until(
+        "d-0 re-formed",
+        lambda: (r := _report(group, "d-0")) is not None and r.incarnation != first_incarnation,
+        5,
+    )
+    _remap(group, ["p-1"], ["d-0"], version=2)
+    _until(
+        "d-0 Serving",
+        lambda: (h := group.health("d-0")) is not None and h.state is zl.HealthState.SERVING,
+        10,
+    )
+    second = _report(group, "d-0")
+    assert second is not None
+    assert second.ranks[1].incarnation == rank_report.incarnation  # the same worker process
+    first_incarnation = second.incarnation
+
     # Its worker's process stopped: the instance is Faulty at once, its stream ends with an error.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         decoding = pool.submit(
@@ -186,11 +226,6 @@ def test_an_instance_of_two_pods_forms_serves_goes_faulty_with_its_worker_and_re
         )
         os.kill(worker.pid, signal.SIGTERM)
         killed = time.monotonic()
-
-        def faulty() -> zl.Health | None:
-            health = group.health("d-0")
-            return health if health is not None and health.state is zl.HealthState.FAULTY else None
-
         _until("d-0 Faulty", faulty, 5)
         detected = time.monotonic() - killed
         ended = decoding.result(timeout=10)[1]
@@ -236,8 +271,8 @@ def test_an_instance_of_two_pods_forms_serves_goes_faulty_with_its_worker_and_re
     assert again.roce_ips == [*LEADER_ROCE.split(","), *MOVED_ROCE.split(",")]
     assert [(r.pod, r.node) for r in again.ranks] == [("d-0", "server-a"), ("d-0-1", "server-c")]
     assert group.health("d-0") is None  # as a restarted engine: no health until it serves
-    _remap(group, ["p-1"], ["d-0"], version=2)
     remapped = time.monotonic()
+    _remap(group, ["p-1"], ["d-0"], version=3)
     _until(
         "d-0 Serving again",
         lambda: (
