@@ -26,6 +26,7 @@ import httpx
 
 from engine.conftest import EngineProc, Group
 from matrixserve.api import zk_layout as zl
+from testkit.helpers import wait_for
 
 MODEL = (
     *("--model", "llama3-8b", "--time-scale", "1", "--load-source", "NPUForkUB"),
@@ -39,11 +40,10 @@ SESSION_TIMEOUT = 10.0  # s, the engines' ZooKeeper sessions' (enginestub.engine
 TP = ("--tp", "4")  # across both pods: the prefill's shape (4 dies, TP 4) in one process
 
 
-def _until(what: str, check: Callable[[], Any], bound: float, every: float = 0.02) -> float:
+def _until(what: str, check: Callable[[], Any], bound: float) -> float:
+    """Wall seconds until ``check()`` is truthy (the test fails past ``bound``)."""
     began = time.monotonic()
-    while not check():
-        assert time.monotonic() - began < bound, f"{what}: not within {bound:.1f} s"
-        time.sleep(every)
+    wait_for(check, timeout=bound, what=what, every=0.02)
     return time.monotonic() - began
 
 
@@ -173,8 +173,8 @@ def test_an_instance_of_two_pods_forms_serves_goes_faulty_with_its_worker_and_re
 
     # A die of the worker's own faulty: its rank report says so at once, and the instance is
     # Faulty; healed, the instance re-forms (same worker, a new leader incarnation).
-    fault = {"kind": "die-down", "die": 1}
-    assert httpx.post(f"{worker.url}/v1/faults", json=fault, trust_env=False).status_code == 201
+    die_fault = {"kind": "die-down", "die": 1}
+    assert httpx.post(f"{worker.url}/v1/faults", json=die_fault, trust_env=False).status_code == 201
     injected = time.monotonic()
 
     def faulty() -> zl.Health | None:
@@ -192,7 +192,9 @@ def test_an_instance_of_two_pods_forms_serves_goes_faulty_with_its_worker_and_re
     assert zl.RankReport.parse(group.zk.get(rank_path)[0]).state is zl.HealthState.FAULTY
     assert httpx.get(f"{worker.url}/readyz", trust_env=False).status_code == 503
     assert (
-        httpx.request("DELETE", f"{worker.url}/v1/faults", json=fault, trust_env=False).status_code
+        httpx.request(
+            "DELETE", f"{worker.url}/v1/faults", json=die_fault, trust_env=False
+        ).status_code
         == 200
     )
     _until(

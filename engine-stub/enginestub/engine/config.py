@@ -11,7 +11,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -444,6 +444,22 @@ class WarmConfig(BaseModel):
         if len(self.roce_ips) != len(self.dies):
             raise ValueError(f"{len(self.roce_ips)} RoCE IPs for {len(self.dies)} dies")
         return self
+
+
+def pod_identity(cfg: EngineConfig | WarmConfig) -> dict[str, Any]:
+    """Who and where a pod's engine is, its devices included, as a
+    :class:`~matrixserve.api.zk_layout.PodReport` says it (by field name)."""
+    return {
+        "pod": cfg.pod,
+        "pod_uid": cfg.pod_uid,
+        "pod_ip": cfg.host,
+        "port": cfg.port,
+        "node": cfg.node,
+        "superpod": cfg.superpod,
+        "npus": cfg.npus,
+        "dies": cfg.dies,
+        "roce_ips": cfg.roce_ips,
+    }
 
 
 def parse_warm(argv: list[str] | None = None) -> WarmConfig | None:

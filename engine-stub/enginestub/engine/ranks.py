@@ -46,7 +46,7 @@ import uuid
 from collections.abc import Callable
 
 from enginestub.engine.bucket import ZkBucket
-from enginestub.engine.config import EngineConfig
+from enginestub.engine.config import EngineConfig, pod_identity
 from enginestub.engine.core import Engine
 from enginestub.engine.zkbridge import SessionBridge, join_group
 from matrixserve.api import zk_layout as zl
@@ -271,17 +271,9 @@ class RankWorker:
     def report(self) -> zl.RankReport:
         cfg, faults = self.engine.config, self.engine.engine_faults()
         return zl.RankReport(
+            **{**pod_identity(cfg), "pod": cfg.pod or f"{cfg.instance}-{cfg.rank}"},
             instance=cfg.instance,
             rank=cfg.rank,
-            pod=cfg.pod or f"{cfg.instance}-{cfg.rank}",
-            podUid=cfg.pod_uid,
-            podIP=cfg.host,
-            port=cfg.port,
-            node=cfg.node,
-            superpod=cfg.superpod,
-            npus=cfg.npus,
-            dies=cfg.dies,
-            roceIps=cfg.roce_ips,
             incarnation=self.incarnation,
             ts=time.time(),
             state=zl.HealthState.FAULTY if faults else zl.HealthState.SERVING,
