@@ -3,6 +3,8 @@
 Reads its configuration (:mod:`enginestub.engine.config`), binds the pod's loopback IP, emulates
 TE-Pre-Load (DeepServe §6.1), and either joins a P/D group through ZooKeeper (the resident
 process: report, link, load, health) or, without a group, loads its model and serves at once.
+A worker of an instance of several pods (rank >= 1) joins as its rank instead
+(:mod:`enginestub.engine.ranks`): it holds its dies and keeps its rank report, its leader serves.
 With ``--warm`` (``$ENGINE_WARM=1``) it is a pre-warmed, model-agnostic engine first
 (:mod:`enginestub.engine.warm`): TE-Pre-Load, then it waits for an assignment and becomes the
 engine that assignment describes, on the same address, without paying TE-Pre-Load again. Exit
@@ -28,6 +30,7 @@ from enginestub.engine.server import build_app
 from matrixserve import httpserving
 
 if TYPE_CHECKING:
+    from enginestub.engine.ranks import RankWorker
     from enginestub.engine.resident import Resident
 
 BAD_CONFIG = 2
@@ -67,23 +70,31 @@ async def run_engine(
     the TE-Pre-Load ``pre_loaded`` it paid in this process before it."""
     engine = Engine(config, plan=plan, warm=warm, started_wall=started_wall, pre_loaded=pre_loaded)
     await engine.start()
-    resident: Resident | None = None
-    if config.group is not None:
+    resident: Resident | RankWorker | None = None
+    handshake = None
+    if config.group is not None and config.rank > 0:
+        from enginestub.engine.ranks import RankWorker
+
+        resident = RankWorker(engine)
+    elif config.group is not None:
         from enginestub.engine.resident import Resident
 
-        resident = Resident(engine)
+        resident = leader = Resident(engine)
+        handshake = leader.check_handshake
+    member = resident  # narrowed for the closure below
     app = build_app(
         engine,
-        handshake=resident.check_handshake if resident else None,
-        ready=(lambda: resident.ready) if resident else None,
+        handshake=handshake,
+        ready=(lambda: member.ready) if member is not None else None,
     )
     runner = web.AppRunner(app, access_log=None)
     await httpserving.start(
         runner, config.host, config.port, config.connection_limits, engine.metrics.registry
     )
     log.info(
-        "engine %s (%s, %s on %d dies) on %s:%d, time scale %g%s",
+        "engine %s%s (%s, %s on %d dies) on %s:%d, time scale %g%s",
         config.instance,
+        f" rank {config.rank} of {config.ranks}" if config.ranks > 1 else "",
         config.role,
         config.model.name,
         len(config.dies),
@@ -119,7 +130,7 @@ async def run_engine(
     return code
 
 
-async def _bring_up(engine: Engine, resident: Resident | None) -> None:
+async def _bring_up(engine: Engine, resident: Resident | RankWorker | None) -> None:
     """TE-Pre-Load, then the group protocol (it ends only by failing) or the load alone."""
     await engine.pre_load()
     if resident is None:

@@ -293,6 +293,21 @@ def load_seconds(
     return fork_seconds(model, shape, FORK_PLANES[source])
 
 
+def rank_load_seconds(
+    model: ModelShape, shape: InstanceShape, source: LoadSource, ranks: int
+) -> float:
+    """One pod's TE-Load of an instance of ``ranks`` pods, alone: its own dies' share of the
+    instance's weights (``shape`` is the whole instance's). The shared file service is one
+    bucket for the cluster: a pod reads its 1/``ranks`` share alone in 1/``ranks`` of the
+    whole's time (the ranks reading at once share the bucket: :mod:`enginestub.engine.bucket`).
+    SSD and host DRAM are per server: each pod reads its share over its own servers in the time
+    the whole instance takes over all of them."""
+    if ranks < 1:
+        raise ValueError("ranks must be >= 1")
+    whole = load_seconds(model, shape, source)
+    return whole / ranks if source is LoadSource.SHARED_FILE_SERVICE else whole
+
+
 def dram_preload_seconds(model: ModelShape) -> float:
     """Time to pre-load a model's weights into a server's host DRAM from the shared file service
     (DeepServe 002 §6.2: "pre-loads them into DRAM page cache using pre-warmed TEs"): one

@@ -11,7 +11,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -57,8 +57,13 @@ class EngineConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     model: ModelShape
+    # This pod's devices, as its node grants them: its dies, its NPUs (the device plugin's
+    # ASCEND_VISIBLE_DEVICES). An instance of several pods has ``ranks`` times as many dies.
     dies: list[int] = Field(min_length=1)
-    npus: list[int] = []  # NPU ids granted (the device plugin's ASCEND_VISIBLE_DEVICES)
+    npus: list[int] = []
+    # The instance's RoCE IPs by device: this pod's (one per die), and, once the leader of an
+    # instance of several pods has gathered its ranks, every rank's in rank order (see
+    # :meth:`formed`): what its peers link to, probe and pull KV over.
     roce_ips: list[str]
     ub_addresses: list[str] = []
     node: str = "local"
@@ -80,6 +85,11 @@ class EngineConfig(BaseModel):
     # group counts the readers in ZooKeeper as they come and go: enginestub.engine.bucket)
     concurrent_loaders: int = Field(default=1, ge=1)
     instance: str = "engine"
+    # An instance of several pods, one per server (CloudMatrix-Infer §4.1: EP32 prefills on 2
+    # servers, an EP320 decode on 20): this pod's rank (0: the leader, which serves) and the
+    # pods' number. Every pod has the same dies.
+    rank: int = Field(default=0, ge=0)
+    ranks: int = Field(default=1, ge=1, le=1024)
     pod: str = ""  # the pod's name (downward API): a fork target names it to its source
     pod_uid: str = ""  # the pod's UID (downward API), reported as part of who this engine is
     pod_namespace: str = "default"
@@ -108,9 +118,19 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:
         _loopback(self.host)
-        if len(self.dies) % self.tp:
-            raise ValueError(f"tp {self.tp} does not divide the {len(self.dies)} dies granted")
-        if self.roce_ips and len(self.roce_ips) != len(self.dies):
+        if self.rank >= self.ranks:
+            raise ValueError(
+                f"rank {self.rank} of an instance of {self.ranks} pod(s): "
+                f"ranks are 0..{self.ranks - 1}"
+            )
+        if self.ranks > 1 and self.group is None:
+            raise ValueError(
+                f"an instance of {self.ranks} pods needs a group "
+                f"({EngineEnv.name('group')}): its ranks meet in ZooKeeper"
+            )
+        if self.instance_dies % self.tp:
+            raise ValueError(f"tp {self.tp} does not divide the {self._dies_said()}")
+        if self.roce_ips and len(self.roce_ips) not in (len(self.dies), self.instance_dies):
             raise ValueError(f"{len(self.roce_ips)} RoCE IPs for {len(self.dies)} dies")
         if self.group is not None and self.group.count("/") != 1:
             raise ValueError(f"group {self.group!r} must be <namespace>/<name>")
@@ -122,7 +142,7 @@ class EngineConfig(BaseModel):
                 f"{self.loop_beat_interval:g}: a hang is beats missed, not one beat late"
             )
         if self.kv_capacity_bytes <= 0:
-            need = self.weights_bytes / len(self.dies) / cal.GB
+            need = self.weights_bytes / self.instance_dies / cal.GB
             raise ValueError(
                 f"model {self.model.name} does not fit: {need:.1f} GB of weights per die against "
                 f"{catalog.DIE_HBM_BYTES / cal.GB * HBM_USABLE_FRACTION:.1f} GB usable HBM per die; "
@@ -130,17 +150,49 @@ class EngineConfig(BaseModel):
             )
         return self
 
+    def _dies_said(self) -> str:
+        dies = len(self.dies)
+        if self.ranks == 1:
+            return f"{dies} dies granted"
+        return f"instance's {self.instance_dies} dies ({dies} granted to each of its {self.ranks} pods)"
+
+    @property
+    def instance_dies(self) -> int:
+        """The whole instance's dies: this pod's times its pods (every pod has the same)."""
+        return len(self.dies) * self.ranks
+
     @property
     def shape(self) -> timing.InstanceShape:
-        return timing.InstanceShape(dies=len(self.dies), tp=self.tp, ep=self.ep, mtp=self.mtp)
+        """The whole instance's shape, every rank's dies: the leader of an instance of several
+        pods is timed for all of them (their EP dispatch and combine are the timing model's)."""
+        return timing.InstanceShape(dies=self.instance_dies, tp=self.tp, ep=self.ep, mtp=self.mtp)
 
     @property
     def weights_bytes(self) -> float:
-        return timing._weights_per_die(self.model, self.shape) * len(self.dies)
+        """The whole instance's weights (every rank's dies)."""
+        return timing._weights_per_die(self.model, self.shape) * self.instance_dies
 
     @property
     def kv_capacity_bytes(self) -> float:
-        return len(self.dies) * catalog.DIE_HBM_BYTES * HBM_USABLE_FRACTION - self.weights_bytes
+        """The whole instance's HBM for KV (every rank's dies), after its weights."""
+        hbm = self.instance_dies * catalog.DIE_HBM_BYTES * HBM_USABLE_FRACTION
+        return hbm - self.weights_bytes
+
+    @property
+    def own_roce_ips(self) -> list[str]:
+        """This pod's RoCE IPs (the first of :attr:`roce_ips`: the leader is rank 0)."""
+        return self.roce_ips[: len(self.dies)]
+
+    def formed(self, roce_ips: list[str]) -> EngineConfig:
+        """The leader's configuration once its instance is formed: ``roce_ips``, every rank's
+        in rank order (its own first), the instance's devices. ValueError for a count that is
+        not the instance's or a list that does not begin with its own."""
+        if len(roce_ips) != self.instance_dies or roce_ips[: len(self.dies)] != self.own_roce_ips:
+            raise ValueError(
+                f"an instance of {self.ranks} pods of {len(self.dies)} dies has "
+                f"{self.instance_dies} RoCE IPs, its leader's first; not {roce_ips}"
+            )
+        return self.model_copy(update={"roce_ips": list(roce_ips)})
 
 
 def _given(value: str | None, otherwise: str) -> str:
@@ -190,7 +242,7 @@ def _parser() -> argparse.ArgumentParser:
         "--tp",
         type=int,
         default=_given(env.tp, "0"),
-        help="tensor parallel degree (default: all dies)",
+        help="tensor parallel degree (default: all dies of the instance, every rank's)",
     )
     parser.add_argument("--ep", type=int, default=_given(env.ep, "1"))
     parser.add_argument("--mtp", action="store_true", default=env.mtp == "1")
@@ -216,6 +268,19 @@ def _parser() -> argparse.ArgumentParser:
         "--concurrent-loaders", type=int, default=_given(env.concurrent_loaders, "1")
     )
     parser.add_argument("--group", default=env.group)
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=_given(env.rank, "0"),
+        help="this pod's rank in an instance of several pods: 0 the leader (it serves), 1.. its "
+        f"workers (they hold their dies) (default: ${EngineEnv.name('rank')} or 0)",
+    )
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=_given(env.ranks, "1"),
+        help=f"pods in the instance, one per server (default: ${EngineEnv.name('ranks')} or 1)",
+    )
     parser.add_argument("--zookeeper", default=env.zookeeper)
     add_auth_flags(parser)
     parser.add_argument(
@@ -304,7 +369,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
             ub_addresses=_items(env.ub_addresses),
             node=_given(env.node_name, "local"),
             superpod=_given(env.superpod, "local"),
-            tp=args.tp or len(dies),
+            tp=args.tp or len(dies) * args.ranks,
             ep=args.ep,
             mtp=args.mtp,
             max_batch=max_batch,
@@ -317,6 +382,8 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
             concurrent_loaders=args.concurrent_loaders,
             # a claimed warm pod reports under its assignment's instance name, not its pod's
             instance=env.instance or _given(env.pod_name, "engine"),
+            rank=args.rank,
+            ranks=args.ranks,
             pod=_given(env.pod_name, ""),
             pod_uid=_given(env.pod_uid, ""),
             pod_namespace=_given(env.pod_namespace, "default"),
@@ -377,6 +444,22 @@ class WarmConfig(BaseModel):
         if len(self.roce_ips) != len(self.dies):
             raise ValueError(f"{len(self.roce_ips)} RoCE IPs for {len(self.dies)} dies")
         return self
+
+
+def pod_identity(cfg: EngineConfig | WarmConfig) -> dict[str, Any]:
+    """Who and where a pod's engine is, its devices included, as a
+    :class:`~matrixserve.api.zk_layout.PodReport` says it (by field name)."""
+    return {
+        "pod": cfg.pod,
+        "pod_uid": cfg.pod_uid,
+        "pod_ip": cfg.host,
+        "port": cfg.port,
+        "node": cfg.node,
+        "superpod": cfg.superpod,
+        "npus": cfg.npus,
+        "dies": cfg.dies,
+        "roce_ips": cfg.roce_ips,
+    }
 
 
 def parse_warm(argv: list[str] | None = None) -> WarmConfig | None:

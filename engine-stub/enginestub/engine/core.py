@@ -129,7 +129,7 @@ class Engine:
         self.on_health_change: Callable[[], None] = lambda: None
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None), trust_env=False)
         plane_bw = link_bandwidth(config.kv_plane, same_node=False)
-        self.kv_ingress = SharedResource(self.clock, plane_bw * len(config.dies))
+        self.kv_ingress = SharedResource(self.clock, plane_bw * config.instance_dies)
         self.compute = SharedResource(self.clock, 1.0)  # 1 emulated second of work per second
         self.decode_peers: list[str] = list(config.decode_peers)  # host:port (resident sets)
         self.decode_entries: list[zl.MapEntry] = []  # the decode meta's, when there is one
@@ -143,7 +143,7 @@ class Engine:
         self.heartbeat = Heartbeat(config, self.clock, self.devices.not_hung)
         self.heartbeat.on_change = self._health_changed
         self.kv = KvBudget(config)
-        shared = Shared(
+        self._shared = shared = Shared(
             config, self.clock, self.metrics, self.devices, self.kv, self.http, self.heartbeat
         )
         self.prefill = Prefill(shared, self.compute)
@@ -281,8 +281,9 @@ class Engine:
         return self.load_seconds
 
     def _load_time(self, source: timing.LoadSource) -> float:
-        """A load's emulated seconds from ``source`` alone (the bucket to itself)."""
-        return timing.load_seconds(self.config.model, self.shape, source)
+        """A load's emulated seconds from ``source`` alone (the bucket to itself): this pod's
+        share of the instance's weights (all of them for an instance of one pod)."""
+        return timing.rank_load_seconds(self.config.model, self.shape, source, self.config.ranks)
 
     async def _load_from(self, source: timing.LoadSource) -> None:
         """Load from ``source``: the shared file service is read with whoever reads it now
@@ -455,6 +456,25 @@ class Engine:
     @property
     def slow_factor(self) -> float:
         return self.devices.slow_factor
+
+    def rank_faults(self, faults: dict[int, zl.EngineFault]) -> None:
+        """The leader of an instance of several pods: its lost or faulty ranks now. A rank
+        newly lost is a fault of the instance's dies, taken as one of its own: the requests in
+        the batch end with the error, admission refuses (503), the health says it at once."""
+        newly = self.devices.set_ranks_lost(faults)
+        if newly is not None:
+            self.batch.fail_all(f"rank fault: {newly}")
+        self._devices_changed()
+
+    def form(self, roce_ips: list[str]) -> None:
+        """The leader of an instance of several pods has gathered them: its RoCE IPs are every
+        rank's from now on (what its peers link to, probe and pull KV over)."""
+        self.config = self._shared.config = self.config.formed(roce_ips)
+
+    def drop_streams(self, why: str) -> int:
+        """End every stream this instance serves with ``why``, each giving back what it held
+        (its slot, its KV); how many there were."""
+        return self.streams.end_all(error_event("instance_reformed", why))
 
     def inject(self, kind: str, params: dict[str, Any]) -> dict[str, Any]:
         self.devices.inject(kind, params)

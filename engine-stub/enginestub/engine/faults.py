@@ -7,7 +7,9 @@ What a fault does to requests in flight (a die or HBM fault fails them) the engi
 engine's health (Faulty, not silent), each device fault as the typed
 :class:`~matrixserve.api.zk_layout.EngineFault` the operator plans from: ``npu`` when every die of
 one NPU is down, ``die`` for fewer, ``hbm`` for an HBM error, each with the wall time this
-engine first saw it (detection latency counts from it).
+engine first saw it (detection latency counts from it). The leader of an instance of several pods
+holds its lost or faulty ranks here too (``Rank``, :mod:`.ranks`): their dies are the
+instance's, so the instance is as faulty as by a die of its own.
 """
 
 from __future__ import annotations
@@ -49,10 +51,11 @@ class DeviceFaults:
         self.not_hung.set()
         self.npu_of: dict[int, int] = {}  # die -> its NPU, as the device status file groups them
         self.first_seen: dict[str, float] = {}  # fault key -> wall time (epoch s) first seen
+        self.ranks_lost: dict[int, zl.EngineFault] = {}  # a leader's lost or faulty ranks
 
     @property
     def healthy(self) -> bool:
-        return not self.unhealthy_dies and "hbm-error" not in self.injected
+        return not self.unhealthy_dies and "hbm-error" not in self.injected and not self.ranks_lost
 
     @property
     def slow_factor(self) -> float:
@@ -65,6 +68,18 @@ class DeviceFaults:
             raise EngineError(503, "device_fault", f"die fault on this instance: {dies}")
         if "hbm-error" in self.injected:
             raise EngineError(503, "device_fault", "HBM error on this instance")
+        if self.ranks_lost:
+            lost = "; ".join(f.detail for _, f in sorted(self.ranks_lost.items()))
+            raise EngineError(503, "device_fault", f"rank fault on this instance: {lost}")
+
+    def set_ranks_lost(self, faults: dict[int, zl.EngineFault]) -> str | None:
+        """The instance's lost or faulty ranks now (none: formed whole again); returns what
+        newly failed, if anything did."""
+        newly = sorted(set(faults) - set(self.ranks_lost))
+        self.ranks_lost = dict(faults)
+        if not newly:
+            return None
+        return "; ".join(faults[k].detail for k in newly)
 
     # ------------------------------------------------------------------ injected
     def inject(self, kind: str, params: dict[str, Any]) -> None:
@@ -194,7 +209,7 @@ class DeviceFaults:
                     dies=dies,
                 )
             )
-        return faults
+        return [*faults, *(f for _, f in sorted(self.ranks_lost.items()))]
 
     async def watch(
         self, path: Path, on_fault: Callable[[str], None], on_change: Callable[[], None]

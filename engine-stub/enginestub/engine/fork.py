@@ -82,7 +82,7 @@ def artifacts(config: EngineConfig) -> str:
     """The identity of this instance's compiled artefacts: model (with MTP: its graphs carry the
     speculative head), parallelism, dies, engine."""
     model = f"{config.model.name}+mtp" if config.mtp else config.model.name
-    return zl.artifact_id(model, config.tp, config.ep, len(config.dies), enginestub.__version__)
+    return zl.artifact_id(model, config.tp, config.ep, config.instance_dies, enginestub.__version__)
 
 
 def fork_key(config: EngineConfig) -> str:

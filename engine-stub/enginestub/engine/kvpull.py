@@ -50,7 +50,7 @@ def kv_wait_bound(config: EngineConfig, slow_factor: float) -> float:
     so its own dies' links carry its own KV), slowed by any injected slow factor; never under
     :data:`WAIT_FLOOR_WALL_SECONDS` of wall time."""
     planes = {config.kv_plane, Plane.ROCE}  # UB reaches only inside a SuperPod: RoCE beyond
-    link = min(link_bandwidth(p, same_node=False) for p in planes) * len(config.dies)
+    link = min(link_bandwidth(p, same_node=False) for p in planes) * config.instance_dies
     transfer = 2.0 * config.kv_capacity_bytes / link * slow_factor
     return max(transfer, WAIT_FLOOR_WALL_SECONDS * config.time_scale)
 
@@ -237,7 +237,7 @@ class KvPuller(Part):
         # (a share fixed at the pull's start).
         flows = meta.egress_flows + meta.fork_flows.get(str(plane), 0)
         # Its decode DP group's links, each from a distinct prefill die (the mapping's).
-        links = timing.kv_pull_links(self.config.tp, meta.dies or len(self.config.dies), flows)
+        links = timing.kv_pull_links(self.config.tp, meta.dies or self.config.instance_dies, flows)
         egress_cap = per_die * links
         await self.clock.sleep(link_latency(plane, same_node))
         seconds = await self.ingress.consume(nbytes * self.faults.slow_factor, cap=egress_cap)

@@ -119,7 +119,7 @@ class ProbeReceiver(Part):
         }
         # The pair's sub-links run from every die of the smaller side (the mapping spreads them):
         # its dies' links bound the dummy's rate.
-        dies = min(len(cfg.dies), len(probe.roce_ips))
+        dies = min(cfg.instance_dies, len(probe.roce_ips))
         link = link_bandwidth(cfg.kv_plane, same_node=False) * dies
         latency = link_latency(cfg.kv_plane, same_node=False)
         # The dummy is one more flow out of the prefill and one more into this instance.

@@ -19,8 +19,10 @@ from enginestub.engine.kvcache import KvBudget, KvLease
 from enginestub.engine.metrics import EngineMetrics
 
 
-@dataclass(frozen=True)
+@dataclass
 class Shared:
+    # the instance's configuration: replaced once, when the leader of an instance of several
+    # pods has gathered them (its RoCE IPs become every rank's: Engine.form)
     config: EngineConfig
     clock: Clock  # every time is emulated seconds
     metrics: EngineMetrics
@@ -34,13 +36,18 @@ class Part:
     """One part of the engine, with the shared pieces under their own names."""
 
     def __init__(self, shared: Shared) -> None:
-        self.config = shared.config
+        self._shared = shared
         self.clock = shared.clock
         self.metrics = shared.metrics
         self.faults = shared.faults
         self.kv = shared.kv
         self.http = shared.http
         self.heartbeat = shared.heartbeat
+
+    @property
+    def config(self) -> EngineConfig:
+        """The instance's configuration now (see :class:`Shared`)."""
+        return self._shared.config
 
 
 class Releasable:

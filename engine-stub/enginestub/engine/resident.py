@@ -21,7 +21,11 @@
 7. **Fork source** (DeepServe §6.2): while it serves (loaded, not faulty, not removed,
    not closing), an ephemeral ``forksources/<ns>/<key>/<group>.<instance>`` names it as a
    source warm targets may fork from; written with each health write, so it goes as soon as the
-   instance stops qualifying.
+   instance stops qualifying. An instance of several pods is none.
+
+The leader of an instance of several pods (:mod:`.ranks`) gathers its ranks before step 1 (its
+report lists them, its RoCE IPs are all of theirs), watches them while it serves (a rank lost is
+a fault of the instance), and re-forms in this process when they are all back (:meth:`reform`).
 
 Health rule on faults (Faulty, not silent): a die, NPU or HBM fault on this instance, or a hang of
 its serving loop, makes it ``state: Faulty`` with the typed faults (kind, since when, dies); slots
@@ -50,7 +54,8 @@ import httpx
 from enginestub.engine.bucket import ZkBucket
 from enginestub.engine.core import Engine
 from enginestub.engine.fork import artifacts, fork_key
-from enginestub.engine.zkbridge import SessionBridge
+from enginestub.engine.ranks import CHECK_SECONDS, RankGang, instance_roce_ips, own_entry
+from enginestub.engine.zkbridge import SessionBridge, join_group
 from matrixserve import coordination
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.engine_protocol import EngineError
@@ -109,6 +114,12 @@ class Resident:
         # the peers (instance, incarnation) a map named when we last had every link: one a later
         # map adds is a newcomer, which links itself (Fig. 7) before we repair anything to it
         self._seen_peers: set[tuple[str, str]] = set()
+        # An instance of several pods: its workers as this leader sees them, the ranks it was
+        # formed with (itself first), and whether it is re-forming now
+        self.gang = RankGang(cfg, self.paths) if cfg.ranks > 1 else None
+        self.rank_entries: list[zl.RankEntry] = []
+        self.reforms = 0
+        self._forming = False
         engine.on_health_change = self._health_dirty.set
         engine.forks.gate = self.check_fork_target
 
@@ -124,13 +135,7 @@ class Resident:
             self.phase = "WaitingForZooKeeper"
             log.warning("ZooKeeper %s unreachable (%s); retrying", self.zk.hosts, exc)
 
-        # Creating the group's folders is part of each try: a session may drop right away.
-        await self.zk.connect(
-            attempt_timeout=15,
-            pause=2,
-            then=lambda: self.zk.ensure(*self.paths.all_folders()),
-            on_retry=waiting,
-        )
+        await join_group(self.zk, self.paths, waiting)
         await self._run()
 
     @property
@@ -163,6 +168,7 @@ class Resident:
             if cfg.role == "auto"
             else (zl.Role.PREFILL if cfg.role == "prefill" else zl.Role.DECODE)
         )
+        entries = self.rank_entries
         return zl.Report(
             instance=self.instance,
             role=role,
@@ -170,12 +176,14 @@ class Resident:
             port=cfg.port,
             node=cfg.node,
             superpod=cfg.superpod,
-            dies=cfg.dies,
+            # every rank's devices, in rank order (the instance's RoCE IPs are: Engine.form)
+            dies=[d for e in entries for d in e.dies] if entries else cfg.dies,
             roceIps=cfg.roce_ips,
             ts=time.time(),
             podUid=cfg.pod_uid,
             incarnation=self.incarnation,
             tp=cfg.tp,
+            ranks=entries,
         )
 
     async def _write_report(self) -> None:
@@ -194,6 +202,9 @@ class Resident:
         clock = self.engine.clock
         t0 = clock.now()
         self.phase = "Gathering"
+        if self.gang is not None:
+            self.gang.watch(self.zk, self.bridge)
+            await self._gather_ranks()
         await self._write_report()
         self._watch()
         # Re-registration from the start, not once serving: a report lost while gathering (a
@@ -220,7 +231,12 @@ class Resident:
             await self._write_health()
         except coordination.ERRORS as exc:  # _keep_health writes it again
             log.warning("first health report not written (%s)", type(exc).__name__)
-        await asyncio.gather(self._keep_health(), self._keep_links(), registered)
+        await asyncio.gather(
+            self._keep_health(),
+            self._keep_links(),
+            registered,
+            *([self._keep_ranks()] if self.gang is not None else []),
+        )
 
     async def _wait(self, condition: Any) -> None:
         while not condition():
@@ -439,7 +455,7 @@ class Resident:
             await self._map_changed.wait()
             self._map_changed.clear()  # before the work: a change during it is seen next round
             self._removed_addresses()
-            if self.role is zl.Role.PREFILL and self._me() is not None:
+            if self.role is zl.Role.PREFILL and self._me() is not None and not self._forming:
                 await self._repair_links()
 
     def _peer_keys(self) -> set[tuple[str, str]]:
@@ -589,7 +605,7 @@ class Resident:
         """What this instance says as a fork source: only while it serves (loaded, not faulty,
         not removed) and is not closing."""
         engine, cfg = self.engine, self.engine.config
-        if self.closing or engine.closing is not None or not engine.serving:
+        if self.closing or engine.closing is not None or not engine.serving or cfg.ranks > 1:
             return None
         return zl.ForkSource(
             key=self.fork_key,
@@ -623,24 +639,18 @@ class Resident:
         await self.zk.run(write)
 
     async def _keep_health(self) -> None:
-        """The health every interval, and at once when it changed (a fault, a hang, a probe):
-        the change mark is cleared before the write reads the state, so a change during a
-        write is written next, not left for the interval."""
+        """The health every interval, and at once when it changed (a fault, a hang, a probe)."""
+
+        async def write() -> None:
+            # The report too, if it is not ours: a restarted container converges without
+            # help even if a previous process's session took ours with it
+            # (re-registration is not only at start or on a lost session).
+            if not await self.zk.run(self.zk.owns, self.paths.report(self.instance)):
+                await self._write_report()
+            await self._write_health()
+
         interval = self.engine.clock.to_wall(self.engine.config.health_interval)
-        while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(interval):
-                    await self._health_dirty.wait()
-            self._health_dirty.clear()
-            try:
-                # The report too, if it is not ours: a restarted container converges without
-                # help even if a previous process's session took ours with it
-                # (re-registration is not only at start or on a lost session).
-                if not await self.zk.run(self.zk.owns, self.paths.report(self.instance)):
-                    await self._write_report()
-                await self._write_health()
-            except coordination.ERRORS as exc:  # _keep_registered rewrites it
-                log.warning("health report not written (%s); retrying", type(exc).__name__)
+        await self.bridge.keep_fresh(self._health_dirty, interval, write, "health report")
 
     async def _keep_registered(self) -> None:
         """After a (re)connection, our report and health again (an engine never creates the
@@ -651,3 +661,102 @@ class Resident:
             await self._write_health()
 
         await self.bridge.keep_registered(write, "the report and health")
+
+    # ------------------------------------------------------------------ ranks (several pods)
+    async def _gather_ranks(self) -> None:
+        """Until every worker holds its dies (its rank report Serving and fresh); then the
+        instance is formed of them: its RoCE IPs every rank's, in rank order."""
+        assert self.gang is not None
+        self.phase = "WaitingForRanks"
+        said: dict[int, str] = {}
+        while waiting := self.gang.waiting(time.time()):
+            if waiting != said:
+                log.info(
+                    "instance %s waits for rank(s) %s",
+                    self.instance,
+                    "; ".join(f"{k}: {why}" for k, why in sorted(waiting.items())),
+                )
+                said = waiting
+            self.gang.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(CHECK_SECONDS):
+                    await self.gang.changed.wait()
+        self.rank_entries = self.gang.form(own_entry(self.engine.config, self.incarnation))
+        self.engine.form(instance_roce_ips(self.rank_entries))
+        log.info(
+            "instance %s formed of %d ranks: %s",
+            self.instance,
+            len(self.rank_entries),
+            ", ".join(f"{e.rank}={e.pod}@{e.node}" for e in self.rank_entries),
+        )
+        self.phase = "Gathering"
+
+    async def _keep_ranks(self) -> None:
+        """While it serves, the instance's ranks: one lost, Faulty, stale or restarted makes the
+        instance Faulty at once (as a die fault does); when every rank serves again, the
+        instance re-forms (:meth:`reform`)."""
+        assert self.gang is not None
+        while True:
+            now = time.time()
+            faults = self.gang.faults(now)
+            if faults or self.engine.devices.ranks_lost:
+                # the ones seen before stay until the instance re-forms: its communicator is gone
+                lost = {**self.engine.devices.ranks_lost, **faults}
+                if lost != self.engine.devices.ranks_lost:
+                    for fault in faults.values():
+                        if fault not in self.engine.devices.ranks_lost.values():
+                            log.warning("instance %s is faulty: %s", self.instance, fault.detail)
+                    self.engine.rank_faults(lost)
+                if not self.gang.waiting(now):
+                    await self.reform()
+                    continue
+            self.gang.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(CHECK_SECONDS):
+                    await self.gang.changed.wait()
+
+    async def reform(self) -> None:
+        """Re-form the instance in this process once every rank serves again: the weights stay
+        (the rank that restarted loaded its own share), the KV goes (every stream still open
+        ends), and the leader takes a new incarnation, so its group sees someone else: it
+        rejoins by the dynamic RoCE construction as a newcomer (report, map, links, serve).
+        Meanwhile it is not ready and has no health (as a restarted engine has none)."""
+        assert self.gang is not None
+        # formed of the ranks as they are now, before anything awaits (they may change meanwhile:
+        # the watch sees it once this instance serves again)
+        self.incarnation = uuid.uuid4().hex[:16]
+        self.rank_entries = self.gang.form(own_entry(self.engine.config, self.incarnation))
+        self.engine.form(instance_roce_ips(self.rank_entries))
+        self._forming = True
+        self.ready = False
+        self.phase = "Reforming"
+        t0 = time.monotonic()
+        try:
+            dropped = self.engine.drop_streams(f"instance {self.instance} is re-forming")
+            async with self._writes:
+                await self.zk.run(self.zk.delete, self.paths.health_of(self.instance))
+            log.info(
+                "instance %s re-forms as incarnation %s (%d stream(s) ended): %s",
+                self.instance,
+                self.incarnation,
+                dropped,
+                ", ".join(f"{e.rank}={e.pod}@{e.node}" for e in self.rank_entries),
+            )
+            self.phase = "Gathering"
+            await self._write_report()
+            await self._wait(lambda: self._me() is not None)
+            self.phase = "Linking"
+            await self._link_all()
+            self._seen_peers = self._peer_keys()
+            self.engine.rank_faults({})
+        finally:
+            self._forming = False
+        self.phase = "Serving"
+        self.reforms += 1
+        self.ready = True
+        log.info(
+            "instance %s serves again, re-formed in %.2f wall s",
+            self.instance,
+            time.monotonic() - t0,
+        )
+        await self._write_health()

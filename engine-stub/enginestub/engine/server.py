@@ -29,6 +29,10 @@ goes away cancels its handler (``handler_cancellation``), so its slot, KV and an
 started are given back at once, not at the end of its tokens. A stream ended because this instance
 was logically removed ends with its ``error`` event, code ``instance_removed``.
 
+A worker of an instance of several pods (rank >= 1, :mod:`.ranks`) serves none of the engine API:
+every request but health, metrics, info and fault injection is refused 409 ``not_the_leader``,
+naming its leader.
+
 A hung serving loop (the hang tier) holds the requests that need it (generate, decode,
 KV, expert, attention) until it runs again or its hang is declared (then 503 ``engine_hung``);
 health, metrics, info, link handshakes and probes (the transport's, not the loop's) and fault
@@ -53,6 +57,7 @@ from enginestub import calibration as cal
 from enginestub.engine.core import Engine
 from enginestub.engine.fork import FORK_PATH
 from enginestub.engine.linkprobe import PROBE_PATH, Probe
+from enginestub.engine.ranks import refused
 from enginestub.engine.streams import OpenStreams
 from matrixserve import httpserving
 from matrixserve.api.engine_protocol import (
@@ -216,6 +221,17 @@ def build_app(
 
         return bound
 
+    def leader_only(handler: Handler) -> Handler:
+        """The engine API: a worker refuses it (its leader serves the instance)."""
+        if cfg.rank == 0:
+            return handler
+
+        async def refuse(request: web.Request) -> web.StreamResponse:
+            await _read(request)  # a body there is read, or refused, whole
+            raise refused(cfg)
+
+        return refuse
+
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
@@ -233,6 +249,7 @@ def build_app(
         )
 
     async def info(_: web.Request) -> web.Response:
+        cfg = engine.config  # the instance's now (a leader's RoCE IPs become every rank's)
         return web.json_response(
             {
                 "instance": cfg.instance,
@@ -245,6 +262,9 @@ def build_app(
                 "dies": cfg.dies,
                 "roceIps": cfg.roce_ips,
                 "npus": cfg.npus,
+                "rank": cfg.rank,
+                "ranks": cfg.ranks,
+                "instanceDies": cfg.instance_dies,
                 "deviceStatusFile": str(cfg.device_status_file or ""),
                 "tp": cfg.tp,
                 "ep": cfg.ep,
@@ -350,7 +370,7 @@ def build_app(
         layers = model.moe.moe_layers if model.moe else model.layers
         flops = 2.0 * tokens * model.expert_params_per_layer * layers
         work = (
-            flops / (cal.DIE_INT8_OPS * len(cfg.dies) * 0.8) * engine.slow_factor
+            flops / (cal.DIE_INT8_OPS * cfg.instance_dies * 0.8) * engine.slow_factor
         )  # [design] T10 ~80% GEMM
         seconds = await engine.compute.consume(work)
         return web.json_response({"tokens": tokens, "seconds": seconds})
@@ -394,15 +414,15 @@ def build_app(
             web.get("/readyz", readyz),
             web.get("/metrics", metrics),
             web.get("/v1/info", info),
-            web.post("/v1/generate", loop_bound(generate)),
-            web.post("/v1/decode", loop_bound(decode)),
-            web.post("/v1/kv/{rid}/pull", loop_bound(kv_pull)),
-            web.post("/v1/kv/{rid}/release", loop_bound(kv_release)),
-            web.post("/v1/link/handshake", link_handshake),
-            web.post(PROBE_PATH, link_probe),
-            web.post(FORK_PATH, npu_fork),
-            web.post("/v1/expert/forward", loop_bound(expert_forward)),
-            web.post("/v1/attention/step", loop_bound(attention_step)),
+            web.post("/v1/generate", leader_only(loop_bound(generate))),
+            web.post("/v1/decode", leader_only(loop_bound(decode))),
+            web.post("/v1/kv/{rid}/pull", leader_only(loop_bound(kv_pull))),
+            web.post("/v1/kv/{rid}/release", leader_only(loop_bound(kv_release))),
+            web.post("/v1/link/handshake", leader_only(link_handshake)),
+            web.post(PROBE_PATH, leader_only(link_probe)),
+            web.post(FORK_PATH, leader_only(npu_fork)),
+            web.post("/v1/expert/forward", leader_only(loop_bound(expert_forward))),
+            web.post("/v1/attention/step", leader_only(loop_bound(attention_step))),
             web.post("/v1/faults", faults),
             web.delete("/v1/faults", faults),
         ]

@@ -55,7 +55,14 @@ from pydantic import ValidationError
 
 from enginestub import timing
 from enginestub.engine.clock import Clock
-from enginestub.engine.config import LOOPBACK, ConfigError, EngineConfig, WarmConfig, parse
+from enginestub.engine.config import (
+    LOOPBACK,
+    ConfigError,
+    EngineConfig,
+    WarmConfig,
+    parse,
+    pod_identity,
+)
 from enginestub.engine.fork import FORK_PLANES, LoadPlan
 from enginestub.engine.metrics import EngineMetrics
 from enginestub.engine.server import RETRY_AFTER, error_response
@@ -308,15 +315,7 @@ class WarmEngine:
     def _report(self) -> zl.WarmReport:
         cfg = self.cfg
         return zl.WarmReport(
-            pod=cfg.pod,
-            podUid=cfg.pod_uid,
-            podIP=cfg.host,
-            port=cfg.port,
-            node=cfg.node,
-            superpod=cfg.superpod,
-            npus=cfg.npus,
-            dies=cfg.dies,
-            roceIps=cfg.roce_ips,
+            **pod_identity(cfg),
             incarnation=self.incarnation,
             ts=time.time(),
             preLoadSeconds=self.pre_load_seconds,

@@ -1,19 +1,42 @@
-"""What the engine's ZooKeeper users share (the resident process, a warm engine): kazoo calls
-back from its own threads, so callbacks are handed to the event loop; SUSPENDED pauses writes;
-after LOST (our ephemerals are gone) or a reconnection, what the user registered is written again,
-retried every second until it is (:meth:`SessionBridge.keep_registered`)."""
+"""What the engine's ZooKeeper users share (the resident process, a worker of an instance of
+several pods, a warm engine): kazoo calls back from its own threads, so callbacks are handed to
+the event loop; SUSPENDED pauses writes; after LOST (our ephemerals are gone) or a reconnection,
+what the user registered is written again, retried every second until it is
+(:meth:`SessionBridge.keep_registered`); what it keeps fresh, written every interval and at once
+when it changed (:meth:`SessionBridge.keep_fresh`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from matrixserve import coordination
+from matrixserve.api import zk_layout as zl
 from matrixserve.coordination import Session, SessionState
 
 log = logging.getLogger("enginestub.zookeeper")
+CONNECT_ATTEMPT_SECONDS = 15.0
+CONNECT_PAUSE_SECONDS = 2.0
+
+
+async def join_group(
+    zk: Session, paths: zl.GroupPaths, waiting: Callable[[Exception], None]
+) -> None:
+    """Connect (retrying: ZooKeeper may come later than the pod, ``waiting`` told each time),
+    and make the group's folders where missing as part of each try (a session may drop right
+    away)."""
+    await zk.connect(
+        attempt_timeout=CONNECT_ATTEMPT_SECONDS,
+        pause=CONNECT_PAUSE_SECONDS,
+        then=lambda: zk.ensure(*paths.all_folders()),
+        on_retry=waiting,
+    )
+
+
 RETRY_SECONDS = 1.0  # between two failed writes of what a user keeps registered
 
 
@@ -70,3 +93,24 @@ class SessionBridge:
             except Exception as exc:  # kazoo's errors, a folder not there yet
                 log.info("%s not written yet (%s); retrying", what, type(exc).__name__)
                 await asyncio.sleep(RETRY_SECONDS)
+
+    async def keep_fresh(
+        self,
+        dirty: asyncio.Event,
+        interval: float,
+        write: Callable[[], Awaitable[None]],
+        what: str,
+    ) -> None:
+        """``write()`` every ``interval`` wall s, and at once when ``dirty`` is set: the mark is
+        cleared before the write reads the state, so a change during a write is written next,
+        not left for the interval. A failed write is logged; the next one, or
+        :meth:`keep_registered` after a reconnection, writes it again."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await dirty.wait()
+            dirty.clear()
+            try:
+                await write()
+            except coordination.ERRORS as exc:
+                log.warning("%s not written (%s); retrying", what, type(exc).__name__)

@@ -86,8 +86,11 @@ class EngineEnv:
     mtp: str | None = _var("ENGINE_MTP")  # "1": multi-token prediction
     kv_plane: str | None = _var("ENGINE_KV_PLANE")  # UB | RoCE
     instance: str | None = _var("ENGINE_INSTANCE")
-    rank: str | None = _var("ENGINE_RANK")  # this pod's rank in its instance ("0": the leader)
-    ranks: str | None = _var("ENGINE_RANKS")  # pods per instance
+    # An instance of several pods (one per server): this pod's rank in it ("0": the leader,
+    # which serves and reports to the group; its workers hold their dies) and how many pods it
+    # has. Unset: rank 0 of 1, an instance of one pod.
+    rank: str | None = _var("ENGINE_RANK")
+    ranks: str | None = _var("ENGINE_RANKS")
     # without ZooKeeper: how many read the shared file service with it
     concurrent_loaders: str | None = _var("ENGINE_CONCURRENT_LOADERS")
 

@@ -9,6 +9,8 @@ JSON payloads (pydantic), no client. ``docs/zookeeper.md`` has the table of who 
 
     /matrixserve/v1/groups/<ns>/<group>/
         reports/<instance>     EPHEMERAL  Report: RoCE IPs ordered by device id   (engine)
+        ranks/<instance>.<k>   EPHEMERAL  RankReport: rank k >= 1 of a multi-pod
+                                          instance, its dies and its heartbeat  (engine)
         init-order             PERSISTENT InitOrder, once reports == expected     (operator)
         roce-map               PERSISTENT RoceMap {P: [...], D: [...]}, versioned  (operator)
         links/<p>--<d>         PERSISTENT Link: verified sub-links (kvmapping)     (engine)
@@ -96,6 +98,7 @@ class GroupPaths:
     def __init__(self, namespace: str, group: str) -> None:
         self.root = group_path(namespace, group)
         self.reports = f"{self.root}/reports"
+        self.ranks = f"{self.root}/ranks"
         self.init_order = f"{self.root}/init-order"
         self.roce_map = f"{self.root}/roce-map"
         self.links = f"{self.root}/links"
@@ -108,6 +111,13 @@ class GroupPaths:
 
     def report(self, instance: str) -> str:
         return f"{self.reports}/{_check(instance, 'instance')}"
+
+    def rank(self, instance: str, k: int) -> str:
+        """Rank ``k``'s report of a multi-pod instance (its workers': the leader, rank 0,
+        reports under ``reports/``)."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"invalid rank {k!r}: an integer >= 0 expected")
+        return f"{self.ranks}/{_check(instance, 'instance')}.{k}"
 
     def link(self, prefill: str, decode: str) -> str:
         return f"{self.links}/{_check(prefill, 'instance')}--{_check(decode, 'instance')}"
@@ -132,7 +142,15 @@ class GroupPaths:
         the operator). ``entrances/`` is not one: it appears with the first entrance, so the
         gateway can tell "no entrance open" from "not known here" (a server that lost the
         group's data) and keep routing by the group's status meanwhile."""
-        return [self.reports, self.links, self.health, self.joining, self.removed, self.draining]
+        return [
+            self.reports,
+            self.ranks,
+            self.links,
+            self.health,
+            self.joining,
+            self.removed,
+            self.draining,
+        ]
 
 
 def warm_root() -> str:
@@ -270,6 +288,22 @@ class _Payload(BaseModel):
         return cls.model_validate_json(raw)
 
 
+class RankEntry(_Payload):
+    """One pod of a multi-pod instance, as its leader's :class:`Report` lists it: which rank,
+    which pod on which server, its NPUs, dies and their RoCE IPs, and its engine's
+    incarnation (a restarted worker is someone else: the instance re-forms)."""
+
+    rank: int = Field(ge=0)
+    pod: str
+    pod_uid: str = Field(default="", alias="podUid")
+    node: str
+    superpod: str
+    npus: list[int] = Field(default_factory=list)
+    dies: list[int]
+    roce_ips: list[str] = Field(alias="roceIps")
+    incarnation: str
+
+
 class Report(_Payload):
     """What an instance reports: its RoCE IPs ordered by device id (P/D-Serve §3.2 step 1), and
     who it is: the pod (its UID) and the engine process (a nonce per start, its incarnation: a
@@ -289,9 +323,20 @@ class Report(_Payload):
     # The engine's tensor-parallel degree (its --tp; None: an engine from before, whose TP is
     # its dies): the RoCE map carries it to the peers, which pair dies by it (kvmapping).
     tp: int | None = Field(default=None, ge=1)
+    # An instance of several pods: every rank (the leader, which writes this report, first),
+    # and then ``dies`` and ``roce_ips`` above are every rank's, concatenated in rank order
+    # (device k of the instance is the k-th). Empty for an instance of one pod.
+    ranks: list[RankEntry] = Field(default_factory=list)
 
     def identity(self) -> Identity:
         return Identity(self.pod_ip, self.port, tuple(self.roce_ips), self.incarnation)
+
+    def dump(self) -> bytes:
+        """As every payload, without ``ranks`` when there are none: an instance of one pod
+        writes the report it always wrote."""
+        return self.model_dump_json(
+            by_alias=True, exclude=None if self.ranks else {"ranks"}
+        ).encode()
 
     @field_validator("roce_ips")
     @classmethod
@@ -426,6 +471,7 @@ class EngineFaultKind(StrEnum):
     HANG = (
         "hang"  # alive, but its serving loop made no progress for the hang bound (xDeepServe §6.1)
     )
+    RANK = "Rank"  # a rank (another pod) of a multi-pod instance lost, faulty or not refreshed
 
 
 class EngineFault(_Payload):
@@ -433,6 +479,51 @@ class EngineFault(_Payload):
     since: float  # wall time (epoch s) the engine first saw it: detection latency counts from it
     detail: str = ""
     dies: list[int] = Field(default_factory=list)  # the faulty dies (die, NPU, HBM faults)
+
+
+class PodReport(_Payload):
+    """A pod's engine as it reports itself outside a group's membership (a warm pod, a worker
+    of a multi-pod instance): the pod, where it runs, its devices, its engine's incarnation and
+    the wall time (epoch s) of its last report."""
+
+    pod: str
+    pod_uid: str = Field(alias="podUid")
+    pod_ip: str = Field(alias="podIP")
+    port: int
+    node: str
+    superpod: str
+    npus: list[int] = Field(default_factory=list)
+    dies: list[int]
+    roce_ips: list[str] = Field(alias="roceIps")
+    incarnation: str
+    ts: float
+
+
+class RankReport(PodReport):
+    """What a worker (rank k >= 1) of a multi-pod instance keeps under ``ranks/`` while it holds
+    its dies: who and where it is, and its heartbeat (``ts``, every health interval) and state,
+    rewritten at once when it changes (a die, NPU or HBM fault of its own: ``Faulty`` with the
+    typed faults). Its RoCE IPs are identities in the instance's report, never a connection
+    target: it serves nothing, its leader does."""
+
+    instance: str
+    rank: int = Field(ge=1)
+    state: HealthState
+    faults: list[EngineFault] = Field(default_factory=list)
+
+    def entry(self) -> RankEntry:
+        """This rank as its leader's report lists it."""
+        return RankEntry(
+            rank=self.rank,
+            pod=self.pod,
+            podUid=self.pod_uid,
+            node=self.node,
+            superpod=self.superpod,
+            npus=self.npus,
+            dies=self.dies,
+            roceIps=self.roce_ips,
+            incarnation=self.incarnation,
+        )
 
 
 class LinkState(StrEnum):
@@ -599,21 +690,10 @@ def verify_sub_links(prefill: MapEntry, decode: MapEntry) -> list[SubLink]:
 
 
 # --------------------------------------------------------------------------- warm pods
-class WarmReport(_Payload):
+class WarmReport(PodReport):
     """A warm engine, past TE-Pre-Load (Python, NPU state, HCCL up; no model, no role), waiting
     for an assignment (DeepServe §6.1). ``dramModels``: what its server's host DRAM holds."""
 
-    pod: str
-    pod_uid: str = Field(alias="podUid")
-    pod_ip: str = Field(alias="podIP")
-    port: int
-    node: str
-    superpod: str
-    npus: list[int] = Field(default_factory=list)
-    dies: list[int]
-    roce_ips: list[str] = Field(alias="roceIps")
-    incarnation: str
-    ts: float
     pre_load_seconds: float = Field(default=0.0, alias="preLoadSeconds")  # emulated
     dram_models: list[str] = Field(default_factory=list, alias="dramModels")
     ssd_models: list[str] = Field(default_factory=list, alias="ssdModels")

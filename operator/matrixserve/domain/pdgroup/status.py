@@ -108,8 +108,10 @@ def instance_rows(
                 roce_ips=list(report.roce_ips) if report else [],
                 state=instance_state(view, name, roce_map),
                 endpoint=f"{report.pod_ip}:{report.port}" if report else "",
-                pods=[p.name for p in instance.pods] if several else None,
-                servers=[gang.server_of(p) or "" for p in instance.pods] if several else None,
+                pods=[p.name for p in instance.pods] if instance and several else None,
+                servers=[gang.server_of(p) or "" for p in instance.pods]
+                if instance and several
+                else None,
                 kv_plane=(pod.annotations.get(kinds.ANNOTATION_KV_PLANE) or "RoCE") if pod else "",
             )
         )
