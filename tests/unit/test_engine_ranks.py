@@ -219,7 +219,7 @@ def test_one_pods_report_is_the_report_it_always_was_and_a_leaders_lists_its_ran
     assert alone.dump() == (
         b'{"instance":"p-0","role":null,"podIP":"127.0.0.1","port":8000,"node":"n",'
         b'"superpod":"sp","dies":[0],"roceIps":["198.19.0.1"],"ts":1.0,"podUid":"",'
-        b'"incarnation":""}'
+        b'"incarnation":"","tp":null}'
     )
     entries = [_rank_report(k).entry() for k in (0 + 1, 2)]
     leader = zl.Report.model_validate(
