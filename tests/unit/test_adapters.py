@@ -643,3 +643,25 @@ def test_the_fake_kazoo_keeps_zookeepers_rules() -> None:
     with pytest.raises(NoNodeError):
         fake.delete("/nowhere")
     fake.delete("/nowhere", recursive=True)  # as kazoo's: silent for an absent path
+
+
+async def test_a_gated_pinned_pod_created_is_its_servers_reservation_in_the_cached_usage() -> None:
+    """Gang placement: the next pass within the usage cache's age must not give the NPUs of a
+    pod just created, gated and pinned, to someone else (the list it caches predates it)."""
+    adapter, _, _ = kube()
+    adapter._usage = (adapter._clock(), {"s1": 8})
+
+    def pod(name: str, gated: bool) -> dict[str, Any]:
+        spec: dict[str, Any] = {
+            "nodeSelector": {kinds.LABEL_SERVER: "s2"},
+            "containers": [{"resources": {"limits": {kinds.NPU_RESOURCE: "4"}}}],
+        }
+        if gated:
+            spec["schedulingGates"] = [{"name": kinds.GANG_GATE}]
+        return {"metadata": {"name": name, "namespace": "ns"}, "spec": spec}
+
+    assert await adapter.create_pod("ns", pod("a", gated=True))
+    assert await adapter.npus_in_use() == {"s1": 8, "s2": 4}
+    assert not await adapter.create_pod("ns", pod("a", gated=True))  # 409: nothing new
+    assert await adapter.create_pod("ns", pod("b", gated=False))  # the scheduler's to count
+    assert await adapter.npus_in_use() == {"s1": 8, "s2": 4}

@@ -17,6 +17,7 @@ engine pod out of its namespace (they would mount it), a policy does not (it gua
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -332,7 +333,24 @@ class KubeAdapter:
             if exc.status == 409:
                 return False
             raise
+        self._reserved(body)
         return True
+
+    def _reserved(self, body: Mapping[str, Any]) -> None:
+        """A gated pod pinned to a server is that server's reservation from now on: counted in
+        the cached usage at once, so that the next pass (of any group) within the cache's age
+        does not give the same NPUs again."""
+        spec = body.get("spec") or {}
+        server = (spec.get("nodeSelector") or {}).get(LABEL_SERVER)
+        if self._usage is None or not server or not spec.get("schedulingGates"):
+            return
+        npus = 0
+        for container in spec.get("containers") or []:
+            limits = (container.get("resources") or {}).get("limits") or {}
+            with contextlib.suppress(TypeError, ValueError):
+                npus += int(limits.get(NPU_RESOURCE) or 0)
+        used = self._usage[1]
+        used[server] = used.get(server, 0) + npus
 
     async def pod_secrets_taken(self, namespace: str) -> list[str]:
         """Put the Secrets our pods read in place in ``namespace``: created if absent, our data
