@@ -187,19 +187,25 @@ def test_deepseek_shapes_serve_and_a_worker_kill_restarts_only_that_pod(
     prefill = sorted(n for n, r in rows.items() if r["role"] == "prefill")[0]
     worker = f"{prefill}-1"
     before = pod_runs(emulator.pods(), namespace, live=True)
+    killed = time.monotonic()
     for pid in before[worker].pids:
         os.kill(pid, signal.SIGKILL)
     wait_for(
         lambda: prefill not in (_status(groups, "ds").get("entrances") or []),
-        30,
+        5,  # its pod not Ready: at once, not at its session's timeout (10 s)
         f"{prefill} out of the entrances",
         explain=groups.explain,
     )
+    out = time.monotonic() - killed
     wait_for(
         lambda: groups.ready("ds") and prefill in (_status(groups, "ds").get("entrances") or []),
         120,
         f"{prefill} back in the entrances, the group Ready",
         explain=groups.explain,
+    )
+    print(
+        f"worker {worker} killed: {prefill} out of the entrances after {out:.1f} s, back and "
+        f"the group Ready after {time.monotonic() - killed:.1f} s"
     )
     after = pod_runs(emulator.pods(), namespace, live=True)
     assert restarted(before, after) == {worker: "restarted 1"}

@@ -5,10 +5,11 @@ SuperPod; rank settings in each pod; the instance's fault when a worker exits.""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from fakes import formed_group, pdgroup_spec
+from fakes import formed_group, formed_zk, pdgroup_spec
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.engine_settings import EngineEnv
@@ -221,3 +222,37 @@ def test_a_worker_exit_is_its_instance_fault_restarting_one_pod() -> None:
     later = report.model_copy(update={"ts": 25.0})
     zk = ZkView(connected=True, reports={"g-p-0": later}, roce_map=roce_map)
     assert detect(view(s, pods, servers({"sp0": 2}), zk=zk), roce_map) == []
+
+
+def test_a_worker_whose_pod_is_not_ready_takes_its_instance_out_of_traffic() -> None:
+    """Before its leader has seen the rank go (a killed worker's session lives on until its
+    timeout), the worker's pod not Ready closes the instance's entrance."""
+    s = spec(d_pods=1, d_npus=2)
+    zk = formed_zk(
+        {"g-p-0": (P, 0), "g-d-0": (D, 1)},
+        health_ts=99.0,
+        loads={"g-p-0": zl.Load(), "g-d-0": zl.Load()},
+    )
+    report_at = zk.reports["g-p-0"].ts
+
+    def worker(ready: bool, started: float) -> PodView:
+        return dataclasses.replace(
+            pod("g-p-0-1", P, "g-p-0", node="sp0-s1", running=started),
+            ready=ready,
+            ready_changed_at=started,
+        )
+
+    leader = pod("g-p-0", P, "g-p-0", node="sp0-s0", running=report_at - 5)
+    leader = dataclasses.replace(leader, ready=True)
+    decode = dataclasses.replace(pod("g-d-0", D, "g-d-0", node="sp0-s2", running=1.0), ready=True)
+    nodes = servers({"sp0": 4})
+    serving = {"g-p-0": leader, "g-p-0-1": worker(True, report_at - 5), "g-d-0": decode}
+    assert view(s, serving, nodes, zk=zk).healthy("g-p-0")
+    # its first probe pending since before the leader reported: still serving
+    waiting = {**serving, "g-p-0-1": worker(False, report_at - 5)}
+    assert view(s, waiting, nodes, zk=zk).healthy("g-p-0")
+    # restarted after the report, not Ready: out of traffic
+    restarted = {**serving, "g-p-0-1": worker(False, report_at + 1)}
+    out = view(s, restarted, nodes, zk=zk)
+    assert not out.healthy("g-p-0")
+    assert "DeleteEntrance" in [type(a).__name__ for a in pdgroup.plan(out).actions]

@@ -136,15 +136,23 @@ class GroupView:
 
     def healthy(self, instance: str) -> bool:
         """Its current engine reports itself serving (ZooKeeper health, P/D-Serve §3.2): a
-        previous incarnation's health is not this one's, nor is one it stopped refreshing."""
+        previous incarnation's health is not this one's, nor is one it stopped refreshing. An
+        instance of several pods also needs every worker's pod Ready (or waiting only for its
+        first probe since the leader reported): a worker whose engine exited takes its instance
+        out of traffic at once, before its leader has seen the rank go (its session's timeout)."""
         health = self.zk.health.get(instance)
         report = self.reports.get(instance)
+        found = self.instances.get(instance)
         return (
             health is not None
             and report is not None
             and health.incarnation == report.incarnation
             and health.state is zl.HealthState.SERVING
             and not self.stale(health)
+            and (
+                found is None
+                or all(p.ready or p.awaiting_first_probe(report.ts) for p in found.pods[1:])
+            )
         )
 
     @property
