@@ -651,17 +651,17 @@ async def test_a_gated_pinned_pod_created_is_its_servers_reservation_in_the_cach
     adapter, _, _ = kube()
     adapter._usage = (adapter._clock(), {"s1": 8})
 
-    def pod(name: str, gated: bool) -> dict[str, Any]:
+    def pod(name: str, pinned: bool) -> dict[str, Any]:
         spec: dict[str, Any] = {
-            "nodeSelector": {kinds.LABEL_SERVER: "s2"},
             "containers": [{"resources": {"limits": {kinds.NPU_RESOURCE: "4"}}}],
+            "schedulingGates": [{"name": kinds.GANG_GATE}],
         }
-        if gated:
-            spec["schedulingGates"] = [{"name": kinds.GANG_GATE}]
+        if pinned:
+            spec["nodeSelector"] = {kinds.LABEL_SERVER: "s2"}
         return {"metadata": {"name": name, "namespace": "ns"}, "spec": spec}
 
-    assert await adapter.create_pod("ns", pod("a", gated=True))
+    assert await adapter.create_pod("ns", pod("a", pinned=True))
     assert await adapter.npus_in_use() == {"s1": 8, "s2": 4}
-    assert not await adapter.create_pod("ns", pod("a", gated=True))  # 409: nothing new
-    assert await adapter.create_pod("ns", pod("b", gated=False))  # the scheduler's to count
+    assert not await adapter.create_pod("ns", pod("a", pinned=True))  # 409: nothing new
+    assert await adapter.create_pod("ns", pod("b", pinned=False))  # where: the scheduler's
     assert await adapter.npus_in_use() == {"s1": 8, "s2": 4}

@@ -256,3 +256,85 @@ def test_a_worker_whose_pod_is_not_ready_takes_its_instance_out_of_traffic() -> 
     out = view(s, restarted, nodes, zk=zk)
     assert not out.healthy("g-p-0")
     assert "DeleteEntrance" in [type(a).__name__ for a in pdgroup.plan(out).actions]
+
+
+def test_an_instance_that_was_whole_is_never_released_by_the_bound() -> None:
+    """A worker restarting in place an hour after its pods were created (not running for a
+    while) is recovery's: the bound is for instances being placed, never whole yet."""
+    s = spec(d_pods=1, d_npus=2)
+    zk = formed_zk(
+        {"g-p-0": (P, 0), "g-d-0": (D, 1)},
+        health_ts=3599.0,
+        loads={"g-p-0": zl.Load(), "g-d-0": zl.Load()},
+    )
+    pods = {
+        "g-p-0": pod("g-p-0", P, "g-p-0", node="sp0-s0", running=5.0, created=1.0),
+        "g-p-0-1": pod("g-p-0-1", P, "g-p-0", node="sp0-s1", created=1.0, last_exit_at=3590.0),
+        "g-d-0": pod("g-d-0", D, "g-d-0", node="sp0-s2", running=5.0, created=1.0),
+    }
+    plan = pdgroup.plan(view(s, pods, servers({"sp0": 4}), now=3600.0, zk=zk))
+    assert not [a for a in plan.actions if isinstance(a, DeletePod)], plan.actions
+
+
+def test_ungated_pods_that_never_bind_are_released_after_the_bound() -> None:
+    """Pinned to servers taken meanwhile: Pending for ever unless released and placed again."""
+    s = spec(d_pods=1, d_npus=2)
+    pods = {
+        "g-p-0": pod("g-p-0", P, "g-p-0", pinned="sp0-s0", created=1.0),
+        "g-p-0-1": pod("g-p-0-1", P, "g-p-0", pinned="sp0-s1", created=1.0),
+    }
+    late = pdgroup.plan(view(s, pods, servers({"sp0": 4}), now=1.0 + gang.GANG_BOUND_SECONDS + 1))
+    assert {a.name for a in late.actions if isinstance(a, DeletePod)} == {"g-p-0", "g-p-0-1"}
+
+
+def test_a_leaders_own_exit_is_not_blamed_on_an_old_worker_restart() -> None:
+    s = spec(d_pods=1, d_npus=2)
+    entry = zl.MapEntry(
+        instance="g-p-0", podIP="127.0.0.1", port=1, roceIps=["10.0.0.1"], incarnation="a"
+    )
+    roce_map = zl.RoceMap(version=1, P=[entry], D=[])
+    pods = {
+        "g-p-0": pod(
+            "g-p-0", P, "g-p-0", node="sp0-s0", running=101.0, last_exit_at=100.0, restarts=1
+        ),
+        # restarted once at start-up, running since
+        "g-p-0-1": pod(
+            "g-p-0-1", P, "g-p-0", node="sp0-s1", running=6.0, last_exit_at=5.0, restarts=1
+        ),
+    }
+    zk = ZkView(connected=True, reports={}, roce_map=roce_map)  # the leader's report gone
+    faults = detect(view(s, pods, servers({"sp0": 2}), now=102.0, zk=zk), roce_map)
+    assert [(f.kind, f.pods, f.since) for f in faults] == [(FaultKind.KILL, (), 100.0)]
+
+
+def test_a_rank_fault_with_its_workers_pod_not_ready_restarts_that_pod() -> None:
+    """A worker that exits gracefully: its leader sees the rank go (its session closed) before
+    the kubelet says the container ended. Restarted in place, not the instance replaced."""
+    s = spec(d_pods=1, d_npus=2)
+    zk = formed_zk(
+        {"g-p-0": (P, 0), "g-d-0": (D, 1)},
+        health_ts=99.0,
+        loads={"g-p-0": zl.Load(), "g-d-0": zl.Load()},
+    )
+    health = zk.health["g-p-0"].model_copy(
+        update={
+            "state": zl.HealthState.FAULTY,
+            "faults": [
+                zl.EngineFault(kind=zl.EngineFaultKind.RANK, since=98.0, dies=[2], detail="gone")
+            ],
+        }
+    )
+    zk = dataclasses.replace(zk, health={**zk.health, "g-p-0": health})
+    leader = dataclasses.replace(pod("g-p-0", P, "g-p-0", node="sp0-s0", running=-5.0), ready=True)
+    worker = dataclasses.replace(
+        pod("g-p-0-1", P, "g-p-0", node="sp0-s1", running=-5.0), ready=False
+    )
+    decode = dataclasses.replace(pod("g-d-0", D, "g-d-0", node="sp0-s2", running=1.0), ready=True)
+    pods = {"g-p-0": leader, "g-p-0-1": worker, "g-d-0": decode}
+    faults = detect(view(s, pods, servers({"sp0": 4}), zk=zk), zk.roce_map)
+    assert [(f.kind, f.instances, f.pods) for f in faults] == [
+        (FaultKind.KILL, ("g-p-0",), ("g-p-0-1",))
+    ]
+    ready = {**pods, "g-p-0-1": dataclasses.replace(worker, ready=True)}
+    faults = detect(view(s, ready, servers({"sp0": 4}), zk=zk), zk.roce_map)
+    assert [f.kind for f in faults] == [FaultKind.RANK]

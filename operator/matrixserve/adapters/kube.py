@@ -272,22 +272,23 @@ class KubeAdapter:
 
     async def npus_in_use(self, max_age: float = NODES_TTL_SECONDS) -> dict[str, int]:
         """NPUs every pod of the cluster holds or has reserved, by server: a bound pod's on its
-        node, a gated pod's on the server its node selector pins it to (a gang's reservation,
-        not yet the scheduler's); finished pods hold none. One list shared by every group's pass
+        node, an unbound pod's on the server its node selector pins it to (a gang's reservation,
+        gated or not yet scheduled); finished pods hold none. One list shared by every group's pass
         while it is younger than ``max_age`` s (the ClusterRole lists pods)."""
         now = self._clock()
         if self._usage is not None and now - self._usage[0] < max_age:
             return self._usage[1]
-        found = await asyncio.to_thread(self.core.list_pod_for_all_namespaces)
+        found = await asyncio.to_thread(
+            self.core.list_pod_for_all_namespaces,
+            field_selector="status.phase!=Succeeded,status.phase!=Failed",
+        )
         used: dict[str, int] = {}
         for pod in found.items:
             if (pod.status.phase or "") in ("Succeeded", "Failed"):
                 continue
-            server = pod.spec.node_name or (
-                (pod.spec.node_selector or {}).get(LABEL_SERVER)
-                if pod.spec.scheduling_gates
-                else None
-            )
+            # bound: its node's; pinned and not bound yet (gated, or ungated and not yet
+            # scheduled): the server it will be bound to
+            server = pod.spec.node_name or (pod.spec.node_selector or {}).get(LABEL_SERVER)
             npus = sum(_npus(c) for c in pod.spec.containers or [])
             if server and npus:
                 used[server] = used.get(server, 0) + npus
@@ -337,12 +338,12 @@ class KubeAdapter:
         return True
 
     def _reserved(self, body: Mapping[str, Any]) -> None:
-        """A gated pod pinned to a server is that server's reservation from now on: counted in
+        """A pod pinned to a server is that server's reservation from now on: counted in
         the cached usage at once, so that the next pass (of any group) within the cache's age
         does not give the same NPUs again."""
         spec = body.get("spec") or {}
         server = (spec.get("nodeSelector") or {}).get(LABEL_SERVER)
-        if self._usage is None or not server or not spec.get("schedulingGates"):
+        if self._usage is None or not server:
             return
         npus = 0
         for container in spec.get("containers") or []:

@@ -333,7 +333,7 @@ class Report(_Payload):
 
     def dump(self) -> bytes:
         """As every payload, without ``ranks`` when there are none: an instance of one pod
-        writes the report it always wrote."""
+        writes no rank list."""
         return self.model_dump_json(
             by_alias=True, exclude=None if self.ranks else {"ranks"}
         ).encode()

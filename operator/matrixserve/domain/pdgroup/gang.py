@@ -64,20 +64,26 @@ class SeatPlan:
 
 def needs_servers(spec: PDGroupSpec, pods: Iterable[PodView]) -> bool:
     """Whether a pass must read the servers and what the cluster's pods hold, to place the pods
-    of a multi-pod instance: one is gated or not running yet, or a multi-pod role's count of
-    pods is not its replicas' (an instance missing a pod). A group of single-pod instances
-    never needs them for this."""
-    multi = [role for role in zl.Role if spec.role_spec(role).pods_per_instance > 1]
-    if not multi:
-        return False
-    pods = list(pods)
-    if any(p.gated or p.running_since is None for p in pods):
-        return True
-    for role in multi:
-        r = spec.role_spec(role)
-        if sum(1 for p in pods if role_of(p) is role) != r.replicas * r.pods_per_instance:
+    of a multi-pod instance: one of a multi-pod role's pods is gated or not running, one of its
+    instances lacks a pod, or the role has fewer instances than its replicas (under a ratio
+    policy, more may be wanted: a pass that finds an instance missing reads them then). The
+    pods of single-pod roles never make it read them."""
+    multi = {role: spec.role_spec(role) for role in zl.Role}
+    multi = {role: r for role, r in multi.items() if r.pods_per_instance > 1}
+    counts: dict[zl.Role, dict[str, int]] = {role: {} for role in multi}
+    for pod in pods:
+        role = role_of(pod)
+        if role not in multi:
+            continue
+        if pod.gated or pod.running_since is None:
             return True
-    return False
+        instance = pod.label(kinds.LABEL_INSTANCE) or pod.name
+        counts[role][instance] = counts[role].get(instance, 0) + 1
+    return any(
+        len(counts[role]) < r.replicas
+        or any(n < r.pods_per_instance for n in counts[role].values())
+        for role, r in multi.items()
+    )
 
 
 def multi_pod(view: GroupView, role: zl.Role) -> bool:
@@ -190,34 +196,38 @@ def lift(view: GroupView) -> list[Action]:
     actions: list[Action] = []
     for name, instance in sorted(view.instances.items()):
         gated = [p for p in instance.pods if p.gated and not p.deleting]
-        if not gated:
+        if not gated or name in view.zk.removed:
             continue
         role = role_of(instance.leader)
-        if len(instance.pods) < len(pod_names(name, view.spec.role_spec(role).pods_per_instance)):
+        present = [p for p in instance.pods if not p.deleting]
+        if len(present) < len(pod_names(name, view.spec.role_spec(role).pods_per_instance)):
             continue
         actions += [UngatePod(p.name, p.uid) for p in gated]
     return actions
 
 
 def overdue(view: GroupView) -> list[Action]:
-    """Every pod of a multi-pod instance whose pods are not all running
+    """Every pod of a multi-pod instance being placed (never whole yet: its leader has not
+    reported, and the RoCE map does not name it) whose pods are not all running
     :data:`GANG_BOUND_SECONDS` after the newest was created: released together, so that the
-    instance is placed again whole (a pod bound alone holds NPUs for nothing)."""
+    instance is placed again whole. Gated, pinned to a server taken meanwhile, or bound alone:
+    a half instance holds NPUs, or reserves them, for nothing. An instance that was whole is
+    recovery's, never released here (a worker restarting in place is not running for a while)."""
     actions: list[Action] = []
+    roce_map = view.zk.roce_map
     for name, instance in sorted(view.instances.items()):
         pods = [p for p in instance.pods if not p.deleting]
         if not pods or view.claimed(instance.leader):
             continue
+        if name in view.reports or (roce_map is not None and roce_map.entry(name) is not None):
+            continue
         role = role_of(instance.leader)
-        if view.spec.role_spec(role).pods_per_instance < 2:
+        wanted = pod_names(name, view.spec.role_spec(role).pods_per_instance)
+        if len(wanted) < 2:
             continue
-        if all(p.running_since is not None for p in pods):
-            continue
+        whole = len(pods) == len(wanted) and all(p.running_since is not None for p in pods)
         newest = max(view.started_at(p) for p in pods)
-        if view.now - newest < GANG_BOUND_SECONDS:
-            continue
-        # none of them is bound yet: nothing is held, the gates are lifted next
-        if not any(p.node for p in pods):
+        if whole or view.now - newest < GANG_BOUND_SECONDS:
             continue
         actions += [
             DeletePod(

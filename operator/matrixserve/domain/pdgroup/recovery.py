@@ -122,6 +122,8 @@ _ENGINE_KINDS = {
     zl.EngineFaultKind.NPU: (FaultKind.NPU, Tier.DEVICE_STATUS),
     zl.EngineFaultKind.HBM: (FaultKind.HBM, Tier.DEVICE_STATUS),
     zl.EngineFaultKind.HANG: (FaultKind.HANG, Tier.HEARTBEAT),
+    # a rank of a multi-pod instance gone, faulty or silent, as its leader sees it
+    zl.EngineFaultKind.RANK: (FaultKind.RANK, Tier.HEARTBEAT),
 }
 _ENGINE_ORDER = (zl.EngineFaultKind.NPU, zl.EngineFaultKind.DIE, zl.EngineFaultKind.HBM)
 
@@ -140,25 +142,33 @@ def _exited(pod: PodView, report: zl.Report | None, entry: zl.MapEntry) -> float
     return None
 
 
+def _worker_kill(name: str, rank: int, worker: PodView, since: float, why: str) -> Fault:
+    """A rank of a multi-pod instance whose engine exited or stopped: the instance's fault (its
+    leader stops serving with it), restarted in place as that one pod (the kubelet restarts
+    it; the leader re-forms around it)."""
+    return Fault(
+        FaultKind.KILL,
+        (name,),
+        Tier.POD,
+        since,
+        f"rank {rank} (pod {worker.name}) {why}",
+        node=worker.node,
+        pods=(worker.name,),
+    )
+
+
 def _instance_fault(view: GroupView, name: str, entry: zl.MapEntry) -> Fault | None:
     instance = view.instances[name]
     pod = instance.leader
     report = view.reports.get(name)
     health = view.zk.health.get(name)
-    # A rank of a multi-pod instance exited: the instance's fault (its leader stops serving
-    # with it), restarted in place as that one pod; the leader re-forms around it.
-    for rank, worker in enumerate(instance.pods[1:], start=1):
+    workers = list(enumerate(instance.pods[1:], start=1))
+    # (a worker's exit counts against the leader's report: without one, the leader's own
+    # tiers below say what is wrong)
+    for rank, worker in workers if report is not None else []:
         exited = _exited(worker, report, entry)
         if exited is not None:
-            return Fault(
-                FaultKind.KILL,
-                (name,),
-                Tier.POD,
-                exited,
-                f"rank {rank} (pod {worker.name}) exited (restart {worker.restarts})",
-                node=worker.node,
-                pods=(worker.name,),
-            )
+            return _worker_kill(name, rank, worker, exited, f"exited (restart {worker.restarts})")
     if health is not None and report is not None and health.incarnation == report.incarnation:
         if health.state is zl.HealthState.FAULTY and health.faults:
             ranked = sorted(
@@ -166,8 +176,16 @@ def _instance_fault(view: GroupView, name: str, entry: zl.MapEntry) -> Fault | N
                 key=lambda f: _ENGINE_ORDER.index(f.kind) if f.kind in _ENGINE_ORDER else 9,
             )
             first = ranked[0]
-            kind, tier = _ENGINE_KINDS.get(first.kind, (FaultKind.RANK, Tier.HEARTBEAT))
+            # (a kind of fault this operator does not know yet: the engine cannot serve)
+            kind, tier = _ENGINE_KINDS.get(first.kind, (FaultKind.HANG, Tier.HEARTBEAT))
             detail = first.detail or f"{first.kind} fault"
+            # The leader lost a rank whose pod is not Ready on a server that is: its engine
+            # stopped (a graceful exit's session ends before the kubelet says the container
+            # did): restarted in place, like an exit, not the whole instance replaced.
+            stopped = [(k, w) for k, w in workers if not w.ready and w.node_down_since is None]
+            if kind is FaultKind.RANK and stopped:
+                rank, worker = stopped[0]
+                return _worker_kill(name, rank, worker, first.since, f"stopped: {detail}")
             return Fault(kind, (name,), tier, first.since, detail, node=pod.node)
         blocked = [link for link in health.links if link.state is zl.LinkState.BLOCKED]
         if blocked:
