@@ -1144,3 +1144,31 @@ def test_one_warm_pod_that_fits_both_roles_replaces_only_one_instance() -> None:
     options = rc.options(both, topo, rc.Policy(), two_pods, {"g-p-0", "g-d-0"})
     replace = next(o for o in options if o.action is rc.ActionKind.REPLACE)
     assert replace.terms["warmReady"] == 1.0
+
+
+def test_a_multi_pod_decode_whose_worker_server_is_down_is_replaced_whole_beside_its_leader() -> (
+    None
+):
+    """A 2 x 8-NPU decode: its worker's server is down, its leader's is not. Only the worker's 8
+    NPUs are withheld (the leader's come back where they ran), and the new pods go one per
+    server in the decodes' SuperPod: replaced, no prefill given up for it."""
+    members = {
+        "g-p-0": rc.Member("g-p-0", P, 8, "p0", superpod="sp0"),
+        "g-d-0": rc.Member("g-d-0", D, 16, "d0", pods=2, superpod="sp0", pod_nodes=("d0", "d1")),
+    }
+    servers = {
+        "p0": rc.Server("p0", 0, "sp0"),
+        "d0": rc.Server("d0", 0, "sp0"),
+        "d1": rc.Server("d1", 0, "sp0", refuses={P: "d1 is not Ready", D: "d1 is not Ready"}),
+        "spare": rc.Server("spare", 8, "sp0"),
+    }
+    topo = rc.Topology(members, 8, servers, same_superpod=frozenset({D}))
+    node_down = Fault(FaultKind.NODE, ("g-d-0",), Tier.NODE, 0.0, node="d1")
+    assert rc.withheld(node_down, topo, ("g-d-0",)) == 8
+    plan = choose(node_down, topo)
+    assert (chosen(plan).action, chosen(plan).instances) == (A.REPLACE, ("g-d-0",))
+    # the two new pods cannot share one server: with the spare gone, nothing fits
+    full = dataclasses.replace(
+        topo, free_npus=0, servers={**servers, "spare": rc.Server("spare", 0, "sp0")}
+    )
+    assert not by_action(choose(node_down, full))[A.REPLACE].feasible

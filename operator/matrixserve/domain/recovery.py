@@ -53,6 +53,7 @@ from enum import StrEnum
 
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import Protect, RecoveryPolicy
+from matrixserve.domain import placement
 from matrixserve.domain.observed import Fault, FaultKind
 
 PROTECT_WEIGHT = 2.0  # the protected role's capacity counts twice (decode by default)
@@ -86,6 +87,18 @@ class Member:
     restarts: int = 0  # container restarts of its pods
     pods: int = 1
     superpod: str | None = None
+    # The server of each of its pods, in rank order (empty: all of them on ``node``): an
+    # instance of several pods spans servers, one pod each.
+    pod_nodes: tuple[str | None, ...] = ()
+
+    def on_node(self, node: str | None) -> int:
+        """Its NPUs on server ``node`` (all of them when the pods' servers are not known, or
+        no server is named)."""
+        if not self.pod_nodes or node is None:
+            return self.npus
+        return sum(
+            size for size, at in zip(_pod_sizes(self), self.pod_nodes, strict=False) if at == node
+        )
 
 
 @dataclass(frozen=True)
@@ -227,9 +240,16 @@ def withheld(fault: Fault, topology: Topology, faulty: tuple[str, ...]) -> int:
     device = fault.kind in (FaultKind.DIE, FaultKind.NPU, FaultKind.HBM) or (
         fault.kind is FaultKind.LINK and fault.on_device
     )
-    if fault.kind is FaultKind.NODE or device:
+    if fault.kind is FaultKind.NODE:
+        # only what its pods on that server hold: those elsewhere come back where they ran
+        return sum(topology.members[n].on_node(fault.node) for n in faulty)
+    if device:
         return _npus(topology, faulty)
     return 0
+
+
+def _spans_servers(topology: Topology, names: tuple[str, ...]) -> bool:
+    return any(topology.members[n].pod_nodes for n in names)
 
 
 def _pods(topology: Topology, names: tuple[str, ...]) -> int:
@@ -322,7 +342,10 @@ def options(
     held = withheld(fault, topology, faulty)
     # The faulty pods' NPUs return to the pool once they go, except those the fault withholds.
     fits_group = topology.free_npus is None or topology.free_npus >= held
-    fits = held == 0 or Room(topology, set(faulty)).fits(faulty)
+    # A server down under some of an instance's pods: the others' NPUs come back where they
+    # ran, for its new pods too (the down server takes none).
+    back = faulty if fault.kind is FaultKind.NODE and _spans_servers(topology, faulty) else ()
+    fits = held == 0 or Room(topology, set(faulty)).fits(faulty, back)
     warm = _warm(topology, est, faulty)
     if warm is not None:  # a warm pod holds its own NPUs: no free ones needed
         out.append(
@@ -534,9 +557,13 @@ class Room:
         capacity = {name: s.free for name, s in self.servers.items()}
         for name in given:
             member = self.topology.members[name]
-            where = self._server(member)
-            if where in capacity and capacity[where] < sys.maxsize:
-                capacity[where] += member.npus
+            returned: list[tuple[int, str | None]] = [(member.npus, self._server(member))]
+            if self.topology.servers is not None and member.pod_nodes:
+                # each pod's NPUs come back on its own server
+                returned = list(zip(_pod_sizes(member), member.pod_nodes, strict=False))
+            for size, where in returned:
+                if where in capacity and capacity[where] < sys.maxsize:
+                    capacity[where] += size
         return capacity
 
     def _candidates(self, role: zl.Role, superpod: str | None) -> list[str]:
@@ -550,12 +577,27 @@ class Room:
         ]
 
     def fits(self, instances: Sequence[str], given: Sequence[str] = ()) -> bool:
-        """Whether new pods for ``instances`` find room once ``given`` are given up."""
+        """Whether new pods for ``instances`` find room once ``given`` are given up. An
+        instance of several pods is placed whole by :func:`matrixserve.domain.placement.place`
+        (one server per pod, all in one SuperPod: what gang placement will do); each other
+        pod best-fit."""
         pods = [
             (m.role, size)
             for m in (self.topology.members[n] for n in instances)
             for size in _pod_sizes(m)
         ]
+        members = [self.topology.members[n] for n in instances]
+        whole = {
+            m.name
+            for m in members
+            if m.pods > 1 and min(_pod_sizes(m)) >= 1 and self.topology.servers is not None
+        }
+        if whole:
+            gangs = [(m.name, m.role, tuple(_pod_sizes(m))) for m in members if m.name in whole]
+            singles = [
+                (m.role, size) for m in members if m.name not in whole for size in _pod_sizes(m)
+            ]
+            return self._place_gangs(gangs, singles, self._capacity(given))
         together = sorted(
             {r for r, _ in pods if r in self.topology.same_superpod and not self._home(r)}
         )
@@ -586,6 +628,29 @@ class Room:
             best = min(fitting, key=lambda name: (capacity[name], name))
             capacity[best] -= size
         return True
+
+    def _place_gangs(
+        self,
+        gangs: list[tuple[str, zl.Role, tuple[int, ...]]],
+        singles: list[tuple[zl.Role, int]],
+        capacity: dict[str, int],
+    ) -> bool:
+        """The multi-pod instances first (largest first), each whole in one SuperPod (its
+        role's, when the role keeps one), then the single pods on what is left."""
+        for name, role, sizes in sorted(gangs, key=lambda g: (-sum(g[2]), g[0])):
+            allowed = set(self._candidates(role, None))
+            home = self._home(role)
+            servers = [
+                placement.Server(n, s.superpod, capacity[n] if n in allowed else 0)
+                for n, s in sorted(self.servers.items())
+            ]
+            request = placement.Request(name, sizes, superpod=min(home) if home else None)
+            placed, _ = placement.place([request], servers)
+            if not placed:
+                return False
+            for server, size in zip(placed[0].servers, sizes, strict=True):
+                capacity[server] -= size
+        return self._place(singles, capacity, {})
 
     def usable(self, instances: Sequence[str], given: Sequence[str] = ()) -> int:
         """The NPUs free (with ``given`` given up) where a new pod of the instances' roles may

@@ -262,6 +262,9 @@ def topology(view: GroupView, roce_map: zl.RoceMap | None) -> rc.Topology:
             restarts=max((p.restarts for p in instance.pods), default=0) if instance else 0,
             pods=spec.pods_per_instance,
             superpod=instance.leader.superpod if instance else None,
+            pod_nodes=tuple(p.node for p in instance.pods)
+            if instance and len(instance.pods) > 1
+            else (),
         )
     # a group's decodes stay in one SuperPod (their pods' required affinity, pods.py)
     return rc.Topology(

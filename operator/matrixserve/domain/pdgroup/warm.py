@@ -164,11 +164,12 @@ def warm_pod_names(view: GroupView) -> frozenset[str]:
 
 def warm_replacement(view: GroupView, role: zl.Role) -> tuple[int, float | None]:
     """How many warm pods could replace an instance of ``role`` now, and the fastest warm
-    path's seconds (claim to serving) for one: the recovery planner's warm replacement."""
-    pods = warm_candidates(view, role)
+    path's seconds (claim to serving) for one: the recovery planner's warm replacement. None
+    for a role of several pods per instance (:func:`~.obtain.warm_or_cold` starts those cold)."""
+    spec = view.spec.role_spec(role)
+    pods = warm_candidates(view, role) if spec.pods_per_instance == 1 else []
     if not pods:
         return 0, None
-    spec = view.spec.role_spec(role)
     dies = {len(view.warm_reports[p.name].dies) for p in pods}
     sources = [s for d in dies for s in fork_sources(view, d)]
     want = so.Want("replacement", view.spec.model.name, "", spec.devices_per_instance)
