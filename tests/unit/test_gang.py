@@ -338,3 +338,16 @@ def test_a_rank_fault_with_its_workers_pod_not_ready_restarts_that_pod() -> None
     ready = {**pods, "g-p-0-1": dataclasses.replace(worker, ready=True)}
     faults = detect(view(s, ready, servers({"sp0": 4}), zk=zk), zk.roce_map)
     assert [f.kind for f in faults] == [FaultKind.RANK]
+
+
+def test_an_instance_no_superpod_of_the_cluster_could_hold_is_refused_naming_the_field() -> None:
+    nodes = servers({"sp0": 4, "sp1": 3}).values()
+    assert gang.larger_than_any_superpod(spec(p_pods=4, p_npus=32), nodes) == []
+    errors = gang.larger_than_any_superpod(spec(p_pods=5, p_npus=40), nodes)
+    assert errors == [
+        "spec.prefill.podsPerInstance: an instance of 5 pods of 8 NPUs fits no SuperPod of this "
+        "cluster, even empty (the largest: sp0, 4 servers of Ascend910C); an instance's pods run "
+        "one per server in one SuperPod"
+    ]
+    # no server of the role's NPU type seen yet: nothing said (not refused for ever)
+    assert gang.larger_than_any_superpod(spec(p_pods=5, p_npus=40), []) == []

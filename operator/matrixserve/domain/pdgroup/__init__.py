@@ -15,7 +15,7 @@ This package imports only ``matrixserve.api`` and the kind-neutral parts of
 ``matrixserve.domain``; no other kind's package (``make lint`` checks it).
 """
 
-from matrixserve.domain.pdgroup.gang import needs_servers
+from matrixserve.domain.pdgroup.gang import larger_than_any_superpod, needs_servers
 from matrixserve.domain.pdgroup.plan import Plan, Seams, plan, spec_pod_names, warm_needed
 from matrixserve.domain.pdgroup.view import GroupView, ZkView, may_recover
 from matrixserve.domain.pdgroup.warm import claimable
@@ -26,6 +26,7 @@ __all__ = [
     "Seams",
     "ZkView",
     "claimable",
+    "larger_than_any_superpod",
     "may_recover",
     "needs_servers",
     "plan",

@@ -45,7 +45,7 @@ from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain import placement
-from matrixserve.domain.observed import PodView
+from matrixserve.domain.observed import NodeView, PodView
 from matrixserve.domain.pdgroup.actions import Action, DeletePod, UngatePod
 from matrixserve.domain.pdgroup.pods import Seat, pod_manifest, pod_names, role_of
 from matrixserve.domain.pdgroup.view import GroupView
@@ -84,6 +84,35 @@ def needs_servers(spec: PDGroupSpec, pods: Iterable[PodView]) -> bool:
         or any(n < r.pods_per_instance for n in counts[role].values())
         for role, r in multi.items()
     )
+
+
+def larger_than_any_superpod(spec: PDGroupSpec, nodes: Iterable[NodeView]) -> list[str]:
+    """The roles whose instance (of several pods) no SuperPod of the cluster could hold even
+    empty, each a message naming the field: refused at admission rather than left waiting for
+    ever. Servers of the role's NPU type only; nothing is said while no such server carries a
+    SuperPod label (a cluster whose servers have not registered yet)."""
+    errors = []
+    for role in zl.Role:
+        r = spec.role_spec(role)
+        if r.pods_per_instance < 2:
+            continue
+        capacity: dict[str, tuple[int, int]] = {}
+        for node in nodes:
+            superpod = node.labels.get(kinds.LABEL_SUPERPOD)
+            if superpod is None or node.labels.get(kinds.LABEL_NPU_TYPE) != r.npu_type:
+                continue
+            servers, largest = capacity.get(superpod, (0, 0))
+            capacity[superpod] = (servers + 1, max(largest, node.allocatable_npus))
+        pods = [r.npus_per_pod] * r.pods_per_instance
+        if capacity and not placement.fits_any_superpod(pods, capacity):
+            biggest, (count, _) = max(capacity.items(), key=lambda kv: (kv[1][0], kv[0]))
+            errors.append(
+                f"spec.{role.spec_key}.podsPerInstance: an instance of {r.pods_per_instance} "
+                f"pods of {r.npus_per_pod} NPUs fits no SuperPod of this cluster, even empty "
+                f"(the largest: {biggest}, {count} servers of {r.npu_type}); an "
+                "instance's pods run one per server in one SuperPod"
+            )
+    return errors
 
 
 def multi_pod(view: GroupView, role: zl.Role) -> bool:

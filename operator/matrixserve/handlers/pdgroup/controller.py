@@ -19,6 +19,7 @@ from matrixserve.adapters.pdgroup_metrics import PDGroupMetrics
 from matrixserve.adapters.zk_groups import GroupStore
 from matrixserve.api import kinds
 from matrixserve.api.resources import PDGroupSpec
+from matrixserve.api.roles import Role
 from matrixserve.api.status import PDGroupStatus
 from matrixserve.domain import pdgroup as pd
 from matrixserve.domain.effects import Effect, Event, PodCreation
@@ -62,7 +63,14 @@ async def check_rules(groups: PDGroups, request: Request) -> list[str]:
         running = await groups.rt.kube.list_pods(
             request.namespace, {kinds.LABEL_GROUP: request.name}
         )
-    return admit(request.operation, old, spec, request.deleting, request.name, running.values())
+    errors = admit(request.operation, old, spec, request.deleting, request.name, running.values())
+    if errors or request.deleting:
+        return errors
+    parsed, _ = parse_spec(spec, request.name)
+    if parsed is None or all(parsed.role_spec(r).pods_per_instance < 2 for r in Role):
+        return errors
+    # an instance of several pods no SuperPod of the cluster can hold: refused, not waiting
+    return pd.larger_than_any_superpod(parsed, (await groups.rt.kube.nodes()).values())
 
 
 async def check_scale(groups: PDGroups, request: Request) -> list[str]:
