@@ -469,26 +469,15 @@ class KubeAdapter:
 
     async def ungate_pod(self, namespace: str, name: str, uid: str) -> bool:
         """Remove the pod's scheduling gates, only while it is the pod of that UID (a JSON
-        patch's test). True if lifted; False if it is gone, someone else's now, or no longer
-        gated."""
+        patch's test). True if lifted; False if it is gone, someone else's now (the test
+        failed: 422), or no longer gated (no path to remove: 422)."""
         body = [
             {"op": "test", "path": "/metadata/uid", "value": uid},
             {"op": "remove", "path": "/spec/schedulingGates"},
         ]
-        self._fenced()
-        try:
-            await asyncio.to_thread(
-                self.core.patch_namespaced_pod,
-                name,
-                namespace,
-                body,
-                _content_type="application/json-patch+json",
-            )
-        except client.ApiException as exc:
-            if exc.status in (404, 409, 422):  # gone; changed; the test or the path failed
-                return False
-            raise
-        return True
+        return await self._patch_pod(
+            namespace, name, body, "application/json-patch+json", (404, 409, 422)
+        )
 
     async def claim_pod(
         self, namespace: str, name: str, resource_version: str, patch: Mapping[str, Any]
@@ -498,19 +487,24 @@ class KubeAdapter:
         resourceVersion with 409). True if the claim is ours; False if someone changed the pod
         first (another claim, a deletion) or it is gone."""
         body = {"metadata": {**patch, "resourceVersion": resource_version}}
+        # a JSON merge patch: ownerReferences replaced as a whole (a strategic merge would
+        # merge them by UID and keep the pool's controller reference beside the group's)
+        return await self._patch_pod(
+            namespace, name, body, "application/merge-patch+json", (404, 409)
+        )
+
+    async def _patch_pod(
+        self, namespace: str, name: str, body: Any, content_type: str, refused: tuple[int, ...]
+    ) -> bool:
+        """Patch a pod (fenced: only while this replica leads); False for a ``refused``
+        status (its precondition failed, or the pod is gone)."""
         self._fenced()
         try:
-            # a JSON merge patch: ownerReferences replaced as a whole (a strategic merge would
-            # merge them by UID and keep the pool's controller reference beside the group's)
             await asyncio.to_thread(
-                self.core.patch_namespaced_pod,
-                name,
-                namespace,
-                body,
-                _content_type="application/merge-patch+json",
+                self.core.patch_namespaced_pod, name, namespace, body, _content_type=content_type
             )
         except client.ApiException as exc:
-            if exc.status in (404, 409):
+            if exc.status in refused:
                 return False
             raise
         return True
