@@ -270,20 +270,37 @@ class KubeAdapter:
         self._nodes = (now, out)
         return out
 
-    async def npus_in_use(self, max_age: float = NODES_TTL_SECONDS) -> dict[str, int]:
+    async def npus_in_use(
+        self, namespaces: Sequence[str] = (), max_age: float = NODES_TTL_SECONDS
+    ) -> dict[str, int]:
         """NPUs every pod of the cluster holds or has reserved, by server: a bound pod's on its
         node, an unbound pod's on the server its node selector pins it to (a gang's reservation,
-        gated or not yet scheduled); finished pods hold none. One list shared by every group's pass
-        while it is younger than ``max_age`` s (the ClusterRole lists pods)."""
+        gated or not yet scheduled); finished pods hold none. ``namespaces``: only theirs (an
+        operator watching some namespaces may list pods there alone: another tenant's pods are
+        then the scheduler's to count, and a server taken under a reservation is found by the
+        gang's bound); none: the cluster's. One list shared by every group's pass while it is
+        younger than ``max_age`` s."""
         now = self._clock()
         if self._usage is not None and now - self._usage[0] < max_age:
             return self._usage[1]
-        found = await asyncio.to_thread(
-            self.core.list_pod_for_all_namespaces,
-            field_selector="status.phase!=Succeeded,status.phase!=Failed",
-        )
+        running = "status.phase!=Succeeded,status.phase!=Failed"
+        if namespaces:
+            lists = await asyncio.gather(
+                *(
+                    asyncio.to_thread(
+                        self.core.list_namespaced_pod, namespace, field_selector=running
+                    )
+                    for namespace in namespaces
+                )
+            )
+            items = [pod for found in lists for pod in found.items]
+        else:
+            found = await asyncio.to_thread(
+                self.core.list_pod_for_all_namespaces, field_selector=running
+            )
+            items = found.items
         used: dict[str, int] = {}
-        for pod in found.items:
+        for pod in items:
             if (pod.status.phase or "") in ("Succeeded", "Failed"):
                 continue
             # bound: its node's; pinned and not bound yet (gated, or ungated and not yet

@@ -10,8 +10,8 @@ The operator places such an instance itself, with what every current control pla
 
 1. **reserve**: :func:`matrixserve.domain.placement.place` picks one server per pod, all in one
    SuperPod (a decode in its group's decodes' SuperPod: required; a prefill prefers it, so that
-   its KV moves on UB), from the servers' allocatable NPUs less what every pod of the cluster
-   holds or has reserved; the pods are created with the scheduling gate :data:`kinds.GANG_GATE`
+   its KV moves on UB), from the servers' allocatable NPUs less what every pod holds or has
+   reserved (the cluster's, or the watched namespaces' when the operator watches some); the pods are created with the scheduling gate :data:`kinds.GANG_GATE`
    (the scheduler leaves a gated pod alone: Pod scheduling readiness, GA since Kubernetes 1.30)
    and pinned to their server by ``nodeSelector`` ``matrixserve.io/server`` (the scheduler still
    checks the fit: NPUs, taints, readiness). A gated pod holds no NPU; the operator counts it

@@ -63,8 +63,9 @@ class GroupView:
     fork_sources: tuple[zl.ForkSource, ...] = ()
     # The group's claimed pods whose assignment (of that pod's UID) is written.
     assigned: frozenset[str] = frozenset()
-    # NPUs every pod of the cluster holds or has reserved, by server (read with the nodes, for
-    # gang placement: what a server can still give is its allocatable NPUs less these).
+    # NPUs every pod (of the cluster, or the watched namespaces) holds or has reserved, by
+    # server (read with the nodes, for gang placement: what a server can still give is its
+    # allocatable NPUs less these).
     npus_used: Mapping[str, int] = field(default_factory=dict)
 
     def missing_pods(self, instance: str, role: zl.Role) -> list[str]:

@@ -143,7 +143,9 @@ class PDGroups:
             if placing or pd.may_recover(pods.values(), zk)
             else {}
         )
-        used = await rt.kube.npus_in_use(NODES_FRESH_SECONDS) if placing else {}
+        used = (
+            await rt.kube.npus_in_use(rt.config.namespaces, NODES_FRESH_SECONDS) if placing else {}
+        )
         view = pd.GroupView(
             namespace,
             name,
