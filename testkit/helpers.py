@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from matrixserve.api.kinds import LABEL_GROUP, PDGROUP
+from matrixserve.api.kinds import LABEL_EMULATED, LABEL_GROUP, PDGROUP
 from matrixserve.devcluster.errors import tail
 
 REPO = Path(__file__).resolve().parent.parent
@@ -346,3 +346,25 @@ def zookeeper(hosts: str, auth: str | None = None) -> Iterator[Any]:
     finally:
         zk.stop()
         zk.close()
+
+
+@contextlib.contextmanager
+def only_these_nodes(core: Any, keep: Iterable[str]) -> Iterator[None]:
+    """The session's other emulated nodes cordoned meanwhile (they take no pod of the test's),
+    and put back as they were after (a ``CoreV1Api`` as ``core``)."""
+    from kubernetes import client
+
+    keep = set(keep)
+    others = {
+        n.metadata.name: bool(n.spec.unschedulable)
+        for n in core.list_node(label_selector=f"{LABEL_EMULATED}=true").items
+        if n.metadata.name not in keep
+    }
+    for name in others:
+        core.patch_node(name, {"spec": {"unschedulable": True}})
+    try:
+        yield
+    finally:
+        for name, was in others.items():
+            with contextlib.suppress(client.ApiException):
+                core.patch_node(name, {"spec": {"unschedulable": was}})

@@ -65,12 +65,11 @@ from typing import Any
 import pytest
 from kubernetes import client, config
 
-from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo
 from matrixserve.devcluster.procs import process_start_time
 from testkit.chaoskit import CLIENTS, GROUP, SAMPLE_EVERY, Request, Stage, Traffic
-from testkit.helpers import Groups, absent, events_of, pdgroup_body, zookeeper
+from testkit.helpers import Groups, absent, events_of, only_these_nodes, pdgroup_body, zookeeper
 
 TIME_SCALE = "50"
 DETECTION = 2.0  # s: a fault may go unseen this long (Ready still True, a probe failing)
@@ -100,51 +99,41 @@ def stage(
     group ``g`` (2P+1D) serving."""
     zk = start_zookeeper()
     emulator = start_emulator(servers=3)
-    core = client.CoreV1Api(api_client)
     # the session's own emulated nodes take no pod of this test meanwhile
-    others = {
-        n.metadata.name: bool(n.spec.unschedulable)
-        for n in core.list_node(label_selector=f"{kinds.LABEL_EMULATED}=true").items
-        if n.metadata.name not in emulator.nodes
-    }
-    for name in others:
-        core.patch_node(name, {"spec": {"unschedulable": True}})
-    sampler_api = config.new_client_from_config(config_file=cluster.kubeconfig)
-    sampler_groups = Groups(sampler_api, namespace)
-    try:
-        operator = start_operator(
-            namespace, webhook=False, time_scale=TIME_SCALE, extra=("--zookeeper", zk.address)
-        )
-        gateway = start_gateway("--zookeeper", zk.address, "--time-scale", TIME_SCALE)
-        stage = Stage(
-            namespace,
-            groups,
-            zk,
-            emulator,
-            operator,
-            gateway,
-            lambda: sampler_groups.ready(GROUP),
-            tmp_path / "gateway" / "logs" / "gateway-0.log",
-        )
-        body = pdgroup_body(GROUP, 2, 1)
-        body["spec"]["slo"]["ttftMilliseconds"] = 60000
-        groups.create(body)
-        stage.wait(stage.is_ready, 90, "the group Ready")
-        yield stage
-    finally:
-        sampler_api.close()
-        for name, was in others.items():
+    with only_these_nodes(client.CoreV1Api(api_client), emulator.nodes):
+        sampler_api = config.new_client_from_config(config_file=cluster.kubeconfig)
+        sampler_groups = Groups(sampler_api, namespace)
+        try:
+            operator = start_operator(
+                namespace, webhook=False, time_scale=TIME_SCALE, extra=("--zookeeper", zk.address)
+            )
+            gateway = start_gateway("--zookeeper", zk.address, "--time-scale", TIME_SCALE)
+            stage = Stage(
+                namespace,
+                groups,
+                zk,
+                emulator,
+                operator,
+                gateway,
+                lambda: sampler_groups.ready(GROUP),
+                tmp_path / "gateway" / "logs" / "gateway-0.log",
+            )
+            body = pdgroup_body(GROUP, 2, 1)
+            body["spec"]["slo"]["ttftMilliseconds"] = 60000
+            groups.create(body)
+            stage.wait(stage.is_ready, 90, "the group Ready")
+            yield stage
+        finally:
+            sampler_api.close()
+            # a scenario that failed may leave its group behind with an operator that cannot
+            # finish it: the namespace's deletion must not hang on the finalizer
             with contextlib.suppress(client.ApiException):
-                core.patch_node(name, {"spec": {"unschedulable": was}})
-        # a scenario that failed may leave its group behind with an operator that cannot finish
-        # it: the namespace's deletion must not hang on the finalizer
-        with contextlib.suppress(client.ApiException):
-            if not absent(lambda: groups.get(GROUP)):
-                groups.delete(GROUP)
-                time.sleep(5)
-                groups.custom.patch_namespaced_custom_object(
-                    *groups.where, GROUP, {"metadata": {"finalizers": None}}
-                )
+                if not absent(lambda: groups.get(GROUP)):
+                    groups.delete(GROUP)
+                    time.sleep(5)
+                    groups.custom.patch_namespaced_custom_object(
+                        *groups.where, GROUP, {"metadata": {"finalizers": None}}
+                    )
 
 
 # --------------------------------------------------------------------------- scenarios

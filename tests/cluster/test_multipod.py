@@ -29,7 +29,7 @@ from enginestub import timing
 from matrixserve.api import kinds
 from matrixserve.api.catalog import DEEPSEEK_V3
 from testkit.chaoskit import pod_runs, restarted
-from testkit.helpers import CRDS, Groups, load, wait_for
+from testkit.helpers import CRDS, Groups, load, only_these_nodes, wait_for
 
 # Low enough that the engines' emulated times are precise to a few percent (a wall millisecond of
 # a busy machine's lateness is TIME_SCALE emulated ones); the weights come from the servers' SSD
@@ -52,30 +52,20 @@ def superpod(
     """A private 48-server SuperPod (the session's own emulated nodes cordoned meanwhile), the
     operator and the gateway for the namespace: (the emulator, the gateway's URL)."""
     emulator = start_emulator(servers=SERVERS)
-    core = client.CoreV1Api(api_client)
-    others = {
-        n.metadata.name: bool(n.spec.unschedulable)
-        for n in core.list_node(label_selector=f"{kinds.LABEL_EMULATED}=true").items
-        if n.metadata.name not in emulator.nodes
-    }
-    for name in others:
-        core.patch_node(name, {"spec": {"unschedulable": True}})
-    try:
-        start_operator(
-            namespace,
-            webhook=True,
-            time_scale=TIME_SCALE,
-            extra=("--engine-load-source", "SSD"),
-        )
-        gateway = start_gateway("--time-scale", TIME_SCALE)
-        yield emulator, gateway
-    finally:
-        for name, was in others.items():
-            with contextlib.suppress(client.ApiException):
-                core.patch_node(name, {"spec": {"unschedulable": was}})
-        for group in ("ds", "ds-big"):
-            with contextlib.suppress(client.ApiException):
-                groups.delete(group)
+    with only_these_nodes(client.CoreV1Api(api_client), emulator.nodes):
+        try:
+            start_operator(
+                namespace,
+                webhook=True,
+                time_scale=TIME_SCALE,
+                extra=("--engine-load-source", "SSD"),
+            )
+            gateway = start_gateway("--time-scale", TIME_SCALE)
+            yield emulator, gateway
+        finally:
+            for group in ("ds", "ds-big"):
+                with contextlib.suppress(client.ApiException):
+                    groups.delete(group)
 
 
 def _completion(
