@@ -159,6 +159,8 @@ def plan_seats(view: GroupView, wanted: Mapping[str, tuple[zl.Role, list[str]]])
     and missing pod names), decodes first (they fix the group's SuperPod), each placed whole
     or not at all; an instance with pods already there gets the rest in their SuperPod, on
     other servers."""
+    if not any(names for _, names in wanted.values()):
+        return SeatPlan({}, {})  # every pass of a group with nothing to place: no work
     free = {
         name: max(0, node.allocatable_npus - view.npus_used.get(name, 0))
         for name, node in view.nodes.items()
