@@ -19,7 +19,7 @@ CHECKOV_STAMP := $(CHECKOV_VENV)/.installed-$(CHECKOV_VERSION)
 .PHONY: help venv setup test test-unit lint checkov checkov-venv helm demo cluster-up cluster-down \
         cluster-status bench \
         bench-node-emulator bench-engine-streams bench-operator-setup bench-gateway-overhead bench-ttft-slo \
-        bench-recovery bench-scale-out bench-ratio bench-placement kind-up kind-down kind-load e2e-kind images clean
+        bench-recovery bench-scale-out bench-ratio bench-placement bench-expertpool kind-up kind-down kind-load e2e-kind images clean
 
 help:
 	@echo "make demo          bring up the local control plane + ZooKeeper and show what runs"
@@ -112,7 +112,7 @@ cluster-status: venv
 # --- benchmarks: each starts its own cluster and processes (bench-placement: pure, none), prints
 # ours vs the baseline and writes bench/results/<name>.json ------------------------------------
 bench: bench-node-emulator bench-engine-streams bench-operator-setup bench-gateway-overhead bench-ttft-slo \
-       bench-recovery bench-scale-out bench-ratio bench-placement
+       bench-recovery bench-scale-out bench-ratio bench-placement bench-expertpool
 
 bench-node-emulator: setup
 	$(PY) bench/node_emulator_scale.py
@@ -140,6 +140,9 @@ bench-ratio: setup
 
 bench-placement: setup
 	$(PY) bench/placement.py
+
+bench-expertpool: setup
+	$(PY) bench/expertpool.py
 
 # --- kind (needs Docker; not available on the project's own CI machines) -------------------
 kind-up:

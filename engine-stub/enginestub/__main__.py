@@ -26,12 +26,16 @@ from aiohttp import web
 from enginestub.engine.config import ConfigError, EngineConfig, parse, parse_warm
 from enginestub.engine.core import Engine
 from enginestub.engine.fork import LoadPlan
-from enginestub.engine.server import build_app
+from enginestub.engine.server import ExpertCall, build_app
 from matrixserve import httpserving
 
 if TYPE_CHECKING:
+    from enginestub.engine.attention import AttentionClient
+    from enginestub.engine.experts import ExpertServer
     from enginestub.engine.ranks import RankWorker
     from enginestub.engine.resident import Resident
+
+    Member = Resident | RankWorker | ExpertServer
 
 BAD_CONFIG = 2
 log = logging.getLogger("enginestub")
@@ -70,9 +74,22 @@ async def run_engine(
     the TE-Pre-Load ``pre_loaded`` it paid in this process before it."""
     engine = Engine(config, plan=plan, warm=warm, started_wall=started_wall, pre_loaded=pre_loaded)
     await engine.start()
-    resident: Resident | RankWorker | None = None
+    resident: Member | None = None
     handshake = None
-    if config.group is not None and config.rank > 0:
+    calls: dict[str, ExpertCall] = {}
+    client: AttentionClient | None = None
+    if config.attention_client:  # a decode whose experts are the pool's (alone or a group's)
+        from enginestub.engine.attention import AttentionClient
+
+        client = AttentionClient(engine)
+        calls["attention_step"] = client.attention_step
+        await client.start()
+    if config.role == "expert":
+        from enginestub.engine.experts import ExpertServer
+
+        resident = server = ExpertServer(engine)
+        calls["expert_forward"] = server.forward
+    elif config.group is not None and config.rank > 0:
         from enginestub.engine.ranks import RankWorker
 
         resident = RankWorker(engine)
@@ -81,11 +98,12 @@ async def run_engine(
 
         resident = leader = Resident(engine)
         handshake = leader.check_handshake
-    member = resident  # narrowed for the closure below
+    members = [m for m in (resident, client) if m is not None]
     app = build_app(
         engine,
         handshake=handshake,
-        ready=(lambda: member.ready) if member is not None else None,
+        ready=(lambda: all(m.ready for m in members)) if members else None,
+        **calls,
     )
     runner = web.AppRunner(app, access_log=None)
     await httpserving.start(
@@ -125,13 +143,16 @@ async def run_engine(
     engine.shutdown("the engine is stopping")
     if resident is not None:
         await resident.stop()
+    if client is not None:
+        await client.stop()
     await runner.cleanup()
     await engine.close()
     return code
 
 
-async def _bring_up(engine: Engine, resident: Resident | RankWorker | None) -> None:
-    """TE-Pre-Load, then the group protocol (it ends only by failing) or the load alone."""
+async def _bring_up(engine: Engine, resident: Member | None) -> None:
+    """TE-Pre-Load, then the group's or the expert pool's protocol (it ends only by failing)
+    or the load alone."""
     await engine.pre_load()
     if resident is None:
         await engine.load_model()

@@ -82,14 +82,25 @@ class StepCost:
         return "compute" if self.compute >= self.memory else "memory"
 
 
+def non_expert_weights_per_die(model: ModelShape, shape: InstanceShape) -> float:
+    """Bytes of the weights that are not routed or shared experts (attention, dense FFNs,
+    embedding) each die holds: its tensor-parallel share. What an attention client holds when
+    its experts are served elsewhere (xDeepServe §5.2; EaaS §3.1)."""
+    return (
+        (
+            model.layers * model.attention_params_per_layer
+            + model.dense_ffn_params
+            + model.embedding_params
+        )
+        / shape.tp
+        * model.weight_bytes
+    )
+
+
 def _weights_per_die(model: ModelShape, shape: InstanceShape) -> float:
     """Bytes of weights each die reads per step: its share of the replicated/TP'd layers and
     the experts it hosts (routed experts spread over the EP ranks)."""
-    non_expert = (
-        model.layers * model.attention_params_per_layer
-        + model.dense_ffn_params
-        + model.embedding_params
-    ) / shape.tp
+    non_expert = non_expert_weights_per_die(model, shape) / model.weight_bytes
     experts = 0.0
     if model.moe is not None:
         all_experts = model.routed_expert_params + model.shared_expert_params
@@ -282,15 +293,28 @@ def load_seconds(
     """
     if concurrent_loaders < 1:
         raise ValueError("concurrent_loaders must be >= 1")
-    weights = model.weight_bytes_total
+    if source in FORK_PLANES:
+        return fork_seconds(model, shape, FORK_PLANES[source])
+    seconds = model.weight_bytes_total / source_bandwidth(shape, source)
     if source is LoadSource.SHARED_FILE_SERVICE:
-        return weights * concurrent_loaders / cal.SHARED_FILE_SERVICE_EFFECTIVE_BANDWIDTH
-    if source is LoadSource.SSD:
-        nodes = max(shape.npus / catalog.NPUS_PER_SERVER, 1.0)
-        return weights / (cal.SSD_NODE_BANDWIDTH * nodes)
+        return seconds * concurrent_loaders
     if source is LoadSource.HOST_DRAM:
-        return weights / (cal.DRAM_TO_NPU_BANDWIDTH * shape.npus) + cal.TENSOR_INIT_SECONDS
-    return fork_seconds(model, shape, FORK_PLANES[source])
+        return seconds + cal.TENSOR_INIT_SECONDS
+    return seconds
+
+
+def source_bandwidth(shape: InstanceShape, source: LoadSource) -> float:
+    """Bytes per second an instance of ``shape`` reads its weights at from ``source``, alone:
+    the shared file service's effective bucket rate (001 T2), its servers' SSDs (400 Gbps per
+    node, 001 §4.4.1), host DRAM at the T2-derived rate per NPU, or an NPU-fork's link per die
+    (002 §6.2: each die receives its own shard)."""
+    if source is LoadSource.SHARED_FILE_SERVICE:
+        return cal.SHARED_FILE_SERVICE_EFFECTIVE_BANDWIDTH
+    if source is LoadSource.SSD:
+        return cal.SSD_NODE_BANDWIDTH * max(shape.npus / catalog.NPUS_PER_SERVER, 1.0)
+    if source is LoadSource.HOST_DRAM:
+        return cal.DRAM_TO_NPU_BANDWIDTH * shape.npus
+    return link_bandwidth(FORK_PLANES[source], same_node=False) * shape.dies
 
 
 def rank_load_seconds(

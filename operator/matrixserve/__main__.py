@@ -24,13 +24,14 @@ from matrixserve.domain.enginepod import EngineSettings, engine_network_policy
 from matrixserve.domain.leadership import Timing
 from matrixserve.domain.scaleout import Path as ScalePath
 from matrixserve.handlers import kinds as registration
+from matrixserve.handlers.expertpool import ExpertPools
 from matrixserve.handlers.pdgroup import PDGroups
 from matrixserve.handlers.runtime import OperatorConfig
 from matrixserve.handlers.warmpool import WarmPools
 
 # The kinds this operator runs (each a Controller class: handlers/controller.py); those with no
-# controller yet (ExpertPool, DPDomain) say so in their status (handlers/unserved.py).
-KINDS: tuple[registration.KindClass, ...] = (PDGroups, WarmPools)
+# controller yet (DPDomain) say so in their status (handlers/unserved.py).
+KINDS: tuple[registration.KindClass, ...] = (PDGroups, WarmPools, ExpertPools)
 
 
 def _non_negative(text: str) -> float:

@@ -114,15 +114,21 @@ def test_the_rendered_chart_runs_locked_down_with_no_wildcard_rbac(
                 or operator_create
             ), f"{role['metadata']['name']}: Secrets only by name"
     (webhook,) = by_kind["ValidatingWebhookConfiguration"]
-    # One entry per admission handler (kopf serves each at /<handler id>): the PDGroup itself,
-    # and its scale subresource (`kubectl scale` is checked by the same rules).
+    # One entry per admission handler (kopf serves each at /<handler id>): the PDGroup and the
+    # ExpertPool themselves, and their scale subresources (`kubectl scale` is checked by the
+    # same rules).
     routes = {
         (hook["clientConfig"]["service"]["path"], resource)
         for hook in webhook["webhooks"]
         for rule in hook["rules"]
         for resource in rule["resources"]
     }
-    assert routes == {("/pdgroup-rules", "pdgroups"), ("/pdgroup-scale", "pdgroups/scale")}
+    assert routes == {
+        ("/pdgroup-rules", "pdgroups"),
+        ("/pdgroup-scale", "pdgroups/scale"),
+        ("/expertpool-rules", "expertpools"),
+        ("/expertpool-scale", "expertpools/scale"),
+    }
     assert all(hook["clientConfig"]["caBundle"] for hook in webhook["webhooks"])
     assert {"ServiceMonitor", "PodMonitor", "ConfigMap", "StatefulSet"} <= set(by_kind)
 

@@ -294,16 +294,28 @@ CEL_RULES = [
         "2 exceeds maxRatio 1",
     ),
     (
-        {"spec.moe": {"mode": "Disaggregated", "dpDomainRef": {"name": "d"}}},
+        {"spec.moe": {"mode": "Disaggregated"}},
         "spec.moe",
-        "Disaggregated needs dpDomainRef and expertPoolRef",
+        "Disaggregated needs expertPoolRef",
     ),
-    # issue 31: fields accepted and read by nothing before, refused saying what works
+    (
+        {
+            "spec.moe": {
+                "mode": "Disaggregated",
+                "dpDomainRef": {"name": "d"},
+                "expertPoolRef": {"name": "e"},
+            }
+        },
+        "spec.moe.dpDomainRef",
+        "DPDomain has no controller yet: remove it; the decodes are the expert pool's attention "
+        "clients themselves",
+    ),
+    # fields accepted and read by nothing before, refused saying what works
     (
         {"spec.moe": {"mode": "Colocated"}},
         "spec.moe",
-        "MoE placement has no controller yet (ExpertPool and DPDomain come in later issues): "
-        "remove spec.moe; an MoE model's experts then run inside each instance (parallelism.ep)",
+        "Colocated needs no spec.moe: remove it; an MoE model's experts then run inside each "
+        "instance (parallelism.ep)",
     ),
     (
         {"spec.model.prefillArtifact": "s3://bucket/prefill.om"},

@@ -45,8 +45,8 @@ ARTEFACTS = (
     "compiles it itself; remove the field"
 )
 MOE = (
-    "MoE placement has no controller yet (ExpertPool and DPDomain come in later issues): remove "
-    "spec.moe; an MoE model's experts then run inside each instance (parallelism.ep)"
+    "Colocated needs no spec.moe: remove it; an MoE model's experts then run inside each "
+    "instance (parallelism.ep)"
 )
 DP = (
     "4 is not what runs: an instance's data-parallel degree is its 4 dies / tp 2 = 2 (leave dp "
@@ -292,7 +292,6 @@ ROWS = [
     Row("spec.slo.tpotMilliseconds", "runs", tpot_slo),
     Row("WarmPool spec.refillPolicy: Scheduled", "refused", refill_scheduled),
     Row("status.performance", "refused", performance),
-    Row("ExpertPool objects", "runs", unserved(kinds.EXPERTPOOL)),
     Row("DPDomain objects", "runs", unserved(kinds.DPDOMAIN)),
 ]
 
@@ -307,7 +306,7 @@ def test_each_field_of_issue_31_item_3_changes_what_runs_or_is_refused(
     began = time.monotonic()
     start_operator(namespace, webhook=False, time_scale="50")
     stage = Stage(namespace, api_client, groups, cluster.zookeeper, {})
-    for kind, sample in ((kinds.EXPERTPOOL, "expertpool"), (kinds.DPDOMAIN, "dpdomain")):
+    for kind, sample in ((kinds.DPDOMAIN, "dpdomain"),):
         body = load(CRDS / "samples" / f"{sample}.yaml")
         body["metadata"] = {"name": f"{kind.plural}-probe"}
         stage.create(kind, body)

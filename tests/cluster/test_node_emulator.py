@@ -334,8 +334,13 @@ def test_hang_stops_the_process_until_healed(
 
     result = emulator.fault(kind="hang", namespace=namespace, pod="sleepy")
     assert result["pids"] == [pid]
-    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    assert state == "T", "the process is not stopped"
+    # SIGSTOP is delivered asynchronously: the process may still be running for an instant
+    stat = Path(f"/proc/{pid}/stat")
+    wait_for(
+        lambda: stat.read_text().rsplit(")", 1)[1].split()[0] == "T",
+        timeout=5,
+        what="the process stopped (state T)",
+    )
     wait_for(
         lambda: not ready(core.read_namespaced_pod("sleepy", namespace)),
         timeout=10,

@@ -308,11 +308,11 @@ def test_without_zookeeper_the_operator_plans_nothing_destructive(
     assert groups.get("g")["status"].get("roceMapVersion", 0) == 0
 
 
-def test_an_expert_pool_or_dp_domain_says_no_controller_runs_it(
+def test_a_dp_domain_says_no_controller_runs_it(
     namespace: str, api_client: client.ApiClient, start_operator: Callable[..., Any]
 ) -> None:
-    """Issue 31: an ExpertPool or DPDomain was accepted and nothing said that nothing runs it.
-    Each says so in its status (Ready=False, NoController) and in a Warning Event; a new
+    """A DPDomain was accepted and nothing said that nothing runs it (ExpertPool has its
+    controller now: tests/cluster/test_expertpool_serving.py). It says so in its status (Ready=False, NoController) and in a Warning Event; a new
     generation is said again, and nothing is created for it."""
     from matrixserve.api import kinds
     from testkit.helpers import CRDS, load
@@ -320,7 +320,7 @@ def test_an_expert_pool_or_dp_domain_says_no_controller_runs_it(
     start_operator(namespace, webhook=False)
     custom = client.CustomObjectsApi(api_client)
     core = client.CoreV1Api(api_client)
-    for kind, sample in ((kinds.EXPERTPOOL, "expertpool"), (kinds.DPDOMAIN, "dpdomain")):
+    for kind, sample in ((kinds.DPDOMAIN, "dpdomain"),):
         body = load(CRDS / "samples" / f"{sample}.yaml")
         name = body["metadata"]["name"]
         where = (kind.group, kind.version, namespace, kind.plural)

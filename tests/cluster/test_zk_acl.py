@@ -55,8 +55,9 @@ def test_only_matrixserve_reads_writes_or_deletes_its_znodes(
     assert cluster.zookeeper_auth, "the dev cluster gives MatrixServe a ZooKeeper identity"
     assert auth == cluster.zookeeper_auth
     # A znode an earlier version made, open to all (here by a client with the identity that
-    # leaves kazoo's open default ACL): the operator closes it when it starts.
-    legacy = f"{zl.ROOT}/expertpools/{namespace}/legacy/map"
+    # leaves kazoo's open default ACL): the operator closes it when it starts. In a folder no
+    # kind sweeps (an expert pool's subtree without its pool is swept away).
+    legacy = f"{zl.ROOT}/legacy-acl-test/{namespace}/map"
     with zookeeper(cluster.zookeeper) as zk:
         zk.create(legacy, b"kept", makepath=True)
     with zookeeper(cluster.zookeeper, auth="") as anon:
@@ -91,7 +92,7 @@ def test_only_matrixserve_reads_writes_or_deletes_its_znodes(
         assert zk.get(legacy)[0] == b"kept", "closed, not lost"
         assert zl.RoceMap.parse(zk.get(paths.roce_map)[0]).version >= 1
         assert sorted(zk.get_children(paths.entrances)) == ["g-p-0", "g-p-1"]
-        zk.delete(f"{zl.ROOT}/expertpools/{namespace}", recursive=True)
+        zk.delete(f"{zl.ROOT}/legacy-acl-test/{namespace}", recursive=True)
 
     # Engines mount the identity from the Secret the operator wrote; no pod spec holds it.
     core = client.CoreV1Api(api_client)

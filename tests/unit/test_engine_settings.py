@@ -225,3 +225,18 @@ def test_one_load_source_enum_on_both_sides() -> None:
             ["--zookeeper", "zk:2181", "--no-webhook", "--engine-load-source", source.value]
         )
         assert config.engine.load_source is source
+
+
+def test_only_the_decodes_of_a_disaggregated_group_are_the_pools_attention_clients() -> None:
+    """EaaS §5.1: decoding only. A group without ``moe`` writes no pool, as before."""
+    raw = SPEC.model_dump(by_alias=True, exclude_none=True)
+    moe = {"mode": "Disaggregated", "expertPoolRef": {"name": "experts"}}
+    spec = PDGroupSpec.model_validate(raw | {"moe": moe})
+    name = EngineEnv.name("expert_pool")
+    decode = group_pods.engine_settings("ns", "g", Role.DECODE, spec, SETTINGS).to_dict()
+    prefill = group_pods.engine_settings("ns", "g", Role.PREFILL, spec, SETTINGS).to_dict()
+    assert decode[name] == "ns/experts"
+    assert name not in prefill
+    plain = group_pods.engine_settings("ns", "g", Role.DECODE, SPEC, SETTINGS).to_dict()
+    assert name not in plain
+    assert name in ASSIGNMENT_ENV  # a claimed warm pod becomes a client too

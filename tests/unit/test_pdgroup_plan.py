@@ -346,7 +346,21 @@ def test_a_ladder_rung_that_is_not_p_to_d_is_refused(rung: str) -> None:
             {"ratioPolicy": {"mode": "Feedback", "ladder": ["1:3", "3:1"]}},
             "within its bounds and the ladder 1:3, 3:1",
         ),
-        ({"moe": {"mode": "Disaggregated"}}, "needs dpDomainRef and expertPoolRef"),
+        ({"moe": {"mode": "Disaggregated"}}, "spec.moe: Disaggregated needs expertPoolRef"),
+        (
+            {"moe": {"mode": "Disaggregated", "expertPoolRef": {"name": "e"}}},
+            "spec.moe: Disaggregated needs an MoE model: llama3-8b has no routed experts",
+        ),
+        (
+            {
+                "moe": {
+                    "mode": "Disaggregated",
+                    "expertPoolRef": {"name": "e"},
+                    "dpDomainRef": {"name": "d"},
+                }
+            },
+            "spec.moe.dpDomainRef: DPDomain has no controller yet",
+        ),
         (
             {"prefill": {"replicas": 1, "devicesPerInstance": 2, "parallelism": {"tp": 3}}},
             "tp: 3 does not divide",

@@ -23,14 +23,20 @@ from matrixserve.adapters.metrics import OperatorMetrics
 from matrixserve.adapters.pdgroup_metrics import PDGroupMetrics
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
+from matrixserve.api.catalog import PRESETS
 from matrixserve.api.resources import PDGroupSpec
+from matrixserve.api.roles import Role
 from matrixserve.domain.effects import Event
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.observed import PodView
 from matrixserve.domain.pdgroup.pods import pod_labels, pod_manifest, role_label
 from matrixserve.domain.pdgroup.validation import (
     ANNOTATION_TEMPLATE,
+    admission_rules,
     admit,
+    expert_pool_errors,
+    held_weights,
+    model_facts,
     parse_spec,
     running_template_changes,
     stamp,
@@ -429,9 +435,8 @@ async def test_reconcile_refuses_a_template_change_and_touches_nothing() -> None
         (
             "moe",
             {"mode": "Colocated"},
-            "spec.moe: MoE placement has no controller yet (ExpertPool and DPDomain come in "
-            "later issues): remove spec.moe; an MoE model's experts then run inside each "
-            "instance (parallelism.ep)",
+            "spec.moe: Colocated needs no spec.moe: remove it; an MoE model's experts then run "
+            "inside each instance (parallelism.ep)",
         ),
         (
             "model.prefillArtifact",
@@ -569,3 +574,99 @@ async def test_reconcile_reports_a_rule_error_and_a_template_change_together() -
     (ready,) = [c for c in status["conditions"] if c["type"] == "Ready"]
     assert "spec.decode.replicas: 400 decode NPUs cannot be placed" in ready["message"]
     assert 'spec.decode.image: "x:2" differs from' in ready["message"]
+
+
+# --------------------------------------------------------------------------- expert pools
+def _pool(model: str | None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"experts": 256, "layers": 58, "topK": 8}
+    if model is not None:
+        spec["name"] = model
+    return {"spec": {"model": spec, "servers": {"replicas": 8}}}
+
+
+@pytest.mark.parametrize(
+    ("pool", "errors"),
+    [
+        (_pool("llama3-8b"), []),
+        (_pool(None), []),  # a pool that names no model serves whichever
+        (None, []),  # not there yet: waited for
+        (
+            _pool("deepseek-v3"),
+            [
+                "spec.moe.expertPoolRef: ExpertPool experts serves model deepseek-v3, not this "
+                "group's llama3-8b"
+            ],
+        ),
+    ],
+)
+def test_a_pool_of_another_model_is_refused(pool: dict[str, Any] | None, errors: list[str]) -> None:
+    moe = {"mode": "Disaggregated", "expertPoolRef": {"name": "experts"}}
+    assert expert_pool_errors(parsed(changed("moe", moe)), pool) == errors
+    assert expert_pool_errors(parsed(raw()), _pool("deepseek-v3")) == []  # no moe, no pool
+
+
+# ------------------------------------------------------------------ experts pooled: the decode's HBM
+def _deepseek(decode: dict[str, Any], moe: bool) -> PDGroupSpec:
+    body = changed("model.name", "deepseek-v3")
+    body["prefill"] = {"replicas": 1, "devicesPerInstance": 8}
+    body["decode"] = {"replicas": 1, **decode}
+    if moe:
+        body["moe"] = {"mode": "Disaggregated", "expertPoolRef": {"name": "experts"}}
+    return parsed(body)
+
+
+def test_a_deepseek_decode_of_two_npus_fits_once_its_experts_are_pooled() -> None:
+    """671B INT8 weights need six NPUs' HBM; without its experts (EaaS §3.1) a decode holds
+    about 14.5 GB and fits two NPUs with its KV. The prefill of the same group keeps its experts."""
+    decode = {"devicesPerInstance": 2, "batchSize": 32}
+    (alone,) = [e for e in admission_rules(_deepseek(decode, moe=False)) if "spec.decode" in e]
+    assert alone.startswith("spec.decode.devicesPerInstance: 6")
+    assert "GB of weights do not fit 2 NPUs (230.4 GB usable HBM)" in alone
+    assert admission_rules(_deepseek(decode, moe=True)) == []
+    spec, facts = _deepseek(decode, moe=True), model_facts(_deepseek(decode, moe=True))
+    assert facts is not None
+    shape = PRESETS["deepseek-v3"]
+    assert held_weights(spec, Role.DECODE, facts) == shape.non_expert_weight_bytes
+    assert 14e9 < shape.non_expert_weight_bytes < 15e9  # attention, 3 dense FFNs, embeddings
+    assert held_weights(spec, Role.PREFILL, facts) == shape.weight_bytes_total
+
+
+def test_a_pooled_decode_counts_a_copy_per_tp_group_and_its_kv() -> None:
+    """Data-parallel attention (tp 1 on 4 dies): four copies of the non-expert weights, as the
+    engine holds them; the KV left is counted after them and said so."""
+    tp1 = _deepseek({"devicesPerInstance": 2, "batchSize": 32, "parallelism": {"tp": 1}}, True)
+    facts = model_facts(tp1)
+    assert facts is not None
+    assert held_weights(tp1, Role.DECODE, facts) == 4 * facts.non_expert_bytes
+    big = _deepseek({"devicesPerInstance": 1, "batchSize": 4096}, moe=True)
+    (kv,) = admission_rules(big)
+    assert kv.startswith("spec.decode.batchSize: 4096 requests x")
+    assert kv.endswith("GB of HBM is left after the non-expert weights (experts pooled)")
+
+
+def test_a_pooled_decode_is_an_instance_of_one_pod() -> None:
+    two_pods = _deepseek({"devicesPerInstance": 16, "podsPerInstance": 2, "batchSize": 32}, True)
+    assert admission_rules(two_pods) == [
+        "spec.decode.podsPerInstance: 2: an ExpertPool's attention client is an instance of "
+        "one pod (its experts are the pool's: devicesPerInstance up to 8 NPUs hold its weights)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("experts", "layers", "refused"),
+    [(256, 58, False), (8, 58, True), (256, 3, True)],
+)
+def test_a_pool_short_of_the_models_experts_is_refused(
+    experts: int, layers: int, refused: bool
+) -> None:
+    spec = _deepseek({"devicesPerInstance": 2, "batchSize": 32}, moe=True)
+    pool = {"spec": {"model": {"name": "deepseek-v3", "experts": experts, "layers": layers}}}
+    errors = expert_pool_errors(spec, pool)
+    assert errors == (
+        [
+            f"spec.moe.expertPoolRef: ExpertPool experts holds {experts} experts x {layers} "
+            "layers; deepseek-v3 has 256 x 58 (its decodes need every one covered)"
+        ]
+        if refused
+        else []
+    )

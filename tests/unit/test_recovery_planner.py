@@ -598,8 +598,8 @@ def test_every_plan_is_feasible_on_its_snapshot(case: dict[str, Any]) -> None:
     assert set(plan.deferred) <= set(f.instances)
     assert len(taken) == min(room, len(f.instances))
     if plan.deferred and taken:  # the protected role is taken first under the cap
-        assert min(policy.weight(topo.members[n].role) for n in taken) >= max(
-            policy.weight(topo.members[n].role) for n in plan.deferred
+        assert min(policy.weight(topo.members[n].tag) for n in taken) >= max(
+            policy.weight(topo.members[n].tag) for n in plan.deferred
         )
     if plan.chosen is None:
         assert room == 0
@@ -617,19 +617,19 @@ def test_every_plan_is_feasible_on_its_snapshot(case: dict[str, Any]) -> None:
     held = npus_withheld(f, topo, taken)
     if "warmReady" in pick.terms:  # a warm pod per faulty instance, of its role
         assert pick.action is A.REPLACE
-        roles = Counter(topo.members[n].role for n in taken)
+        roles = Counter(topo.members[n].tag for n in taken)
         assert all(est.warm_pods.get(r, 0) >= k and r in est.warm_ready for r, k in roles.items())
         assert est.warm_total is None or est.warm_total >= len(taken)
     elif pick.action in (A.REPLACE, A.RESTART_GROUP):
         assert free is None or free >= held
     if pick.action is A.SHRINK:
-        decodes = {n for n in taken if topo.members[n].role is D}
+        decodes = {n for n in taken if topo.members[n].tag is D}
         assert decodes
         assert free is not None
         assert free < held
         freed = sum(topo.members[n].npus for n in pick.sacrificed)
         assert free + freed >= npus_withheld(f, topo, decodes)
-        prefills = {n for n, m in topo.members.items() if m.role is P}
+        prefills = {n for n, m in topo.members.items() if m.tag is P}
         assert set(pick.sacrificed) <= prefills  # faulty prefills first, then healthy ones
         assert taken & prefills <= set(pick.sacrificed)
         assert len(prefills - set(pick.sacrificed)) >= 1
@@ -689,7 +689,7 @@ def test_a_shrink_frees_npus_a_new_decode_can_use(case: dict[str, Any]) -> None:
     (decode,) = f.instances
     servers = topo.servers or {}
     size = topo.members[decode].npus
-    home = {m.superpod for n, m in topo.members.items() if m.role is D and n != decode}
+    home = {m.superpod for n, m in topo.members.items() if m.tag is D and n != decode}
 
     def takes(server: rc.Server) -> bool:
         return not server.refuses and (not home or server.superpod in home)
@@ -698,11 +698,11 @@ def test_a_shrink_frees_npus_a_new_decode_can_use(case: dict[str, Any]) -> None:
         freed: dict[str, int] = {}
         for name in pick.sacrificed:
             member = topo.members[name]
-            assert member.role is P
+            assert member.tag is P
             assert takes(servers[member.node or ""]), (name, member.node)
             freed[member.node or ""] = freed.get(member.node or "", 0) + member.npus
         assert any(takes(s) and s.free + freed.get(s.name, 0) >= size for s in servers.values())
-        assert any(m.role is P and n not in pick.sacrificed for n, m in topo.members.items())
+        assert any(m.tag is P and n not in pick.sacrificed for n, m in topo.members.items())
     if pick.action is A.REPLACE:
         assert any(takes(s) and s.free >= size for s in servers.values())
 
@@ -1172,3 +1172,40 @@ def test_a_multi_pod_decode_whose_worker_server_is_down_is_replaced_whole_beside
         topo, free_npus=0, servers={**servers, "spare": rc.Server("spare", 0, "sp0")}
     )
     assert not by_action(choose(node_down, full))[A.REPLACE].feasible
+
+
+# --------------------------------------------------------------------------- any kind's members
+def test_the_planner_prices_an_expert_servers_replacement_by_its_tag() -> None:
+    """Members are tagged, not roled: an ExpertPool's servers (tag ``expert``) are priced by the
+    same planner. A killed server past its crash loop: a warm pod of its tag replaces it; the
+    shrink, a PDGroup's, is not for them; capacity lost is one server in eight."""
+    servers = {
+        f"n{i}": rc.Server(f"n{i}", 0, "sp0", {"other": "not its NPU type"}) for i in range(8)
+    }
+    members = {
+        f"srv-{i}": rc.Member(f"srv-{i}", "expert", 1, f"n{i}", restarts=5, superpod="sp0")
+        for i in range(8)
+    }
+    topo = rc.Topology(members, 0, servers)
+    fault = Fault(FaultKind.KILL, ("srv-3",), Tier.SESSION, 0.0)
+    cold = rc.choose(fault, topo, rc.Policy(), rc.Estimates(), connected=True)
+    assert cold.chosen is not None
+    # no NPU free anywhere but its own, which comes back where it ran: replaced cold there
+    assert cold.chosen.action is rc.ActionKind.REPLACE
+    assert cold.chosen.lost == pytest.approx(1 / 8)
+    shrink = next(o for o in cold.alternatives if o.action is rc.ActionKind.SHRINK)
+    assert not shrink.feasible
+    assert shrink.why == "no decode is faulty"
+    warm = rc.Estimates(warm_pods={"expert": 1}, warm_ready={"expert": 0.7}, warm_total=1)
+    plan = rc.choose(fault, topo, rc.Policy(), warm, connected=True)
+    assert plan.chosen is not None
+    assert plan.chosen.action is rc.ActionKind.REPLACE
+    assert plan.chosen.terms == {"podDelete": 1.0, "warmReady": 0.7}
+    # a warm pod of another tag is no replacement for a server
+    other = rc.Estimates(warm_pods={P: 1}, warm_ready={P: 0.7})
+    (replace,) = (
+        o
+        for o in rc.options(fault, topo, rc.Policy(), other, {"srv-3"})
+        if o.action is rc.ActionKind.REPLACE
+    )
+    assert "warmReady" not in replace.terms

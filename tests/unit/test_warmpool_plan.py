@@ -18,7 +18,8 @@ from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import EngineResources, Ref, WarmPoolSpec
 from matrixserve.api.status import PDGroupStatus
-from matrixserve.domain import pdgroup
+from matrixserve.domain import pdgroup, warmclaim
+from matrixserve.domain import scaleout as so
 from matrixserve.domain import warmpool as wp
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.observed import PodView
@@ -243,6 +244,77 @@ def test_a_missing_instance_claims_a_warm_pod_instead_of_creating_one() -> None:
     assert labels[kinds.LABEL_CLAIMED_BY] == "g"
     assert claim.patch["ownerReferences"][0]["uid"] == "uid-g"
     assert json.loads(claim.patch["annotations"][kinds.ANNOTATION_CLAIM])["instance"] == "g-p-1"
+
+
+def test_a_claim_names_its_kind_and_a_bare_name_reads_as_a_pdgroups() -> None:
+    view = group_view([member("g-d-0", D)], [warm_pod("wp-two-0")])
+    (claim,) = warm_or_cold(view, {"g-p-0": P})
+    assert isinstance(claim, ClaimWarmPod)
+    assert claim.patch["labels"][kinds.LABEL_CLAIMED_KIND] == "PDGroup"
+    # a pod the operator claimed before the kind was written: the group's still
+    old = claimed("wp-two-0", "g-p-1", P, {"path": "WarmSharedFileService"})
+    assert kinds.LABEL_CLAIMED_KIND not in old.labels
+    assert warmclaim.Claimer.of(old) == warmclaim.Claimer("PDGroup", "g")
+    assert warmclaim.Claimer.of(warm_pod("wp-two-1")) is None
+    assert group_view([member("g-d-0", D), old], []).claimed(old)
+
+
+def test_an_expert_pools_claim_of_the_same_name_is_not_the_groups() -> None:
+    pool = warmclaim.Claimer("ExpertPool", "g")
+    theirs = claimed("wp-two-0", "g-p-1", P, {"path": "WarmSharedFileService"})
+    theirs = dataclasses.replace(theirs, labels={**theirs.labels, **pool.labels()})
+    view = group_view([member("g-p-0", P), member("g-d-0", D), theirs], [])
+    assert pool.claimed(theirs)
+    assert not view.claimed(theirs)
+    assert "g-p-1" not in view.instances  # a stray of the group's label, not its instance
+    assert not assignments(view)
+    # and a claimed pod is no candidate for anyone
+    fit = warmclaim.Fit("Ascend910C", 2, pool_spec().image)
+    free = warm_pod("wp-two-1")
+    taken = dataclasses.replace(free, name="wp-two-2", labels={**free.labels, **pool.labels()})
+    reports = {n: warm_report(n) for n in ("wp-two-1", "wp-two-2")}
+    reports["wp-two-2"] = reports["wp-two-2"].model_copy(update={"pod_uid": "uid-wp-two-1"})
+    pods = {"wp-two-1": free, "wp-two-2": taken}
+    assert [w.name for w in warmclaim.candidates(pods, reports, fit)] == ["wp-two-1"]
+    elsewhere = dataclasses.replace(fit, superpods=frozenset({"sp9"}))
+    assert warmclaim.candidates(pods, reports, elsewhere) == []
+
+
+def test_an_expert_pool_claims_and_assigns_a_warm_pod_through_the_shared_claim() -> None:
+    """What an ExpertPool's replacement server takes from the shared module: the patch with
+    its kind, its owner, the record; the assignment falling back when its fork source is gone."""
+    pool = warmclaim.Claimer("ExpertPool", "experts")
+    choice = so.choose(
+        [so.Want("srv-3", "llama3-8b", "", 2)],
+        [so.WarmPod("wp-two-0", "n1", "sp0", 2)],
+        [so.ForkSource("ns/g/g-p-0", "sp0", "llama3-8b", "", None)],
+        so.Estimates(1.0, 0.2, 1.0, 0.1, 0.5, dict.fromkeys(so.LOAD_SOURCE.values(), 5.0)),
+        set(so.Path),
+    )[0]
+    owner = {"apiVersion": kinds.API_VERSION, "kind": "ExpertPool", "name": "experts", "uid": "u"}
+    record = warmclaim.record(choice, "srv-3", "expert", now=12.0)
+    patch = warmclaim.claim_patch(pool, owner, {"app": "x"}, {}, record)
+    assert patch["labels"] == {"app": "x", **pool.labels()}
+    assert patch["ownerReferences"] == [owner]
+    pod = dataclasses.replace(
+        warm_pod("wp-two-0"),
+        labels={**warm_pod("wp-two-0").labels, **patch["labels"]},
+        annotations=patch["annotations"],
+    )
+    assert warmclaim.claim_of(pod).instance == "srv-3"
+    assert choice.path in (Path.WARM_FORK_UB, Path.WARM_FORK_ROCE)
+    env = {"ENGINE_ROLE": "expert"}
+    forked = warmclaim.assignment(
+        pod, owner="ns/experts", instance="srv-3", env=env, fork_sources=[source()], now=13.0
+    )
+    assert forked.fork is not None
+    assert forked.load_source == "NPUForkUB"
+    assert (forked.group, forked.instance, forked.env) == ("ns/experts", "srv-3", env)
+    gone = warmclaim.assignment(
+        pod, owner="ns/experts", instance="srv-3", env=env, fork_sources=[], now=13.0
+    )
+    assert gone.fork is None
+    assert gone.load_source == "SharedFileService"
 
 
 def test_one_warm_pod_is_promised_to_one_instance_the_rest_start_cold() -> None:

@@ -114,6 +114,18 @@ class EngineConfig(BaseModel):
     # "reject" (P/D-Serve: prefill never queues) or "queue": a local FIFO at the prefill, the
     # paper's original version, kept as the gateway benchmark's baseline.
     admission: Literal["reject", "queue"] = "reject"
+    # Experts as a service (enginestub.engine.experts, .attention): the pool "<ns>/<name>" an
+    # expert server or attention client belongs to, the mode (eaas: a client drops a failed
+    # server and re-sends to a replica; monolithic: the baseline's static group, EaaS §2.2), a
+    # server's slots per layer (None: as many as fit its HBM), a client's failover timeout
+    # (emulated s, EaaS §3.4), the experts' popularity and the microbatches per iteration
+    # (xDeepServe §5.2: two).
+    expert_pool: str | None = None
+    expert_mode: Literal["eaas", "monolithic"] = "eaas"
+    expert_slots: int | None = Field(default=None, ge=1, le=4096)
+    expert_failover: float = Field(default=cal.EXPERT_FAILOVER_SECONDS, gt=0, le=3600)
+    expert_popularity: str = "uniform"
+    microbatches: int = Field(default=cal.DISAGGREGATED_MICROBATCHES, ge=1, le=16)
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:
@@ -136,6 +148,13 @@ class EngineConfig(BaseModel):
             raise ValueError(f"group {self.group!r} must be <namespace>/<name>")
         if self.group is not None and self.zookeeper is None:
             raise ValueError(f"a group needs a ZooKeeper address ({EngineEnv.name('zookeeper')})")
+        if self.role in ("prefill", "colocated") and self.expert_pool is not None:
+            raise ValueError(
+                f"a {self.role} engine keeps its experts: an expert pool's clients are decodes "
+                f"(EaaS §5.1, decoding only); unset {EngineEnv.name('expert_pool')}"
+            )
+        if self.role == "expert" or self.attention_client:
+            self._check_expert_pool()
         if self.hang_bound <= self.loop_beat_interval:
             raise ValueError(
                 f"--hang-bound {self.hang_bound:g} must be more than --loop-beat-interval "
@@ -149,6 +168,47 @@ class EngineConfig(BaseModel):
                 "give the instance more dies"
             )
         return self
+
+    @property
+    def attention_client(self) -> bool:
+        """Its MoE layers are served by its expert pool (:mod:`.attention`): the attention
+        role, or a group's decode with a pool (``decode``, or ``auto``, whose role the RoCE map
+        gives: a pool is only ever given to a decode, EaaS §5.1)."""
+        if self.role == "attention":
+            return True
+        return self.expert_pool is not None and self.role in ("decode", "auto")
+
+    def _check_expert_pool(self) -> None:
+        name = EngineEnv.name("expert_pool")
+        who = "an expert" if self.role == "expert" else "an attention client (decode)"
+        if self.model.moe is None:
+            raise ValueError(f"{who} engine needs an MoE model; {self.model.name} has none")
+        if self.expert_pool is None or self.expert_pool.count("/") != 1:
+            raise ValueError(
+                f"{who} engine needs its expert pool as <namespace>/<name> "
+                f"({name}), not {self.expert_pool!r}"
+            )
+        zl.ExpertPoolPaths(*self.expert_pool.split("/"))  # valid names, or ValueError
+        if self.zookeeper is None:
+            raise ValueError(
+                f"{who} engine needs ZooKeeper ({EngineEnv.name('zookeeper')}): "
+                "the pool's map and servers are there"
+            )
+        if self.ranks > 1:
+            raise ValueError(f"{who} engine is an instance of one pod")
+
+    @property
+    def slots(self) -> int:
+        """An expert server's slots per MoE layer: as configured, else as many experts as its
+        dies' usable HBM holds in every MoE layer."""
+        if self.expert_slots is not None:
+            return self.expert_slots
+        moe = self.model.moe
+        if moe is None:
+            return 1
+        one = moe.moe_layers * self.model.expert_params_per_layer * self.model.weight_bytes
+        hbm = self.instance_dies * catalog.DIE_HBM_BYTES * HBM_USABLE_FRACTION
+        return max(1, int(hbm // one))
 
     def _dies_said(self) -> str:
         dies = len(self.dies)
@@ -169,7 +229,13 @@ class EngineConfig(BaseModel):
 
     @property
     def weights_bytes(self) -> float:
-        """The whole instance's weights (every rank's dies)."""
+        """The whole instance's weights (every rank's dies): an expert server's are its slots'
+        in every MoE layer, an attention client's everything but the experts."""
+        if self.role == "expert" and self.model.moe is not None:
+            per_slot = self.model.expert_params_per_layer * self.model.weight_bytes
+            return self.slots * self.model.moe.moe_layers * per_slot
+        if self.attention_client:
+            return timing.non_expert_weights_per_die(self.model, self.shape) * self.instance_dies
         return timing._weights_per_die(self.model, self.shape) * self.instance_dies
 
     @property
@@ -343,6 +409,30 @@ def _parser() -> argparse.ArgumentParser:
         default=_given(env.step_scheduling, "absolute"),
         help="decode step scheduling: absolute deadlines (default) or relative (naive baseline)",
     )
+    parser.add_argument(
+        "--expert-pool",
+        default=env.expert_pool,
+        help="<namespace>/<name> of the expert pool of an expert server or attention client",
+    )
+    parser.add_argument("--expert-mode", default=_given(env.expert_mode, "eaas") or "eaas")
+    parser.add_argument(
+        "--expert-slots",
+        type=int,
+        default=_given(env.expert_slots, "0"),
+        help="an expert server's slots per MoE layer (default: as many as fit its HBM)",
+    )
+    parser.add_argument(
+        "--expert-failover-ms",
+        type=_positive,
+        default=_given(env.expert_failover_ms, str(cal.EXPERT_FAILOVER_SECONDS * 1000)),
+        help="emulated ms an attention client waits for a server's answer before it drops it "
+        "and re-sends its part to a replica (EaaS §3.4)",
+    )
+    parser.add_argument(
+        "--expert-popularity",
+        default=_given(env.expert_popularity, "uniform"),
+        help="uniform | zipf (the hottest expert 30x the mean) | a JSON trace file",
+    )
     httpserving.add_arguments(parser, "ENGINE_", CONNECTION_LIMITS)
     return parser
 
@@ -406,6 +496,11 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
             decode_peers=args.decode_peer,
             step_scheduling=args.step_scheduling,
             admission=args.admission,
+            expert_pool=args.expert_pool or None,
+            expert_mode=args.expert_mode,
+            expert_slots=args.expert_slots or None,
+            expert_failover=args.expert_failover_ms / 1000,
+            expert_popularity=args.expert_popularity,
         )
     except ValidationError as exc:
         raise ConfigError(_errors(exc)) from None

@@ -39,7 +39,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -127,6 +127,12 @@ class Engine:
         self.loaded = False
         self.load_seconds: float | None = None
         self.on_health_change: Callable[[], None] = lambda: None
+        # An attention client's admission check (:mod:`.attention`): raises while an expert has
+        # no live copy (its requests could not decode); and what its load waits for last: its
+        # pool's map in force, every expert with a live copy (it could not step before)
+        self.expert_check: Callable[[], None] = lambda: None
+        self.experts_in_force: Callable[[], Awaitable[None]] | None = None
+        self.waiting_for: str | None = None  # what a load done waits for, said while not loaded
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None), trust_env=False)
         plane_bw = link_bandwidth(config.kv_plane, same_node=False)
         self.kv_ingress = SharedResource(self.clock, plane_bw * config.instance_dies)
@@ -273,17 +279,31 @@ class Engine:
         log.info(
             "model %s loaded from %s in %.2f emulated s", cfg.model.name, source, self.load_seconds
         )
+        await self.post_load()
+        return self.load_seconds
+
+    async def post_load(self) -> None:
+        """TE-Post-Load, then the instance is loaded (an expert server has nothing more to load
+        before it: its slots come with the expert map, :mod:`.experts`). An attention client is
+        loaded once its pool's map is in force too: until then it could not step, so it says
+        it is loading (no health, not ready) and its group is not Ready on it."""
         post = self.clock.now()
         await self.clock.sleep(cal.TE_POST_LOAD_SECONDS)
         self._phase("TEPostLoad", self.clock.now() - post)
+        if self.experts_in_force is not None:
+            self.waiting_for = f"its expert pool {self.config.expert_pool}'s map"
+            await self.experts_in_force()
+            self.waiting_for = None
         self.loaded = True
         self._health_changed()
-        return self.load_seconds
 
     def _load_time(self, source: timing.LoadSource) -> float:
         """A load's emulated seconds from ``source`` alone (the bucket to itself): this pod's
         share of the instance's weights (all of them for an instance of one pod)."""
-        return timing.rank_load_seconds(self.config.model, self.shape, source, self.config.ranks)
+        seconds = timing.rank_load_seconds(self.config.model, self.shape, source, self.config.ranks)
+        if self.role == "expert" or self.config.attention_client:  # its own, not the model's
+            return seconds * self.config.weights_bytes / self.config.model.weight_bytes_total
+        return seconds
 
     async def _load_from(self, source: timing.LoadSource) -> None:
         """Load from ``source``: the shared file service is read with whoever reads it now
@@ -358,6 +378,7 @@ class Engine:
             "instance": self.config.instance,
             "role": self.role,
             "loaded": self.loaded,
+            "waitingFor": self.waiting_for,  # what a load done still waits for (an expert map)
             "serving": self.serving,
             "warm": self.warm,
             "phases": dict(self.phases),
@@ -404,7 +425,8 @@ class Engine:
         """Raise the 503 of an instance that cannot serve: not loaded, logically removed, a
         device fault, a hang."""
         if not self.loaded:
-            raise EngineError(503, "not_ready", "the model is not loaded yet")
+            waiting = f": waiting for {self.waiting_for}" if self.waiting_for else ""
+            raise EngineError(503, "not_ready", f"the model is not loaded yet{waiting}")
         if self.removal is not None:
             raise EngineError(503, "instance_removed", self.removal)
         self.devices.check()
@@ -493,8 +515,9 @@ class Engine:
         """Accept (take a slot) or raise: P/D-Serve's prefill never queues. The caller holds
         the ticket in a ``with`` block around the whole exchange (it gives the slot back)."""
         self.check_serving()
-        self.require_role("prefill", "colocated")
+        self.require_role("prefill", "colocated", "attention")
         self._check_not_draining()
+        self.expert_check()
         stats = self.metrics.load
         stats.offered += 1
         if (
@@ -549,7 +572,7 @@ class Engine:
         if req.remaining == 1:
             yield progress.done(req, req.max_tokens, [], 0.0, self.config.instance)
             return
-        if self.role == "colocated":
+        if self.role in ("colocated", "attention"):  # decoded here (an attention client alone)
             ticket.release()  # the prompt's KV moves into the decode's reservation
             try:
                 hold = self.batch.admit(req.prompt_tokens + req.max_tokens - 1, limit=False)
@@ -668,8 +691,9 @@ class Engine:
         """A place in the batch and the request's KV, or raise; the caller holds it in a
         ``with`` block around the whole exchange."""
         self.check_serving()
-        self.require_role("decode")
+        self.require_role("decode", "attention")
         self._check_not_draining()
+        self.expert_check()
         # the KV of the context it starts from, and of every output token to come
         return self.batch.admit(req.prompt_tokens + req.max_tokens - 1)
 

@@ -9,6 +9,12 @@ joins the running batch at the next iteration; it leaves the batch when its stre
 time is the model's TPOT for the current batch and mean context, scheduled on absolute deadlines so
 event-loop overhead does not accumulate into the reported timings. A colocated instance runs the
 same batch after its own prefill.
+
+What a step costs is the batch's :class:`StepModel`: the colocated model's TPOT
+(:class:`ColocatedStep`, the default), or an attention client's iteration with its experts served
+elsewhere (:mod:`.attention`), which may make more than one token per request (MTP's accepted
+tokens, counted per request so each makes its share) and may fail the batch (an expert without a
+copy).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from enginestub import timing
 from enginestub.engine.parts import Hold, Part, Shared
@@ -50,16 +57,51 @@ class Sequence:
     events: asyncio.Queue[_Token | Event | None] = field(default_factory=asyncio.Queue)
     emitted: int = 0
     last_token_at: float = 0.0
+    accepted: float = 0.0  # tokens its steps have accepted (whole ones are emitted)
 
     @property
     def ended(self) -> bool:
         return self.hold.released
+
+    def take(self, accepted: float) -> int:
+        """The whole tokens a step that accepts ``accepted`` per request makes for it."""
+        before = int(self.accepted)
+        self.accepted += accepted
+        return min(int(self.accepted) - before, self.remaining)
+
+
+class StepModel(Protocol):
+    def per_token(self, requests: int, kv_tokens: int) -> float:
+        """Emulated seconds per output token of a batch of ``requests`` (for admission)."""
+        ...
+
+    async def step(self, batch: list[Sequence]) -> tuple[float, float]:
+        """Make one step of ``batch``: its emulated seconds and the tokens it accepts per
+        request; raises :class:`EngineError` when it cannot be made (the batch fails)."""
+        ...
+
+
+class ColocatedStep:
+    """The colocated model: the TPOT of the batch at its mean context, one token a step
+    (MTP's acceptance is in the TPOT, 001 §4.2.4)."""
+
+    def __init__(self, batch: DecodeBatch) -> None:
+        self.batch = batch
+
+    def per_token(self, requests: int, kv_tokens: int) -> float:
+        config, shape = self.batch.config, self.batch.shape
+        return timing.tpot(config.model, shape, requests / shape.npus, kv_tokens)
+
+    async def step(self, batch: list[Sequence]) -> tuple[float, float]:
+        kv_mean = sum(s.kv_tokens for s in batch) / len(batch)
+        return self.per_token(len(batch), int(kv_mean)), 1.0
 
 
 class DecodeBatch(Part):
     def __init__(self, shared: Shared) -> None:
         super().__init__(shared)
         self.shape = self.config.shape
+        self.cost: StepModel = ColocatedStep(self)
         self.places: set[Hold] = set()  # admitted: pulling their KV, joining or running
         self.running: list[Sequence] = []
         self.joining: list[Sequence] = []  # join the batch at its next step
@@ -103,7 +145,7 @@ class DecodeBatch(Part):
         others = max(len(self.places) - len(running), 0)
         n = len(running) + others + 1
         mean = (sum(running) + tokens * (others + 1)) / n
-        step = timing.tpot(self.config.model, self.shape, n / self.shape.npus, int(mean)) * 1000
+        step = self.cost.per_token(n, int(mean)) * 1000
         return step if step > slo else None
 
     def join(self, seq: Sequence) -> None:
@@ -119,10 +161,11 @@ class DecodeBatch(Part):
         with contextlib.suppress(ValueError):
             self.joining.remove(seq)
 
-    def fail_all(self, why: str) -> None:
-        """A device fault: every request in the batch ends with an error."""
+    def fail_all(self, why: str, code: str = "device_fault") -> None:
+        """A device fault (or another ``code``): every request in the batch ends with an
+        error."""
         for seq in [*self.running, *self.joining]:
-            seq.events.put_nowait(error_event("device_fault", why))
+            seq.events.put_nowait(error_event(code, why))
             seq.events.put_nowait(None)
             seq.hold.release()
             self.metrics.requests.labels(stage="decode", outcome="failed").inc()
@@ -176,10 +219,12 @@ class DecodeBatch(Part):
             self.running = batch
             if not batch:
                 continue
-            kv_mean = sum(s.kv_tokens for s in batch) / len(batch)
-            step = timing.tpot(
-                self.config.model, self.shape, len(batch) / self.shape.npus, int(kv_mean)
-            )
+            try:
+                step, accepted = await self.cost.step(batch)
+            except EngineError as exc:  # the step cannot be made: the batch fails with it
+                self.fail_all(exc.message, exc.code)
+                self.heartbeat.beat()
+                continue
             step *= self.faults.slow_factor
             if self.config.step_scheduling == "relative":
                 await self.clock.sleep(step)  # baseline: the loop's own overhead adds to every step
@@ -193,17 +238,21 @@ class DecodeBatch(Part):
             for seq in batch:
                 if seq.ended:
                     continue
-                seq.kv_tokens += 1
-                seq.remaining -= 1
-                tpot = now - seq.last_token_at if seq.emitted else step
+                made = seq.take(accepted)
+                if not made:
+                    continue
+                gap = (now - seq.last_token_at if seq.emitted else step) / made
                 seq.last_token_at = now
-                index = seq.first + seq.emitted
-                seq.events.put_nowait((index, synthetic_token(seq.seed, index), tpot))
-                seq.emitted += 1
+                for _ in range(made):
+                    seq.kv_tokens += 1
+                    seq.remaining -= 1
+                    index = seq.first + seq.emitted
+                    seq.events.put_nowait((index, synthetic_token(seq.seed, index), gap))
+                    seq.emitted += 1
+                    self.metrics.tpot.observe(gap)
+                    stats.tokens += 1
+                    stats.tpot_s += gap
                 seq.hold.progressed()
-                self.metrics.tpot.observe(tpot)
-                stats.tokens += 1
-                stats.tpot_s += tpot
                 if seq.remaining <= 0:
                     seq.events.put_nowait(None)
                     seq.hold.release()

@@ -80,8 +80,11 @@ Gate = Callable[[str, str], Awaitable[None]]
 
 def artifacts(config: EngineConfig) -> str:
     """The identity of this instance's compiled artefacts: model (with MTP: its graphs carry the
-    speculative head), parallelism, dies, engine."""
+    speculative head; an attention client's: no experts, its MoE layers are its pool's),
+    parallelism, dies, engine."""
     model = f"{config.model.name}+mtp" if config.mtp else config.model.name
+    if config.attention_client:  # its weights are not a whole instance's: no fork either way
+        model += "+attention"
     return zl.artifact_id(model, config.tp, config.ep, config.instance_dies, enginestub.__version__)
 
 

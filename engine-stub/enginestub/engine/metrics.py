@@ -155,6 +155,69 @@ class EngineMetrics:
             ["kind"],
             registry=r,
         )
+        # Experts as a service (enginestub.engine.experts, .attention)
+        self.expert_tokens = Counter(
+            "matrixserve_engine_expert_tokens",
+            "Tokens an expert server computed (each token once per expert it went to)",
+            registry=r,
+        )
+        self.expert_queue_wait = Histogram(
+            "matrixserve_engine_expert_queue_wait_seconds",
+            "An expert server's wait for its device beside other clients' work, per message"
+            " (emulated s)",
+            buckets=(0.0, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
+            registry=r,
+        )
+        self.expert_messages_received = Counter(
+            "matrixserve_engine_expert_messages_received",
+            "Messages an expert server answered, by outcome (served, not_held)",
+            ["outcome"],
+            registry=r,
+        )
+        self.expert_repeats = Counter(
+            "matrixserve_engine_expert_repeated_messages",
+            "First sends (not re-sends) from a client in an iteration it had already sent this"
+            " server one in: at most one message per client and server per iteration",
+            registry=r,
+        )
+        self.expert_iteration = Histogram(
+            "matrixserve_engine_expert_iteration_seconds",
+            "An attention client's iteration (emulated s): scheduling, MTP, layers and hops",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.expert_moe = Histogram(
+            "matrixserve_engine_expert_moe_seconds",
+            "An attention client's iteration's MoE part (emulated s): each MoE layer's and "
+            "microbatch's slowest server, summed",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.expert_messages = Histogram(
+            "matrixserve_engine_expert_messages_per_iteration",
+            "Messages an attention client sent in one iteration, re-sends included",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
+        self.expert_resends = Counter(
+            "matrixserve_engine_expert_resends",
+            "Parts of an iteration an attention client re-sent to a replica",
+            registry=r,
+        )
+        self.expert_failovers = Counter(
+            "matrixserve_engine_expert_failovers",
+            "Servers an attention client dropped from its routes, by why (gone: its znode;"
+            " timeout: no answer in the failover timeout; unreachable: refused or failed)",
+            ["why"],
+            registry=r,
+        )
+        self.expert_halts = Counter(
+            "matrixserve_engine_expert_halts",
+            "Iterations held: monolithic mode waiting for every server, or an expert without"
+            " a copy waiting for a map that covers it",
+            ["why"],
+            registry=r,
+        )
         self.info = Gauge(
             "matrixserve_engine_info", "Constant 1, labelled with the role", ["role"], registry=r
         )

@@ -215,6 +215,11 @@ class Resident:
         self.gathered_after = round(time.time() - self.engine.started_wall, 3)
         assert self.roce_map is not None
         self.role = self.roce_map.role_of(self.instance)
+        if self.role is zl.Role.PREFILL and self.engine.config.attention_client:
+            raise ValueError(  # its weights are the non-expert ones: it could not prefill
+                f"the RoCE map makes {self.instance} a prefill, but it is its expert pool's "
+                "attention client: a pool's clients are decodes (EaaS §5.1)"
+            )
         self.engine.role = "prefill" if self.role is zl.Role.PREFILL else "decode"
         self.engine.metrics.phase_seconds.labels(phase="gather").set(clock.now() - t0)
         t1 = clock.now()

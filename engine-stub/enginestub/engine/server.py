@@ -9,8 +9,15 @@
 ``POST /v1/link/probe``         decode: a prefill's dummy payload over its sub-links
 ``POST /v1/fork``               a fork source: broadcast weights and compiled artefacts to the
                                 calling warm target; answered when the transfer ends
-``POST /v1/expert/forward``     expert server role: one expert's FFN for N tokens
-``POST /v1/attention/step``     attention client role: one decode step with A2E/E2A hops
+``POST /v1/expert/forward``     expert server role: one client's iteration, the tokens per
+                                layer, microbatch and expert (:mod:`.experts`); 409
+                                ``expert_not_held`` names experts it does not hold enabled
+``POST /v1/attention/step``     attention client (the role, or a group's decode with an
+                                expert pool): its iteration for ``batch`` requests as
+                                predicted over the map in force, no message sent; or,
+                                with ``send``, made through the servers as an iteration
+                                of its own (a forward probe: ``tokensPerRequest``)
+                                (:mod:`.attention`)
 ``POST|DELETE /v1/faults``      inject / heal: die-down, link-down, slow, hang, hbm-error
 ``GET /healthz`` ``/readyz``    liveness (answers while hung: alive, no tokens), readiness
                                 (serving: not faulty, not removed; no stuck slot)
@@ -53,8 +60,9 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from enginestub import calibration as cal
+from enginestub.engine.attention import check_step
 from enginestub.engine.core import Engine
+from enginestub.engine.experts import check_forward
 from enginestub.engine.fork import FORK_PATH
 from enginestub.engine.linkprobe import PROBE_PATH, Probe
 from enginestub.engine.ranks import refused
@@ -152,16 +160,6 @@ def _number(body: dict[str, Any], key: str, low: float, high: float, default: fl
     return float(value)
 
 
-def _count(body: dict[str, Any], key: str, limit: int) -> int:
-    """A body's positive integer field, at most ``limit``."""
-    value = body.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-        raise EngineError(
-            400, "invalid_request", f"{key} must be an integer in 1..{limit}", param=key
-        )
-    return value
-
-
 async def _stream(
     request: web.Request, events: AsyncGenerator[Event, None], streams: OpenStreams
 ) -> web.StreamResponse:
@@ -199,8 +197,15 @@ async def _stream(
         return response
 
 
+ExpertCall = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
 def build_app(
-    engine: Engine, handshake: HandshakeCheck | None = None, ready: Callable[[], bool] | None = None
+    engine: Engine,
+    handshake: HandshakeCheck | None = None,
+    ready: Callable[[], bool] | None = None,
+    expert_forward: ExpertCall | None = None,
+    attention_step: ExpertCall | None = None,
 ) -> web.Application:
     cfg = engine.config
 
@@ -353,7 +358,7 @@ def build_app(
             int(_number(body, "egressFlows", 0, 1_000_000, 0)),
             tp,
         )
-        engine.require_role("decode")  # the side KV lands on
+        engine.require_role("decode", "attention")  # the side KV lands on
         return web.json_response(engine.receiver.receive(probe))
 
     async def npu_fork(request: web.Request) -> web.Response:
@@ -362,29 +367,23 @@ def build_app(
         loop: the NPU's AICPUs move the data, its compute goes on serving."""
         return web.json_response(await engine.forks.serve(await _json(request)))
 
-    async def expert_forward(request: web.Request) -> web.Response:
-        tokens = _count(await _json(request), "tokens", 1_000_000)
-        engine.require_role("expert")
-        engine.check_serving()
-        model = cfg.model
-        layers = model.moe.moe_layers if model.moe else model.layers
-        flops = 2.0 * tokens * model.expert_params_per_layer * layers
-        work = (
-            flops / (cal.DIE_INT8_OPS * cfg.instance_dies * 0.8) * engine.slow_factor
-        )  # [design] T10 ~80% GEMM
-        seconds = await engine.compute.consume(work)
-        return web.json_response({"tokens": tokens, "seconds": seconds})
+    def expert_call(
+        roles: tuple[str, ...], check: Callable[[dict[str, Any]], object], call: ExpertCall | None
+    ) -> Handler:
+        """An expert server's or attention client's call (:mod:`.experts`, :mod:`.attention`):
+        the body read whole and its shape checked, the role checked, then the call (an
+        attention client may be a group's decode)."""
 
-    async def attention_step(request: web.Request) -> web.Response:
-        batch = _count(await _json(request), "batch", 100_000)
-        engine.require_role("attention")
-        engine.check_serving()
-        layers = cfg.model.moe.moe_layers if cfg.model.moe else 0
-        hops = layers * (
-            cal.MOE_ATTENTION_A2E_SECONDS + cal.MOE_ATTENTION_E2A_SECONDS
-        )  # 000: A2E/E2A
-        step = await engine.compute.consume(hops * engine.slow_factor)
-        return web.json_response({"batch": batch, "seconds": step, "a2eE2aSeconds": hops})
+        async def handle(request: web.Request) -> web.Response:
+            body = await _json(request)
+            check(body)
+            engine.require_role(*roles)
+            engine.check_serving()
+            if call is None:  # its pool's side is not running (an engine built without it)
+                raise EngineError(503, "not_ready", f"this {engine.role} engine has no expert pool")
+            return web.json_response(await call(body))
+
+        return handle
 
     async def faults(request: web.Request) -> web.Response:
         if not cfg.fault_injection:  # no pod may break an engine at will
@@ -421,8 +420,16 @@ def build_app(
             web.post("/v1/link/handshake", leader_only(link_handshake)),
             web.post(PROBE_PATH, leader_only(link_probe)),
             web.post(FORK_PATH, leader_only(npu_fork)),
-            web.post("/v1/expert/forward", leader_only(loop_bound(expert_forward))),
-            web.post("/v1/attention/step", leader_only(loop_bound(attention_step))),
+            web.post(
+                "/v1/expert/forward",
+                leader_only(loop_bound(expert_call(("expert",), check_forward, expert_forward))),
+            ),
+            web.post(
+                "/v1/attention/step",
+                leader_only(
+                    loop_bound(expert_call(("attention", "decode"), check_step, attention_step))
+                ),
+            ),
             web.post("/v1/faults", faults),
             web.delete("/v1/faults", faults),
         ]

@@ -47,7 +47,7 @@ class MLAShape(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    q_lora_rank: int
+    q_lora_rank: int | None  # None: the query is projected whole (DeepSeek-V2-Lite)
     kv_lora_rank: int
     rope_dim: int
     qk_nope_dim: int
@@ -88,9 +88,10 @@ class ModelShape(BaseModel):
         h = self.hidden
         if self.mla is not None:
             m = self.mla
+            q_width = self.heads * (m.qk_nope_dim + m.rope_dim)
+            query = h * q_width if m.q_lora_rank is None else (h + q_width) * m.q_lora_rank
             return (
-                h * m.q_lora_rank
-                + m.q_lora_rank * self.heads * (m.qk_nope_dim + m.rope_dim)
+                query
                 + h * (m.kv_lora_rank + m.rope_dim)
                 + m.kv_lora_rank * self.heads * (m.qk_nope_dim + m.v_head_dim)
                 + self.heads * m.v_head_dim * h
@@ -146,6 +147,13 @@ class ModelShape(BaseModel):
         )
 
     @cached_property
+    def non_expert_params(self) -> int:
+        """Everything but the routed and shared experts (attention, dense FFNs, embedding and
+        LM head): what an attention client holds when its experts are served elsewhere (EaaS
+        §3.1, xDeepServe §5.2)."""
+        return self.total_params - self.routed_expert_params - self.shared_expert_params
+
+    @cached_property
     def active_params_per_token(self) -> int:
         """Parameters one token multiplies through (top-k routed + shared experts for MoE)."""
         experts = (
@@ -165,6 +173,10 @@ class ModelShape(BaseModel):
     @property
     def weight_bytes_total(self) -> float:
         return self.total_params * self.weight_bytes
+
+    @property
+    def non_expert_weight_bytes(self) -> float:
+        return self.non_expert_params * self.weight_bytes
 
     # ------------------------------------------------------------------ KV cache
     @cached_property
@@ -213,6 +225,25 @@ DEEPSEEK_V3 = ModelShape(
     kv_bytes=2.0,  # BF16 latent cache
 )
 
+DEEPSEEK_V2_LITE = ModelShape(
+    # [external] deepseek-ai/DeepSeek-V2-Lite config.json: DeepSeek-V3's architecture (MLA, fine-
+    # grained routed experts plus shared ones) at 15.7B parameters, 64 routed experts over 26 MoE
+    # layers: a pool of a few expert servers holds it, so tests and demos run an ExpertPool whole.
+    name="deepseek-v2-lite",
+    layers=27,
+    hidden=2048,
+    heads=16,
+    intermediate=10944,
+    vocab=102400,
+    dense_layers=1,
+    moe=MoEShape(
+        routed_experts=64, shared_experts=2, top_k=6, expert_intermediate=1408, moe_layers=26
+    ),
+    mla=MLAShape(q_lora_rank=None, kv_lora_rank=512, rope_dim=64, qk_nope_dim=128, v_head_dim=128),
+    weight_bytes=2.0,  # BF16, as released
+    kv_bytes=2.0,
+)
+
 GPT3_175B = ModelShape(
     # 004 §2.1; [external] Brown et al. 2020: 96 layers, hidden 12288, 96 heads, FFN 4x.
     name="gpt3-175b",
@@ -239,4 +270,6 @@ LLAMA3_8B = ModelShape(
     kv_bytes=2.0,
 )
 
-PRESETS: dict[str, ModelShape] = {m.name: m for m in (DEEPSEEK_V3, GPT3_175B, LLAMA3_8B)}
+PRESETS: dict[str, ModelShape] = {
+    m.name: m for m in (DEEPSEEK_V3, DEEPSEEK_V2_LITE, GPT3_175B, LLAMA3_8B)
+}

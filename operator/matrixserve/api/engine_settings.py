@@ -91,6 +91,19 @@ class EngineEnv:
     # has. Unset: rank 0 of 1, an instance of one pod.
     rank: str | None = _var("ENGINE_RANK")
     ranks: str | None = _var("ENGINE_RANKS")
+    # Experts as a service (EaaS §3.1; xDeepServe §4.5): an ``expert`` server or an
+    # ``attention`` client of the pool <namespace>/<name> (its map and servers in ZooKeeper);
+    # ``eaas`` (default: clients drop a failed server and re-send to a replica) or
+    # ``monolithic`` (the baseline: one static EP group, a server's failure stops every client
+    # until all restart, EaaS §2.2).
+    expert_pool: str | None = _var("MATRIXSERVE_EXPERT_POOL")
+    expert_mode: str | None = _var("ENGINE_EXPERT_MODE")
+    # An expert server's slots per MoE layer (default: as many experts as fit its HBM); a
+    # client's failover timeout (emulated ms: a server silent this long is dropped, its part
+    # re-sent, EaaS §3.4) and the experts' popularity (uniform | zipf | a JSON trace's path).
+    expert_slots: str | None = _var("ENGINE_EXPERT_SLOTS")
+    expert_failover_ms: str | None = _var("ENGINE_EXPERT_FAILOVER_MS")
+    expert_popularity: str | None = _var("ENGINE_EXPERT_POPULARITY")
     # without ZooKeeper: how many read the shared file service with it
     concurrent_loaders: str | None = _var("ENGINE_CONCURRENT_LOADERS")
 
@@ -180,6 +193,11 @@ ASSIGNMENT_ENV = frozenset(
         "kv_plane",
         "rank",
         "ranks",
+        "expert_pool",
+        "expert_mode",
+        "expert_slots",
+        "expert_failover_ms",
+        "expert_popularity",
     )
 )
 

@@ -60,7 +60,10 @@ LABEL_EMULATED = f"{LABEL_PREFIX}/emulated-node"  # set by the node emulator on 
 LABEL_WARMPOOL = f"{LABEL_PREFIX}/warmpool"
 LABEL_WARM_SHAPE = f"{LABEL_PREFIX}/warm-shape"
 LABEL_WARM_NPUS = f"{LABEL_PREFIX}/warm-npus"  # NPUs it holds (devicesPerPod)
-LABEL_CLAIMED_BY = f"{LABEL_PREFIX}/claimed-by"  # the PDGroup that claimed it
+LABEL_CLAIMED_BY = f"{LABEL_PREFIX}/claimed-by"  # the name of the object that claimed it
+# ... and its kind (absent on a pod claimed before kinds other than PDGroup could claim: a
+# PDGroup's); domain.warmclaim.Claimer reads the two
+LABEL_CLAIMED_KIND = f"{LABEL_PREFIX}/claimed-kind"
 ANNOTATION_CLAIM = f"{LABEL_PREFIX}/claim"  # JSON: instance, role, path, estimate, fork source, at
 ANNOTATION_WARM_TEMPLATE = f"{LABEL_PREFIX}/warm-template"  # JSON: image, NPUs, type, selector
 ANNOTATION_SERVICE = f"{LABEL_PREFIX}/service"

@@ -381,6 +381,9 @@ class ExpertPoolSpec(_Spec):
         default=1000, alias="failoverTimeoutMilliseconds", ge=1, le=600000
     )
     autoscaling: ExpertAutoscaling = ExpertAutoscaling()
+    # the WarmPool a replacement or new server may be claimed from (DeepServe §6.1); none: any
+    # pool of the namespace, as a PDGroup's
+    warm_pool_ref: Ref | None = Field(default=None, alias="warmPoolRef")
 
 
 # --------------------------------------------------------------------------- WarmPool

@@ -560,3 +560,136 @@ class WarmPoolStatus(_WarmPoolStatusPart):
     def __getitem__(self, field: str) -> Any:
         """A field by its stored name, as stored (``status["filledGeneration"]``)."""
         return self.dump()[field]
+
+
+# --------------------------------------------------------------------------- ExpertPool
+class _ExpertPoolStatusPart(BaseModel):
+    """Read tolerant of what another operator version may have stored; written as built."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+
+
+class ExpertCoverageStatus(_ExpertPoolStatusPart):
+    """Experts short of ``minReplicasPerExpert`` live copies, and with none, in some layer."""
+
+    under_replicated: int = Field(default=0, alias="underReplicated")
+    uncovered: int = 0
+
+
+class ExpertFailoverStatus(_ExpertPoolStatusPart):
+    """The last failover: the servers whose reports went, when it was seen (epoch s), the map
+    version that dropped them, and the one that restored every expert's copies (None: not yet)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
+
+    servers: list[str] = Field(default_factory=list)
+    at: float = 0.0
+    version: int = 0
+    restored_version: int | None = Field(default=None, alias="restoredVersion")
+    restored_at: float | None = Field(default=None, alias="restoredAt")
+    # The replacement server created for it, the path it was obtained by and its estimate
+    # (wall s, claim to serving); None when the server came back by itself (a restart).
+    replacement: str | None = None
+    replacement_path: str | None = Field(default=None, alias="replacementPath")
+    replacement_estimate_seconds: float | None = Field(
+        default=None, alias="replacementEstimateSeconds"
+    )
+    # Recovery's choice for servers whose engine exited (restart in place, or a replacement:
+    # warm when a warm pod is there), priced (:func:`matrixserve.domain.recovery.choose`).
+    recovery: dict[str, Any] | None = None
+    # Wall seconds from the failure seen to every expert's copies restored (``restoredAt -
+    # at``): the coverage gap a warm replacement shortens.
+    restored_seconds: float | None = Field(default=None, alias="restoredSeconds")
+
+
+class ExpertScaleStatus(_ExpertPoolStatusPart):
+    """The last change of the server count: from, to, by whom (spec or autoscaler), when."""
+
+    from_servers: int = Field(default=0, alias="from")
+    to_servers: int = Field(default=0, alias="to")
+    by: str = ""
+    at: float = 0.0
+
+
+class ExpertTokenSample(_ExpertPoolStatusPart):
+    """The servers' cumulative token counts at ``at`` (epoch s): the autoscaler's last sample
+    (the rate is the next sample's difference over the time between)."""
+
+    at: float = 0.0
+    tokens: dict[str, int] = Field(default_factory=dict)
+    tokens_per_second: float | None = Field(default=None, alias="tokensPerSecond")
+
+
+class ExpertLoadStatus(_ExpertPoolStatusPart):
+    """One hot expert of the last rebalance window: its tokens in the window, its share of
+    its layer's, and its ratio to the layer's mean expert (xDeepServe Fig. 11a: ~30x)."""
+
+    layer: int = 0
+    expert: int = 0
+    tokens: int = 0
+    share: float = 0.0
+    ratio: float = 0.0
+
+
+class ExpertRebalanceStatus(_ExpertPoolStatusPart):
+    """The last EPLB rebalance: when it was decided (epoch s), why, the simulated imbalance
+    (max server load over the mean, the worst layer) and MoE time per iteration (tokens on the
+    slowest server, summed over layers) before and after, the map versions of its phases
+    (first to last), the layers it changes, and the version it ended at (None: in flight) and
+    how (``Completed``, or ``Preempted`` by a failover)."""
+
+    at: float = 0.0
+    reason: str = ""
+    imbalance_before: float = Field(default=0.0, alias="imbalanceBefore")
+    imbalance_after: float = Field(default=0.0, alias="imbalanceAfter")
+    moe_time_before: float = Field(default=0.0, alias="moeTimeBefore")
+    moe_time_after: float = Field(default=0.0, alias="moeTimeAfter")
+    versions: list[int] = Field(default_factory=list)
+    layers: list[int] = Field(default_factory=list)
+    ended_version: int | None = Field(default=None, alias="endedVersion")
+    outcome: str | None = None
+
+
+class ExpertPoolStatus(_ExpertPoolStatusPart):
+    """An ExpertPool's status. Fields a pass may leave out are None (and not written)."""
+
+    observed_generation: int | None = Field(default=None, alias="observedGeneration")
+    # The server pods' label selector (the scale subresource's labelSelectorPath: an HPA or
+    # ``kubectl get pods -l`` finds them by it)
+    selector: str | None = None
+    ready_servers: int = Field(default=0, alias="readyServers")  # live servers in the map
+    servers: list[str] = Field(default_factory=list)  # the map in force's server table
+    map_version: int = Field(default=0, alias="mapVersion")
+    map_phase: str | None = Field(default=None, alias="mapPhase")
+    coverage: ExpertCoverageStatus = Field(default_factory=ExpertCoverageStatus)
+    coverage_bound: int | None = Field(default=None, alias="coverageBound")
+    hot_experts: list[ExpertLoadStatus] = Field(default_factory=list, alias="hotExperts")
+    draining: list[str] = Field(default_factory=list)  # out of the map, finishing, then deleted
+    # Each server of the map's engine incarnation when it entered: a restarted engine (same
+    # pod, a new process) has lost its slots, and is dropped as failed. A server failed over for
+    # an engine that exited keeps its entry while that engine's report lingers.
+    members: dict[str, str] = Field(default_factory=dict)
+    # Each server of the map's pod's container restarts when it entered: one more is its engine
+    # exited (the kubelet says so before the restarted engine reports), and it is failed over.
+    member_restarts: dict[str, int] = Field(default_factory=dict, alias="memberRestarts")
+    wanted_servers: int | None = Field(default=None, alias="wantedServers")
+    last_rebalance: ExpertRebalanceStatus | None = Field(default=None, alias="lastRebalance")
+    # When EPLB last looked at a window (rebalanced or not): the next look is intervalSeconds on.
+    rebalance_checked_at: float | None = Field(default=None, alias="rebalanceCheckedAt")
+    last_failover: ExpertFailoverStatus | None = Field(default=None, alias="lastFailover")
+    last_scale: ExpertScaleStatus | None = Field(default=None, alias="lastScale")
+    token_sample: ExpertTokenSample | None = Field(default=None, alias="tokenSample")
+    # Written by the loop beside the planner's status, read back with the rest.
+    conditions: list[WarmPoolCondition] | None = None
+
+    @classmethod
+    def read(cls, raw: object) -> ExpertPoolStatus:
+        """A stored status; an empty one where it does not read (another version's shape)."""
+        try:
+            return cls.model_validate(raw or {})
+        except ValidationError:
+            return cls()
+
+    def dump(self) -> dict[str, Any]:
+        """As the API server stores it (camelCase; a field that is None left out)."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")

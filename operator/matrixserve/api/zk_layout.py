@@ -26,8 +26,11 @@ JSON payloads (pydantic), no client. ``docs/zookeeper.md`` has the table of who 
         dram/<node>            PERSISTENT DramPlan: models to keep in host DRAM    (operator)
     /matrixserve/v1/forksources/<ns>/<source key>/<group>.<instance>
                                EPHEMERAL  ForkSource: a live instance that can fork (engine)
-    /matrixserve/v1/expertpools/<ns>/<pool>/map            logical -> physical expert map
-    /matrixserve/v1/expertpools/<ns>/<pool>/servers/<id>   EPHEMERAL, one per expert server
+    /matrixserve/v1/expertpools/<ns>/<pool>/
+        map                    PERSISTENT ExpertMapPointer: the version in force  (operator)
+        map/v<N>               PERSISTENT ExpertMapVersion: servers, phase       (operator)
+        map/v<N>/<layer>       PERSISTENT ExpertMapLayer: slots per server       (operator)
+        servers/<id>           EPHEMERAL  ExpertServerReport, one per server     (engine)
 
 Who may touch it: with :class:`Credentials` configured, every znode under ``/matrixserve`` belongs
 to one digest identity that the operator, the gateway and the engines share; nobody else may read,
@@ -272,8 +275,51 @@ class Credentials:
         return f"{self.user}:{self.password}"
 
 
+def expert_pools_root(namespace: str | None = None) -> str:
+    if namespace is None:
+        return f"{ROOT}/expertpools"
+    return f"{ROOT}/expertpools/{_check(namespace, 'namespace')}"
+
+
 def expert_pool_path(namespace: str, pool: str) -> str:
-    return f"{ROOT}/expertpools/{_check(namespace, 'namespace')}/{_check(pool, 'pool')}"
+    return f"{expert_pools_root(namespace)}/{_check(pool, 'pool')}"
+
+
+class ExpertPoolPaths:
+    """All paths of one expert pool (EaaS §3.1, §4.4: the monitor is ZooKeeper).
+
+    The map is too big for one znode as JSON at scale (58 layers x 256 experts x replicas, and
+    ZooKeeper refuses a znode over 1 MB), so each version is written whole as immutable znodes,
+    ``map/v<N>`` (the version: its server table and phase) and one ``map/v<N>/<layer>`` per
+    layer, and only then put in force by rewriting the pointer ``map``. A reader reads the
+    pointer, then that version's znodes: it never sees half a version. Old versions are deleted
+    once no longer in force (the last two are kept: a reader may be between the pointer and the
+    layers)."""
+
+    def __init__(self, namespace: str, pool: str) -> None:
+        self.root = expert_pool_path(namespace, pool)
+        self.map = f"{self.root}/map"
+        self.servers = f"{self.root}/servers"
+
+    def version(self, version: int) -> str:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise ValueError(f"invalid map version {version!r}: an integer >= 1 expected")
+        return f"{self.map}/v{version}"
+
+    def layer(self, version: int, layer: int) -> str:
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise ValueError(f"invalid layer {layer!r}: an integer >= 0 expected")
+        return f"{self.version(version)}/{layer}"
+
+    def server(self, server: str) -> str:
+        return f"{self.servers}/{_check(server, 'server')}"
+
+    @staticmethod
+    def version_of(child: str) -> int | None:
+        """The version a child of ``map/`` names (``v12`` -> 12); None for anything else."""
+        if child.startswith("v") and child[1:].isdigit() and not child[1:].startswith("0"):
+            return int(child[1:])
+        return None
 
 
 # --------------------------------------------------------------------------- payloads
@@ -757,3 +803,89 @@ class ForkSource(_Payload):
     dies: int
     incarnation: str
     ts: float
+
+
+# --------------------------------------------------------------------------- expert pools
+class ExpertServerState(StrEnum):
+    """An expert server's state, as it reports it."""
+
+    LOADING = "Loading"  # loading the weights of the slots the map in force gives it
+    SERVING = "Serving"  # every enabled slot of the map in force loaded: it computes
+    DRAINING = "Draining"  # out of the map: finishing what it was sent, then to be deleted
+
+
+class ExpertServerReport(PodReport):
+    """An expert server while it lives (EaaS §3.1, §4.4: registration and heartbeat): who and
+    where it is (``podIP``/``port``: where clients send it tokens, on loopback), how many slots
+    it has per layer, the map version whose slots it has loaded (``loaded``: 0 before any), its
+    state, the messages it has in flight, and the tokens it has computed per layer and expert
+    since it started (cumulative; EPLB's input, xDeepServe §4.5 step 1), rewritten every health
+    interval (``ts``) and at once when its state or ``loaded`` changes. Ephemeral: it is gone
+    with its session (the monitor's offline event)."""
+
+    pool: str  # <namespace>/<name>
+    slots: int = Field(ge=1)  # per layer
+    loaded: int = Field(default=0, ge=0)
+    state: ExpertServerState
+    in_flight: int = Field(default=0, alias="inFlight", ge=0)
+    tokens: dict[int, dict[int, int]] = Field(default_factory=dict)  # layer -> expert -> tokens
+
+
+class ExpertMapPhase(StrEnum):
+    """What a map version is, in EPLB's four-phase reconfiguration (xDeepServe §4.5 step 4)
+    or outside it (``Steady``: every slot enabled)."""
+
+    STEADY = "Steady"
+    PREFETCH = "Prefetch"  # servers stage the experts they will get (host DRAM); routes unchanged
+    DISABLE = "Disable"  # the slots to be replaced are out of every route
+    LOAD = "Load"  # servers load the new experts into the disabled slots
+    ENABLE = "Enable"  # the new slots are in the routes (then Steady)
+
+
+class ExpertMapPointer(_Payload):
+    """The ``map`` znode: which version is in force (0: none yet), and the pool's settings in
+    force that its clients follow: ``failoverMs``, the pool's
+    ``spec.failoverTimeoutMilliseconds`` (None: a pointer written before it was carried; a
+    client keeps its own)."""
+
+    version: int = Field(ge=0)
+    at: float = 0.0  # wall time (epoch s) it was put in force
+    failover_ms: int | None = Field(default=None, alias="failoverMs", ge=1)
+
+
+class ExpertMapVersion(_Payload):
+    """``map/v<N>``: one version's server table (the layers name servers by their index in
+    it), the model's shape and the phase. Immutable once written."""
+
+    version: int = Field(ge=1)
+    layers: int = Field(ge=1)
+    experts: int = Field(ge=1)
+    slots: int = Field(ge=1)  # per server per layer
+    servers: list[str]  # index -> server id (its pod's name)
+    phase: ExpertMapPhase = ExpertMapPhase.STEADY
+    reason: str = ""  # why this version: initial, failover of <server>, scale, rebalance
+    at: float = 0.0
+
+
+class ExpertMapLayer(_Payload):
+    """``map/v<N>/<layer>``: one MoE layer's slots. ``slots[i]`` lists the experts server
+    ``i`` of the version's table holds in this layer (at most ``slots`` of them);
+    ``disabled[i]`` those of them no client may route to now (being replaced, or loading);
+    ``prefetch[i]`` those it is to stage for a coming version. A client routes an expert's
+    tokens over the servers that hold it enabled, rotating by token position (xDeepServe §4.5
+    step 4)."""
+
+    layer: int = Field(ge=0)
+    slots: list[list[int]]
+    disabled: list[list[int]] = Field(default_factory=list)
+    prefetch: list[list[int]] = Field(default_factory=list)
+
+    def routes(self, experts: int) -> list[list[int]]:
+        """Per expert, the server indices that hold it enabled (in server order)."""
+        out: list[list[int]] = [[] for _ in range(experts)]
+        for server, held in enumerate(self.slots):
+            off = set(self.disabled[server]) if server < len(self.disabled) else set()
+            for expert in held:
+                if 0 <= expert < experts and expert not in off:
+                    out[expert].append(server)
+        return out

@@ -37,6 +37,7 @@ from typing import Any
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.engine_settings import EngineEnv, LoadSource, switch
 from matrixserve.api.kinds import (
+    API_VERSION,
     APP_NAME_LABEL,
     ENGINE_APP,
     MANAGED_BY_LABEL,
@@ -382,4 +383,54 @@ def engine_container(
         },
         "securityContext": container_security_context(),
         **extra,
+    }
+
+
+def owner_reference(kind: str, name: str, uid: str) -> dict[str, Any]:
+    """Object ``name`` of ``kind`` (its UID) as an engine pod's controlling owner: the pod goes
+    with it (a claimed warm pod too, from its claim on)."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": kind,
+        "name": name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def engine_pod(
+    namespace: str,
+    name: str,
+    labels: Mapping[str, str],
+    annotations: Mapping[str, str],
+    owner: tuple[str, str, str],
+    container: dict[str, Any],
+    settings: EngineSettings,
+    **spec: Any,
+) -> dict[str, Any]:
+    """An engine pod of one container: owned by ``owner`` (kind, name, UID; its controller, so
+    it goes with it), restarted in place, no service-account token, the engine's security
+    context and volumes (/tmp, ZooKeeper's identity); ``spec`` adds the kind's own fields (a
+    node selector, affinity)."""
+    kind, owner_name, uid = owner
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": dict(labels),
+            "annotations": dict(annotations),
+            "ownerReferences": [owner_reference(kind, owner_name, uid)],
+        },
+        "spec": {
+            "restartPolicy": "Always",
+            "terminationGracePeriodSeconds": 10,
+            "automountServiceAccountToken": False,
+            **spec,
+            "securityContext": pod_security_context(),
+            "containers": [container],
+            "volumes": [*scratch_volumes(), *credential_volumes(settings)],
+        },
     }

@@ -32,6 +32,12 @@ that takes its role, in the SuperPod of the instances of its role that stay when
 (a prefill on a server tainted by another NPU's fault, cordoned, down or in another SuperPod is
 never sacrificed for nothing).
 
+**Any kind.** A member is an instance with a kind-specific tag (:data:`Tag`: a PDGroup's
+role, an ExpertPool's ``"expert"`` for a server): capacity is weighed per tag, servers refuse
+per tag, warm pods are counted per tag. So one planner prices a PDGroup's instance and an
+ExpertPool's server alike (EaaS §4.4: a failed expert server replaced while the others serve);
+only the shrink is a PDGroup's (it gives up a prefill for a decode), infeasible for other tags.
+
 Ties go to the option restarting fewer pods. Fencing: with ZooKeeper not connected nothing is
 planned (nothing destructive without coordination). A cap on concurrent replacements keeps a
 server fault with several members, or a storm, from taking the group down at once: over the cap
@@ -55,6 +61,11 @@ from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import Protect, RecoveryPolicy
 from matrixserve.domain import placement
 from matrixserve.domain.observed import Fault, FaultKind
+
+# What a member is to its kind: a PDGroup's role (``zl.Role``, a ``str``), an ExpertPool's
+# server (``"expert"``). The planner compares tags and nothing else, except the shrink, which
+# gives up a prefill for a decode (the PDGroup's roles), and the policy's protected tag.
+Tag = str
 
 PROTECT_WEIGHT = 2.0  # the protected role's capacity counts twice (decode by default)
 CRASH_LOOP_RESTARTS = 3  # restarts in place after which a pod is replaced instead
@@ -81,7 +92,7 @@ class Member:
     """An instance of the group as recovery sees it."""
 
     name: str
-    role: zl.Role
+    tag: Tag
     npus: int  # all of its pods'
     node: str | None = None
     restarts: int = 0  # container restarts of its pods
@@ -104,14 +115,14 @@ class Member:
 @dataclass(frozen=True)
 class Server:
     """A server as a new pod of the group would find it: the NPUs free there now, its
-    SuperPod, and, per role, why the scheduler would not place that role's new pod there (not
-    Ready, cordoned, a taint the pod does not tolerate, not of its NPU type); a role not named
+    SuperPod, and, per tag, why the scheduler would not place that tag's new pod there (not
+    Ready, cordoned, a taint the pod does not tolerate, not of its NPU type); a tag not named
     may go there."""
 
     name: str
     free: int
     superpod: str | None = None
-    refuses: Mapping[zl.Role, str] = field(default_factory=dict)
+    refuses: Mapping[Tag, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -120,17 +131,17 @@ class Topology:
     scheduler decides, and a replacement that stays unschedulable is planned for again).
 
     ``servers`` (None: not known) says where: a new pod is placed whole on one server that takes
-    its role, and the NPUs a shrink frees count only on such a server; without it the free NPUs
-    are counted together. ``same_superpod``: the roles whose instances all share one SuperPod
+    its tag, and the NPUs a shrink frees count only on such a server; without it the free NPUs
+    are counted together. ``same_superpod``: the tags whose instances all share one SuperPod
     (a new one joins the SuperPod of those that stay)."""
 
     members: Mapping[str, Member]
     free_npus: int | None = None
     servers: Mapping[str, Server] | None = None
-    same_superpod: frozenset[zl.Role] = frozenset()
+    same_superpod: frozenset[Tag] = frozenset()
 
-    def count(self, role: zl.Role) -> int:
-        return sum(1 for m in self.members.values() if m.role is role)
+    def count(self, tag: Tag) -> int:
+        return sum(1 for m in self.members.values() if m.tag == tag)
 
 
 @dataclass(frozen=True)
@@ -148,11 +159,11 @@ class Estimates:
     relink: float = 0.5  # a new map version → the sub-links verified again
     retry_window: float = 10.0  # how long a transient fault is given to clear
     horizon: float = 600.0  # how long capacity masked for want of NPUs stays out (a repair)
-    # Warm pods that could replace an instance of each role now, and the fastest warm
+    # Warm pods that could replace an instance of each tag now, and the fastest warm
     # path's seconds from the claim to serving (the scale-out path choice's estimate).
-    warm_pods: Mapping[zl.Role, int] = field(default_factory=dict)
-    warm_ready: Mapping[zl.Role, float] = field(default_factory=dict)
-    warm_total: int | None = None  # distinct warm pods for either role (None: as warm_pods say)
+    warm_pods: Mapping[Tag, int] = field(default_factory=dict)
+    warm_ready: Mapping[Tag, float] = field(default_factory=dict)
+    warm_total: int | None = None  # distinct warm pods for any tag (None: as warm_pods say)
 
 
 @dataclass(frozen=True)
@@ -160,11 +171,11 @@ class Policy:
     policy: RecoveryPolicy = RecoveryPolicy.MINIMUM_COST
     protect: Protect = Protect.DECODE
 
-    def weight(self, role: zl.Role) -> float:
+    def weight(self, tag: Tag) -> float:
         protected = {Protect.DECODE: zl.Role.DECODE, Protect.PREFILL: zl.Role.PREFILL}.get(
             self.protect
         )
-        return PROTECT_WEIGHT if role is protected else 1.0
+        return PROTECT_WEIGHT if tag == protected else 1.0
 
 
 @dataclass(frozen=True)
@@ -220,13 +231,13 @@ def lost_fraction(topology: Topology, policy: Policy, out: set[str]) -> float:
     """The weighted capacity fraction the instances ``out`` take away (1 = the whole group)."""
     total = 0.0
     weights = 0.0
-    for role in (zl.Role.PREFILL, zl.Role.DECODE):
-        n = topology.count(role)
+    for tag in sorted({m.tag for m in topology.members.values()}):
+        n = topology.count(tag)
         if n == 0:
             continue
-        w = policy.weight(role)
+        w = policy.weight(tag)
         weights += w
-        gone = sum(1 for name in out if topology.members[name].role is role)
+        gone = sum(1 for name in out if topology.members[name].tag == tag)
         total += w * gone / n
     return total / weights if weights else 0.0
 
@@ -410,13 +421,13 @@ def _warm(topology: Topology, est: Estimates, faulty: tuple[str, ...]) -> float 
     every faulty instance; None otherwise (a cold replacement)."""
     if not faulty:
         return None
-    need: dict[zl.Role, int] = {}
+    need: dict[Tag, int] = {}
     for name in faulty:
-        role = topology.members[name].role
-        need[role] = need.get(role, 0) + 1
+        tag = topology.members[name].tag
+        need[tag] = need.get(tag, 0) + 1
     if any(est.warm_pods.get(r, 0) < n or r not in est.warm_ready for r, n in need.items()):
         return None
-    if est.warm_total is not None and est.warm_total < len(faulty):  # one pod fits both roles
+    if est.warm_total is not None and est.warm_total < len(faulty):  # one pod fits both tags
         return None
     return max(est.warm_ready[r] for r in need)
 
@@ -435,10 +446,10 @@ def _shrink(
     new pod could use counts: on a server that takes a decode (Ready, not cordoned,
     no taint the decode does not tolerate, of its NPU type) in the decodes' SuperPod; giving up
     any other would cost its capacity and restore nothing."""
-    decodes = tuple(n for n in faulty if topology.members[n].role is zl.Role.DECODE)
+    decodes = tuple(n for n in faulty if topology.members[n].tag == zl.Role.DECODE)
     faulty_prefills = tuple(n for n in faulty if n not in decodes)
     healthy = sorted(
-        (n for n, m in topology.members.items() if m.role is zl.Role.PREFILL and n not in faulty),
+        (n for n, m in topology.members.items() if m.tag == zl.Role.PREFILL and n not in faulty),
         key=_ordinal,
     )
     need = withheld(fault, topology, decodes)
@@ -498,8 +509,8 @@ def _pod_sizes(member: Member) -> list[int]:
 
 class Room:
     """Where the new pods of a plan would go: each instance's pods (``npus / pods``
-    NPUs each, :func:`_pod_sizes`) placed whole on one server that takes its role, within the
-    SuperPod of its role's instances that stay when the role keeps one, onto the NPUs free
+    NPUs each, :func:`_pod_sizes`) placed whole on one server that takes its tag, within the
+    SuperPod of its tag's instances that stay when the tag keeps one, onto the NPUs free
     there now plus those the instances given up free where they ran (``out``: the instances
     whose pods go). Without servers (not known) every NPU is one pool: the free ones and all
     those given up.
@@ -525,27 +536,27 @@ class Room:
     def _server(self, member: Member) -> str | None:
         return self.POOL if self.topology.servers is None else member.node
 
-    def _home(self, role: zl.Role) -> set[str]:
-        """The SuperPods a new instance of ``role`` must join: those of the instances that
+    def _home(self, tag: Tag) -> set[str]:
+        """The SuperPods a new instance of ``tag`` must join: those of the instances that
         stay (empty: any, one for all of them; and without servers, where nothing is known)."""
-        if role not in self.topology.same_superpod or self.topology.servers is None:
+        if tag not in self.topology.same_superpod or self.topology.servers is None:
             return set()
         return {
             m.superpod
             for n, m in self.topology.members.items()
-            if m.role is role and n not in self.out and m.superpod is not None
+            if m.tag == tag and n not in self.out and m.superpod is not None
         }
 
-    def why_not(self, role: zl.Role, given: str) -> str:
-        """Why the NPUs ``given`` frees cannot serve a new pod of ``role`` (empty: they can)."""
+    def why_not(self, tag: Tag, given: str) -> str:
+        """Why the NPUs ``given`` frees cannot serve a new pod of ``tag`` (empty: they can)."""
         member = self.topology.members[given]
         where = self._server(member)
         server = self.servers.get(where) if where is not None else None
         if server is None:
             return f"its server {where or '?'} is not known"
-        if server.refuses.get(role):
-            return server.refuses[role]
-        home = self._home(role)
+        if server.refuses.get(tag):
+            return server.refuses[tag]
+        home = self._home(tag)
         if home and server.superpod not in home:
             return (
                 f"{server.name} is in SuperPod {server.superpod}, not in "
@@ -566,12 +577,12 @@ class Room:
                     capacity[where] += size
         return capacity
 
-    def _candidates(self, role: zl.Role, superpod: str | None) -> list[str]:
-        home = self._home(role)
+    def _candidates(self, tag: Tag, superpod: str | None) -> list[str]:
+        home = self._home(tag)
         return [
             name
             for name, s in self.servers.items()
-            if not s.refuses.get(role)
+            if not s.refuses.get(tag)
             and (not home or s.superpod in home)
             and (superpod is None or s.superpod == superpod)
         ]
@@ -582,7 +593,7 @@ class Room:
         (one server per pod, all in one SuperPod: what gang placement will do); each other
         pod best-fit."""
         pods = [
-            (m.role, size)
+            (m.tag, size)
             for m in (self.topology.members[n] for n in instances)
             for size in _pod_sizes(m)
         ]
@@ -593,15 +604,15 @@ class Room:
             if m.pods > 1 and min(_pod_sizes(m)) >= 1 and self.topology.servers is not None
         }
         if whole:
-            gangs = [(m.name, m.role, tuple(_pod_sizes(m))) for m in members if m.name in whole]
+            gangs = [(m.name, m.tag, tuple(_pod_sizes(m))) for m in members if m.name in whole]
             singles = [
-                (m.role, size) for m in members if m.name not in whole for size in _pod_sizes(m)
+                (m.tag, size) for m in members if m.name not in whole for size in _pod_sizes(m)
             ]
             return self._place_gangs(gangs, singles, self._capacity(given))
         together = sorted(
             {r for r, _ in pods if r in self.topology.same_superpod and not self._home(r)}
         )
-        # A role that keeps one SuperPod and has no instance left to join: all of its new pods
+        # A tag that keeps one SuperPod and has no instance left to join: all of its new pods
         # in one SuperPod, whichever (the first placed decides).
         superpods = sorted({s.superpod for s in self.servers.values() if s.superpod is not None})
         choices: list[list[str | None]] = [[*superpods] or [None] for _ in together]
@@ -613,15 +624,13 @@ class Room:
 
     def _place(
         self,
-        pods: list[tuple[zl.Role, int]],
+        pods: list[tuple[Tag, int]],
         capacity: dict[str, int],
-        superpod: Mapping[zl.Role, str | None],
+        superpod: Mapping[Tag, str | None],
     ) -> bool:
-        for role, size in sorted(pods, key=lambda p: -p[1]):
+        for tag, size in sorted(pods, key=lambda p: -p[1]):
             fitting = [
-                name
-                for name in self._candidates(role, superpod.get(role))
-                if capacity[name] >= size
+                name for name in self._candidates(tag, superpod.get(tag)) if capacity[name] >= size
             ]
             if not fitting:
                 return False
@@ -631,15 +640,15 @@ class Room:
 
     def _place_gangs(
         self,
-        gangs: list[tuple[str, zl.Role, tuple[int, ...]]],
-        singles: list[tuple[zl.Role, int]],
+        gangs: list[tuple[str, Tag, tuple[int, ...]]],
+        singles: list[tuple[Tag, int]],
         capacity: dict[str, int],
     ) -> bool:
         """The multi-pod instances first (largest first), each whole in one SuperPod (its
-        role's, when the role keeps one), then the single pods on what is left."""
-        for name, role, sizes in sorted(gangs, key=lambda g: (-sum(g[2]), g[0])):
-            allowed = set(self._candidates(role, None))
-            home = self._home(role)
+        tag's, when the tag keeps one), then the single pods on what is left."""
+        for name, tag, sizes in sorted(gangs, key=lambda g: (-sum(g[2]), g[0])):
+            allowed = set(self._candidates(tag, None))
+            home = self._home(tag)
             servers = [
                 placement.Server(n, s.superpod, capacity[n] if n in allowed else 0)
                 for n, s in sorted(self.servers.items())
@@ -653,11 +662,11 @@ class Room:
         return self._place(singles, capacity, {})
 
     def usable(self, instances: Sequence[str], given: Sequence[str] = ()) -> int:
-        """The NPUs free (with ``given`` given up) where a new pod of the instances' roles may
+        """The NPUs free (with ``given`` given up) where a new pod of the instances' tags may
         go."""
-        roles = {self.topology.members[n].role for n in instances}
+        tags = {self.topology.members[n].tag for n in instances}
         capacity = self._capacity(given)
-        names = {name for role in roles for name in self._candidates(role, None)}
+        names = {name for tag in tags for name in self._candidates(tag, None)}
         return sum(capacity[name] for name in names if capacity[name] < sys.maxsize)
 
     def shortfall(self, instances: Sequence[str], given: Sequence[str] = ()) -> str:
@@ -718,8 +727,8 @@ def choose(
 
 
 def _priority(topology: Topology, policy: Policy, name: str) -> tuple[float, str]:
-    """Which faulty instance is taken first under the cap: the protected role's."""
-    return (-policy.weight(topology.members[name].role), name)
+    """Which faulty instance is taken first under the cap: the protected tag's."""
+    return (-policy.weight(topology.members[name].tag), name)
 
 
 def with_restore(option: Option, **terms: float) -> Option:

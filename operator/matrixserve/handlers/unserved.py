@@ -1,4 +1,4 @@
-"""Kinds whose controllers are not built yet: ExpertPool and DPDomain.
+"""Kinds whose controllers are not built yet: DPDomain.
 
 Their CRDs are installed (the API is published ahead of its controllers), so an object of one is
 accepted and stored. Each such object says that nothing runs for it in its status — ``Ready=False``, reason ``NoController`` — at its creation, at the
@@ -18,7 +18,7 @@ from matrixserve.handlers.leadership import lead_or_gone
 from matrixserve.handlers.reconciler import now_rfc3339, post
 from matrixserve.handlers.runtime import Runtime
 
-UNSERVED = (kinds.EXPERTPOOL, kinds.DPDOMAIN)
+UNSERVED = (kinds.DPDOMAIN,)
 REASON = "NoController"
 
 

@@ -26,10 +26,10 @@ from collections.abc import Mapping
 
 from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
-from matrixserve.api.engine_settings import LoadSource
 from matrixserve.api.resources import WarmClaim
 from matrixserve.api.status import ScaleRecord
 from matrixserve.domain import scaleout as so
+from matrixserve.domain import warmclaim
 from matrixserve.domain.pdgroup import gang
 from matrixserve.domain.pdgroup.actions import Action, AssignWarmPod, ClaimWarmPod, CreatePod
 from matrixserve.domain.pdgroup.pods import (
@@ -40,8 +40,8 @@ from matrixserve.domain.pdgroup.pods import (
     pod_manifest,
 )
 from matrixserve.domain.pdgroup.view import GroupView
-from matrixserve.domain.pdgroup.warm import claim_of as _claim
 from matrixserve.domain.pdgroup.warm import estimates, fork_sources, warm_candidates
+from matrixserve.domain.warmclaim import claim_of as _claim
 
 
 def missing_pods(view: GroupView, instance: str, role: zl.Role) -> list[str]:
@@ -128,27 +128,13 @@ def warm_or_cold(view: GroupView, missing: Mapping[str, zl.Role]) -> list[Action
 def _claim_action(view: GroupView, choice: so.Choice, role: zl.Role) -> ClaimWarmPod:
     assert choice.warm_pod is not None
     pod = view.warm_pods[choice.warm_pod]
-    claim = WarmClaim(
-        instance=choice.instance,
-        role=role.value,
-        path=str(choice.path),
-        estimateSeconds=round(choice.total, 3),
-        phases={str(k): round(v, 3) for k, v in choice.phases.items()},
-        considered={str(k): v for k, v in choice.considered.items()},
-        forkSource=choice.fork_source,
-        at=round(view.now, 3),
+    patch = warmclaim.claim_patch(
+        view.claimer,
+        owner(view.name, view.uid),
+        pod_labels(view.name, role, choice.instance),
+        pod_annotations(view.spec, role),
+        warmclaim.record(choice, choice.instance, role.value, view.now),
     )
-    patch = {
-        "labels": {
-            **pod_labels(view.name, role, choice.instance),
-            kinds.LABEL_CLAIMED_BY: view.name,
-        },
-        "annotations": {
-            **pod_annotations(view.spec, role),
-            kinds.ANNOTATION_CLAIM: claim.dump(),
-        },
-        "ownerReferences": [owner(view.name, view.uid)],
-    }
     return ClaimWarmPod(
         pod.name,
         pod.resource_version,
@@ -175,37 +161,17 @@ def assignments(view: GroupView) -> list[Action]:
             or instance in view.reports
         ):
             continue
-        claim = _claim(pod)
-        role = zl.Role.PREFILL if claim.role == zl.Role.PREFILL.value else zl.Role.DECODE
-        path = so.Path(claim.path) if claim.path in set(so.Path) else so.Path.WARM_SHARED
-        fork = None
-        source = claim.fork_source
-        for s in view.fork_sources:
-            if source == f"{s.group}/{s.instance}":
-                plane = "UB" if path is so.Path.WARM_FORK_UB else "RoCE"
-                fork = zl.ForkRef(
-                    group=s.group,
-                    instance=s.instance,
-                    podIP=s.pod_ip,
-                    port=s.port,
-                    plane=plane,
-                    key=s.key,
-                )
+        role = zl.Role.PREFILL if _claim(pod).role == zl.Role.PREFILL.value else zl.Role.DECODE
         # the instance's own settings; the rest is the warm pod's (its ZooKeeper, credential
         # file, devices, platform), which an assignment never overrides
         env = engine_settings(view.namespace, view.name, role, view.spec, view.engine)
-        # a fork whose source is gone since the claim: the fallback at once
-        forking = path in (so.Path.WARM_FORK_UB, so.Path.WARM_FORK_ROCE)
-        load = so.LOAD_SOURCE[so.Path.WARM_SHARED if forking and fork is None else path]
-        assignment = zl.Assignment(
-            podUid=pod.uid,
-            group=f"{view.namespace}/{view.name}",
+        assignment = warmclaim.assignment(
+            pod,
+            owner=f"{view.namespace}/{view.name}",
             instance=instance,
             env=env.assignment(),
-            loadSource=load,
-            fork=fork,
-            fallback=LoadSource.SHARED_FILE_SERVICE,
-            ts=view.now,
+            fork_sources=view.fork_sources,
+            now=view.now,
         )
         out.append(AssignWarmPod(view.namespace, pod.name, instance, assignment))
     return out

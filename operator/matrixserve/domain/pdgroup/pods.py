@@ -30,6 +30,7 @@ from matrixserve.domain.enginepod import (
     credential_mounts,
     credential_volumes,
     engine_container,
+    owner_reference,
     platform_settings,
     pod_security_context,
     scratch_volumes,
@@ -155,14 +156,7 @@ def pod_annotations(spec: PDGroupSpec, role: Role) -> dict[str, str]:
 
 
 def owner(group: str, group_uid: str) -> dict[str, Any]:
-    return {
-        "apiVersion": kinds.API_VERSION,
-        "kind": kinds.PDGROUP.kind,
-        "name": group,
-        "uid": group_uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
+    return owner_reference(kinds.PDGROUP.kind, group, group_uid)
 
 
 def engine_settings(
@@ -188,7 +182,17 @@ def engine_settings(
         tpot_slo_ms=None if tpot is None else str(tpot),
         tp=str(r.parallelism.tp) if r.parallelism.tp else None,
         ep=str(r.parallelism.ep) if r.parallelism.ep else None,
+        expert_pool=_expert_pool(namespace, role, spec),
     )
+
+
+def _expert_pool(namespace: str, role: Role, spec: PDGroupSpec) -> str | None:
+    """The pool a decode sends its experts' tokens to, as its attention client (EaaS §3.1:
+    decoding only, §5.1); prefill keeps its experts inside the instance."""
+    moe = spec.moe
+    if role is not Role.DECODE or moe is None or moe.expert_pool_ref is None:
+        return None
+    return f"{namespace}/{moe.expert_pool_ref.name}"
 
 
 def engine_env(

@@ -61,6 +61,8 @@ MAX_GROUP_NAME = 50  # pod names are <group>-p-<ordinal> and must stay within 63
 class ModelFacts:
     weight_bytes: float
     kv_bytes_per_token: float
+    # the weights but the routed and shared experts (all of them for a model without)
+    non_expert_bytes: float
 
 
 def model_facts(spec: PDGroupSpec) -> ModelFacts | None:
@@ -69,11 +71,32 @@ def model_facts(spec: PDGroupSpec) -> ModelFacts | None:
     if preset is not None:
         weights = float(m.size_bytes) if m.size_bytes else preset.weight_bytes_total
         kv = float(m.kv_bytes_per_token) if m.kv_bytes_per_token else preset.kv_bytes_per_token
-        return ModelFacts(weights, kv)
+        # a size given scales the catalogue's share of the experts with it
+        non_expert = weights * preset.non_expert_weight_bytes / preset.weight_bytes_total
+        return ModelFacts(weights, kv, non_expert)
     if m.size_bytes and m.layers and m.hidden_size:
         kv = float(m.kv_bytes_per_token or 2 * m.hidden_size * 2 * m.layers)  # P/D-Serve §2.1
-        return ModelFacts(float(m.size_bytes), kv)
+        return ModelFacts(float(m.size_bytes), kv, float(m.size_bytes))
     return None
+
+
+def attention_clients(spec: PDGroupSpec) -> bool:
+    """The decodes are an ExpertPool's attention clients (``moe: Disaggregated`` with an
+    ``expertPoolRef``): their experts live in the pool."""
+    moe = spec.moe
+    return moe is not None and moe.mode is MoEMode.DISAGGREGATED and moe.expert_pool_ref is not None
+
+
+def held_weights(spec: PDGroupSpec, role: Role, facts: ModelFacts) -> float:
+    """The weights an instance of ``role`` holds in HBM: the model's; an attention client's
+    (EaaS §3.1, xDeepServe §5.2) the non-expert ones once per TP group (with data-parallel
+    attention each group of ``tp`` dies holds its copy, as the engine does; ``tp`` defaults to
+    the instance's dies, one copy)."""
+    if role is not Role.DECODE or not attention_clients(spec):
+        return facts.weight_bytes
+    r = spec.role_spec(role)
+    dies = r.devices_per_instance * catalog.DIES_PER_NPU
+    return facts.non_expert_bytes * max(1, dies // (r.parallelism.tp or dies))
 
 
 def _resource_rules(role: str, r: RoleSpec) -> list[str]:
@@ -167,25 +190,28 @@ def _pairing_rules(spec: PDGroupSpec) -> list[str]:
     return errors
 
 
-def _role_fit(role: str, r: RoleSpec, facts: ModelFacts | None, context: int) -> list[str]:
-    """A role's resources, and the model's weights and KV in its instances' HBM."""
-    errors = _resource_rules(role, r)
+def _role_fit(spec: PDGroupSpec, role: Role, facts: ModelFacts | None) -> list[str]:
+    """A role's resources, and the weights its instances hold and their KV in their HBM."""
+    r, key, context = spec.role_spec(role), role.spec_key, spec.model.max_context_tokens
+    errors = _resource_rules(key, r)
     if facts is None:
         return errors
     dies = r.devices_per_instance * catalog.DIES_PER_NPU
     usable = dies * catalog.DIE_HBM_BYTES * HBM_USABLE_FRACTION
-    if facts.weight_bytes > usable:
+    weights = held_weights(spec, role, facts)
+    what = "weights" if weights == facts.weight_bytes else "non-expert weights (experts pooled)"
+    if weights > usable:
         errors.append(
-            f"spec.{role}.devicesPerInstance: {facts.weight_bytes / 1e9:.1f} GB of weights do not fit "
+            f"spec.{key}.devicesPerInstance: {weights / 1e9:.1f} GB of {what} do not fit "
             f"{r.devices_per_instance} NPUs ({usable / 1e9:.1f} GB usable HBM)"
         )
         return errors
     kv_need = r.batch_size * context * facts.kv_bytes_per_token
-    kv_room = usable - facts.weight_bytes
+    kv_room = usable - weights
     if kv_need > kv_room:
         errors.append(
-            f"spec.{role}.batchSize: {r.batch_size} requests x {context} tokens need "
-            f"{kv_need / 1e9:.1f} GB of KV cache; {kv_room / 1e9:.1f} GB of HBM is left after the weights"
+            f"spec.{key}.batchSize: {r.batch_size} requests x {context} tokens need "
+            f"{kv_need / 1e9:.1f} GB of KV cache; {kv_room / 1e9:.1f} GB of HBM is left after the {what}"
         )
     return errors
 
@@ -226,16 +252,7 @@ def schema_rules(spec: PDGroupSpec, name: str) -> list[str]:
             f"({superpod_npus} NPUs); decode instances of a group stay inside one SuperPod"
         )
     errors += _ratio_bound_errors(spec)
-    moe = spec.moe
-    if (
-        moe is not None
-        and moe.mode is MoEMode.DISAGGREGATED
-        and (moe.dp_domain_ref is None or moe.expert_pool_ref is None)
-    ):
-        errors.append("spec.moe: Disaggregated needs dpDomainRef and expertPoolRef")
-    # Once accepted and read by nothing; refused now, saying what works
-    if moe is not None:
-        errors.append(f"spec.moe: {MOE_UNSUPPORTED}")
+    errors += _moe_rules(spec)
     for field, given in (
         ("prefillArtifact", spec.model.prefill_artifact),
         ("decodeArtifact", spec.model.decode_artifact),
@@ -245,10 +262,67 @@ def schema_rules(spec: PDGroupSpec, name: str) -> list[str]:
     return errors
 
 
-MOE_UNSUPPORTED = (
-    "MoE placement has no controller yet (ExpertPool and DPDomain come in later issues): "
-    "remove spec.moe; an MoE model's experts then run inside each instance (parallelism.ep)"
+MOE_COLOCATED = (
+    "Colocated needs no spec.moe: remove it; an MoE model's experts then run inside each "
+    "instance (parallelism.ep)"
 )
+DP_DOMAIN_UNSUPPORTED = (
+    "DPDomain has no controller yet: remove it; the decodes are the expert pool's attention "
+    "clients themselves"
+)
+
+
+def _moe_rules(spec: PDGroupSpec) -> list[str]:
+    """``moe``: experts as a service (EaaS §3.1): ``Disaggregated`` with an ``expertPoolRef``
+    runs the decodes as the pool's attention clients. ``Colocated`` is what an MoE model does
+    without ``moe`` (its experts inside each instance), and DP domains have no controller yet."""
+    moe = spec.moe
+    if moe is None:
+        return []
+    if moe.mode is MoEMode.COLOCATED:
+        return [f"spec.moe: {MOE_COLOCATED}"]
+    errors = []
+    shape = PRESETS.get(spec.model.name)
+    if shape is not None and shape.moe is None:
+        errors.append(
+            f"spec.moe: Disaggregated needs an MoE model: {spec.model.name} has no routed experts "
+            "(remove spec.moe)"
+        )
+    if moe.expert_pool_ref is None:
+        errors.append("spec.moe: Disaggregated needs expertPoolRef")
+    if moe.dp_domain_ref is not None:
+        errors.append(f"spec.moe.dpDomainRef: {DP_DOMAIN_UNSUPPORTED}")
+    return errors
+
+
+def expert_pool_errors(spec: PDGroupSpec, pool: Mapping[str, Any] | None) -> list[str]:
+    """What the pool ``spec.moe.expertPoolRef`` names refuses of the group: one serving another
+    model (its experts are not this model's), or fewer experts or MoE layers than the model has
+    (the decodes would never find every expert covered, so never serve). A pool not there yet is
+    waited for (the decodes serve once its map is in force), not refused."""
+    moe = spec.moe
+    if moe is None or moe.expert_pool_ref is None or pool is None:
+        return []
+    held = (pool.get("spec") or {}).get("model") or {}
+    model, name = held.get("name"), moe.expert_pool_ref.name
+    if model is not None and model != spec.model.name:
+        return [
+            f"spec.moe.expertPoolRef: ExpertPool {name} serves model "
+            f"{model}, not this group's {spec.model.name}"
+        ]
+    shape = PRESETS.get(spec.model.name)
+    if shape is None or shape.moe is None:
+        return []
+    want = (shape.moe.routed_experts, shape.moe.moe_layers)
+    if (held.get("experts"), held.get("layers")) != want:
+        return [
+            f"spec.moe.expertPoolRef: ExpertPool {name} holds {held.get('experts')} experts x "
+            f"{held.get('layers')} layers; {spec.model.name} has {want[0]} x {want[1]} "
+            "(its decodes need every one covered)"
+        ]
+    return []
+
+
 ARTIFACT_UNSUPPORTED = (
     "per-role compiled artefacts are not supported yet: every engine loads model.name and "
     "compiles it itself; remove the field"
@@ -271,9 +345,14 @@ def admission_rules(spec: PDGroupSpec) -> list[str]:
             f"spec.model: {spec.model.name!r} is not a known model ({', '.join(sorted(PRESETS))}); "
             "give sizeBytes, layers and hiddenSize"
         )
-    context = spec.model.max_context_tokens
     for role in Role:
-        errors += _role_fit(role.spec_key, spec.role_spec(role), facts, context)
+        errors += _role_fit(spec, role, facts)
+    if attention_clients(spec) and spec.decode.pods_per_instance > 1:
+        errors.append(
+            f"spec.decode.podsPerInstance: {spec.decode.pods_per_instance}: an ExpertPool's "
+            "attention client is an instance of one pod (its experts are the pool's: "
+            f"devicesPerInstance up to {catalog.NPUS_PER_SERVER} NPUs hold its weights)"
+        )
     errors += _ratio_split_errors(spec)
     return errors
 

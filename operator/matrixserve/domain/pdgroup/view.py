@@ -12,6 +12,7 @@ from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import PDGroupSpec, WarmClaim
 from matrixserve.api.status import PDGroupStatus
+from matrixserve.domain import warmclaim
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.observed import InstanceView, NodeView, PodView, group_instances
 from matrixserve.domain.pdgroup.pods import pod_names, role_of
@@ -96,9 +97,15 @@ class GroupView:
                 return at
         return pod.created_at
 
+    @property
+    def claimer(self) -> warmclaim.Claimer:
+        """This group as the claimer of warm pods."""
+        return warmclaim.Claimer(kinds.PDGROUP.kind, self.name)
+
     def claimed(self, pod: PodView) -> bool:
-        """A warm pod this group claimed (it keeps the warm pod's name)."""
-        return pod.label(kinds.LABEL_CLAIMED_BY) == self.name
+        """A warm pod this group claimed (it keeps the warm pod's name); not an ExpertPool's
+        claim of the same name."""
+        return self.claimer.claimed(pod)
 
     @cached_property
     def instances(self) -> dict[str, InstanceView]:

@@ -15,9 +15,9 @@ import statistics
 
 from matrixserve.api import catalog, kinds
 from matrixserve.api import zk_layout as zl
-from matrixserve.api.resources import PDGroupSpec, WarmClaim, WarmTemplate
+from matrixserve.api.resources import PDGroupSpec
 from matrixserve.domain import scaleout as so
-from matrixserve.domain.observed import PodView
+from matrixserve.domain import warmclaim
 from matrixserve.domain.pdgroup.pods import role_of
 from matrixserve.domain.pdgroup.view import GroupView
 
@@ -30,8 +30,7 @@ def claimable(spec: PDGroupSpec) -> tuple[str, ...]:
     """The label selector terms of the warm pods a group may claim: the unclaimed pods of the
     pool its ``warmPoolRef`` names, or of any pool of its namespace when it names none."""
     ref = spec.warm_pool_ref
-    pool = kinds.LABEL_WARMPOOL if ref is None else f"{kinds.LABEL_WARMPOOL}={ref.name}"
-    return (pool, f"!{kinds.LABEL_CLAIMED_BY}")
+    return warmclaim.claimable(None if ref is None else ref.name)
 
 
 def estimates(view: GroupView) -> so.Estimates:
@@ -75,48 +74,27 @@ def lone_load(health: zl.Health) -> float:
 
 
 def warm_candidates(view: GroupView, role: zl.Role) -> list[so.WarmPod]:
-    """The namespace's claimable warm pods that fit an instance of ``role``: Ready, past
-    TE-Pre-Load (their engine's report, of this pod), of its NPU type and NPU count."""
+    """The namespace's claimable warm pods that fit an instance of ``role``
+    (:func:`~matrixserve.domain.warmclaim.candidates`: Ready, past TE-Pre-Load, of its NPU
+    type, NPU count and image; none when the group sets its own CPU and memory, which a warm
+    pod, made by the platform, does not have)."""
     spec = view.spec.role_spec(role)
+    if spec.resources is not None:
+        return []
     # a group's decodes stay inside one SuperPod (the cold pods' required affinity, 001 §6.1.2):
     # a warm decode must be in theirs
-    decode_superpods = {
+    decode_superpods = frozenset(
         p.superpod
         for p in view.pods.values()
         if role_of(p) is zl.Role.DECODE and p.superpod is not None and not p.deleting
-    }
-    out = []
-    for pod in view.warm_pods.values():
-        report = view.warm_reports.get(pod.name)
-        if (
-            pod.deleting
-            or not pod.ready
-            or pod.label(kinds.LABEL_CLAIMED_BY) is not None
-            or report is None
-            or report.pod_uid != pod.uid
-            or pod.label(kinds.LABEL_NPU_TYPE) != spec.npu_type
-            or pod.label(kinds.LABEL_WARM_NPUS) != str(spec.devices_per_instance)
-            # it runs what the group would: its image, the platform's CPU and memory
-            or _image(pod) != spec.image
-            or spec.resources is not None
-            or (
-                role is zl.Role.DECODE
-                and bool(decode_superpods)
-                and report.superpod not in decode_superpods
-            )
-        ):
-            continue
-        out.append(
-            so.WarmPod(
-                pod.name,
-                report.node,
-                report.superpod,
-                spec.devices_per_instance,
-                frozenset(report.dram_models),
-                frozenset(report.ssd_models),
-            )
-        )
-    return out
+    )
+    fit = warmclaim.Fit(
+        spec.npu_type,
+        spec.devices_per_instance,
+        spec.image,
+        decode_superpods if role is zl.Role.DECODE else frozenset(),
+    )
+    return warmclaim.candidates(view.warm_pods, view.warm_reports, fit)
 
 
 def fork_sources(view: GroupView, dies: int) -> list[so.ForkSource]:
@@ -124,7 +102,7 @@ def fork_sources(view: GroupView, dies: int) -> list[so.ForkSource]:
     artefacts' identity itself: a target whose identity differs falls back)."""
     busy: dict[str, int] = {}
     for pod in view.pods.values():  # forks under way: claimed, not yet reported
-        source = claim_of(pod).fork_source
+        source = warmclaim.claim_of(pod).fork_source
         if source and pod.label(kinds.LABEL_INSTANCE) not in view.reports:
             busy[source] = busy.get(source, 0) + 1
     return [
@@ -143,16 +121,6 @@ def fork_sources(view: GroupView, dies: int) -> list[so.ForkSource]:
         # its ZooKeeper session expires
         and (s.group != f"{view.namespace}/{view.name}" or view.healthy(s.instance))
     ]
-
-
-def _image(pod: PodView) -> str | None:
-    """The engine image a warm pod runs (its template annotation)."""
-    made = WarmTemplate.of(pod.annotations)
-    return made.image if made is not None else None
-
-
-def claim_of(pod: PodView) -> WarmClaim:
-    return WarmClaim.of(pod.annotations)
 
 
 def warm_pod_names(view: GroupView) -> frozenset[str]:

@@ -20,11 +20,9 @@ from matrixserve.api.resources import WarmShape, WarmTemplate
 from matrixserve.domain.enginepod import (
     EngineSettings,
     credential_mounts,
-    credential_volumes,
     engine_container,
+    engine_pod,
     platform_settings,
-    pod_security_context,
-    scratch_volumes,
 )
 
 
@@ -68,32 +66,13 @@ def pod_manifest(
     )
     env = [*downward_env(), *engine.to_env()]
     container = engine_container(image, env, s.devices_per_pod, None, credential_mounts(settings))
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": pod_labels(pool, shape, s),
-            "annotations": {kinds.ANNOTATION_WARM_TEMPLATE: template(s, image)},
-            "ownerReferences": [
-                {
-                    "apiVersion": kinds.API_VERSION,
-                    "kind": kinds.WARMPOOL.kind,
-                    "name": pool,
-                    "uid": pool_uid,
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
-        },
-        "spec": {
-            "restartPolicy": "Always",
-            "terminationGracePeriodSeconds": 10,
-            "automountServiceAccountToken": False,
-            "nodeSelector": {**(s.node_selector or {}), kinds.LABEL_NPU_TYPE: s.npu_type},
-            "securityContext": pod_security_context(),
-            "containers": [container],
-            "volumes": [*scratch_volumes(), *credential_volumes(settings)],
-        },
-    }
+    return engine_pod(
+        namespace,
+        name,
+        pod_labels(pool, shape, s),
+        {kinds.ANNOTATION_WARM_TEMPLATE: template(s, image)},
+        (kinds.WARMPOOL.kind, pool, pool_uid),
+        container,
+        settings,
+        nodeSelector={**(s.node_selector or {}), kinds.LABEL_NPU_TYPE: s.npu_type},
+    )

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from matrixserve.adapters import zk_groups
+from matrixserve.adapters.kube import KubeAdapter
 from matrixserve.adapters.pdgroup_metrics import PDGroupMetrics
 from matrixserve.adapters.zk_groups import GroupStore
 from matrixserve.api import kinds
@@ -22,6 +23,7 @@ from matrixserve.api.resources import PDGroupSpec
 from matrixserve.api.roles import Role
 from matrixserve.api.status import PDGroupStatus
 from matrixserve.domain import pdgroup as pd
+from matrixserve.domain import warmclaim
 from matrixserve.domain.effects import Effect, Event, PodCreation
 from matrixserve.domain.enginepod import (
     ACCESS_OPEN,
@@ -33,6 +35,7 @@ from matrixserve.domain.observed import on_nodes
 from matrixserve.domain.pdgroup import cleanup
 from matrixserve.domain.pdgroup.validation import (
     admit,
+    expert_pool_errors,
     parse_spec,
     running_template_changes,
     spec_changes,
@@ -67,10 +70,21 @@ async def check_rules(groups: PDGroups, request: Request) -> list[str]:
     if errors or request.deleting:
         return errors
     parsed, _ = parse_spec(spec, request.name)
-    if parsed is None or all(parsed.role_spec(r).pods_per_instance < 2 for r in Role):
+    if parsed is None:
+        return errors
+    errors += await pool_errors(groups.rt.kube, request.namespace, parsed)
+    if errors or all(parsed.role_spec(r).pods_per_instance < 2 for r in Role):
         return errors
     # an instance of several pods no SuperPod of the cluster can hold: refused, not waiting
     return pd.larger_than_any_superpod(parsed, (await groups.rt.kube.nodes()).values())
+
+
+async def pool_errors(kube: KubeAdapter, namespace: str, spec: PDGroupSpec) -> list[str]:
+    """What the expert pool the group's decodes use refuses of it (none without one)."""
+    if spec.moe is None or spec.moe.expert_pool_ref is None:
+        return []
+    pool = await kube.get(kinds.EXPERTPOOL, namespace, spec.moe.expert_pool_ref.name)
+    return expert_pool_errors(spec, pool)
 
 
 async def check_scale(groups: PDGroups, request: Request) -> list[str]:
@@ -117,10 +131,12 @@ class PDGroups:
         return parse_spec(body.get("spec") or {}, meta["name"])
 
     async def refused(self, body: Body, spec: PDGroupSpec) -> list[str]:
-        """A template its pods do not run (the webhook may be off)."""
+        """A template its pods do not run, an expert pool of another model (the webhook may be
+        off)."""
         meta = body["metadata"]
         pods = await self.rt.kube.list_pods(meta["namespace"], {kinds.LABEL_GROUP: meta["name"]})
-        return running_template_changes(spec, pods.values())
+        errors = running_template_changes(spec, pods.values())
+        return errors + await pool_errors(self.rt.kube, meta["namespace"], spec)
 
     async def observe(self, body: Body, spec: PDGroupSpec, logger: logging.Logger) -> pd.GroupView:
         rt, meta = self.rt, body["metadata"]
@@ -128,6 +144,7 @@ class PDGroups:
         pods = await rt.kube.list_pods(namespace, {kinds.LABEL_GROUP: name})
         # the webhook may be off: a template the pods do not run is refused here too
         errors = running_template_changes(spec, pods.values())
+        errors += await pool_errors(rt.kube, namespace, spec)
         if errors:
             raise Invalid(errors)
         # A pod holding one of the group's names that is not the group's: looked up (together)
@@ -261,7 +278,10 @@ class PDGroups:
         try:
             removed = await self.store.delete(namespace, name)
             claimed = await self.rt.kube.list_pods(namespace, {kinds.LABEL_CLAIMED_BY: name})
-            await self.store.forget_assignments(namespace, sorted(claimed))
+            ours = warmclaim.Claimer(kinds.PDGROUP.kind, name)  # not another kind's of the name
+            await self.store.forget_assignments(
+                namespace, sorted(n for n, p in claimed.items() if ours.claimed(p))
+            )
         except zk_groups.UNAVAILABLE as exc:
             # lost mid-way: retried within the bound, not after kopf's minute of back-off
             raise Retry(f"ZooKeeper failed during the deletion: {exc}") from exc

@@ -1,0 +1,62 @@
+"""The ExpertPool store's reads: a map in force it cannot read is no map (the planner writes one
+again), not an error that fails every pass of the pool."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from matrixserve.adapters.zk_experts import ExpertStore
+from matrixserve.api import zk_layout as zl
+from matrixserve.domain.expertpool.expertmap import ExpertMap
+
+PATHS = zl.ExpertPoolPaths("ns", "pool")
+
+
+class _Session:
+    """What the store reads of a session: data by path, children from the paths below."""
+
+    connected = True
+
+    def __init__(self, data: dict[str, bytes]) -> None:
+        self.data = data
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args)
+
+    def get(self, path: str) -> bytes | None:
+        return self.data.get(path)
+
+    def children(self, path: str) -> list[str]:
+        return sorted(
+            {p[len(path) + 1 :].split("/")[0] for p in self.data if p.startswith(path + "/")}
+        )
+
+
+def _written(version: int) -> dict[str, bytes]:
+    m = ExpertMap(version, 2, 1, ("pool-s0", "pool-s1"), (((0,), (1,)),))
+    head, layers = m.payloads()
+    return {
+        PATHS.version(version): head.dump(),
+        PATHS.layer(version, 0): layers[0].dump(),
+        PATHS.map: zl.ExpertMapPointer(version=version).dump(),
+    }
+
+
+def _read(data: dict[str, bytes]) -> tuple[ExpertMap | None, list[int]]:
+    store = ExpertStore(_Session(data))  # type: ignore[arg-type]
+    return asyncio.run(store.map_in_force("ns", "pool"))
+
+
+def test_the_map_in_force_is_read_whole() -> None:
+    current, versions = _read(_written(3))
+    assert current is not None
+    assert (current.version, current.held) == (3, (((0,), (1,)),))
+    assert versions == [3]
+
+
+def test_an_unreadable_pointer_or_version_is_no_map_not_an_error() -> None:
+    assert _read({**_written(3), PATHS.map: b"{not json"}) == (None, [3])
+    assert _read({**_written(3), PATHS.layer(3, 0): b'{"layer": "x"}'}) == (None, [3])
+    assert _read({**_written(3), PATHS.version(3): b'{"version": 3}'}) == (None, [3])
