@@ -5,13 +5,15 @@ rules the adapters rely on). Cluster tests use the real ones."""
 from __future__ import annotations
 
 import copy
+import functools
+import re
 import threading
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 from kazoo.client import KazooState
 from kazoo.exceptions import (
@@ -322,11 +324,30 @@ def engine_report(
 
 
 # --------------------------------------------------------------------------- Kubernetes
+_T = TypeVar("_T")
+
+
+def api_calls(cls: type[_T]) -> type[_T]:
+    """The fake's API calls take the client's options the adapters pass (``_request_timeout``),
+    as the real client does; a fake's answers do not depend on them."""
+    for name, fn in list(vars(cls).items()):
+        if callable(fn) and re.match(r"(create|delete|read|patch|list|get)_", name):
+
+            def call(
+                self: Any, *args: Any, _fn: Any = fn, _request_timeout: Any = None, **kw: Any
+            ) -> Any:
+                return _fn(self, *args, **kw)
+
+            setattr(cls, name, functools.wraps(fn)(call))
+    return cls
+
+
 def api_error(status: int) -> client.ApiException:
     reason = {404: "Not Found", 409: "Conflict"}.get(status, "Error")
     return client.ApiException(status=status, reason=reason)
 
 
+@api_calls
 @dataclass
 class FakeCore:
     """``CoreV1Api``'s pod, Secret and node calls, with the API server's rules: a create of an
@@ -485,6 +506,7 @@ class FakeCore:
         )
 
 
+@api_calls
 @dataclass
 class FakeNetworking:
     """``NetworkingV1Api``'s NetworkPolicy calls with the API server's rules: a create of an
@@ -596,6 +618,7 @@ def _v1_pod(body: dict[str, Any]) -> client.V1Pod:
     )
 
 
+@api_calls
 @dataclass
 class FakeCustom:
     """``CustomObjectsApi``'s get and status patch of namespaced objects."""

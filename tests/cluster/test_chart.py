@@ -28,7 +28,15 @@ from matrixserve.api.kinds import LABEL_GROUP
 from matrixserve.devcluster.cluster import ClusterInfo, free_ports
 from matrixserve.devcluster.procs import Supervisor
 from testkit.chaoskit import emulator_fault
-from testkit.helpers import Groups, absent, pdgroup_body, serves, service_account_token, wait_for
+from testkit.helpers import (
+    Groups,
+    absent,
+    explain_namespace,
+    pdgroup_body,
+    serves,
+    service_account_token,
+    wait_for,
+)
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "matrixserve"
 
@@ -269,6 +277,10 @@ def test_the_operator_runs_the_pdgroup_lifecycle_with_only_the_charts_rbac(
         wait_for(
             lambda: "g-d-1" in pods() and groups.ready("g"),
             what="the lost decode replaced and the group Ready again",
+            explain=lambda: (
+                explain_namespace(cluster.state_dir, api_client, namespace)
+                + f"\n--- the operator:\n{operator.log()[-4000:]}"
+            ),
         )
         # Scale prefill in: the operator deletes the pod it takes out of service.
         groups.patch("g", {"prefill": {"replicas": 1}})

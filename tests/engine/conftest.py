@@ -100,6 +100,25 @@ def stream() -> Callable[..., tuple[int, list[dict[str, Any]]]]:
     return sse_post
 
 
+def concurrent_streams(
+    engine: EngineProc, n: int, tokens: int, prompt: int = 64
+) -> list[tuple[int, list[dict[str, Any]]]]:
+    """``n`` generate streams at once to ``engine``, each ``tokens`` long: (status, events)."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(n) as ex:
+        futures = [
+            ex.submit(
+                sse_post,
+                f"{engine.url}/v1/generate",
+                {"requestId": f"r{i}", "promptTokens": prompt, "maxTokens": tokens},
+                120,
+            )
+            for i in range(n)
+        ]
+        return [f.result() for f in futures]
+
+
 def sse_post(
     url: str, body: dict[str, Any], timeout: float = 60
 ) -> tuple[int, list[dict[str, Any]]]:

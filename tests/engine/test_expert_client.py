@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from engine.conftest import EngineProc, sse_post
+from engine.conftest import EngineProc, concurrent_streams
 from engine.test_expert_server import EXPERTS, Pool, every_layer, pool  # noqa: F401
 from matrixserve.api import zk_layout as zl
 from testkit.helpers import wait_for
@@ -55,21 +55,6 @@ def _metric(engine: EngineProc, name: str, labels: str = "") -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def _generate(client: EngineProc, n: int, tokens: int) -> list[tuple[int, list[dict[str, Any]]]]:
-    """``n`` streams at once, each ``tokens`` long; their statuses and events."""
-    with concurrent.futures.ThreadPoolExecutor(n) as ex:
-        futures = [
-            ex.submit(
-                sse_post,
-                f"{client.url}/v1/generate",
-                {"requestId": f"r{i}", "promptTokens": 64, "maxTokens": tokens},
-                120,
-            )
-            for i in range(n)
-        ]
-        return [f.result() for f in futures]
-
-
 def _iterations(client: EngineProc) -> float:
     return _metric(client, "matrixserve_engine_expert_iteration_seconds_count")
 
@@ -80,7 +65,7 @@ def _decoding(
 ) -> Iterator[concurrent.futures.Future[list[tuple[int, list[dict[str, Any]]]]]]:
     """``n`` streams of ``tokens`` running in the background, a few iterations in."""
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
-        running = ex.submit(_generate, client, n, tokens)
+        running = ex.submit(concurrent_streams, client, n, tokens)
         wait_for(lambda: _iterations(client) > 5, timeout=30, what="decoding")
         yield running
 
@@ -116,20 +101,28 @@ def _three_servers_two_copies(experts: Pool, version: int = 1) -> None:
         wait_for(lambda n=name: experts.serving(n, version), timeout=30, what=f"{name} serving")
 
 
+def _three_and_a_client(
+    experts: Pool, start_engine: Callable[..., EngineProc], *client_args: str
+) -> tuple[list[EngineProc], EngineProc]:
+    """Servers ex-a, ex-b, ex-c serving :func:`_three_servers_two_copies`'s map, and client
+    att-1 (with ``client_args``)."""
+    servers = _servers(experts, start_engine, "ex-a", "ex-b", "ex-c")
+    _three_servers_two_copies(experts)
+    return servers, _client(experts, start_engine, "att-1", *client_args)
+
+
 def test_client_decodes_through_servers_one_message_per_pair(
     pool: Pool,  # noqa: F811
     start_engine: Callable[..., EngineProc],
 ) -> None:
-    servers = _servers(pool, start_engine, "ex-a", "ex-b", "ex-c")
-    _three_servers_two_copies(pool)
-    client = _client(pool, start_engine, "att-1")
+    servers, client = _three_and_a_client(pool, start_engine)
     predicted = httpx.post(
         f"{client.url}/v1/attention/step", json={"batch": 8}, timeout=5, trust_env=False
     ).json()
     assert predicted["mapVersion"] == 1
     assert predicted["seconds"] > 0
 
-    results = _generate(client, 8, 24)
+    results = concurrent_streams(client, 8, 24)
     assert _failed(results) == []
     iterations = _iterations(client)
     messages = _metric(client, "matrixserve_engine_expert_messages_per_iteration_sum")
@@ -155,9 +148,7 @@ def test_a_forward_probe_is_made_through_the_servers_and_timed_by_them(
     pool: Pool,  # noqa: F811
     start_engine: Callable[..., EngineProc],
 ) -> None:
-    servers = _servers(pool, start_engine, "ex-a", "ex-b", "ex-c")
-    _three_servers_two_copies(pool)
-    client = _client(pool, start_engine, "att-1")
+    servers, client = _three_and_a_client(pool, start_engine)
     step = f"{client.url}/v1/attention/step"
 
     def served() -> list[float]:
@@ -219,9 +210,7 @@ def test_server_killed_mid_decode_fails_no_stream(
     pool: Pool,  # noqa: F811
     start_engine: Callable[..., EngineProc],
 ) -> None:
-    servers = _servers(pool, start_engine, "ex-a", "ex-b", "ex-c")
-    _three_servers_two_copies(pool)
-    client = _client(pool, start_engine, "att-1")
+    servers, client = _three_and_a_client(pool, start_engine)
     with _decoding(client, 8, 120) as running:
         os.kill(servers[2].pid, signal.SIGKILL)
         results = running.result()
@@ -270,7 +259,7 @@ def test_last_copy_gone_held_then_expert_uncovered(
     # a map that covers them again (ex-a takes ex-b's experts): admitted, decoded
     pool.write(2, ["ex-a"], every_layer(list(range(16))), reason="failover of ex-b")
     wait_for(lambda: pool.serving("ex-a", 2), timeout=30, what="ex-a serving v2")
-    assert _failed(_generate(client, 1, 8)) == []
+    assert _failed(concurrent_streams(client, 1, 8)) == []
 
 
 def test_last_copy_gone_covered_within_the_bound_fails_nothing(
@@ -299,9 +288,7 @@ def test_monolithic_halts_until_every_server_is_back(
     pool: Pool,  # noqa: F811
     start_engine: Callable[..., EngineProc],
 ) -> None:
-    servers = _servers(pool, start_engine, "ex-a", "ex-b", "ex-c")
-    _three_servers_two_copies(pool)
-    client = _client(pool, start_engine, "att-1", "--expert-mode", "monolithic")
+    servers, client = _three_and_a_client(pool, start_engine, "--expert-mode", "monolithic")
     with _decoding(client, 4, 300) as running:
         os.kill(servers[2].pid, signal.SIGKILL)
         wait_for(
@@ -343,9 +330,7 @@ def test_the_pools_failover_timeout_in_the_pointer_wins_over_the_clients_own(
     """The client's own bound is 600 emulated s (60 wall s at this scale); the pointer rewritten
     with the pool's 1 ms (the same version) brings it to the wall floor (1 s): a hung server
     is dropped on timeout long before its session's end (the offline event) would say so."""
-    servers = _servers(pool, start_engine, "ex-a", "ex-b", "ex-c")
-    _three_servers_two_copies(pool)
-    client = _client(pool, start_engine, "att-1", "--expert-failover-ms", "600000")
+    servers, client = _three_and_a_client(pool, start_engine, "--expert-failover-ms", "600000")
     assert _failover_seconds(client) == 600  # no failoverMs in the pointer: its own
     pool.zk.set(pool.paths.map, zl.ExpertMapPointer(version=1, failoverMs=1).dump())
     wait_for(lambda: _failover_seconds(client) == 0.001, timeout=10, what="the pool's timeout")

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.conftest import EngineProc, Group, sse_post
+from engine.conftest import EngineProc, Group, concurrent_streams
 from engine.test_expert_client import _failed, _metric
 from engine.test_expert_server import TIME_SCALE, Pool, every_layer, small_moe
 from matrixserve.api import zk_layout as zl
@@ -45,20 +45,6 @@ def experts(group: Group, tmp_path: Path) -> Pool:
     group.zk.ensure_path(paths.map)
     group.zk.set(paths.map, zl.ExpertMapPointer(version=0).dump())
     return Pool(group.zk, paths, "t/experts", group.hosts, small_moe(tmp_path))
-
-
-def _streams(prefill: EngineProc, n: int, tokens: int) -> list[tuple[int, list[dict[str, Any]]]]:
-    with concurrent.futures.ThreadPoolExecutor(n) as ex:
-        futures = [
-            ex.submit(
-                sse_post,
-                f"{prefill.url}/v1/generate",
-                {"requestId": f"r{i}", "promptTokens": 64, "maxTokens": tokens},
-                120,
-            )
-            for i in range(n)
-        ]
-        return [f.result() for f in futures]
 
 
 def test_a_group_decode_with_a_pool_serves_once_its_map_is_in_force(
@@ -121,7 +107,7 @@ def test_a_group_decode_with_a_pool_serves_once_its_map_is_in_force(
     assert predicted.status_code == 200, predicted.text
     assert predicted.json()["mapVersion"] == 1
 
-    results = _streams(prefill, 4, 24)
+    results = concurrent_streams(prefill, 4, 24)
     assert _failed(results) == []
     iterations = _metric(decode, "matrixserve_engine_expert_iteration_seconds_count")
     assert iterations >= 23  # 24 tokens, the first from the prefill
@@ -132,7 +118,7 @@ def test_a_group_decode_with_a_pool_serves_once_its_map_is_in_force(
 
     # an expert server killed mid-stream: its parts go to the replicas, no stream fails
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
-        running = ex.submit(_streams, prefill, 4, 150)
+        running = ex.submit(concurrent_streams, prefill, 4, 150)
         wait_for(
             lambda: (
                 _metric(decode, "matrixserve_engine_expert_iteration_seconds_count")

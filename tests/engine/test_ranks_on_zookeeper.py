@@ -251,7 +251,10 @@ def test_an_instance_of_two_pods_forms_serves_goes_faulty_with_its_worker_and_re
     assert refused.status_code == 503, refused.text
     assert "rank 1 (pod d-0-1 on server server-b)" in refused.json()["error"]["message"]
 
-    # Restarted on another server: the leader re-forms in its process as someone else.
+    # Restarted on another server once the old process is gone (its report goes first, while it
+    # is still shutting down; a name runs once at a time).
+    _until("d-0-1's old process gone", lambda: not worker.alive(), 15)
+    # The leader re-forms in its process as someone else.
     restarted_at = time.monotonic()
     moved = start_engine(
         "d-0-1",

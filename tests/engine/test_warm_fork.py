@@ -954,14 +954,16 @@ def test_a_lost_session_brings_back_the_warm_report_and_a_gathering_members_repo
     still set when it looked), so a warm pod left the pool and a member still gathering was
     never in its group. The engines' sessions are lost by stopping ZooKeeper (its data kept)
     for longer than their session timeout: each gives its session up and starts another."""
-    _warm(start_engine, operator, "w-s", "uid-s")
-    start_engine(
-        "gs-p-0",
-        *("--role", "prefill", "--model", "llama3-8b", "--dies", "0", "--time-scale", FAST),
-        *("--pre-load-seconds", "0"),
-        env=operator.member_env("gs", "198.19.5.1"),
-        wait_ready=False,
-    )
+    engines = [_warm(start_engine, operator, "w-s", "uid-s")]
+    engines += [
+        start_engine(
+            "gs-p-0",
+            *("--role", "prefill", "--model", "llama3-8b", "--dies", "0", "--time-scale", FAST),
+            *("--pre-load-seconds", "0"),
+            env=operator.member_env("gs", "198.19.5.1"),
+            wait_ready=False,
+        )
+    ]
     paths = [zl.WarmPaths(NS).pod("w-s"), zl.GroupPaths(NS, "gs").report("gs-p-0")]
     wait_for(lambda: all(operator.zk.exists(p) for p in paths), timeout=30, what="both reports")
     owners = {p: operator.zk.exists(p).ephemeralOwner for p in paths}
@@ -975,10 +977,18 @@ def test_a_lost_session_brings_back_the_warm_report_and_a_gathering_members_repo
         stat = operator.zk.exists(path)
         return stat is not None and stat.ephemeralOwner != owners[path]
 
+    def explain() -> str:
+        missing = [p for p in paths if not rewritten(p)]
+        logs = "\n".join(f"--- {e.name}:\n{e.log()[-3000:]}" for e in engines)
+        return f"not written again by a new session: {missing}\n{logs}"
+
+    # Bounded by ZooKeeper's start under load and the engines' reconnection back-off (at most
+    # 5 s between tries), not by a latency this test measures.
     wait_for(
         lambda: all(rewritten(p) for p in paths),
-        timeout=30,
+        timeout=60,
         what="both reports written again by the engines' new sessions",
+        explain=explain,
     )
     # The watches came back with the sessions: the warm pod is claimed, the member linked.
     operator.assign("w-s", "uid-s", "gs", "gs-p-1")

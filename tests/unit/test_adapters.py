@@ -5,11 +5,14 @@ plan without coordination)."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import time
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+import urllib3
 from kazoo.client import KazooState
 from kazoo.exceptions import BadVersionError, ConnectionLoss, NoNodeError, NotEmptyError
 from kazoo.handlers.threading import KazooTimeoutError
@@ -17,6 +20,7 @@ from kazoo.retry import RetryFailedError
 from kubernetes import client
 
 from fakes import FakeCore, FakeCustom, FakeKazoo, merge_patch
+from matrixserve.adapters import kube as kube_adapter
 from matrixserve.adapters.kube import KubeAdapter, status_patch
 from matrixserve.adapters.zk_groups import GroupStore
 from matrixserve.api import kinds
@@ -443,7 +447,7 @@ async def test_get_of_a_missing_object_is_none_and_other_errors_raise() -> None:
     custom.objects[key] = {"metadata": {"name": "g"}}
     assert await adapter.get(kinds.PDGROUP, "ns", "g") == {"metadata": {"name": "g"}}
 
-    def broken(*_: Any) -> None:
+    def broken(*_: Any, **__: Any) -> None:
         raise client.ApiException(status=500, reason="boom")
 
     custom.get_namespaced_custom_object = broken
@@ -665,3 +669,41 @@ async def test_a_gated_pinned_pod_created_is_its_servers_reservation_in_the_cach
     assert not await adapter.create_pod("ns", pod("a", pinned=True))  # 409: nothing new
     assert await adapter.create_pod("ns", pod("b", pinned=False))  # where: the scheduler's
     assert await adapter.npus_in_use() == {"s1": 8, "s2": 4}
+
+
+async def test_every_api_call_is_bounded_when_the_api_server_stops_answering(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An API server that takes the connection and never answers: each call fails within its
+    bound (the pass fails and is retried) instead of holding the pass and its thread for ever."""
+    monkeypatch.setattr(kube_adapter, "REQUEST_TIMEOUT", (0.5, 0.5))
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # the kernel completes the handshakes; nothing ever reads or answers
+    try:
+        conf = client.Configuration(host=f"http://127.0.0.1:{silent.getsockname()[1]}")
+        conf.retries = 0
+        adapter = KubeAdapter(client.ApiClient(conf))
+        calls = {
+            "get": adapter.get(kinds.PDGROUP, "ns", "g"),
+            "objects": adapter.objects(kinds.PDGROUP, "ns"),
+            "names": adapter.names(kinds.PDGROUP, ["ns"]),
+            "list_pods": adapter.list_pods("ns", {"a": "b"}),
+            "nodes": adapter.nodes(),
+            "patch_status": adapter.patch_status(kinds.PDGROUP, "ns", "g", {"x": 1}),
+            "delete_pod": adapter.delete_pod("ns", "p", "uid"),
+        }
+        for what, call in calls.items():
+            began = time.monotonic()
+            try:
+                await asyncio.wait_for(call, 10)
+            except TimeoutError:
+                pytest.fail(f"{what} hung")
+            except urllib3.exceptions.HTTPError:  # the read timed out: the pass fails
+                pass
+            else:
+                pytest.fail(f"{what} returned without an answer")
+            took = time.monotonic() - began
+            assert took < 3, (what, took)
+    finally:
+        silent.close()

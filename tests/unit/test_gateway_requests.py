@@ -10,6 +10,7 @@ by SIGTERM drains (readiness down, still serving), then lets what is in flight e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import signal
@@ -756,3 +757,29 @@ def test_drain_and_finish_seconds_out_of_range_are_flag_errors(
         gateway_main.parse([*base, *flags])
     assert exit_.value.code == 2
     assert said in capsys.readouterr().err
+
+
+async def test_the_key_loader_survives_an_api_server_that_does_not_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Secret's reader fails closed while the API server refuses connections, and keeps
+    reading (it used to die at the first error that was not an API answer, leaving the keys
+    of the last read valid for ever)."""
+    from matrixserve.gateway import auth
+    from matrixserve.gateway.config import GatewayMetrics
+
+    monkeypatch.setattr(auth, "KEYS_RELOAD_SECONDS", 0.05)
+    (port,) = free_ports(1)  # nothing listens there: every connection refused
+    conf = client.Configuration(host=f"http://127.0.0.1:{port}")
+    conf.retries = 0
+    keys = auth.ApiKeys(GatewayConfig(), GatewayMetrics())
+    keys.names = {"a-key-read-before-0123": "old"}
+    loader = asyncio.create_task(auth.keep_keys(keys, client.ApiClient(conf), "ns", "keys"))
+    try:
+        await asyncio.sleep(1.0)
+        assert not loader.done(), loader.exception() if loader.done() else None
+        assert keys.names == {}
+    finally:
+        loader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loader

@@ -61,8 +61,11 @@ def test_owned_objects_and_pods_wake_the_object_their_label_names() -> None:
     loop = SimpleNamespace(related_changed=lambda ns, name: woken.append((ns, name)))
     memo = SimpleNamespace(runtime=SimpleNamespace(loops={SCENARIO: loop}))
     labels = {"example.com/scenario": "s1"}
-    owned.fn(labels=labels, namespace="ns", memo=memo)
-    pods.fn(labels=labels, namespace="ns", memo=memo)
+    # on the event loop (its wake-up events are not thread-safe), not in kopf's thread pool
+    assert asyncio.iscoroutinefunction(owned.fn)
+    assert asyncio.iscoroutinefunction(pods.fn)
+    asyncio.run(owned.fn(labels=labels, namespace="ns", memo=memo))
+    asyncio.run(pods.fn(labels=labels, namespace="ns", memo=memo))
     assert woken == [("ns", "s1"), ("ns", "s1")]
     assert "scenarios-event" in handlers  # its own objects
     assert not _webhooks(registry)  # no webhook served: none

@@ -793,3 +793,73 @@ async def test_an_independent_effect_is_applied_though_a_pod_creation_fails() ->
     with pytest.raises(client.ApiException):
         await loop.apply(body, [Create(), Write()], cast(Any, Store()))
     assert written == [Write()]
+
+
+async def test_a_stuck_pass_is_cancelled_counted_as_failed_and_the_loop_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A pass that never returns (a call that hangs) is cancelled at the deadline, counted and
+    logged with where it waited; the loop's next pass runs (it used to wait for ever)."""
+    metrics = OperatorMetrics()
+    loop = Reconciler(
+        kinds.PDGROUP, cast(KubeAdapter, None), metrics, asyncio.get_running_loop(), 30.0
+    )
+    loop.pass_deadline = 0.3
+    stopped = Stopped()
+    passes: list[float] = []
+    cancelled: list[bool] = []
+    never = asyncio.Event()
+
+    async def a_call_that_hangs() -> None:
+        try:
+            await never.wait()
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def one(_: Any, namespace: str, name: str, logger: logging.Logger) -> Outcome:
+        passes.append(asyncio.get_running_loop().time())
+        if len(passes) == 1:
+            await a_call_that_hangs()
+        stopped.flag = True
+        return Outcome()
+
+    loop.reconcile = one  # type: ignore[method-assign,assignment]
+    with caplog.at_level(logging.WARNING, logger=LOG.name):
+        await asyncio.wait_for(
+            loop.run(cast(Any, Idle()), "ns", "g", cast(kopf.DaemonStopped, stopped), LOG), 10
+        )
+    assert len(passes) == 2
+    assert cancelled == [True]
+    # the deadline, then the hold of a failed pass (a second) and the first back-off (a second)
+    assert 2.2 < passes[1] - passes[0] < 3.5
+    errors = metrics.registry.get_sample_value(
+        "matrixserve_operator_reconcile_errors_total", {"kind": "PDGroup"}
+    )
+    assert errors == 1
+    [stuck] = [m for m in caplog.messages if "cancelled" in m]
+    assert stuck.startswith("reconcile of ns/g failed: still running after 0.3 s, cancelled;")
+    assert "one (test_reconcile.py:" in stuck
+    assert "a_call_that_hangs (test_reconcile.py:" in stuck
+
+
+async def test_a_daemon_stopped_mid_pass_takes_its_pass_with_it() -> None:
+    loop = Reconciler(
+        kinds.PDGROUP, cast(KubeAdapter, None), OperatorMetrics(), asyncio.get_running_loop()
+    )
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def hangs() -> Outcome:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cancelled.set()
+        return Outcome()
+
+    waiting = asyncio.create_task(loop._bounded(hangs()))
+    await asyncio.wait_for(started.wait(), 2)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await asyncio.wait_for(cancelled.wait(), 2)

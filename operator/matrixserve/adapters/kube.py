@@ -2,7 +2,9 @@
 read, written before them) and of its custom objects, for every kind (the kind is an argument,
 never a method name).
 
-The synchronous ``kubernetes`` client runs in worker threads (``asyncio.to_thread``). Creates
+The synchronous ``kubernetes`` client runs in worker threads (``asyncio.to_thread``), every call
+bounded (:data:`REQUEST_TIMEOUT`: an API server that stops answering fails the pass, never hangs
+it and its thread). Creates
 are idempotent (409 is success), deletes carry a UID precondition so a recreated pod of the same
 name is never deleted by mistake, status is written with a merge patch of the status subresource.
 
@@ -37,6 +39,8 @@ from matrixserve.domain.enginepod import ENGINE_CONTAINER
 from matrixserve.domain.observed import NodeView, PodView, Taint
 
 SECRET_RECHECK_SECONDS = 60.0
+# (connect, read) seconds of every API call: a read waits at most this long for the next bytes.
+REQUEST_TIMEOUT = (5.0, 30.0)
 NODES_TTL_SECONDS = 2.0
 
 
@@ -93,9 +97,10 @@ class _Kept:
 
     kind: str
     field: str
-    read: Callable[[str, str], Any]  # (name, namespace)
-    create: Callable[[str, Mapping[str, Any]], Any]  # (namespace, body)
-    patch: Callable[[str, str, Mapping[str, Any]], Any]  # (name, namespace, merge patch)
+    # each also takes the client's options (``_request_timeout``)
+    read: Callable[..., Any]  # (name, namespace)
+    create: Callable[..., Any]  # (namespace, body)
+    patch: Callable[..., Any]  # (name, namespace, merge patch)
 
 
 class KubeAdapter:
@@ -131,9 +136,13 @@ class KubeAdapter:
         self, call: Callable[..., Any], kind: Kind, namespace: str, *rest: Any, **options: Any
     ) -> Any:
         """A CustomObjectsApi ``call`` on ``kind`` in ``namespace``, on a worker thread."""
-        return await asyncio.to_thread(
+        return await self._call(
             call, kind.group, kind.version, namespace, kind.plural, *rest, **options
         )
+
+    async def _call(self, call: Callable[..., Any], *args: Any, **options: Any) -> Any:
+        """``call`` on a worker thread, bounded by :data:`REQUEST_TIMEOUT`."""
+        return await asyncio.to_thread(call, *args, _request_timeout=REQUEST_TIMEOUT, **options)
 
     def _fenced(self) -> None:
         if self.fence is not None:
@@ -169,20 +178,24 @@ class KubeAdapter:
         def listing() -> list[dict[str, Any]]:
             if not namespaces:
                 found: dict[str, Any] = self.custom.list_cluster_custom_object(
-                    kind.group, kind.version, kind.plural
+                    kind.group, kind.version, kind.plural, _request_timeout=REQUEST_TIMEOUT
                 )
                 return list(found.get("items") or [])
             items: list[dict[str, Any]] = []
             for namespace in namespaces:
                 found = self.custom.list_namespaced_custom_object(
-                    kind.group, kind.version, namespace, kind.plural
+                    kind.group,
+                    kind.version,
+                    namespace,
+                    kind.plural,
+                    _request_timeout=REQUEST_TIMEOUT,
                 )
                 items += found.get("items") or []
             return items
 
         return {
             (o["metadata"]["namespace"], o["metadata"]["name"])
-            for o in await asyncio.to_thread(listing)
+            for o in await asyncio.to_thread(listing)  # its calls bounded
         }
 
     async def list_pods(
@@ -191,9 +204,7 @@ class KubeAdapter:
         """The namespace's pods carrying all of ``labels`` (and matching the selector terms in
         ``also``, e.g. ``"!key"``), by name."""
         selector = ",".join([*(f"{k}={v}" for k, v in labels.items()), *also])
-        pods = await asyncio.to_thread(
-            self.core.list_namespaced_pod, namespace, label_selector=selector
-        )
+        pods = await self._call(self.core.list_namespaced_pod, namespace, label_selector=selector)
         nodes: dict[str, str | None] = {}
         out = {}
         for pod in pods.items:
@@ -249,7 +260,7 @@ class KubeAdapter:
         now = self._clock()
         if self._nodes is not None and now - self._nodes[0] < max_age:
             return self._nodes[1]
-        found = await asyncio.to_thread(self.core.list_node)
+        found = await self._call(self.core.list_node)
         out = {}
         for node in found.items:
             allocatable = (node.status.allocatable or {}).get(NPU_RESOURCE)
@@ -287,17 +298,13 @@ class KubeAdapter:
         if namespaces:
             lists = await asyncio.gather(
                 *(
-                    asyncio.to_thread(
-                        self.core.list_namespaced_pod, namespace, field_selector=running
-                    )
+                    self._call(self.core.list_namespaced_pod, namespace, field_selector=running)
                     for namespace in namespaces
                 )
             )
             items = [pod for found in lists for pod in found.items]
         else:
-            found = await asyncio.to_thread(
-                self.core.list_pod_for_all_namespaces, field_selector=running
-            )
+            found = await self._call(self.core.list_pod_for_all_namespaces, field_selector=running)
             items = found.items
         used: dict[str, int] = {}
         for pod in items:
@@ -316,7 +323,7 @@ class KubeAdapter:
         if node in self._superpods:
             return self._superpods[node]
         try:
-            obj = await asyncio.to_thread(self.core.read_node, node)
+            obj = await self._call(self.core.read_node, node)
         except client.ApiException:
             return None
         labels: dict[str, str] = obj.metadata.labels or {}
@@ -328,7 +335,7 @@ class KubeAdapter:
     async def owner_of(self, namespace: str, name: str) -> str | None:
         """Who owns the pod of this name ("no owner" if none), or None if there is no pod."""
         try:
-            pod = await asyncio.to_thread(self.core.read_namespaced_pod, name, namespace)
+            pod = await self._call(self.core.read_namespaced_pod, name, namespace)
         except client.ApiException as exc:
             if exc.status == 404:
                 return None
@@ -346,7 +353,7 @@ class KubeAdapter:
         await self.pod_policies_taken(namespace)
         try:
             self._fenced()
-            await asyncio.to_thread(self.core.create_namespaced_pod, namespace, body)
+            await self._call(self.core.create_namespaced_pod, namespace, body)
         except client.ApiException as exc:
             if exc.status == 409:
                 return False
@@ -389,9 +396,9 @@ class KubeAdapter:
         does the Secrets (their spec ours). Returns those held there by a policy that is not ours
         (name -> its labels: the chart's own, or a tenant's), left as they are."""
 
-        def patch(name: str, namespace: str, body: Mapping[str, Any]) -> Any:
+        def patch(name: str, namespace: str, body: Mapping[str, Any], **options: Any) -> Any:
             return self.networking.patch_namespaced_network_policy(
-                name, namespace, body, _content_type="application/merge-patch+json"
+                name, namespace, body, _content_type="application/merge-patch+json", **options
             )
 
         kept = _Kept(
@@ -433,7 +440,7 @@ class KubeAdapter:
         if found is None:
             try:
                 self._fenced()
-                await asyncio.to_thread(kept.create, namespace, body)
+                await self._call(kept.create, namespace, body)
                 return None
             except client.ApiException as exc:
                 if exc.status != 409:
@@ -448,12 +455,12 @@ class KubeAdapter:
         change = _diff(have, body[kept.field])
         if change is not _SAME:
             self._fenced()
-            await asyncio.to_thread(kept.patch, name, namespace, {kept.field: change})
+            await self._call(kept.patch, name, namespace, {kept.field: change})
         return None
 
     async def _read(self, kept: _Kept, namespace: str, name: str) -> Any:
         try:
-            return await asyncio.to_thread(kept.read, name, namespace)
+            return await self._call(kept.read, name, namespace)
         except client.ApiException as exc:
             if exc.status == 404:
                 return None
@@ -477,7 +484,7 @@ class KubeAdapter:
             options.grace_period_seconds = 0
         self._fenced()
         try:
-            await asyncio.to_thread(self.core.delete_namespaced_pod, name, namespace, body=options)
+            await self._call(self.core.delete_namespaced_pod, name, namespace, body=options)
         except client.ApiException as exc:
             if exc.status in (404, 409):
                 return False
@@ -517,7 +524,7 @@ class KubeAdapter:
         status (its precondition failed, or the pod is gone)."""
         self._fenced()
         try:
-            await asyncio.to_thread(
+            await self._call(
                 self.core.patch_namespaced_pod, name, namespace, body, _content_type=content_type
             )
         except client.ApiException as exc:

@@ -73,10 +73,12 @@ async def keep_keys(keys: ApiKeys, api: client.ApiClient, namespace: str, name: 
     core = client.CoreV1Api(api)
     while True:
         try:
-            secret = await asyncio.to_thread(core.read_namespaced_secret, name, namespace)
+            secret = await asyncio.to_thread(
+                core.read_namespaced_secret, name, namespace, _request_timeout=(5.0, 30.0)
+            )
             data = {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
             keys.names = parse_keys(data)
-        except (client.ApiException, ValueError) as exc:
+        except Exception as exc:  # refused, unreadable, or the API server away: fail closed
             keys.names = {}
             log.warning(
                 "API keys from Secret %s/%s unavailable (%s): every request is refused",

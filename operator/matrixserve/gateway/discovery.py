@@ -146,7 +146,7 @@ class Discovery:
         func, args = self._list_call()
         while not self._stop.is_set():
             try:
-                listing = func(*args)
+                listing = func(*args, _request_timeout=(5.0, 30.0))
                 seen = set()
                 for obj in listing.get("items", []):
                     seen.add(self._upsert(obj))
@@ -160,6 +160,8 @@ class Discovery:
                     *args,
                     resource_version=listing["metadata"]["resourceVersion"],
                     timeout_seconds=240,
+                    # a connection that goes silent is dropped (then relisted), not waited on
+                    _request_timeout=(5.0, 270.0),
                 ):
                     obj = event["object"]
                     if event["type"] == "DELETED":

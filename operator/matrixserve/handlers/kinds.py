@@ -89,7 +89,9 @@ def register(
 
 def _wake_ups(kind: Kind, watches: Watches, registry: kopf.OperatorRegistry) -> None:
     @kopf.on.event(*_api(kind), id=f"{kind.plural}-event", registry=registry)
-    def object_event(name: str, namespace: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    async def object_event(
+        name: str, namespace: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any
+    ) -> None:  # async: on the loop, whose wake-up events are not thread-safe
         _loop(memo, kind).object_changed(namespace, name, int(meta.get("generation") or 0))
 
     owned: list[tuple[tuple[str, str, str], str, str]] = (
@@ -108,7 +110,9 @@ def _wake_on(
     registry: kopf.OperatorRegistry,
 ) -> None:
     @kopf.on.event(*api, labels={label: kopf.PRESENT}, id=handler_id, registry=registry)
-    def related_event(labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    async def related_event(
+        labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any
+    ) -> None:
         _loop(memo, kind).related_changed(namespace, labels[label])
 
 

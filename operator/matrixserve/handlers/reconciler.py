@@ -14,6 +14,9 @@ daemon (:mod:`.kinds`), for one object:
 - never dies of a failed pass: the error is counted and logged, the loop holds a second, then
   waits 1, 2, 4, ... more seconds over consecutive failures (at most :data:`BACKOFF_MAX_SECONDS`,
   or the resync if longer) unless woken;
+- never hangs on one: a pass still running after :data:`PASS_DEADLINE_SECONDS` (a call that
+  never returns) is cancelled and counted as failed, its log naming where it was stuck (every
+  API call is bounded too: :data:`~matrixserve.adapters.kube.REQUEST_TIMEOUT`);
 - times every pass (wall and CPU) per kind;
 - passes only while this replica leads (its :class:`Gate`, the Lease election of
   :mod:`.leadership`), and checks it again before every write.
@@ -25,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,6 +66,13 @@ class Stopped(Protocol):
 
 BACKOFF_MAX_SECONDS = 60.0  # the longest back-off of a failing object (or the resync, if longer)
 RECHECK_MIN_SECONDS = 0.1  # a plan due again "now" is looked at no sooner than this
+# A pass still running after this long is stuck (a settled pass takes milliseconds, a busy one
+# under load seconds): cancelled and retried, so one hung call never stops an object's loop.
+PASS_DEADLINE_SECONDS = 90.0
+
+
+class PassStuck(Exception):
+    """A pass outlived its deadline: it was cancelled (where it waited is in the message)."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +143,7 @@ class Reconciler:
         # only once it leads), and every write is checked again (a deposed leader's pass stops
         # at its next write).
         self.gate: Gate = gate or Always()
+        self.pass_deadline = PASS_DEADLINE_SECONDS
         self.wakes: dict[Key, asyncio.Event] = {}
         self.generations: dict[Key, int] = {}
         self.invalid_reported: dict[Key, int] = {}
@@ -244,7 +255,7 @@ class Reconciler:
         wall, cpu = time.perf_counter(), time.process_time()
         outcome = Outcome()
         try:
-            outcome = await self.reconcile(controller, namespace, name, logger)
+            outcome = await self._bounded(self.reconcile(controller, namespace, name, logger))
         except NotLeading:  # deposed mid-pass: nothing more written; the next leader goes on
             logger.info("pass of %s/%s stopped: not the leader", namespace, name)
         except Exception as exc:  # reported, retried with back-off; never kills the daemon
@@ -255,6 +266,24 @@ class Reconciler:
         self.metrics.reconcile_seconds.labels(kind=kind).observe(time.perf_counter() - wall)
         self.metrics.reconcile_cpu_seconds.labels(kind=kind).inc(time.process_time() - cpu)
         return outcome
+
+    async def _bounded(self, reconcile: Coroutine[Any, Any, Outcome]) -> Outcome:
+        """The pass's outcome; :class:`PassStuck` once it has run :attr:`pass_deadline` s (the
+        pass cancelled: a worker thread blocked in a call it made ends with that call)."""
+        task = asyncio.ensure_future(reconcile)
+        try:
+            await asyncio.wait({task}, timeout=self.pass_deadline)
+        except BaseException:  # the daemon itself stopped: its pass with it
+            task.cancel()
+            raise
+        if task.done():
+            return task.result()
+        where = " -> ".join(_awaiting(task.get_coro()))
+        task.cancel()
+        await asyncio.wait({task})  # its cancellation, not the daemon's: not raised here
+        raise PassStuck(
+            f"still running after {self.pass_deadline:g} s, cancelled; it waited in {where}"
+        )
 
     async def reconcile(
         self, controller: AnyController, namespace: str, name: str, logger: logging.Logger
@@ -519,3 +548,17 @@ def applier_of(action: Effect) -> Applier | None:
         if base in APPLIERS:
             return APPLIERS[base]
     raise TypeError(f"no applier for {action!r}")
+
+
+def _awaiting(coro: object) -> list[str]:
+    """Where a suspended coroutine waits: its chain of awaits, outermost first."""
+    chain = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        chain.append(
+            f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})"
+        )
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return chain

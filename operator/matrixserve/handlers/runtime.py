@@ -162,6 +162,11 @@ async def startup(
     settings.batching.worker_limit = cfg.worker_limit
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 5
+    # kopf's own calls (Events, finalizers) bounded as ours are (adapters.kube.REQUEST_TIMEOUT),
+    # not aiohttp's five minutes
+    settings.networking.request_timeout = 30
+    settings.networking.connect_timeout = 5
     if cfg.webhook:
         settings.admission.server = kopf.WebhookServer(
             addr=cfg.webhook_address,
