@@ -760,7 +760,7 @@ def test_drain_and_finish_seconds_out_of_range_are_flag_errors(
 
 
 async def test_the_key_loader_survives_an_api_server_that_does_not_answer(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The Secret's reader fails closed while the API server refuses connections, and keeps
     reading (it used to die at the first error that was not an API answer, leaving the keys
@@ -769,14 +769,17 @@ async def test_the_key_loader_survives_an_api_server_that_does_not_answer(
     from matrixserve.gateway.config import GatewayMetrics
 
     monkeypatch.setattr(auth, "KEYS_RELOAD_SECONDS", 0.05)
+    from matrixserve.adapters.kube import api_client
+    from unit.test_adapters import local_kubeconfig
+
     (port,) = free_ports(1)  # nothing listens there: every connection refused
-    conf = client.Configuration(host=f"http://127.0.0.1:{port}")
-    conf.retries = 0
+    api = api_client(local_kubeconfig(tmp_path / "kubeconfig", port))  # the gateway's own
     keys = auth.ApiKeys(GatewayConfig(), GatewayMetrics())
     keys.names = {"a-key-read-before-0123": "old"}
-    loader = asyncio.create_task(auth.keep_keys(keys, client.ApiClient(conf), "ns", "keys"))
+    loader = asyncio.create_task(auth.keep_keys(keys, api, "ns", "keys"))
     try:
-        await asyncio.sleep(1.0)
+        # a read's connection is tried 4 times (about 1 s here), then the keys go
+        await asyncio.sleep(3.0)
         assert not loader.done(), loader.exception() if loader.done() else None
         assert keys.names == {}
     finally:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import urllib3
 from kubernetes import client, config
 
 from matrixserve.api.kinds import (
@@ -41,20 +42,24 @@ from matrixserve.domain.observed import NodeView, PodView, Taint
 SECRET_RECHECK_SECONDS = 60.0
 # (connect, read) seconds of every API call: a read waits at most this long for the next bytes.
 REQUEST_TIMEOUT = (5.0, 30.0)
+# A connection refused or reset is tried again (3 times, at once); a read that timed out is not
+# (urllib3 would try a GET or DELETE 4 times: 4 x REQUEST_TIMEOUT's read before a pass failed).
+RETRIES = urllib3.Retry(total=3, read=0, redirect=0)
 NODES_TTL_SECONDS = 2.0
 
 
 def _configuration(kubeconfig: str | None) -> client.Configuration:
     """The given kubeconfig; else in-cluster (a pod's service-account token); else $KUBECONFIG
-    or ~/.kube/config."""
+    or ~/.kube/config. Retried as :data:`RETRIES` says."""
     conf = client.Configuration()
     if kubeconfig:
         config.load_kube_config(config_file=kubeconfig, client_configuration=conf)
-        return conf
-    try:
-        config.load_incluster_config(client_configuration=conf)
-    except config.ConfigException:
-        config.load_kube_config(client_configuration=conf)
+    else:
+        try:
+            config.load_incluster_config(client_configuration=conf)
+        except config.ConfigException:
+            config.load_kube_config(client_configuration=conf)
+    conf.retries = RETRIES
     return conf
 
 

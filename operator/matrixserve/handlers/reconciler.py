@@ -280,7 +280,9 @@ class Reconciler:
             return task.result()
         where = " -> ".join(_awaiting(task.get_coro()))
         task.cancel()
-        await asyncio.wait({task})  # its cancellation, not the daemon's: not raised here
+        # its unwinding (not raised here: the pass's cancellation, not the daemon's), bounded
+        # in case the pass holds on to its cancellation
+        await asyncio.wait({task}, timeout=5.0)
         raise PassStuck(
             f"still running after {self.pass_deadline:g} s, cancelled; it waited in {where}"
         )
