@@ -247,8 +247,18 @@ def test_the_control_plane_survives_the_loss_of_any_one_server(
                 losses.append((deleted, time.monotonic()))
 
                 def renewed(victim: str = victim, old_uid: str = old_uid) -> bool:
+                    # the new pod Ready itself (the group's Ready of before the deletion may be
+                    # read in the pass that made it)
                     pod = groups.pods("g").get(victim)
-                    return pod is not None and pod.metadata.uid != old_uid and groups.ready("g")
+                    return (
+                        pod is not None
+                        and pod.metadata.uid != old_uid
+                        and any(
+                            c.type == "Ready" and c.status == "True"
+                            for c in pod.status.conditions or []
+                        )
+                        and groups.ready("g")
+                    )
 
                 wait_for(renewed, timeout=READY_BOUND, what="the new leader to replace the prefill")
                 replaced[victim] = groups.pods("g")[victim].metadata.uid

@@ -644,14 +644,22 @@ def test_a_template_the_running_servers_were_not_made_from_is_refused() -> None:
     )
 
 
-def test_the_sample_is_a_pool_the_controller_runs() -> None:
-    sample = Path(__file__).resolve().parents[2] / "crds" / "samples" / "expertpool.yaml"
+@pytest.mark.parametrize(
+    ("name", "needed", "slots", "bound"),
+    [("expertpool.yaml", 544, 576, 61), ("expertpool-small.yaml", 160, 192, 5)],
+)
+def test_the_samples_are_pools_the_controller_runs(
+    name: str, needed: int, slots: int, bound: int
+) -> None:
+    """As their comments say (the small one fits `make demo`'s cluster)."""
+    sample = Path(__file__).resolve().parents[2] / "crds" / "samples" / name
     body = yaml.safe_load(sample.read_text())
     parsed, errors = validation.parse(body)
     assert errors == []
     assert parsed is not None
-    assert validation.slots_needed(parsed) == 544
-    assert parsed.servers.replicas * parsed.servers.slots_per_server == 576
+    assert validation.slots_needed(parsed) == needed
+    assert parsed.servers.replicas * parsed.servers.slots_per_server == slots
+    assert validation.coverage_bound(parsed) == bound
 
 
 # --------------------------------------------------------------------------- EPLB

@@ -38,6 +38,7 @@ from matrixserve.domain.pdgroup.actions import (
     WriteDecodeMeta,
     WriteRoceMap,
 )
+from matrixserve.domain.pdgroup.membership import GATHER_TIMEOUT_SECONDS
 from matrixserve.domain.pdgroup.pods import pod_labels
 
 pytestmark = pytest.mark.unit
@@ -844,6 +845,38 @@ def test_a_blocked_sub_link_is_a_link_fault_of_the_end_whose_port_is_down(
     ]
     assert faults[0].on_device is bool(down_at)
     assert faults[0].since == NOW - 4.0
+
+
+def test_a_lost_session_is_a_running_pods_that_was_ready_not_a_starting_pods() -> None:
+    """A member's pod deleted by hand and made again: the new pod's engine has not registered
+    yet (the old report is another pod's). Past SESSION_GRACE_SECONDS it used to be a lost
+    session, replaced, and its replacement replaced again in turn while engines took longer
+    than that to register; it is starting, and has the gather timeout to report."""
+    since = NOW - 3 * pr.SESSION_GRACE_SECONDS
+    starting = dataclasses.replace(
+        pod("g-p-0", running=since, ready_changed_at=since), uid="uid-recreated", ready=False
+    )
+    view = group_view(serving(), {"g-p-0": starting})
+    assert "g-p-0" not in view.reports  # the old pod's report is not this pod's
+    assert pr.detect(view, view.zk.roce_map) == []
+    plan = pdgroup.plan(view)
+    assert not any(isinstance(a, MarkRemoved) for a in plan.actions)
+    # It registers within the gather timeout or is a lost session.
+    late = dataclasses.replace(view, now=since + GATHER_TIMEOUT_SECONDS + 1.0)
+    faults = [f for f in pr.detect(late, late.zk.roce_map) if "g-p-0" in f.instances]
+    assert [f.kind for f in faults] == [FaultKind.SESSION]  # (the others' health is stale)
+    # A pod that was Ready in its container and is not any more, its report gone: a lost
+    # session past the grace.
+    lost = dataclasses.replace(
+        pod("g-p-0", running=NOW - 600.0, ready_changed_at=since), ready=False
+    )
+    zk = serving()
+    gone = dataclasses.replace(zk, reports={n: r for n, r in zk.reports.items() if n != "g-p-0"})
+    view = group_view(gone, {"g-p-0": lost})
+    faults = pr.detect(view, view.zk.roce_map)
+    assert [(f.kind, f.instances, f.tier) for f in faults] == [
+        (FaultKind.SESSION, ("g-p-0",), Tier.SESSION)
+    ]
 
 
 def test_the_group_plan_for_a_die_on_a_decode_removes_it_logically_then_releases_its_pod() -> None:

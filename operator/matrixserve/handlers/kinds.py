@@ -110,9 +110,7 @@ def _wake_on(
     registry: kopf.OperatorRegistry,
 ) -> None:
     @kopf.on.event(*api, labels={label: kopf.PRESENT}, id=handler_id, registry=registry)
-    async def related_event(
-        labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any
-    ) -> None:
+    async def related_event(labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any) -> None:
         _loop(memo, kind).related_changed(namespace, labels[label])
 
 

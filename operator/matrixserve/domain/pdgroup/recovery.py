@@ -12,7 +12,7 @@ the view holds; the engine-side tiers are the engine stub's, docs/engine-stub.md
 | device status | the engine's health ``Faulty`` with a die / NPU / HBM fault | ``die``, ``npu``, ``hbm`` |
 | heartbeat | the engine's health ``Faulty`` with a hang (its serving loop stopped) | ``hang`` |
 | pod | the member's engine container exited (``lastState.terminated``) | ``kill`` |
-| ZooKeeper session | the member's report gone, its pod running and not Ready for ``SESSION_GRACE`` | ``session`` |
+| ZooKeeper session | the member's report gone, its pod running and not Ready for ``SESSION_GRACE`` (a pod never Ready in its container: the gather timeout) | ``session`` |
 | staleness | its health not refreshed for 3 health intervals and 10 s (``GroupView.stale``) | ``stale`` |
 | link probe | a prefill's sub-link to a decode ``Blocked`` | ``link`` |
 
@@ -58,6 +58,7 @@ from matrixserve.domain.pdgroup.actions import (
     ReportRecovery,
     WriteRoceMap,
 )
+from matrixserve.domain.pdgroup.membership import GATHER_TIMEOUT_SECONDS
 from matrixserve.domain.pdgroup.pods import pod_manifest, role_of
 from matrixserve.domain.pdgroup.view import GroupView
 from matrixserve.domain.pdgroup.warm import lone_load, warm_pod_names, warm_replacement
@@ -233,7 +234,13 @@ def _instance_fault(view: GroupView, name: str, entry: zl.MapEntry) -> Fault | N
         )
     if report is None and not pod.ready and pod.running_since is not None:
         since = pod.ready_changed_at or pod.running_since
-        if view.now - since > SESSION_GRACE_SECONDS and (exited is None or exited < since):
+        # A pod never Ready in its container is starting (a pod recreated under a member's
+        # name, its engine not registered yet): it has the gather timeout to report, as a new
+        # group's have; replaced after SESSION_GRACE_SECONDS it would be replaced again, and
+        # again, by an engine that takes longer than that to start.
+        starting = since <= pod.running_since
+        grace = GATHER_TIMEOUT_SECONDS if starting else SESSION_GRACE_SECONDS
+        if view.now - since > grace and (exited is None or exited < since):
             return Fault(
                 FaultKind.SESSION,
                 (name,),
