@@ -70,7 +70,7 @@ from kubernetes import client, config
 from recovery import host_cpu, host_idle_since
 
 sys.path.insert(0, str(REPO))  # testkit, the kit shared with the tests
-from matrixserve.api import kinds
+from matrixserve.api import kinds, rfc3339
 from matrixserve.api import zk_layout as zl
 from matrixserve.devcluster.cluster import ClusterInfo, DevCluster, free_ports
 from matrixserve.devcluster.procs import Supervisor
@@ -367,15 +367,19 @@ def kill(bench: Bench, victim: str) -> float:
     return time.time()
 
 
+def epoch(stored: Any) -> float:
+    """A status time (RFC 3339, as the controller stores it) in epoch seconds; 0 if absent."""
+    return rfc3339.parse(stored) or 0.0
+
+
 def restored_after(bench: Bench, victim: str, killed: float) -> float | None:
     """The wall time the controller found every expert back to its copies after the failover
     of ``victim`` (``lastFailover.restoredAt``); None past :data:`RESTORE_BOUND_S`."""
 
     def restored() -> float | None:
         f = bench.status().get("lastFailover") or {}
-        if victim in (f.get("servers") or []) and f.get("at", 0) >= killed - 1:
-            at = f.get("restoredAt")
-            return float(at) if at is not None else None
+        if victim in (f.get("servers") or []) and epoch(f.get("at")) >= killed - 1:
+            return epoch(f.get("restoredAt")) or None
         return None
 
     try:
@@ -505,7 +509,7 @@ def part_b(bench: Bench, server_rate: float) -> dict[str, Any]:
         def put() -> dict[str, Any] | None:
             s = bench.settled()
             last = (s or {}).get("lastScale") or {}
-            quiet = time.time() - max(float(last.get("at") or 0), enabled)
+            quiet = time.time() - max(epoch(last.get("at")), enabled)
             return s if s is not None and quiet >= STAYS_PUT_S else None
 
         settled = poll(put, SCALE_BOUND_S, "the autoscaler's count to stay put", every=1)
@@ -574,7 +578,7 @@ def part_c(bench: Bench) -> dict[str, Any]:
         def rebalanced() -> dict[str, Any] | None:
             s = bench.settled()
             r = (s or {}).get("lastRebalance") or {}
-            done = r.get("outcome") == "Completed" and float(r.get("at") or 0) >= asked
+            done = r.get("outcome") == "Completed" and epoch(r.get("at")) >= asked
             return s if done else None
 
         try:

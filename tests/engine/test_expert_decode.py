@@ -135,6 +135,37 @@ def test_a_group_decode_with_a_pool_serves_once_its_map_is_in_force(
         for why in ("gone", "timeout", "unreachable")
     )
 
+    # The pool deleted (its servers stopped, its subtree removed, as the controller's
+    # finalizer does): the decode says it cannot serve (Degraded, why), is unready, and
+    # refuses at once; it used to stay Serving, Ready and admitting, each request then waiting
+    # out the KV-pull bound at its prefill.
+    for server in servers[1:]:
+        server.sup.stop(server.name, grace=5)
+    experts.zk.delete(experts.paths.root, recursive=True)
+
+    def degraded() -> zl.Health | None:
+        h = group.health("d-0")
+        return h if h is not None and h.state is zl.HealthState.DEGRADED else None
+
+    wait_for(degraded, timeout=15, what="the decode's health Degraded")
+    health = degraded()
+    assert health is not None
+    assert health.message == (
+        "its expert pool t/experts is gone (the map pointer deleted; v1 was in force)"
+    )
+    assert httpx.get(f"{decode.url}/readyz", timeout=5, trust_env=False).status_code == 503
+    began = time.monotonic()
+    refused = httpx.post(
+        f"{decode.url}/v1/decode",
+        json={"requestId": "after", "promptTokens": 8, "prefill": {"address": prefill.address}},
+        timeout=10,
+        trust_env=False,
+    )
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "expert_uncovered"
+    assert "is gone" in refused.json()["error"]["message"]
+    assert time.monotonic() - began < 2.0
+
 
 def decode_info(engine: EngineProc) -> dict[str, Any]:
     return dict(httpx.get(f"{engine.url}/v1/info", timeout=5, trust_env=False).json())

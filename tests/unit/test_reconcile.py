@@ -34,6 +34,7 @@ from matrixserve.coordination import Session
 from matrixserve.domain.effects import Event
 from matrixserve.domain.enginepod import EngineSettings
 from matrixserve.domain.pdgroup.actions import ClaimWarmPod
+from matrixserve.handlers import runtime
 from matrixserve.handlers.controller import Watches
 from matrixserve.handlers.pdgroup import PDGroups
 from matrixserve.handlers.reconciler import BACKOFF_MAX_SECONDS, Outcome, Reconciler
@@ -863,3 +864,22 @@ async def test_a_daemon_stopped_mid_pass_takes_its_pass_with_it() -> None:
     with pytest.raises(asyncio.CancelledError):
         await waiting
     await asyncio.wait_for(cancelled.wait(), 2)
+
+
+def test_kopfs_events_name_the_operator_and_its_calls_are_bounded() -> None:
+    """`kubectl describe`'s From column says matrixserve-operator (kopf's default: "kopf"), the
+    instance is the replica's Lease identity; kopf's own calls wait 30 s, not aiohttp's 300."""
+    config = OperatorConfig(
+        kubeconfig=None,
+        zookeeper="zk",
+        engine=EngineSettings("zk:2181"),
+        leader_identity="operator-7d9f_1a2b3c4d",
+    )
+    settings = kopf.OperatorSettings()
+    runtime.configure(settings, config)
+    assert settings.posting.reporting_component == "matrixserve-operator"
+    assert settings.posting.reporting_instance == "operator-7d9f_1a2b3c4d"
+    assert settings.posting.event_name_prefix == "matrixserve-"
+    assert (settings.networking.request_timeout, settings.networking.connect_timeout) == (30, 5)
+    assert settings.watching.connect_timeout == 5
+    assert settings.persistence.finalizer == kinds.FINALIZER

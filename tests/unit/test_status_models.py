@@ -25,7 +25,7 @@ from test_recovery_planner import die, group_view, serving
 from matrixserve.adapters.kube import as_stored, status_patch
 from matrixserve.api import zk_layout as zl
 from matrixserve.api.resources import RatioMode
-from matrixserve.api.status import PDGroupStatus, RatioStatus, Split
+from matrixserve.api.status import ExpertPoolStatus, PDGroupStatus, RatioStatus, Split
 from matrixserve.domain import pdgroup
 from ratio_plant import Driven, Plant
 from testkit.helpers import CRDS, load
@@ -235,3 +235,31 @@ def test_the_pdgroup_domain_reads_statuses_by_field_not_by_key() -> None:
         if any(key in line for key in BY_KEY)
     ]
     assert found == []
+
+
+def test_an_expert_pools_times_are_stored_as_rfc3339_and_read_back_as_epoch_seconds() -> None:
+    """Kubernetes' convention (and PDGroup's): times in a status are RFC 3339 strings, with
+    microseconds (the autoscaler's rate is a difference of them); what an older operator
+    stored (epoch seconds) still reads."""
+    at = 1796291601.778466
+    status = ExpertPoolStatus.model_validate(
+        {
+            "lastFailover": {"servers": ["s2"], "at": at, "restoredAt": at + 5.182},
+            "lastScale": {"from": 6, "to": 5, "by": "spec", "at": at},
+            "tokenSample": {"at": at, "tokens": {"s0": 7}},
+            "lastRebalance": {"at": at, "reason": "imbalance"},
+            "rebalanceCheckedAt": at,
+        }
+    )
+    stored = status.dump()
+    assert stored["lastFailover"]["at"] == "2026-12-03T09:53:21.778466Z"
+    assert stored["lastFailover"]["restoredAt"] == "2026-12-03T09:53:26.960466Z"
+    for part in ("lastScale", "tokenSample", "lastRebalance"):
+        assert stored[part]["at"] == "2026-12-03T09:53:21.778466Z", part
+    assert stored["rebalanceCheckedAt"] == "2026-12-03T09:53:21.778466Z"
+    again = ExpertPoolStatus.read(stored)
+    assert again.last_failover is not None
+    assert again.last_failover.at == pytest.approx(at, abs=1e-6)
+    assert again.token_sample is not None
+    assert again.token_sample.at == pytest.approx(at, abs=1e-6)
+    assert again.dump() == stored

@@ -181,12 +181,33 @@ class AttentionClient:
         engine.batch.cost = self
         engine.expert_check = self.check
         engine.experts_in_force = self.in_force
+        engine.experts_unavailable = self.unavailable
 
     # ------------------------------------------------------------------ life
     @property
     def ready(self) -> bool:
         """A map in force, and every expert of it with a live copy."""
-        return self.pool.map is not None and not self._still_uncovered()
+        return self.unavailable() is None
+
+    def unavailable(self) -> str | None:
+        """Why this client cannot decode now (None: it can), cheap enough for every admission:
+        no map in force or its pool gone (the pointer deleted), no server of the map live, or
+        an expert the last iteration found without a live copy still without one. Its health
+        says it (``Degraded``: the group takes it out of traffic, nothing to replace) and
+        admission refuses with it."""
+        current = self.pool.map
+        if current is None:
+            return "no expert map in force"
+        if self.pool.gone:
+            return (
+                f"its expert pool {self.engine.config.expert_pool} is gone (the map pointer "
+                f"deleted; v{current.number} was in force)"
+            )
+        if not self._live_servers(current):
+            return f"no server of expert map v{current.number} is live"
+        if self._still_uncovered():
+            return self._uncovered_said(self.uncovered)
+        return None
 
     async def in_force(self) -> None:
         """Until the pool's map is in force and every expert of the model has a live copy in it:
@@ -289,9 +310,10 @@ class AttentionClient:
 
     # ------------------------------------------------------------------ admission
     def check(self) -> None:
-        """Admission: refused while the map in force leaves an expert without a live copy."""
-        if self._still_uncovered():
-            raise EngineError(503, "expert_uncovered", self._uncovered_said(self.uncovered))
+        """Admission: refused while the client cannot decode (:meth:`unavailable`)."""
+        why = self.unavailable()
+        if why is not None:
+            raise EngineError(503, "expert_uncovered", why)
 
     def _still_uncovered(self) -> set[tuple[int, int]]:
         """The experts the last plan found without a live copy that still have none: a server

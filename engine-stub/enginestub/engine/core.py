@@ -132,6 +132,8 @@ class Engine:
         # pool's map in force, every expert with a live copy (it could not step before)
         self.expert_check: Callable[[], None] = lambda: None
         self.experts_in_force: Callable[[], Awaitable[None]] | None = None
+        # why an attention client cannot decode now (its pool's map gone, no live server...)
+        self.experts_unavailable: Callable[[], str | None] = lambda: None
         self.waiting_for: str | None = None  # what a load done waits for, said while not loaded
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None), trust_env=False)
         plane_bw = link_bandwidth(config.kv_plane, same_node=False)

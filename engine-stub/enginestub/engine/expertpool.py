@@ -63,6 +63,9 @@ class PoolSession:
         self.map: ExpertMap | None = None
         self.map_changed = asyncio.Event()  # set when :attr:`map` is a new version
         self._pointer = 0  # the version the pointer names, as last seen
+        # The pointer deleted (or back at 0) after a map was in force: the pool is gone (its
+        # ExpertPool deleted); the last map is kept (a held iteration ends in its bound)
+        self.gone = False
         # the pool's failover timeout (emulated ms) the pointer carries; None: it carries none
         self.failover_ms: int | None = None
         self._pointer_moved = asyncio.Event()
@@ -104,6 +107,10 @@ class PoolSession:
             log.info("the pool's failover timeout: %s ms", pointer.failover_ms)
         self.failover_ms = pointer.failover_ms
         self._pointer = pointer.version
+        gone = pointer.version == 0 and self.map is not None
+        if gone and not self.gone:
+            log.warning("the pool's map pointer is gone (its ExpertPool deleted?)")
+        self.gone = gone
         self._pointer_moved.set()
 
     async def _follow_map(self) -> None:

@@ -520,6 +520,9 @@ class Resident:
                 f"{stuck} request(s) held without progress for over "
                 f"{engine.stuck_bound():g} s (emulated)"
             )
+        experts = engine.experts_unavailable()
+        if experts is not None:  # an attention client without its experts serves nothing
+            state, message = zl.HealthState.DEGRADED, experts
         if faults:  # faulty, and why, never a silence
             state = zl.HealthState.FAULTY
             message = "; ".join(f"{f.kind}: {f.detail}" for f in faults)

@@ -156,6 +156,13 @@ Time = Annotated[
     BeforeValidator(_time),
     PlainSerializer(rfc3339, return_type=str, when_used="unless-none"),
 ]
+# A time that is always there: epoch seconds in the domain, RFC 3339 (MicroTime) as stored;
+# the epoch seconds an older operator stored read too, anything unreadable as 0 (never).
+Instant = Annotated[
+    float,
+    BeforeValidator(lambda value: _time(value) or 0.0),
+    PlainSerializer(rfc3339, return_type=str),
+]
 Number = Annotated[float | None, BeforeValidator(_number)]
 Count = Annotated[int | None, BeforeValidator(_count)]
 RoleName = Annotated[str | None, BeforeValidator(_role)]
@@ -577,16 +584,16 @@ class ExpertCoverageStatus(_ExpertPoolStatusPart):
 
 
 class ExpertFailoverStatus(_ExpertPoolStatusPart):
-    """The last failover: the servers whose reports went, when it was seen (epoch s), the map
+    """The last failover: the servers whose reports went, when it was seen, the map
     version that dropped them, and the one that restored every expert's copies (None: not yet)."""
 
     model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
 
     servers: list[str] = Field(default_factory=list)
-    at: float = 0.0
+    at: Instant = 0.0
     version: int = 0
     restored_version: int | None = Field(default=None, alias="restoredVersion")
-    restored_at: float | None = Field(default=None, alias="restoredAt")
+    restored_at: Time = Field(default=None, alias="restoredAt")
     # The replacement server created for it, the path it was obtained by and its estimate
     # (wall s, claim to serving); None when the server came back by itself (a restart).
     replacement: str | None = None
@@ -608,14 +615,14 @@ class ExpertScaleStatus(_ExpertPoolStatusPart):
     from_servers: int = Field(default=0, alias="from")
     to_servers: int = Field(default=0, alias="to")
     by: str = ""
-    at: float = 0.0
+    at: Instant = 0.0
 
 
 class ExpertTokenSample(_ExpertPoolStatusPart):
-    """The servers' cumulative token counts at ``at`` (epoch s): the autoscaler's last sample
+    """The servers' cumulative token counts at ``at``: the autoscaler's last sample
     (the rate is the next sample's difference over the time between)."""
 
-    at: float = 0.0
+    at: Instant = 0.0
     tokens: dict[str, int] = Field(default_factory=dict)
     tokens_per_second: float | None = Field(default=None, alias="tokensPerSecond")
 
@@ -632,13 +639,13 @@ class ExpertLoadStatus(_ExpertPoolStatusPart):
 
 
 class ExpertRebalanceStatus(_ExpertPoolStatusPart):
-    """The last EPLB rebalance: when it was decided (epoch s), why, the simulated imbalance
+    """The last EPLB rebalance: when it was decided, why, the simulated imbalance
     (max server load over the mean, the worst layer) and MoE time per iteration (tokens on the
     slowest server, summed over layers) before and after, the map versions of its phases
     (first to last), the layers it changes, and the version it ended at (None: in flight) and
     how (``Completed``, or ``Preempted`` by a failover)."""
 
-    at: float = 0.0
+    at: Instant = 0.0
     reason: str = ""
     imbalance_before: float = Field(default=0.0, alias="imbalanceBefore")
     imbalance_after: float = Field(default=0.0, alias="imbalanceAfter")
@@ -675,7 +682,7 @@ class ExpertPoolStatus(_ExpertPoolStatusPart):
     wanted_servers: int | None = Field(default=None, alias="wantedServers")
     last_rebalance: ExpertRebalanceStatus | None = Field(default=None, alias="lastRebalance")
     # When EPLB last looked at a window (rebalanced or not): the next look is intervalSeconds on.
-    rebalance_checked_at: float | None = Field(default=None, alias="rebalanceCheckedAt")
+    rebalance_checked_at: Time = Field(default=None, alias="rebalanceCheckedAt")
     last_failover: ExpertFailoverStatus | None = Field(default=None, alias="lastFailover")
     last_scale: ExpertScaleStatus | None = Field(default=None, alias="lastScale")
     token_sample: ExpertTokenSample | None = Field(default=None, alias="tokenSample")

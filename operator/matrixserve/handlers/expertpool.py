@@ -143,7 +143,12 @@ class ExpertPools:
             previous=previous,
             taken=frozenset(self.loop.taken.get((namespace, name), set())),
             successor=successor,
-            sampled=sampled if sample is not None and sample.at == at else None,
+            # the same sample: its time as stored (RFC 3339, microseconds) against ours
+            sampled=(
+                sampled
+                if sample is not None and at is not None and abs(sample.at - at) < 1e-3
+                else None
+            ),
             pointer=pointer,
         )
         return await self._warm(view)

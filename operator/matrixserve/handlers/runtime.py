@@ -149,17 +149,20 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     return kopf.ConnectionInfo(**credentials(cfg.kubeconfig))
 
 
-async def startup(
-    settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any
-) -> None:
-    cfg: OperatorConfig = memo.config
+def configure(settings: kopf.OperatorSettings, cfg: OperatorConfig) -> None:
+    """kopf's settings: where it keeps its marks, who its Events say wrote them, how long its
+    own calls may take, the webhook server."""
     settings.persistence.finalizer = kinds.FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=kinds.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=kinds.GROUP, key="last-handled-configuration"
     )
     settings.posting.level = logging.INFO
-    settings.batching.worker_limit = cfg.worker_limit
+    # Events say who wrote them (`kubectl describe`'s From column), not the framework
+    settings.posting.reporting_component = "matrixserve-operator"
+    settings.posting.reporting_instance = cfg.leader_identity or "matrixserve-operator"
+    settings.posting.event_name_prefix = "matrixserve-"
+    settings.queueing.worker_limit = cfg.worker_limit
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 5
@@ -178,6 +181,13 @@ async def startup(
         )
         if cfg.webhook_managed:
             settings.admission.managed = WEBHOOK_CONFIGURATION
+
+
+async def startup(
+    settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
+    cfg: OperatorConfig = memo.config
+    configure(settings, cfg)
     metrics = OperatorMetrics()
     session = Session(cfg.zookeeper, auth=cfg.zookeeper_auth)
     api = api_client(cfg.kubeconfig)
