@@ -365,6 +365,7 @@ def test_eplb_replicates_the_hot_experts_in_four_phases_while_clients_stream(
         )
         for h in hot
     }
+
     # EPLB acts on the layers whose imbalance is worst (``last["layers"]``), which need not hold
     # the five hottest experts overall: a copy is added in each of those layers, and to the
     # hot experts of them that the status lists

@@ -139,9 +139,12 @@ def test_client_decodes_through_servers_one_message_per_pair(
         # completed ones when read, so it is not compared with them)
         assert _metric(server, "matrixserve_engine_expert_repeated_messages_total") == 0
     assert _metric(client, "matrixserve_engine_expert_resends_total") == 0
-    report = pool.report("ex-c")
-    assert report is not None
-    assert sum(report.tokens.get(0, {}).values()) > 0
+    # its report carries its token counts from its next refresh on (a health interval)
+    wait_for(
+        lambda: (r := pool.report("ex-c")) is not None and sum(r.tokens.get(0, {}).values()) > 0,
+        timeout=10,
+        what="ex-c's report counting the tokens it served",
+    )
 
 
 def test_a_forward_probe_is_made_through_the_servers_and_timed_by_them(

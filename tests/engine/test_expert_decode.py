@@ -166,6 +166,28 @@ def test_a_group_decode_with_a_pool_serves_once_its_map_is_in_force(
     assert "is gone" in refused.json()["error"]["message"]
     assert time.monotonic() - began < 2.0
 
+    # Made again under the same name: its first version (v1 again, another one) enables no
+    # expert: the client stays out (it would have said it served, idle, and held its first
+    # request) until a version covers every expert.
+    again = [experts.start_server(start_engine, name) for name in ("ex-d", "ex-e")]
+    names = [s.name for s in again]
+    experts.write(1, names, every_layer(ALL, ALL), disabled=every_layer(ALL, ALL))
+    wait_for(lambda: all(experts.serving(n, 1) for n in names), timeout=30, what="v1 loaded")
+    time.sleep(1.5)  # three health intervals (0.5 wall s each): still not serving
+    health = group.health("d-0")
+    assert health is not None
+    assert health.state is zl.HealthState.DEGRADED
+    assert health.message.startswith("no live copy of layer 0 expert 0, "), health.message
+    assert httpx.get(f"{decode.url}/readyz", timeout=5, trust_env=False).status_code == 503
+    experts.write(2, names, every_layer(ALL, ALL))
+    wait_for(
+        lambda: (h := group.health("d-0")) is not None and h.state is zl.HealthState.SERVING,
+        timeout=30,
+        what="the decode serving again on the new pool's v2",
+    )
+    assert httpx.get(f"{decode.url}/readyz", timeout=5, trust_env=False).status_code == 200
+    assert _failed(concurrent_streams(prefill, 2, 8)) == []
+
 
 def decode_info(engine: EngineProc) -> dict[str, Any]:
     return dict(httpx.get(f"{engine.url}/v1/info", timeout=5, trust_env=False).json())

@@ -112,8 +112,10 @@ class Pool:
         disabled: list[list[list[int]]] | None = None,
         reason: str = "test",
     ) -> None:
-        """A version written whole, then put in force."""
+        """A version written whole, then put in force (the pointer carries its ``at``, as the
+        controller's does)."""
         self.zk.ensure_path(self.paths.map)
+        at = time.time()
         body = zl.ExpertMapVersion(
             version=version,
             layers=len(slots),
@@ -121,7 +123,7 @@ class Pool:
             slots=max(len(held) for layer in slots for held in layer),
             servers=servers,
             reason=reason,
-            at=time.time(),
+            at=at,
         )
         self.zk.create(self.paths.version(version), body.dump())
         for layer, held in enumerate(slots):
@@ -130,7 +132,7 @@ class Pool:
                 self.paths.layer(version, layer),
                 zl.ExpertMapLayer(layer=layer, slots=held, disabled=off).dump(),
             )
-        self.zk.set(self.paths.map, zl.ExpertMapPointer(version=version, at=time.time()).dump())
+        self.zk.set(self.paths.map, zl.ExpertMapPointer(version=version, at=at).dump())
 
     def report(self, server: str) -> zl.ExpertServerReport | None:
         if not self.zk.exists(self.paths.server(server)):

@@ -26,6 +26,7 @@ from matrixserve.domain.pdgroup.actions import (
     DeleteEntrance,
     DeletePod,
     EraseInstance,
+    MarkRemoved,
     ReportPodTrouble,
     SetEntrance,
     StartDrain,
@@ -523,6 +524,30 @@ def test_links_and_health_count_only_for_the_current_incarnations() -> None:
     again = pdgroup.plan(view(spec(), pods, healed))
     assert again.status["links"]["verified"] == 8
     assert {r["name"]: r["state"] for r in again.status["instances"]}["g-d-0"] == "Serving"
+
+
+def test_a_decode_that_says_why_it_cannot_serve_is_said_in_the_groups_conditions() -> None:
+    """An attention client whose expert pool is gone reports Degraded with why: the group's
+    Degraded and Ready conditions say it in its words (they said only that no decode served),
+    and nothing is recovered (the decode is not at fault)."""
+    pods = ["g-p-0", "g-p-1", "g-d-0"]
+    zk = serving_group(pods)
+    why = "its expert pool ns/experts is gone (the map pointer deleted; v5 was in force)"
+    degraded = zk.health["g-d-0"].model_copy(
+        update={"state": zl.HealthState.DEGRADED, "message": why}
+    )
+    plan = pdgroup.plan(
+        view(spec(), pods, dataclasses.replace(zk, health={**zk.health, "g-d-0": degraded}))
+    )
+    cond = {c.type: c for c in plan.conditions}
+    assert (cond["Degraded"].status, cond["Degraded"].reason) == (True, "NoServingDecode")
+    assert cond["Degraded"].message == (
+        f"no decode instance serves: the entrances are closed (g-d-0: {why})"
+    )
+    assert cond["Ready"].status is False
+    rows = {r["name"]: r["state"] for r in plan.status["instances"]}
+    assert rows["g-d-0"] == "Degraded"
+    assert not any(isinstance(a, (MarkRemoved, DeletePod)) for a in plan.actions)
 
 
 def test_without_a_serving_decode_no_prefill_is_an_entrance_until_one_serves() -> None:

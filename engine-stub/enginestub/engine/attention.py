@@ -268,6 +268,10 @@ class AttentionClient:
                 if server not in self._watched:
                     self._watch(server)
             self.masked.clear()  # a new version: what a server holds is the map's word again
+            # what it leaves without a live copy (a new pool's first versions enable nothing;
+            # a failover may take a last copy): unavailable until covered, not only once an
+            # iteration has found it (an idle client would say it serves, and hold its first)
+            self.uncovered |= self.gaps(current)
             self._poke()
 
     def _watch(self, server: str) -> None:

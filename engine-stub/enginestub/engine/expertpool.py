@@ -63,6 +63,7 @@ class PoolSession:
         self.map: ExpertMap | None = None
         self.map_changed = asyncio.Event()  # set when :attr:`map` is a new version
         self._pointer = 0  # the version the pointer names, as last seen
+        self._pointer_at = 0.0  # and when that version was put in force (its ``at``)
         # The pointer deleted (or back at 0) after a map was in force: the pool is gone (its
         # ExpertPool deleted); the last map is kept (a held iteration ends in its bound)
         self.gone = False
@@ -107,6 +108,7 @@ class PoolSession:
             log.info("the pool's failover timeout: %s ms", pointer.failover_ms)
         self.failover_ms = pointer.failover_ms
         self._pointer = pointer.version
+        self._pointer_at = pointer.at
         gone = pointer.version == 0 and self.map is not None
         if gone and not self.gone:
             log.warning("the pool's map pointer is gone (its ExpertPool deleted?)")
@@ -119,7 +121,13 @@ class PoolSession:
             await self._pointer_moved.wait()
             self._pointer_moved.clear()
             wanted = self._pointer
-            if wanted == 0 or (self.map is not None and self.map.number == wanted):
+            # the version in force already (a pointer rewritten for its settings); one of the
+            # same number put in force at another time is another pool's (deleted, made again)
+            if wanted == 0 or (
+                self.map is not None
+                and self.map.number == wanted
+                and self.map.version.at == self._pointer_at
+            ):
                 continue
             try:
                 read = await self.zk.run(self._read, wanted)

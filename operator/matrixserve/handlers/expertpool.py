@@ -138,7 +138,8 @@ class ExpertPools:
             current,
             tuple(versions),
             self.rt.engine,
-            now=time.time(),
+            # to the microsecond: the stored times (RFC 3339) read back equal to the pass's
+            now=round(time.time(), 6),
             connected=connected and self.store.connected,
             previous=previous,
             taken=frozenset(self.loop.taken.get((namespace, name), set())),

@@ -82,6 +82,15 @@ def serving_since(view: GroupView, health: zl.Health) -> float:
     return health.ts - (health.seq - 1) * interval
 
 
+def said(view: GroupView, name: str) -> str:
+    """The instance, with why its engine says it does not serve (its health's message) when it
+    says so (an attention client whose expert pool is gone, slots held without progress)."""
+    health = view.zk.health.get(name)
+    if health is not None and health.state is not zl.HealthState.SERVING and health.message:
+        return f"{name}: {health.message}"
+    return name
+
+
 def instance_rows(
     view: GroupView, desired: Mapping[str, zl.Role], roce_map: zl.RoceMap | None
 ) -> list[InstanceStatus]:
@@ -272,7 +281,7 @@ def derive(
         and {d.instance for d in zk.decode_meta.decodes} == set(members_d)
     )
     unhealthy = ", ".join(
-        i.name
+        said(view, i.name)
         for i in rows
         if i.state in ("Initializing", "Degraded", "Joining") and i.name in (members_p + members_d)
     )
@@ -300,7 +309,14 @@ def derive(
     )
     degraded = opened and (bool(unhealthy) or no_decode)
     if no_decode:
-        why_degraded = ("NoServingDecode", "no decode instance serves: the entrances are closed")
+        decodes = ", ".join(
+            said(view, n) for n in members_d if said(view, n) != n
+        )  # in their engines' words, where they said why
+        why_degraded = (
+            "NoServingDecode",
+            "no decode instance serves: the entrances are closed"
+            + (f" ({decodes})" if decodes else ""),
+        )
     else:
         why_degraded = ("InstanceUnhealthy" if degraded else "AsExpected", unhealthy)
     conditions = [
