@@ -673,14 +673,14 @@ async def test_a_gated_pinned_pod_created_is_its_servers_reservation_in_the_cach
     assert await adapter.npus_in_use() == {"s1": 8, "s2": 4}
 
 
-def local_kubeconfig(path: Path, port: int) -> str:
-    """A kubeconfig for an API server at 127.0.0.1:``port`` (plain HTTP, a token)."""
+def local_kubeconfig(path: Path, address: str) -> str:
+    """A kubeconfig for an API server at ``address`` (host:port, plain HTTP, a token)."""
     path.write_text(
         json.dumps(
             {
                 "apiVersion": "v1",
                 "kind": "Config",
-                "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+                "clusters": [{"name": "c", "cluster": {"server": f"http://{address}"}}],
                 "users": [{"name": "u", "user": {"token": "t"}}],
                 "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
                 "current-context": "x",
@@ -701,7 +701,9 @@ async def test_every_api_call_is_bounded_when_the_api_server_stops_answering(
     silent.listen(64)  # the kernel completes the handshakes; nothing ever reads or answers
     try:
         # the operator's own configuration (its retries: a read that timed out is not retried)
-        kubeconfig = local_kubeconfig(tmp_path / "kubeconfig", silent.getsockname()[1])
+        kubeconfig = local_kubeconfig(
+            tmp_path / "kubeconfig", f"127.0.0.1:{silent.getsockname()[1]}"
+        )
         adapter = KubeAdapter(kube_adapter.api_client(kubeconfig))
         calls = {
             "get": adapter.get(kinds.PDGROUP, "ns", "g"),

@@ -45,6 +45,7 @@ from matrixserve.gateway.app import Gateway
 from matrixserve.gateway.config import GatewayConfig
 from matrixserve.gateway.discovery import Discovery
 from matrixserve.httpserving import ConnectionLimits
+from unit.test_adapters import local_kubeconfig
 
 
 class _Zk:
@@ -650,19 +651,7 @@ async def test_on_sigterm_the_gateway_drains_then_lets_the_stream_in_flight_end_
     engine_runner = web.AppRunner(engine_app, handler_cancellation=True)
     engine_address = await _site(engine_runner)
     api_runner, api_address = await _fake_api([group_object([engine_address])])
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "c", "cluster": {"server": f"http://{api_address}"}}],
-                "users": [{"name": "u", "user": {"token": "t"}}],
-                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-                "current-context": "c",
-            }
-        )
-    )
+    kubeconfig = local_kubeconfig(tmp_path / "kubeconfig", api_address)
     port, nobody = free_ports(2)  # the gateway's; a ZooKeeper port nothing listens on
     url = f"http://127.0.0.1:{port}"
     log = (tmp_path / "gateway.log").open("wb")
@@ -770,10 +759,11 @@ async def test_the_key_loader_survives_an_api_server_that_does_not_answer(
 
     monkeypatch.setattr(auth, "KEYS_RELOAD_SECONDS", 0.05)
     from matrixserve.adapters.kube import api_client
-    from unit.test_adapters import local_kubeconfig
 
     (port,) = free_ports(1)  # nothing listens there: every connection refused
-    api = api_client(local_kubeconfig(tmp_path / "kubeconfig", port))  # the gateway's own
+    api = api_client(
+        local_kubeconfig(tmp_path / "kubeconfig", f"127.0.0.1:{port}")
+    )  # the gateway's own
     keys = auth.ApiKeys(GatewayConfig(), GatewayMetrics())
     keys.names = {"a-key-read-before-0123": "old"}
     loader = asyncio.create_task(auth.keep_keys(keys, api, "ns", "keys"))

@@ -179,7 +179,6 @@ class AttentionClient:
         self._map_version = 0
         self._one_at_a_time = asyncio.Lock()  # the batch's iterations and probes
         engine.batch.cost = self
-        engine.expert_check = self.check
         engine.experts_in_force = self.in_force
         engine.experts_unavailable = self.unavailable
 
@@ -313,12 +312,6 @@ class AttentionClient:
         self.dropped[server] = time.time()
 
     # ------------------------------------------------------------------ admission
-    def check(self) -> None:
-        """Admission: refused while the client cannot decode (:meth:`unavailable`)."""
-        why = self.unavailable()
-        if why is not None:
-            raise EngineError(503, "expert_uncovered", why)
-
     def _still_uncovered(self) -> set[tuple[int, int]]:
         """The experts the last plan found without a live copy that still have none: a server
         back in the routes or a new map covers them. Looked at here, not only by the next

@@ -127,13 +127,12 @@ class Engine:
         self.loaded = False
         self.load_seconds: float | None = None
         self.on_health_change: Callable[[], None] = lambda: None
-        # An attention client's admission check (:mod:`.attention`): raises while an expert has
-        # no live copy (its requests could not decode); and what its load waits for last: its
-        # pool's map in force, every expert with a live copy (it could not step before)
-        self.expert_check: Callable[[], None] = lambda: None
-        self.experts_in_force: Callable[[], Awaitable[None]] | None = None
-        # why an attention client cannot decode now (its pool's map gone, no live server...)
+        # An attention client (:mod:`.attention`): why it cannot decode now (its pool's map
+        # gone, no live server, an expert without a live copy: admission refuses with it, its
+        # health says it); and what its load waits for last: its pool's map in force, every
+        # expert with a live copy (it could not step before)
         self.experts_unavailable: Callable[[], str | None] = lambda: None
+        self.experts_in_force: Callable[[], Awaitable[None]] | None = None
         self.waiting_for: str | None = None  # what a load done waits for, said while not loaded
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None), trust_env=False)
         plane_bw = link_bandwidth(config.kv_plane, same_node=False)
@@ -350,6 +349,12 @@ class Engine:
         )
         return timing.fork_source_for(plane), seconds
 
+    def _check_experts(self) -> None:
+        """Admission of an attention client: 503 ``expert_uncovered`` while it cannot decode."""
+        why = self.experts_unavailable()
+        if why is not None:
+            raise EngineError(503, "expert_uncovered", why)
+
     # ================================================================ health
     @property
     def serving(self) -> bool:
@@ -519,7 +524,7 @@ class Engine:
         self.check_serving()
         self.require_role("prefill", "colocated", "attention")
         self._check_not_draining()
-        self.expert_check()
+        self._check_experts()
         stats = self.metrics.load
         stats.offered += 1
         if (
@@ -695,7 +700,7 @@ class Engine:
         self.check_serving()
         self.require_role("decode", "attention")
         self._check_not_draining()
-        self.expert_check()
+        self._check_experts()
         # the KV of the context it starts from, and of every output token to come
         return self.batch.admit(req.prompt_tokens + req.max_tokens - 1)
 
