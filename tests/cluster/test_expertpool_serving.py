@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -33,6 +34,7 @@ from testkit.helpers import events_of, wait_for, zookeeper
 
 KIND = kinds.EXPERTPOOL
 WHERE = (KIND.group, KIND.version)
+P = zl.ExpertMapPhase
 # DeepSeek-V2-Lite as the catalogue has it: 64 x 2 + 2 = 130 slots per layer, bound 7 servers
 MODEL, EXPERTS, LAYERS, TOP_K = "deepseek-v2-lite", 64, 26, 6
 SLOTS, COPIES, BUDGET = 19, 2, 2
@@ -233,19 +235,25 @@ def test_the_store_writes_a_version_whole_then_the_pointer_and_prunes(
             woken: list[int] = []
             assert await store.arm(namespace, "p", lambda: woken.append(1))
             target = em.wanted(None, ["a", "b", "c"], EXPERTS, LAYERS, 44, COPIES, 0)  # 132 >= 128
-            first, *ahead = rebalance.change(None, target, 1, "initial", 1.0)
+            first, *ahead = em.stamped(None, rebalance.change(None, target, 1, "initial", 1.0))
+            assert [first.phase, *(m.phase for m in ahead)] == [P.LOAD, P.STEADY]
             walk = WriteMapVersion(first, ahead=tuple(ahead))
             await store.apply(namespace, "p", walk)
             await store.apply(namespace, "p", walk)  # idempotent
             read, versions = await store.map_in_force(namespace, "p")
-            assert (read, versions) == (first, [1, 2, 3, 4, 5])  # the walk stored ahead
+            assert (read, versions) == (first, [1, 2])  # the walk stored ahead
             assert await store.stored(namespace, "p", 2) == ahead[0]
-            await store.apply(namespace, "p", WriteMapVersion(ahead[0]))
-            third = ahead[0].without(["c"], 6, "failover", 3.0)
-            await store.apply(namespace, "p", WriteMapVersion(third, prune=(1, 3, 4, 5)))
+            # the next phase put in force: its head alone rewritten, stamped now
+            steady = replace(ahead[0], at=2.0)
+            await store.apply(namespace, "p", WriteMapVersion(steady, stored=True))
+            read, versions = await store.map_in_force(namespace, "p")
+            assert (read, versions) == (steady, [1, 2])
+            (third,) = em.stamped(steady, [steady.without(["c"], 3, "failover", 3.0)])
+            assert third.rows_at == (2, 2)  # a and b: their rows as they were in v2
+            await store.apply(namespace, "p", WriteMapVersion(third, prune=(1,)))
             read, versions = await store.map_in_force(namespace, "p")
             assert read == third
-            assert versions == [2, 6]  # the last two kept, the walk cut short pruned
+            assert versions == [2, 3]  # the last two kept
             wait_for(lambda: woken, 10, "the pointer's watch firing")
             assert "p" in [p for ns, p in await store.pools([namespace])]
             assert await store.delete(namespace, "p")

@@ -8,6 +8,8 @@ map's versions as the contract says: the version's znodes whole, then the pointe
 - tokens for an expert it does not hold, or holds disabled, are refused 409
   ``expert_not_held`` naming them; a malformed message is a 400;
 - out of the server table of a later version, it reports ``Draining``;
+- a version whose head says its rows are unchanged (``rowsAt``) is applied from the head alone,
+  its layers unread; a changed stamp, or none, has it read the version whole;
 - stopped, its report is gone at once.
 
 :class:`Pool` and :func:`small_moe` are the client tests' too (``test_expert_client``).
@@ -111,9 +113,11 @@ class Pool:
         slots: list[list[list[int]]],  # layer -> server -> experts
         disabled: list[list[list[int]]] | None = None,
         reason: str = "test",
+        rows_at: dict[str, int] | None = None,
+        layers: bool = True,
     ) -> None:
-        """A version written whole, then put in force (the pointer carries its ``at``, as the
-        controller's does)."""
+        """A version written whole (without its layer znodes if not ``layers``), then put in
+        force (the pointer carries its ``at``, as the controller's does)."""
         self.zk.ensure_path(self.paths.map)
         at = time.time()
         body = zl.ExpertMapVersion(
@@ -124,9 +128,10 @@ class Pool:
             servers=servers,
             reason=reason,
             at=at,
+            rowsAt=rows_at or {},
         )
         self.zk.create(self.paths.version(version), body.dump())
-        for layer, held in enumerate(slots):
+        for layer, held in enumerate(slots if layers else []):
             off = disabled[layer] if disabled else []
             self.zk.create(
                 self.paths.layer(version, layer),
@@ -229,3 +234,32 @@ def test_server_registers_loads_serves_and_drains(
     )
     server.sup.stop("ex-a", grace=5)
     assert pool.report("ex-a") is None  # the session closed with the process: gone at once
+
+
+def test_a_server_whose_rows_did_not_change_reads_the_head_alone(
+    pool: Pool, start_engine: Callable[..., EngineProc]
+) -> None:
+    """Its stamp unchanged: the new table and version from the head, its layers never read
+    (here there are none: a server that read them would wait for them, never applying v2);
+    its stamp moved: the version whole, its new slots loaded."""
+    server = pool.start_server(start_engine, "ex-a")
+    slots = every_layer(list(range(8)), list(range(8, 16)))
+    pool.write(1, ["ex-a", "ex-b"], slots, rows_at={"ex-a": 1, "ex-b": 1})
+    wait_for(lambda: pool.serving("ex-a", 1), timeout=30, what="ex-a serving v1", every=0.05)
+
+    # ex-b failed over: out of the table, ex-a's rows as they were since v1
+    unread = every_layer(list(range(8)))
+    pool.write(2, ["ex-a"], unread, rows_at={"ex-a": 1}, layers=False, reason="ex-b failed")
+    wait_for(lambda: pool.serving("ex-a", 2), timeout=30, what="ex-a applying v2", every=0.05)
+    body = {"client": "att-1", "work": [{"layer": 1, "experts": {"7": 3}}]}
+    answer = forward(server, body)
+    assert answer.status_code == 200, answer.text
+    refused = forward(server, {**body, "work": [{"layer": 1, "experts": {"8": 3}}]})
+    assert refused.status_code == 409
+
+    # its rows changed at v3 (now at index 1, with experts 8..11): read whole, loaded
+    grown = every_layer(list(range(12, 16)), list(range(12)))
+    pool.write(3, ["ex-c", "ex-a"], grown, rows_at={"ex-a": 3, "ex-c": 3})
+    wait_for(lambda: pool.serving("ex-a", 3), timeout=30, what="ex-a applying v3", every=0.05)
+    answer = forward(server, {**body, "work": [{"layer": 2, "experts": {"8": 3, "11": 1}}]})
+    assert answer.status_code == 200, answer.text

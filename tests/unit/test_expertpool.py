@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,10 @@ from matrixserve.domain.observed import PodView
 from matrixserve.domain.scaleout import PRIOR_RATES, PRIOR_TE_PRE_LOAD_SECONDS
 
 pytestmark = pytest.mark.unit
-PHASES = [*list(zl.ExpertMapPhase)[1:], zl.ExpertMapPhase.STEADY]  # Prefetch ... Steady
+P = zl.ExpertMapPhase
+PHASES = [*list(P)[1:], P.STEADY]  # Prefetch ... Steady: EPLB's walk
+NEWCOMER = [P.LOAD, P.STEADY]  # a new pool's walk, a replacement's, a scale-up's
+DRAIN = [P.PREFETCH, P.LOAD, P.ENABLE, P.STEADY]  # a scale-down's, with room on the others
 ENGINE = EngineSettings(zookeeper="127.0.0.1:2181")
 STATE = zl.ExpertServerState
 PATHS = zl.ExpertPoolPaths("ns", "pool")
@@ -81,6 +85,14 @@ def report(
             "state": state,
             **extra,
         }
+    )
+
+
+def round_trip(m: em.ExpertMap) -> em.ExpertMap:
+    """``m`` written to its znodes and read back."""
+    head, layers = m.payloads()
+    return em.ExpertMap.of(
+        zl.ExpertMapVersion.parse(head.dump()), [zl.ExpertMapLayer.parse(x.dump()) for x in layers]
     )
 
 
@@ -142,7 +154,7 @@ class World:
                 self.reports.pop(a.name, None)
             elif isinstance(a, WriteMapVersion):
                 assert a.map.version > (self.current.version if self.current else 0)
-                self.current = a.map
+                self.current = round_trip(a.map)  # as a reader gets it from ZooKeeper
                 written = [a.map.version, *(m.version for m in a.ahead)]
                 self.versions = sorted(
                     {v for v in self.versions if v not in a.prune} | set(written)
@@ -366,16 +378,11 @@ def test_coverage_counts_under_replicated_and_uncovered_experts() -> None:
 def test_every_version_of_a_walk_round_trips_through_its_payloads() -> None:
     target = em.wanted(None, ["a", "b", "c"], 3, 2, 2, 2, 0)
     walk = rebalance.change(None, target, 1, "initial", 5.0)
-    assert [(m.version, m.phase) for m in walk] == list(enumerate(PHASES, start=1))
-    for m in walk:
-        head, layers = m.payloads()
-        back = em.ExpertMap.of(
-            zl.ExpertMapVersion.parse(head.dump()),
-            [zl.ExpertMapLayer.parse(x.dump()) for x in layers],
-        )
-        assert back == m
-    prefetch, _disable, load, _enable, steady = walk
-    assert prefetch.prefetch == target.held  # staged: every slot is new
+    # nothing to stage nor free on servers that hold nothing: straight to Load
+    assert [(m.version, m.phase) for m in walk] == list(enumerate(NEWCOMER, start=1))
+    for m in (*walk, *em.stamped(None, walk)):
+        assert round_trip(m) == m
+    load, steady = walk
     # every slot of a new pool is disabled until loaded: no client routes to it
     assert all(not any(r) for r in load.payloads()[1][0].routes(3))
     assert steady.held == target.held
@@ -392,11 +399,11 @@ def test_a_new_pool_creates_its_servers_then_loads_then_enables_the_map() -> Non
     assert conditions(first)["Available"] == (False, "NoMap")
     p = w.step()
     assert w.current is not None
-    assert w.current.phase is zl.ExpertMapPhase.PREFETCH
+    assert w.current.phase is zl.ExpertMapPhase.LOAD
     # its first map's copies loading are no failure
     assert conditions(p)["Degraded"] == (False, "Healthy")
     p = w.settle()
-    assert [m.phase for m in w.history] == PHASES
+    assert [m.phase for m in w.history] == NEWCOMER
     assert w.current is not None
     assert len(w.current.servers) == 8
     check_map(w.current, w.spec)
@@ -409,7 +416,7 @@ def test_a_new_pool_creates_its_servers_then_loads_then_enables_the_map() -> Non
     }
     assert p.status.ready_servers == 8
     assert p.status.selector == "matrixserve.io/expertpool=pool"  # the scale subresource's
-    assert p.status.map_version == 5
+    assert p.status.map_version == 2
     assert p.status.coverage.uncovered == 0
     assert p.status.coverage_bound == 7
     manifest = next(a for a in first.actions if isinstance(a, CreateServerPod)).manifest
@@ -460,11 +467,20 @@ def test_a_server_gone_is_dropped_at_once_then_replaced_and_restored() -> None:
     assert conditions(p)["Degraded"] == (False, "Healthy")
     assert p.status.last_failover is not None
     assert p.status.last_failover.restored_version == w.current.version
-    # the restore walked the phases (the newcomer's slots disabled until loaded)
-    assert [m.phase for m in w.history[since + 1 :]] == PHASES
+    # the restore loaded the newcomer's slots (disabled until loaded), then enabled them
+    assert [m.phase for m in w.history[since + 1 :]] == NEWCOMER
     # coverage never fell to zero for any expert on the way
     for m in w.history[since:]:
         assert em.coverage(m, set(m.servers), 12, 3, 2).uncovered == 0
+    # no other server's rows changed on the way: each keeps its stamp, and reads heads alone
+    stamp = dict(zip(before.servers, before.rows_at, strict=True))
+    assert all(stamp.values())
+    for m in w.history[since:]:
+        for server, since_version in zip(m.servers, m.rows_at, strict=True):
+            if server == victim:
+                assert since_version == m.version  # the newcomer's rows are new each time
+            else:
+                assert since_version == stamp[server], (m.version, server)
 
 
 def test_a_restarted_engine_is_failed_over_and_taken_back() -> None:
@@ -494,12 +510,13 @@ def test_scale_down_drains_one_server_keeping_coverage_then_deletes_it() -> None
     p = w.step()
     (write,) = [a for a in p.actions if isinstance(a, WriteMapVersion)]
     # the whole walk written at once, the pointer on its first phase; the victim in its table
-    assert [write.map.phase, *(m.phase for m in write.ahead)] == PHASES
+    # (the others have room for its copies: nothing to disable)
+    assert [write.map.phase, *(m.phase for m in write.ahead)] == DRAIN
     assert "pool-s7" in write.map.servers
     assert p.status.draining == ["pool-s7"]
     assert conditions(p)["Rebalancing"] == (True, "Prefetch")
     assert not any(isinstance(a, DeleteServerPod) for a in p.actions)
-    for phase in PHASES[1:]:
+    for phase in DRAIN[1:]:
         # nothing moves before every server says it applied the version in force
         assert not [a for a in w.step().actions if isinstance(a, WriteMapVersion)]
         w.load()
@@ -525,6 +542,46 @@ def test_scale_down_drains_one_server_keeping_coverage_then_deletes_it() -> None
     assert p.status.draining == []
     assert len(w.pods) == 7
     assert conditions(p)["FullyReplicated"] == (True, "Replicated")
+
+
+def test_a_walks_next_phase_rewrites_its_head_alone_a_new_version_is_created_first() -> None:
+    w = World(spec())
+    w.settle()
+    w.spec = spec(servers={"replicas": 7})
+    w.generation += 1
+    w.auto_load = False
+    (write,) = [a for a in w.step().actions if isinstance(a, WriteMapVersion)]
+    assert not write.stored
+    puts = [op for op in write.znodes(PATHS) if isinstance(op, zl.Put) and op.path != PATHS.map]
+    assert len(puts) == len(DRAIN) * (3 + 1)  # every version written ahead: 3 layers and a head
+    assert all(op.new for op in puts)  # created first: one round trip each
+    w.load()
+    (write,) = [a for a in w.step().actions if isinstance(a, WriteMapVersion)]
+    assert write.stored  # the next phase, stored already: its head alone, stamped now
+    ops = write.znodes(PATHS)
+    puts = [op for op in ops if isinstance(op, zl.Put)]
+    assert [op.path for op in puts] == [PATHS.version(write.map.version), PATHS.map]
+    assert not puts[0].new
+    assert zl.ExpertMapVersion.parse(puts[0].data).at == write.map.at
+
+
+def test_stamps_follow_each_servers_rows_through_a_walk() -> None:
+    a = em.wanted(None, ["a", "b", "c"], 3, 2, 2, 2, 0)
+    first = em.stamped(None, [replace(a, version=1)])[0]
+    assert first.rows_at == (1, 1, 1)
+    # c gone: a and b keep their stamps; d joins with nothing, then loads
+    dropped = first.without(["c"], 2, "failover", 1.0)
+    target = em.wanted(dropped, ["a", "b", "d"], 3, 2, 2, 2, 0)
+    walk = rebalance.change(dropped, target, 3, "copies restored", 2.0)
+    stamped = em.stamped(first, [dropped, *walk])
+    assert [m.rows_at for m in stamped] == [(1, 1), (1, 1, 3), (1, 1, 4)]
+    # a row that changes is stamped anew, and its stamp then kept while it stays
+    row = ((0,), *stamped[-1].held[0][1:])
+    moved = replace(stamped[-1], version=5, held=(row, row))
+    again = em.stamped(stamped[-1], [moved, replace(moved, version=6)])
+    assert [m.rows_at for m in again] == [(5, 1, 4), (5, 1, 4)]
+    # unknown stamps (a version written before them): every row new
+    assert em.stamped(replace(first, rows_at=()), [dropped])[0].rows_at == (2, 2)
 
 
 def test_scale_up_adds_one_server_that_takes_a_share_of_the_slots() -> None:

@@ -22,8 +22,8 @@ class _Session:
     def __init__(self, data: dict[str, bytes]) -> None:
         self.data = data
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return fn(*args)
+    async def run(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        return fn(*args, **kw)
 
     def get(self, path: str) -> bytes | None:
         return self.data.get(path)
@@ -60,3 +60,49 @@ def test_an_unreadable_pointer_or_version_is_no_map_not_an_error() -> None:
     assert _read({**_written(3), PATHS.map: b"{not json"}) == (None, [3])
     assert _read({**_written(3), PATHS.layer(3, 0): b'{"layer": "x"}'}) == (None, [3])
     assert _read({**_written(3), PATHS.version(3): b'{"version": 3}'}) == (None, [3])
+
+
+class _Counting(_Session):
+    def __init__(self, data: dict[str, bytes]) -> None:
+        super().__init__(data)
+        self.gets: list[str] = []
+
+    def get(self, path: str) -> bytes | None:
+        self.gets.append(path)
+        return super().get(path)
+
+    def delete(self, path: str, recursive: bool = False) -> bool:
+        gone = [p for p in self.data if p == path or p.startswith(path + "/")]
+        for p in gone:
+            del self.data[p]
+        return bool(gone)
+
+
+def test_a_version_is_read_whole_once_while_its_head_is_the_same() -> None:
+    data = _written(3)
+    session = _Counting(data)
+    store = ExpertStore(session)  # type: ignore[arg-type]
+
+    def read() -> ExpertMap | None:
+        session.gets.clear()
+        current, _ = asyncio.run(store.map_in_force("ns", "pool"))
+        return current
+
+    first = read()
+    assert PATHS.layer(3, 0) in session.gets
+    assert read() == first
+    assert PATHS.layer(3, 0) not in session.gets  # the head alone, the layers remembered
+    # its head rewritten (the walk's next phase put in force, stamped now): read whole again
+    m = ExpertMap(3, 2, 1, ("pool-s0", "pool-s1"), (((1,), (0,)),), at=9.0)
+    head, layers = m.payloads()
+    data[PATHS.version(3)], data[PATHS.layer(3, 0)] = head.dump(), layers[0].dump()
+    again = read()
+    assert again is not None
+    assert again.held == (((1,), (0,)),)
+    assert PATHS.layer(3, 0) in session.gets
+    # the pool deleted and made again: its v3 is read afresh
+    assert asyncio.run(store.delete("ns", "pool"))
+    assert read() is None
+    data.update(_written(3))
+    assert read() == first
+    assert PATHS.layer(3, 0) in session.gets

@@ -4,7 +4,10 @@ the map in force and, for a client, the servers' reports (EaaS §3.1, §4.4: "a 
 
 The map (``matrixserve.api.zk_layout.ExpertPoolPaths``) is read as its writer wrote it: the
 pointer, then the whole version it names (``map/v<N>`` and every ``map/v<N>/<layer>``); a reader
-never uses half a version. A version whose znodes are not all there yet, or no longer (it was
+never uses half a version. An expert server needs only its own rows: when the version's head
+says they are unchanged since the version it last read (``rowsAt``), it reads the head alone
+(the new table and phase; a failover's or a newcomer's versions leave every other server's rows
+as they were), else the whole version. A version whose znodes are not all there yet, or no longer (it was
 superseded and deleted while being read), is read again when the pointer moves or after a
 second. The pointer also carries settings of the pool in force that need no new version (its
 failover timeout, :attr:`PoolSession.failover_ms`), followed as it is rewritten. Callbacks come
@@ -29,12 +32,17 @@ log = logging.getLogger("enginestub.expertpool")
 REREAD_SECONDS = 1.0  # wall s before a version read half is read again
 
 
+Row = tuple[tuple[int, ...], tuple[int, ...]]  # one layer of a server: held, disabled
+
+
 @dataclass(frozen=True)
 class ExpertMap:
-    """One version of the map, whole: its server table and every layer's slots."""
+    """One version of the map: its server table and every layer's slots, or (``mine``) for
+    one server, its rows alone (``layers`` empty)."""
 
     version: zl.ExpertMapVersion
     layers: tuple[zl.ExpertMapLayer, ...]
+    mine: tuple[str, tuple[Row, ...]] | None = None
 
     @property
     def number(self) -> int:
@@ -44,19 +52,40 @@ class ExpertMap:
         servers = self.version.servers
         return servers.index(server) if server in servers else None
 
+    def rows(self, server: str) -> tuple[Row, ...] | None:
+        """Per layer, the experts ``server`` holds and those of them disabled; None when it is
+        not in the table."""
+        index = self.index(server)
+        if index is None:
+            return None
+        if self.mine is not None:
+            whose, rows = self.mine
+            if whose != server:
+                raise ValueError(f"map v{self.number} was read for {whose}, not {server}")
+            return rows
+
+        def row(lists: list[list[int]]) -> tuple[int, ...]:
+            return tuple(lists[index]) if index < len(lists) else ()
+
+        return tuple((row(layer.slots), row(layer.disabled)) for layer in self.layers)
+
     @cached_property
     def routes(self) -> tuple[list[list[int]], ...]:
         """Per layer, per expert, the server indices that hold it enabled."""
+        if self.mine is not None:
+            raise ValueError(f"map v{self.number} was read for {self.mine[0]} alone")
         return tuple(layer.routes(self.version.experts) for layer in self.layers)
 
 
 class PoolSession:
     """The pool's paths and one ZooKeeper session, with the map in force followed."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, own: str | None = None) -> None:
+        """``own``: an expert server's id, whose rows alone it needs (a client: None)."""
         assert config.expert_pool is not None
         assert config.zookeeper is not None
         self.config = config
+        self.own = own
         self.paths = zl.ExpertPoolPaths(*config.expert_pool.split("/"))
         self.zk = Session(config.zookeeper, timeout=10.0, auth=config.zookeeper_auth)
         self.bridge = SessionBridge(self.zk)
@@ -130,7 +159,7 @@ class PoolSession:
             ):
                 continue
             try:
-                read = await self.zk.run(self._read, wanted)
+                read = await self.zk.run(self._read, wanted, self.map)
             except Exception as exc:  # the session's errors: read again later
                 log.warning("expert map v%d not read (%s); again", wanted, type(exc).__name__)
                 read = None
@@ -143,13 +172,21 @@ class PoolSession:
                 log.info("expert map v%d in force (%s)", wanted, read.version.reason or "-")
                 self.map_changed.set()
 
-    def _read(self, number: int) -> ExpertMap | None:
-        """Version ``number`` whole, or None if any of its znodes is missing or unreadable."""
+    def _read(self, number: int, held: ExpertMap | None = None) -> ExpertMap | None:
+        """Version ``number`` whole (or, for a server whose rows it leaves as ``held`` has them,
+        its head with those rows), or None if any of its znodes is missing or unreadable."""
         raw = self.zk.get(self.paths.version(number))
         if raw is None:
             return None
         try:
             version = zl.ExpertMapVersion.parse(raw)
+            if (own := self.own) is not None and own not in version.servers:
+                return ExpertMap(version, ())  # out of the table: no rows to read
+            since = version.rows_at.get(own or "", 0)
+            if own is not None and held is not None and since:
+                rows = held.rows(own) if held.version.rows_at.get(own) == since else None
+                if rows is not None:
+                    return ExpertMap(version, (), (own, rows))
             layers = []
             for layer in range(version.layers):
                 data = self.zk.get(self.paths.layer(number, layer))
@@ -159,4 +196,8 @@ class PoolSession:
         except ValueError as exc:
             log.error("expert map v%d unreadable: %s", number, exc)
             return None
+        if self.own is not None:  # a server keeps its rows alone
+            whole = ExpertMap(version, tuple(layers))
+            rows = whole.rows(self.own)
+            return ExpertMap(version, (), (self.own, rows)) if rows is not None else whole
         return ExpertMap(version, tuple(layers))

@@ -113,8 +113,8 @@ class ExpertServer:
     def __init__(self, engine: Engine) -> None:
         cfg = engine.config
         self.engine = engine
-        self.pool = PoolSession(cfg)
         self.id = cfg.pod or cfg.instance
+        self.pool = PoolSession(cfg, own=self.id)
         self.path = self.pool.paths.server(self.id)
         self.incarnation = uuid.uuid4().hex[:16]
         self.state = zl.ExpertServerState.LOADING
@@ -186,18 +186,13 @@ class ExpertServer:
         """The version in force: hold and compute what it gives this server."""
         index, was = current.index(self.id), self.index
         self.index = index
-        if index is None:
+        rows = current.rows(self.id)
+        if index is None or rows is None:
             if was is not None:  # out of the table: finish what it was sent, take no more
                 self._set_state(zl.ExpertServerState.DRAINING)
             return
-        wanted = {
-            layer.layer: set(layer.slots[index]) if index < len(layer.slots) else set()
-            for layer in current.layers
-        }
-        disabled = {
-            layer.layer: set(layer.disabled[index]) if index < len(layer.disabled) else set()
-            for layer in current.layers
-        }
+        wanted = {layer: set(held) for layer, (held, _) in enumerate(rows)}
+        disabled = {layer: set(off) for layer, (_, off) in enumerate(rows)}
         slots = self.engine.config.slots
         for layer, experts in wanted.items():
             if len(experts) > slots:

@@ -25,11 +25,19 @@ from matrixserve.domain.expertpool.expertmap import ExpertMap
 log = logging.getLogger("matrixserve.zookeeper")
 
 
+CACHED_VERSIONS = 4  # [design] versions kept read per pool (the one in force, its successor)
+
+
 class ExpertStore:
     def __init__(self, session: Session) -> None:
         self.session = session
         self._lock = threading.Lock()
         self._watches: dict[tuple[str, str], list[Any]] = {}
+        # per pool root, per version: its head's bytes and the map read with them. A version's
+        # layers are immutable once its head is written (the head alone is rewritten, when the
+        # walk's next phase is put in force): the same head bytes, the same version, so a pass
+        # reads one znode per version, not one per layer
+        self._read: dict[str, dict[int, tuple[bytes, ExpertMap]]] = {}
 
     @property
     def connected(self) -> bool:
@@ -97,6 +105,22 @@ class ExpertStore:
         if raw is None:
             log.warning("the expert map pointer %s names v%d, which is gone", paths.map, version)
             return None
+        with self._lock:
+            cached = self._read.get(paths.root, {}).get(version)
+        if cached is not None and cached[0] == raw:
+            return cached[1]
+        read = self._version_whole(paths, version, raw)
+        if read is not None:
+            with self._lock:
+                kept = self._read.setdefault(paths.root, {})
+                kept[version] = (raw, read)
+                for old in sorted(kept)[:-CACHED_VERSIONS]:
+                    del kept[old]
+        return read
+
+    def _version_whole(
+        self, paths: zl.ExpertPoolPaths, version: int, raw: bytes
+    ) -> ExpertMap | None:
         try:
             head = zl.ExpertMapVersion.parse(raw)
             layers = []
@@ -159,6 +183,8 @@ class ExpertStore:
         """Remove the pool's subtree (its map; the servers' reports go with their sessions);
         True if it was there."""
         path = zl.ExpertPoolPaths(namespace, pool).root
+        with self._lock:
+            self._read.pop(path, None)
         return await self.session.run(self.session.delete, path, recursive=True)
 
     async def pools(self, namespaces: Sequence[str] = ()) -> list[tuple[str, str]]:

@@ -416,6 +416,14 @@ class Session:
         except NodeExistsError:  # created meanwhile (by us on a retried call, or by a peer)
             self.client.set(path, data)
 
+    def create_or_set(self, path: str, data: bytes) -> None:
+        """:meth:`put` (with parents) for a znode that most likely is absent: created first."""
+        self._fenced()
+        try:
+            self.client.create(path, data, acl=self._acl(path), makepath=True)
+        except NodeExistsError:
+            self.client.set(path, data)
+
     @property
     def session_id(self) -> int | None:
         client_id = self.client.client_id
@@ -572,6 +580,8 @@ class Session:
         """Run layout operations in order (each idempotent; a Put creates missing parents)."""
         for op in ops:
             match op:
+                case zl.Put(path=path, data=data, new=True):
+                    self.create_or_set(path, data)
                 case zl.Put(path=path, data=data):
                     self.put(path, data, makepath=True)
                 case zl.Delete(path=path, recursive=recursive):

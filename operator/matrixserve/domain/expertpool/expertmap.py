@@ -43,6 +43,9 @@ class ExpertMap:
     phase: zl.ExpertMapPhase = zl.ExpertMapPhase.STEADY
     reason: str = ""
     at: float = 0.0
+    # per server (table order), the version since which its rows are these (0: not known);
+    # :func:`stamped` sets it as a version is written
+    rows_at: tuple[int, ...] = ()
 
     @property
     def layers(self) -> int:
@@ -82,6 +85,7 @@ class ExpertMap:
             prefetch=pick(self.prefetch) if self._staged() else (),
             reason=reason,
             at=at,
+            rows_at=tuple(self.rows_at[i] for i in keep) if self.rows_at else (),
         )
 
     def enabled(self, version: int, reason: str, at: float) -> ExpertMap:
@@ -107,6 +111,7 @@ class ExpertMap:
             phase=self.phase,
             reason=self.reason,
             at=self.at,
+            rowsAt={s: v for s, v in zip(self.servers, self.rows_at, strict=False) if v},
         )
         off, staged = self._off(), self._staged()
         layers = [
@@ -158,7 +163,44 @@ class ExpertMap:
             head.phase,
             head.reason,
             head.at,
+            tuple(head.rows_at.get(s, 0) for s in head.servers) if head.rows_at else (),
         )
+
+    def rows(self, index: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """Server ``index``'s rows: per layer, what it holds, has disabled and stages."""
+
+        def row(layers: tuple[Layer, ...], n: int) -> tuple[int, ...]:
+            return layers[n][index] if layers and index < len(layers[n]) else ()
+
+        return tuple(
+            (row(self.held, n), row(self.disabled, n), row(self.prefetch, n))
+            for n in range(self.layers)
+        )
+
+
+def stamped(before: ExpertMap | None, walk: Sequence[ExpertMap]) -> tuple[ExpertMap, ...]:
+    """The ``walk`` written after ``before`` (the version in force) with each version's
+    :attr:`ExpertMap.rows_at`: a server's rows unchanged from the version before keep that
+    version's stamp, any other row (a new server's, a changed one) is stamped with its own
+    version. So a server whose stamp did not move reads the head alone (see
+    :class:`~matrixserve.api.zk_layout.ExpertMapVersion`)."""
+    out = []
+    for m in walk:
+        index = {s: j for j, s in enumerate(before.servers)} if before is not None else {}
+        since = []
+        for i, server in enumerate(m.servers):
+            j = index.get(server)
+            same = (
+                before is not None
+                and j is not None
+                and j < len(before.rows_at)
+                and before.rows(j) == m.rows(i)
+            )
+            kept = before.rows_at[j] if same and before and j is not None else 0
+            since.append(kept or m.version)  # 0: not known, so new
+        before = replace(m, rows_at=tuple(since))
+        out.append(before)
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------- one layer

@@ -21,8 +21,9 @@ new map version (the loop passes again at once after a change):
 3. **drains finished**: a server taken out of the map by a scale-down is deleted once its report
    says ``Draining`` with nothing in flight, or is gone, or :data:`DRAIN_BOUND_SECONDS` passed;
 4. **the map**, every change walked through the same phases (:mod:`.rebalance`: Prefetch,
-   Disable, Load, Enable, Steady, written ahead, the pointer moved on once every server applied
-   the version in force): the first map, over the servers once all the spec's are serving;
+   Disable, Load, Enable, Steady, those that do something; written ahead, each server's rows
+   stamped (:func:`.expertmap.stamped`), the pointer moved on once every server applied the
+   version in force): the first map, over the servers once all the spec's are serving;
    otherwise the servers that serve and are in no map added (a replacement, a scale-up) and
    every expert brought back to ``minReplicasPerExpert`` copies on distinct servers (waiting
    for a replacement coming rather than crowding the survivors); or, with more servers in the
@@ -110,7 +111,9 @@ class DeleteServerPod(PodDeletion):
 class WriteMapVersion(ZnodeChange[zl.ExpertPoolPaths]):
     """Write version ``map`` whole (its layers, then its table) and the rest of its walk,
     ``ahead``, put ``map`` in force (the pointer), then delete the versions in ``prune``.
-    Idempotent: a version rewritten with the same bytes is the same version."""
+    ``stored``: ``map``'s layers are stored already (the walk's next phase, written ahead):
+    its head alone is rewritten (stamped now). Idempotent: a version rewritten with the same
+    bytes is the same version."""
 
     map: em.ExpertMap
     prune: tuple[int, ...] = ()
@@ -119,13 +122,18 @@ class WriteMapVersion(ZnodeChange[zl.ExpertPoolPaths]):
     ahead: tuple[em.ExpertMap, ...] = ()
     detail: str = ""
     failover_ms: int | None = None  # the spec's, carried by the pointer to the clients
+    stored: bool = False
 
     def znodes(self, paths: zl.ExpertPoolPaths) -> list[zl.ZnodeOp]:
         ops: list[zl.ZnodeOp] = []
         for m in (*self.ahead, self.map):
             head, layers = m.payloads()
-            ops += [zl.Put(paths.layer(m.version, layer.layer), layer.dump()) for layer in layers]
-            ops.append(zl.Put(paths.version(m.version), head.dump()))
+            if not (self.stored and m is self.map):
+                ops += [
+                    zl.Put(paths.layer(m.version, layer.layer), layer.dump(), new=True)
+                    for layer in layers
+                ]
+            ops.append(zl.Put(paths.version(m.version), head.dump(), new=not self.stored))
         return [
             *ops,
             zl.Put(paths.map, pointer_bytes(self.map.version, self.map.at, self.failover_ms)),
@@ -272,10 +280,16 @@ def plan(view: PoolView) -> Plan:
                 f"time {r.moe_time_before:.0f} -> {r.moe_time_after:.0f} tokens per iteration",
             )
     if walk:
+        walk = em.stamped(view.current, walk)
         first, ahead = walk[0], walk[1:]
         ms = spec.failover_timeout_milliseconds
+        # a version number stored already is the walk's next phase, written ahead (numbers
+        # are never reused: :meth:`PoolView.next_version` is past every stored one)
+        stored = first.version in view.versions
         actions.append(
-            WriteMapVersion(first, prune(view, first), event[0], event[1], ahead, event[2], ms)
+            WriteMapVersion(
+                first, prune(view, first), event[0], event[1], ahead, event[2], ms, stored
+            )
         )
         after = first
         cov = em.coverage(

@@ -8,7 +8,8 @@ reach their target by the same versions, :func:`matrixserve.domain.eplb.reconfig
 ``Disable`` (the copies whose slots a full server frees), ``Load`` (the new copies in place,
 disabled until loaded), ``Enable``, ``Steady``. :func:`change` builds them: servers joining
 enter the table with no slots, servers leaving keep theirs (enabled, serving) until the
-``Enable`` version and are out of the table in ``Steady``.
+``Enable`` version and are out of the table in ``Steady``; it keeps only the phases that do
+something (:func:`needed`: a replacement is ``Load``, ``Steady``), EPLB all four.
 
 **Written ahead, walked one at a time.** The whole walk is written at once, each version
 immutable, the pointer on the first; :func:`advance` moves the pointer to the next stored
@@ -101,11 +102,15 @@ def change(
         at=at,
     )
     targets = {n: [_held(target, n, s) for s in table] for n in range(target.layers)}
-    walk = [
-        of_payload(v, -1)
-        for v in eplb.reconfiguration(based(base, version), targets, reason=reason, now=at)
-    ]
     gone = [s for s in table if s not in target.servers]
+    walk = needed(
+        [
+            of_payload(v, -1)
+            for v in eplb.reconfiguration(based(base, version), targets, reason=reason, now=at)
+        ],
+        base,
+        leaving=bool(gone),
+    )
     if walk:
         walk[-1] = walk[-1].without(gone, walk[-1].version, reason, at)
         return tuple(walk)
@@ -113,6 +118,40 @@ def change(
     if current is not None and steady.servers == current.servers:
         return ()
     return (steady,)
+
+
+def needed(
+    walk: Sequence[em.ExpertMap], base: em.ExpertMap, leaving: bool
+) -> list[em.ExpertMap]:
+    """The phases of a change's ``walk`` that do something, renumbered on from its first:
+    ``Prefetch`` only when a server already holding slots stages (a server that holds nothing,
+    a newcomer, loads straight into its empty slots), ``Disable`` only when a slot is freed,
+    ``Enable`` only when servers leave (its layers are ``Steady``'s; the leavers' copies go
+    out of the routes a version before the leavers go out of the table). A replacement is
+    then ``Load``, ``Steady``: every other server's rows unchanged (EaaS §3.4: the failover
+    touches only the failed server's experts). EPLB's rebalance keeps xDeepServe §4.5's four
+    phases (:func:`decide`)."""
+    holds = {
+        i
+        for layer in base.held
+        for i, experts in enumerate(layer)
+        if experts
+    }
+
+    def does(m: em.ExpertMap) -> bool:
+        if m.phase is P.PREFETCH:
+            return any(
+                experts and i in holds for layer in m.prefetch for i, experts in enumerate(layer)
+            )
+        if m.phase is P.DISABLE:
+            return bool(m.disabled)
+        if m.phase is P.ENABLE:
+            return leaving
+        return True
+
+    kept = [m for m in walk if does(m)]
+    first = walk[0].version if walk else 0
+    return [replace(m, version=first + n) for n, m in enumerate(kept)]
 
 
 def applied(view: PoolView, m: em.ExpertMap) -> bool:
