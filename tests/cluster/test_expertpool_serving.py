@@ -234,7 +234,8 @@ def test_the_store_writes_a_version_whole_then_the_pointer_and_prunes(
             assert await store.map_in_force(namespace, "p") == (None, [])
             woken: list[int] = []
             assert await store.arm(namespace, "p", lambda: woken.append(1))
-            target = em.wanted(None, ["a", "b", "c"], EXPERTS, LAYERS, 44, COPIES, 0)  # 132 >= 128
+            servers = ["a", "b", "c", "d"]  # 44 slots each: 3 of them hold 132 >= 128 copies
+            target = em.wanted(None, servers, EXPERTS, LAYERS, 44, COPIES, 0)
             first, *ahead = em.stamped(None, rebalance.change(None, target, 1, "initial", 1.0))
             assert [first.phase, *(m.phase for m in ahead)] == [P.LOAD, P.STEADY]
             walk = WriteMapVersion(first, ahead=tuple(ahead))
@@ -244,16 +245,25 @@ def test_the_store_writes_a_version_whole_then_the_pointer_and_prunes(
             assert (read, versions) == (first, [1, 2])  # the walk stored ahead
             assert await store.stored(namespace, "p", 2) == ahead[0]
             # the next phase put in force: its head alone rewritten, stamped now
-            steady = replace(ahead[0], at=2.0)
+            (steady,) = em.stamped(first, [replace(ahead[0], at=2.0)])
             await store.apply(namespace, "p", WriteMapVersion(steady, stored=True))
             read, versions = await store.map_in_force(namespace, "p")
             assert (read, versions) == (steady, [1, 2])
-            (third,) = em.stamped(steady, [steady.without(["c"], 3, "failover", 3.0)])
-            assert third.rows_at == (2, 2)  # a and b: their rows as they were in v2
-            await store.apply(namespace, "p", WriteMapVersion(third, prune=(1,)))
+            # d drained: its walk written ahead; b fails in its first phase, cutting it short
+            drained = em.wanted(steady, servers[:3], EXPERTS, LAYERS, 44, COPIES, 0)
+            drain = em.stamped(steady, rebalance.change(steady, drained, 3, "scale down", 3.0))
+            assert [m.phase for m in drain] == [P.PREFETCH, P.DISABLE, P.LOAD, P.ENABLE, P.STEADY]
+            await store.apply(namespace, "p", WriteMapVersion(drain[0], (1,), ahead=drain[1:]))
             read, versions = await store.map_in_force(namespace, "p")
-            assert read == third
-            assert versions == [2, 3]  # the last two kept
+            assert (read, versions) == (drain[0], [2, 3, 4, 5, 6, 7])
+            cut = rebalance.preempt(drain[0], ["b"], 8, "failover", 4.0)
+            (failed,) = em.stamped(drain[0], [cut])
+            # d stages nothing: its rows as in v2; a and c staged in v3, no longer in v8
+            assert failed.rows_at == (8, 8, 2)
+            await store.apply(namespace, "p", WriteMapVersion(failed, prune=(2, 4, 5, 6, 7)))
+            read, versions = await store.map_in_force(namespace, "p")
+            assert read == failed
+            assert versions == [3, 8]  # the one before kept, the walk cut short pruned
             wait_for(lambda: woken, 10, "the pointer's watch firing")
             assert "p" in [p for ns, p in await store.pools([namespace])]
             assert await store.delete(namespace, "p")

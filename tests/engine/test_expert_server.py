@@ -115,9 +115,11 @@ class Pool:
         reason: str = "test",
         rows_at: dict[str, int] | None = None,
         layers: bool = True,
+        origin: float = 1.0,
     ) -> None:
         """A version written whole (without its layer znodes if not ``layers``), then put in
-        force (the pointer carries its ``at``, as the controller's does)."""
+        force (the pointer carries its ``at``, as the controller's does); ``rows_at`` and
+        ``origin`` its stamps and their history."""
         self.zk.ensure_path(self.paths.map)
         at = time.time()
         body = zl.ExpertMapVersion(
@@ -129,6 +131,7 @@ class Pool:
             reason=reason,
             at=at,
             rowsAt=rows_at or {},
+            origin=origin,
         )
         self.zk.create(self.paths.version(version), body.dump())
         for layer, held in enumerate(slots if layers else []):
@@ -240,26 +243,44 @@ def test_a_server_whose_rows_did_not_change_reads_the_head_alone(
     pool: Pool, start_engine: Callable[..., EngineProc]
 ) -> None:
     """Its stamp unchanged: the new table and version from the head, its layers never read
-    (here there are none: a server that read them would wait for them, never applying v2);
-    its stamp moved: the version whole, its new slots loaded."""
+    (here there are none: a server that read them would wait for them, never applying v2),
+    its rows kept whatever its index now; its stamp moved: the version whole, its new slots
+    loaded; the same stamp in another history of the map (the pool made again, its numbers
+    from 1 again): the version whole."""
     server = pool.start_server(start_engine, "ex-a")
-    slots = every_layer(list(range(8)), list(range(8, 16)))
-    pool.write(1, ["ex-a", "ex-b"], slots, rows_at={"ex-a": 1, "ex-b": 1})
+    # ex-a at index 1 with experts 0..7
+    slots = every_layer(list(range(8, 16)), list(range(8)))
+    pool.write(1, ["ex-b", "ex-a"], slots, rows_at={"ex-a": 1, "ex-b": 1})
     wait_for(lambda: pool.serving("ex-a", 1), timeout=30, what="ex-a serving v1", every=0.05)
 
-    # ex-b failed over: out of the table, ex-a's rows as they were since v1
+    def computes(layer: int, *experts: int) -> bool:
+        work = [{"layer": layer, "experts": {str(e): 1 for e in experts}}]
+        answer = forward(server, {"client": "att-1", "work": work})
+        assert answer.status_code in (200, 409), answer.text
+        return answer.status_code == 200
+
+    # ex-b failed over: ex-a now at index 0, its rows as they were since v1
     unread = every_layer(list(range(8)))
     pool.write(2, ["ex-a"], unread, rows_at={"ex-a": 1}, layers=False, reason="ex-b failed")
     wait_for(lambda: pool.serving("ex-a", 2), timeout=30, what="ex-a applying v2", every=0.05)
-    body = {"client": "att-1", "work": [{"layer": 1, "experts": {"7": 3}}]}
-    answer = forward(server, body)
-    assert answer.status_code == 200, answer.text
-    refused = forward(server, {**body, "work": [{"layer": 1, "experts": {"8": 3}}]})
-    assert refused.status_code == 409
+    assert computes(1, 0, 7)
+    assert not computes(1, 8)
 
-    # its rows changed at v3 (now at index 1, with experts 8..11): read whole, loaded
-    grown = every_layer(list(range(12, 16)), list(range(12)))
+    # its rows changed at v3 (index 1, experts 8..11): read whole, loaded
+    grown = every_layer(list(range(12, 16)), list(range(8, 12)))
     pool.write(3, ["ex-c", "ex-a"], grown, rows_at={"ex-a": 3, "ex-c": 3})
     wait_for(lambda: pool.serving("ex-a", 3), timeout=30, what="ex-a applying v3", every=0.05)
-    answer = forward(server, {**body, "work": [{"layer": 2, "experts": {"8": 3, "11": 1}}]})
-    assert answer.status_code == 200, answer.text
+    assert computes(2, 8, 11)
+    assert not computes(2, 0)
+
+    # the map lost and written again from another history: v3 again, stamp 3 again, other rows
+    pool.zk.delete(pool.paths.map, recursive=True)
+    pool.zk.ensure_path(pool.paths.map)
+    other = every_layer(list(range(12, 16)), list(range(4)))
+    pool.write(3, ["ex-c", "ex-a"], other, rows_at={"ex-a": 3, "ex-c": 3}, origin=2.0)
+    wait_for(
+        lambda: computes(0, 0, 3) and not computes(0, 8),
+        timeout=30,
+        what="ex-a holding the new history's rows",
+        every=0.1,
+    )

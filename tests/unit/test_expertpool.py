@@ -154,6 +154,11 @@ class World:
                 self.reports.pop(a.name, None)
             elif isinstance(a, WriteMapVersion):
                 assert a.map.version > (self.current.version if self.current else 0)
+                if a.stored:  # its head alone written: its layers must be the stored ones
+                    was = self.stored[a.map.version]
+                    layers = (a.map.held, a.map.disabled, a.map.prefetch)
+                    assert layers == (was.held, was.disabled, was.prefetch)
+                    assert a.map.servers == was.servers
                 self.current = round_trip(a.map)  # as a reader gets it from ZooKeeper
                 written = [a.map.version, *(m.version for m in a.ahead)]
                 self.versions = sorted(
@@ -554,7 +559,9 @@ def test_a_walks_next_phase_rewrites_its_head_alone_a_new_version_is_created_fir
     assert not write.stored
     puts = [op for op in write.znodes(PATHS) if isinstance(op, zl.Put) and op.path != PATHS.map]
     assert len(puts) == len(DRAIN) * (3 + 1)  # every version written ahead: 3 layers and a head
-    assert all(op.new for op in puts)  # created first: one round trip each
+    heads = {PATHS.version(m.version) for m in (write.map, *write.ahead)}
+    # the layers created first (one round trip each), each head set once they are there
+    assert [op.new for op in puts] == [op.path not in heads for op in puts]
     w.load()
     (write,) = [a for a in w.step().actions if isinstance(a, WriteMapVersion)]
     assert write.stored  # the next phase, stored already: its head alone, stamped now
@@ -567,21 +574,26 @@ def test_a_walks_next_phase_rewrites_its_head_alone_a_new_version_is_created_fir
 
 def test_stamps_follow_each_servers_rows_through_a_walk() -> None:
     a = em.wanted(None, ["a", "b", "c"], 3, 2, 2, 2, 0)
-    first = em.stamped(None, [replace(a, version=1)])[0]
-    assert first.rows_at == (1, 1, 1)
+    first = em.stamped(None, [replace(a, version=1, at=0.5)])[0]
+    assert (first.rows_at, first.origin) == ((1, 1, 1), 0.5)  # a history begins
     # c gone: a and b keep their stamps; d joins with nothing, then loads
     dropped = first.without(["c"], 2, "failover", 1.0)
     target = em.wanted(dropped, ["a", "b", "d"], 3, 2, 2, 2, 0)
     walk = rebalance.change(dropped, target, 3, "copies restored", 2.0)
     stamped = em.stamped(first, [dropped, *walk])
     assert [m.rows_at for m in stamped] == [(1, 1), (1, 1, 3), (1, 1, 4)]
+    assert {m.origin for m in stamped} == {0.5}
     # a row that changes is stamped anew, and its stamp then kept while it stays
     row = ((0,), *stamped[-1].held[0][1:])
     moved = replace(stamped[-1], version=5, held=(row, row))
     again = em.stamped(stamped[-1], [moved, replace(moved, version=6)])
     assert [m.rows_at for m in again] == [(5, 1, 4), (5, 1, 4)]
-    # unknown stamps (a version written before them): every row new
+    # unknown stamps, or a version of no known history (written before them): every row new
     assert em.stamped(replace(first, rows_at=()), [dropped])[0].rows_at == (2, 2)
+    other = em.stamped(replace(first, origin=0.0), [dropped])[0]
+    assert (other.rows_at, other.origin) == ((2, 2), 1.0)
+    # enabling every slot changes rows: such a map carries no stamps until it is written
+    assert first.enabled(7, "x", 3.0).rows_at == ()
 
 
 def test_scale_up_adds_one_server_that_takes_a_share_of_the_slots() -> None:

@@ -183,7 +183,9 @@ class PoolSession:
             if (own := self.own) is not None and own not in version.servers:
                 return ExpertMap(version, ())  # out of the table: no rows to read
             since = version.rows_at.get(own or "", 0)
-            if own is not None and held is not None and since:
+            # stamps compare within one history of the map (its numbers start again in another)
+            same = held is not None and held.version.origin == version.origin != 0
+            if own is not None and held is not None and since and same:
                 rows = held.rows(own) if held.version.rows_at.get(own) == since else None
                 if rows is not None:
                     return ExpertMap(version, (), (own, rows))

@@ -33,11 +33,12 @@ class ExpertStore:
         self.session = session
         self._lock = threading.Lock()
         self._watches: dict[tuple[str, str], list[Any]] = {}
-        # per pool root, per version: its head's bytes and the map read with them. A version's
-        # layers are immutable once its head is written (the head alone is rewritten, when the
-        # walk's next phase is put in force): the same head bytes, the same version, so a pass
-        # reads one znode per version, not one per layer
-        self._read: dict[str, dict[int, tuple[bytes, ExpertMap]]] = {}
+        # per pool root, per version: the zxid that created its znode, its head's bytes and the
+        # map read. A version's layers never change once written (only its head is rewritten,
+        # when the walk's next phase is put in force): the same znode (its creating zxid), the
+        # same layers, so a pass reads one znode per version, not one per layer; a pool made
+        # again, or its map written again after ZooKeeper lost it, is another znode
+        self._read: dict[str, dict[int, tuple[int, bytes, ExpertMap]]] = {}
 
     @property
     def connected(self) -> bool:
@@ -83,6 +84,8 @@ class ExpertStore:
             )
             raw = self.session.get(paths.map)
             if raw is None:
+                with self._lock:
+                    self._read.pop(paths.root, None)  # no map: nothing of it to remember
                 return None, versions, None
             try:
                 pointer = zl.ExpertMapPointer.parse(raw)
@@ -101,22 +104,37 @@ class ExpertStore:
         return await self.session.run(self._version, paths, version)
 
     def _version(self, paths: zl.ExpertPoolPaths, version: int) -> ExpertMap | None:
-        raw = self.session.get(paths.version(version))
-        if raw is None:
+        raw, created = self.session.get_created(paths.version(version))
+        if raw is None or created is None:
             log.warning("the expert map pointer %s names v%d, which is gone", paths.map, version)
             return None
         with self._lock:
             cached = self._read.get(paths.root, {}).get(version)
-        if cached is not None and cached[0] == raw:
-            return cached[1]
-        read = self._version_whole(paths, version, raw)
+        if cached is not None and cached[0] == created:
+            if cached[1] == raw:
+                return cached[2]
+            read = self._version_head(paths, version, raw, cached[2])
+        else:
+            read = self._version_whole(paths, version, raw)
         if read is not None:
             with self._lock:
                 kept = self._read.setdefault(paths.root, {})
-                kept[version] = (raw, read)
+                kept[version] = (created, raw, read)
                 for old in sorted(kept)[:-CACHED_VERSIONS]:
                     del kept[old]
         return read
+
+    def _version_head(
+        self, paths: zl.ExpertPoolPaths, version: int, raw: bytes, was: ExpertMap
+    ) -> ExpertMap | None:
+        """Version ``version`` with its head rewritten (``raw``) and its layers ``was``'s."""
+        try:
+            head = zl.ExpertMapVersion.parse(raw)
+            layers = was.payloads()[1]
+            return ExpertMap.of(head, layers)
+        except ValueError as exc:
+            log.warning("expert map v%d of %s unreadable: %s", version, paths.root, exc)
+            return None
 
     def _version_whole(
         self, paths: zl.ExpertPoolPaths, version: int, raw: bytes

@@ -861,11 +861,15 @@ class ExpertMapVersion(_Payload):
     it), the model's shape and the phase. Immutable once written.
 
     ``rowsAt``: per server of the table, the version since which its rows (its slots, disabled
-    and staged experts in every layer) are what this version gives it. A server that applied a
-    version with the same ``rowsAt`` for itself reads this head alone, not the layers: a
-    failover, or a newcomer's load, changes no other server's rows, and 64 servers reading 58
-    layers per version was most of a failover's ZooKeeper reads. Empty (a version written
-    before it was carried): a server reads the version whole."""
+    and staged experts in every layer) are what this version gives it. A server whose last read
+    version (of the same ``origin``) has the same stamp for it reads this head alone, not the
+    layers: a failover, or a newcomer's load, changes no other server's rows, and 64 servers
+    reading 58 layers per version was most of a failover's ZooKeeper reads. Empty (a version written
+    before it was carried): a server reads the version whole.
+
+    ``origin``: the ``at`` of the first version of this map's history, carried by every version
+    after it. Stamps compare only within one history: a pool made again under its name, or its
+    map written again after ZooKeeper lost it, numbers its versions from 1 again (0: none)."""
 
     version: int = Field(ge=1)
     layers: int = Field(ge=1)
@@ -876,6 +880,7 @@ class ExpertMapVersion(_Payload):
     reason: str = ""  # why this version: initial, failover of <server>, scale, rebalance
     at: float = 0.0
     rows_at: dict[str, int] = Field(default_factory=dict, alias="rowsAt")
+    origin: float = 0.0
 
 
 class ExpertMapLayer(_Payload):

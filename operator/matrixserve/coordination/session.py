@@ -380,6 +380,15 @@ class Session:
             return None
         return bytes(raw) if raw else None
 
+    def get_created(self, path: str) -> tuple[bytes | None, int | None]:
+        """:meth:`get`, and the zxid that created the znode (None when absent): the same
+        zxid, the same znode, however often its data was set since."""
+        try:
+            raw, stat = self.client.get(path)
+        except NoNodeError:
+            return None, None
+        return (bytes(raw) if raw else None), int(stat.czxid)
+
     def children(self, path: str) -> list[str]:
         try:
             return list(self.client.get_children(path))

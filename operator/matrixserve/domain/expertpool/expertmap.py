@@ -43,9 +43,11 @@ class ExpertMap:
     phase: zl.ExpertMapPhase = zl.ExpertMapPhase.STEADY
     reason: str = ""
     at: float = 0.0
-    # per server (table order), the version since which its rows are these (0: not known);
-    # :func:`stamped` sets it as a version is written
+    # per server (table order), the version since which its rows are these (0: not known),
+    # and the ``at`` of this map history's first version: :func:`stamped` sets both as a
+    # version is written
     rows_at: tuple[int, ...] = ()
+    origin: float = 0.0
 
     @property
     def layers(self) -> int:
@@ -89,7 +91,8 @@ class ExpertMap:
         )
 
     def enabled(self, version: int, reason: str, at: float) -> ExpertMap:
-        """This map with every slot enabled and nothing staged: ``Steady``."""
+        """This map with every slot enabled and nothing staged: ``Steady`` (its rows changed:
+        not stamped)."""
         return replace(
             self,
             version=version,
@@ -98,6 +101,7 @@ class ExpertMap:
             phase=zl.ExpertMapPhase.STEADY,
             reason=reason,
             at=at,
+            rows_at=(),
         )
 
     # ------------------------------------------------------------------ payloads
@@ -112,6 +116,7 @@ class ExpertMap:
             reason=self.reason,
             at=self.at,
             rowsAt={s: v for s, v in zip(self.servers, self.rows_at, strict=False) if v},
+            origin=self.origin,
         )
         off, staged = self._off(), self._staged()
         layers = [
@@ -164,6 +169,7 @@ class ExpertMap:
             head.reason,
             head.at,
             tuple(head.rows_at.get(s, 0) for s in head.servers) if head.rows_at else (),
+            head.origin,
         )
 
     def rows(self, index: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
@@ -183,8 +189,13 @@ def stamped(before: ExpertMap | None, walk: Sequence[ExpertMap]) -> tuple[Expert
     :attr:`ExpertMap.rows_at`: a server's rows unchanged from the version before keep that
     version's stamp, any other row (a new server's, a changed one) is stamped with its own
     version. So a server whose stamp did not move reads the head alone (see
-    :class:`~matrixserve.api.zk_layout.ExpertMapVersion`)."""
+    :class:`~matrixserve.api.zk_layout.ExpertMapVersion`). The walk keeps ``before``'s history
+    (its ``origin``); with none before (a new pool, its map lost), one starts at the walk."""
     out = []
+    origin = before.origin if before is not None and before.origin else 0.0
+    if not origin:
+        before = None  # stamps of no known history are none
+        origin = walk[0].at if walk else 0.0
     for m in walk:
         index = {s: j for j, s in enumerate(before.servers)} if before is not None else {}
         since = []
@@ -198,7 +209,7 @@ def stamped(before: ExpertMap | None, walk: Sequence[ExpertMap]) -> tuple[Expert
             )
             kept = before.rows_at[j] if same and before and j is not None else 0
             since.append(kept or m.version)  # 0: not known, so new
-        before = replace(m, rows_at=tuple(since))
+        before = replace(m, rows_at=tuple(since), origin=origin)
         out.append(before)
     return tuple(out)
 

@@ -133,7 +133,8 @@ class WriteMapVersion(ZnodeChange[zl.ExpertPoolPaths]):
                     zl.Put(paths.layer(m.version, layer.layer), layer.dump(), new=True)
                     for layer in layers
                 ]
-            ops.append(zl.Put(paths.version(m.version), head.dump(), new=not self.stored))
+            # set first: the layers' znodes made it (empty: not there yet to a reader)
+            ops.append(zl.Put(paths.version(m.version), head.dump()))
         return [
             *ops,
             zl.Put(paths.map, pointer_bytes(self.map.version, self.map.at, self.failover_ms)),

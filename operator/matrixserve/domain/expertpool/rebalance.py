@@ -63,9 +63,10 @@ def payload(m: em.ExpertMap) -> eplb.MapVersion:
 
 
 def of_payload(v: eplb.MapVersion, shift: int = 0) -> em.ExpertMap:
-    """The version read as the planner's map, its number moved by ``shift``."""
+    """The version read as the planner's map, its number moved by ``shift`` (a phase of a
+    walk: its rows not stamped yet, :func:`.expertmap.stamped` does it as it is written)."""
     m = em.ExpertMap.of(v.version, v.layers)
-    return replace(m, version=m.version + shift) if shift else m
+    return replace(m, version=m.version + shift, rows_at=())
 
 
 def based(m: em.ExpertMap, version: int) -> eplb.MapVersion:
@@ -120,9 +121,7 @@ def change(
     return (steady,)
 
 
-def needed(
-    walk: Sequence[em.ExpertMap], base: em.ExpertMap, leaving: bool
-) -> list[em.ExpertMap]:
+def needed(walk: Sequence[em.ExpertMap], base: em.ExpertMap, leaving: bool) -> list[em.ExpertMap]:
     """The phases of a change's ``walk`` that do something, renumbered on from its first:
     ``Prefetch`` only when a server already holding slots stages (a server that holds nothing,
     a newcomer, loads straight into its empty slots), ``Disable`` only when a slot is freed,
@@ -131,12 +130,7 @@ def needed(
     then ``Load``, ``Steady``: every other server's rows unchanged (EaaS §3.4: the failover
     touches only the failed server's experts). EPLB's rebalance keeps xDeepServe §4.5's four
     phases (:func:`decide`)."""
-    holds = {
-        i
-        for layer in base.held
-        for i, experts in enumerate(layer)
-        if experts
-    }
+    holds = {i for layer in base.held for i, experts in enumerate(layer) if experts}
 
     def does(m: em.ExpertMap) -> bool:
         if m.phase is P.PREFETCH:
