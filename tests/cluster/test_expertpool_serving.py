@@ -25,8 +25,8 @@ from matrixserve.api import kinds
 from matrixserve.api import zk_layout as zl
 from matrixserve.coordination import Session
 from matrixserve.devcluster.cluster import ClusterInfo
+from matrixserve.domain.expertpool import autoscale, rebalance
 from matrixserve.domain.expertpool import expertmap as em
-from matrixserve.domain.expertpool import rebalance
 from matrixserve.domain.expertpool.plan import WriteMapVersion
 from matrixserve.domain.expertpool.pods import LABEL_EXPERTPOOL
 from testkit.chaoskit import pod_runs
@@ -282,7 +282,8 @@ def test_the_autoscaler_steps_down_to_the_coverage_bound_and_no_further(
     start_operator: Callable[..., Any],
 ) -> None:
     """No traffic: the token rate is 0, so the autoscaler asks for its low end, max(minServers
-    5, coverage bound 7) = 7: one step from 8 (a drain), then nothing more."""
+    5, coverage bound 7) = 7: one step from 8 (a drain, once its samples asked for it through
+    the stabilization window), then nothing more."""
     operator = start_operator(namespace)
     pool = Pool(api_client, namespace, cluster.zookeeper, operator)
     body = pool_body()
@@ -294,10 +295,11 @@ def test_the_autoscaler_steps_down_to_the_coverage_bound_and_no_further(
     }
     pool.custom.create_namespaced_custom_object(*WHERE, namespace, KIND.plural, body)
     wait_for(lambda: pool.settled(8), 180, "8 servers", explain=pool.explain)
-    status = wait_for(lambda: pool.settled(7), 120, "7 servers", explain=pool.explain)
+    status = wait_for(lambda: pool.settled(7), 240, "7 servers", explain=pool.explain)
     assert pool.get()["spec"]["servers"]["replicas"] == 7
     assert status["lastScale"]["by"] == "autoscaler"
     assert status["tokenSample"]["tokensPerSecond"] == 0
+    assert len(status["tokenSample"]["goals"]) == autoscale.STABILIZATION_SAMPLES
     assert "Autoscaled" in [e.reason for e in events_of(pool.core, namespace, "ep")]
     time.sleep(15)  # a sample window and more: the bound holds
     assert pool.get()["spec"]["servers"]["replicas"] == 7

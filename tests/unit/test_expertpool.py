@@ -632,30 +632,95 @@ def test_the_autoscaler_is_clamped_to_the_coverage_bound_and_max() -> None:
     )
     bound = validation.coverage_bound(s)
     assert autoscale.bounds(s, bound) == (7, 10)
-    # little traffic: one step down, never below the bound
-    assert autoscale.servers_wanted(s, bound, 10.0, None, 0.0) == 7
+
+    def asked(goals: list[int], rate: float = 10.0) -> ExpertTokenSample:
+        return ExpertTokenSample(at=0.0, tokensPerSecond=rate, goals=goals)
+
+    low = [7] * autoscale.STABILIZATION_SAMPLES
+    # little traffic: never below the bound; one step down
+    assert autoscale.goal(s, bound, 10.0) == 7
+    assert autoscale.servers_wanted(s, bound, asked(low), None, 0.0) == 7
     at_bound = s.model_copy(update={"servers": s.servers.model_copy(update={"replicas": 7})})
-    assert autoscale.servers_wanted(at_bound, bound, 10.0, None, 0.0) is None
-    # much traffic: one step up, never above max
-    assert autoscale.servers_wanted(s, bound, 10_000.0, None, 0.0) == 9
+    assert autoscale.goal(at_bound, bound, 10.0) == 7
+    assert autoscale.servers_wanted(at_bound, bound, asked(low), None, 0.0) is None
+    # much traffic: never above max; one step up, at once
+    assert autoscale.goal(s, bound, 10_000.0) == 10
+    busy = asked([10], 10_000.0)
+    assert autoscale.servers_wanted(s, bound, busy, None, 0.0) == 9
     at_max = s.model_copy(update={"servers": s.servers.model_copy(update={"replicas": 10})})
-    assert autoscale.servers_wanted(at_max, bound, 10_000.0, None, 0.0) is None
+    assert autoscale.servers_wanted(at_max, bound, busy, None, 0.0) is None
     # within the cooldown of the last change: nothing
-    assert autoscale.servers_wanted(s, bound, 10_000.0, 0.0, autoscale.COOLDOWN_SECONDS - 1) is None
-    assert autoscale.servers_wanted(s, bound, 10_000.0, 0.0, autoscale.COOLDOWN_SECONDS) == 9
+    cooling = autoscale.COOLDOWN_SECONDS
+    assert autoscale.servers_wanted(s, bound, busy, 0.0, cooling - 1) is None
+    assert autoscale.servers_wanted(s, bound, busy, 0.0, cooling) == 9
+    # no rate, or autoscaling off: nothing asked
+    assert autoscale.goal(s, bound, None) is None
+    assert autoscale.servers_wanted(s, bound, None, None, 0.0) is None
 
 
-def test_the_token_rate_is_the_difference_of_cumulative_counts_over_time() -> None:
-    a = report("a", "u", STATE.SERVING, tokens={0: {1: 100, 2: 100}})
-    b = report("b", "u", STATE.SERVING, tokens={0: {1: 50}})
-    first = autoscale.sample(None, {"a": a, "b": b}, 100.0)
-    assert first.tokens == {"a": 200, "b": 50}
+def test_the_autoscaler_holds_within_its_tolerance_and_steps_down_only_when_asked_a_while() -> None:
+    s = spec(
+        servers={"replicas": 9},
+        autoscaling={"enabled": True, "maxServers": 10, "targetTokensPerServerPerSecond": 100},
+    )
+    bound = validation.coverage_bound(s)
+    # sized for 900 tokens/s: within 10% the spec's count stands (no flapping on noise)
+    assert [autoscale.goal(s, bound, r) for r in (810.0, 900.0, 989.0)] == [9, 9, 9]
+    assert autoscale.goal(s, bound, 799.0) == 8
+    assert autoscale.goal(s, bound, 991.0) == 10
+
+    def wanted(goals: list[int]) -> int | None:
+        sample = ExpertTokenSample(at=0.0, tokensPerSecond=799.0, goals=goals)
+        return autoscale.servers_wanted(s, bound, sample, None, 0.0)
+
+    window = autoscale.STABILIZATION_SAMPLES
+    assert wanted([8] * (window - 1)) is None  # not asked long enough
+    assert wanted([8, 8, 9] + [8] * (window - 3)) is None  # one sample in the window wanted 9
+    assert wanted([9] + [8] * window) == 8  # the window: the last samples
+    # the window is what the samples asked, newest last, at most its length
+    sample = ExpertTokenSample(at=0.0, goals=list(range(window)))
+    assert autoscale.recorded(sample, 99).goals == [*range(1, window), 99]
+
+
+def test_the_token_rate_is_each_servers_over_its_own_reports_times() -> None:
+    def at(name: str, ts: float, tokens: dict[int, dict[int, int]]) -> zl.ExpertServerReport:
+        return report(name, "u", STATE.SERVING, tokens=tokens).model_copy(update={"ts": ts})
+
+    first = autoscale.sample(
+        None,
+        {
+            "a": at("a", 99.0, {0: {1: 100, 2: 100}}),
+            "b": at("b", 95.0, {0: {1: 50}}),
+            "c": at("c", 98.0, {0: {1: 10}}),
+        },
+        100.0,
+    )
+    assert first.tokens == {"a": 200, "b": 50, "c": 10}
+    assert first.reported_at == {"a": 99.0, "b": 95.0, "c": 98.0}
     assert first.tokens_per_second is None
-    assert autoscale.sample(first, {"a": a, "b": b}, 105.0) is first  # too soon
-    a2 = report("a", "u", STATE.SERVING, tokens={0: {1: 600, 2: 600}})
-    b2 = report("b", "u", STATE.SERVING, tokens={0: {1: 20}})  # restarted: counts from zero
-    second = autoscale.sample(first, {"a": a2, "b": b2}, 110.0)
-    assert second.tokens_per_second == (1000 + 20) / 10
+    assert autoscale.sample(first, {}, 105.0) is first  # too soon
+    second = autoscale.sample(
+        first,
+        {
+            "a": at("a", 109.0, {0: {1: 600, 2: 600}}),  # 1000 over its 10 s: 100/s
+            "b": at("b", 105.0, {0: {1: 20}}),  # restarted: its window not known
+            "c": at("c", 98.0, {0: {1: 10}}),  # its report not rewritten yet
+            "d": at("d", 108.0, {0: {1: 70}}),  # new
+        },
+        110.0,
+    )
+    # a's rate, taken for each of the four (the sample's own 10 s would have said 102/s for
+    # a alone: its reports were 10 s apart, the samples' reads too, but not the same 10 s)
+    assert second.tokens_per_second == 400.0
+    # a sample stored before report times were kept: the samples' own times
+    old = ExpertTokenSample(at=100.0, tokens={"a": 200})
+    third = autoscale.sample(old, {"a": at("a", 200.0, {0: {1: 700}})}, 110.0)
+    assert third.tokens_per_second == 50.0
+    # no report moved: no rate
+    assert (
+        autoscale.sample(third, {"a": at("a", 200.0, {0: {1: 700}})}, 130.0).tokens_per_second
+        is None
+    )
 
 
 def test_the_pool_scales_itself_down_one_step_when_traffic_falls() -> None:
@@ -669,11 +734,24 @@ def test_the_pool_scales_itself_down_one_step_when_traffic_falls() -> None:
     )
     w = World(s)
     w.settle()
-    w.status = w.status.model_copy(
-        update={
-            "token_sample": ExpertTokenSample(at=w.now - 20, tokens=dict.fromkeys(w.reports, 0))
-        }
-    )
+
+    def sampled(goals: list[int]) -> None:
+        """A sample 20 s ago, every server's report 10 s before the ones they have now."""
+        previous = ExpertTokenSample(
+            at=w.now - 20,
+            tokens=dict.fromkeys(w.reports, 0),
+            reportedAt={name: r.ts - 10 for name, r in w.reports.items()},
+            goals=goals,
+        )
+        w.status = w.status.model_copy(update={"token_sample": previous})
+
+    window = autoscale.STABILIZATION_SAMPLES
+    sampled([7] * (window - 2))  # with this pass's sample, one short of the window
+    p = w.step()
+    assert not [a for a in p.actions if isinstance(a, ScaleServers)]
+    assert p.status.token_sample is not None
+    assert p.status.token_sample.goals == [7] * (window - 1)  # this sample's goal recorded
+    sampled([7] * (window - 1))
     p = w.step()
     (scale,) = [a for a in p.actions if isinstance(a, ScaleServers)]
     assert scale.patch == {"spec": {"servers": {"replicas": 7}}}

@@ -619,12 +619,16 @@ class ExpertScaleStatus(_ExpertPoolStatusPart):
 
 
 class ExpertTokenSample(_ExpertPoolStatusPart):
-    """The servers' cumulative token counts at ``at``: the autoscaler's last sample
-    (the rate is the next sample's difference over the time between)."""
+    """The servers' cumulative token counts at ``at``, with the time of the report each was
+    read from: the autoscaler's last sample (the rate is the next sample's difference over
+    each server's time between); and the server counts the last samples asked for (newest
+    last: a scale-down's stabilization window)."""
 
     at: Instant = 0.0
     tokens: dict[str, int] = Field(default_factory=dict)
+    reported_at: dict[str, Instant] = Field(default_factory=dict, alias="reportedAt")
     tokens_per_second: float | None = Field(default=None, alias="tokensPerSecond")
+    goals: list[int] = Field(default_factory=list)
 
 
 class ExpertLoadStatus(_ExpertPoolStatusPart):

@@ -2,13 +2,21 @@
 
 EaaS scales expert servers "one GPU at a time" (§1, §2.4) and saves 37.5% of them when traffic
 falls from 8192 to 5120 (§5.3), but gives no policy (its configurations are static; notes 003
-§7). Ours, ``[design]``: the rate is the servers' computed tokens (each report's cumulative
-``tokens``, summed over layers and experts) between two samples at least
-:data:`SAMPLE_SECONDS` apart, divided by the time between them (a server that restarted counts
-from zero); the count wanted is ``ceil(rate / targetTokensPerServerPerSecond)``, clamped to
-``[max(minServers, coverage bound), maxServers]``; the pool moves one server towards it at a
-time, and not sooner than :data:`COOLDOWN_SECONDS` after its last change (a drain or a new
-server must settle, and its rate be seen, before the next step).
+§7). Ours, ``[design]``:
+
+- **the rate**: the servers' computed tokens (each report's cumulative ``tokens``, summed over
+  layers and experts) between two samples at least :data:`SAMPLE_SECONDS` apart, each server's
+  difference over the time between *its reports* (their ``ts``: a report is rewritten every
+  health interval, so the sample's own times would be off by up to one interval per server, a
+  noise of the order of the rate's), summed over the servers whose report moved and scaled to
+  every server (one that restarted, or whose report did not move yet, is taken at their mean);
+- **the count**: ``ceil(rate / targetTokensPerServerPerSecond)``, clamped to ``[max(minServers,
+  coverage bound), maxServers]``; no change while the rate is within :data:`TOLERANCE` of what
+  the servers in the spec are sized for (Kubernetes' HPA: 10%);
+- **one server at a time**, not sooner than :data:`COOLDOWN_SECONDS` after the last change (a
+  drain or a new server must settle, and its rate be seen, before the next step); a step down
+  only when every one of the last :data:`STABILIZATION_SAMPLES` samples asked for fewer (HPA's
+  downscale stabilization: one low sample is no reason to give a server up), a step up at once.
 """
 
 from __future__ import annotations
@@ -22,6 +30,10 @@ from matrixserve.api.status import ExpertTokenSample
 
 SAMPLE_SECONDS = 10.0  # [design] the shortest window a rate is measured over
 COOLDOWN_SECONDS = 30.0  # [design] between two steps
+TOLERANCE = 0.1  # [design] Kubernetes HPA's default tolerance
+# [design] a step down needs this many samples in a row asking for fewer (a minute; the HPA's
+# 5-minute default is for pods that come back in seconds, a server loads its slots first)
+STABILIZATION_SAMPLES = 6
 
 
 def tokens_of(report: zl.ExpertServerReport) -> int:
@@ -41,19 +53,47 @@ def sample(
 ) -> ExpertTokenSample:
     """The sample to keep: a new one (with the rate since ``previous``) once
     :data:`SAMPLE_SECONDS` have passed, else ``previous``."""
-    tokens = {server: tokens_of(r) for server, r in sorted(reports.items())}
     if previous is not None and not due(previous, now):
         return previous
-    rate = None
-    if previous is not None and now > previous.at:
-        # a server that restarted (fewer tokens than before) counts from zero
-        delta = 0
-        for server, now_tokens in tokens.items():
-            before = previous.tokens.get(server)
-            fresh = before is None or now_tokens < before
-            delta += now_tokens if fresh else now_tokens - (before or 0)
-        rate = round(delta / (now - previous.at), 3)
-    return ExpertTokenSample(at=now, tokens=tokens, tokensPerSecond=rate)
+    tokens = {server: tokens_of(r) for server, r in sorted(reports.items())}
+    reported = {server: r.ts for server, r in sorted(reports.items())}
+    rate = rate_since(previous, tokens, reported, now) if previous is not None else None
+    return ExpertTokenSample(
+        at=now,
+        tokens=tokens,
+        reportedAt=reported,
+        tokensPerSecond=rate,
+        goals=list(previous.goals) if previous is not None else [],
+    )
+
+
+def rate_since(
+    previous: ExpertTokenSample,
+    tokens: Mapping[str, int],
+    reported: Mapping[str, float],
+    now: float,
+) -> float | None:
+    """Tokens per second of every server since ``previous`` (see the module's docstring);
+    None when no server's report moved since."""
+    rates = []
+    for server, count in tokens.items():
+        before = previous.tokens.get(server)
+        if before is None or count < before:  # new, or restarted: its window is not known
+            continue
+        then, at = previous.reported_at.get(server), reported.get(server, now)
+        if then is None:  # a sample stored without report times: the samples' own
+            then, at = previous.at, now
+        if at > then:
+            rates.append((count - before) / (at - then))
+    if not rates:
+        return None
+    return round(sum(rates) * len(tokens) / len(rates), 3)
+
+
+def recorded(sample: ExpertTokenSample, goal: int) -> ExpertTokenSample:
+    """``sample`` with the count it asks for (the last :data:`STABILIZATION_SAMPLES` kept)."""
+    goals = [*sample.goals, goal][-STABILIZATION_SAMPLES:]
+    return sample.model_copy(update={"goals": goals})
 
 
 def bounds(spec: ExpertPoolSpec, coverage_bound: int) -> tuple[int, int]:
@@ -64,24 +104,40 @@ def bounds(spec: ExpertPoolSpec, coverage_bound: int) -> tuple[int, int]:
     return low, high
 
 
+def goal(spec: ExpertPoolSpec, coverage_bound: int, rate: float | None) -> int | None:
+    """The count the rate asks for, within the bounds; the spec's own while the rate is within
+    :data:`TOLERANCE` of what it is sized for; None if it asks nothing (off, no rate yet)."""
+    a, current = spec.autoscaling, spec.servers.replicas
+    target = a.target_tokens_per_server_per_second
+    if not a.enabled or target is None or rate is None:
+        return None
+    low, high = bounds(spec, coverage_bound)
+    if low <= current <= high and abs(rate / (current * target) - 1) <= TOLERANCE:
+        return current
+    return min(high, max(low, math.ceil(rate / target)))
+
+
 def servers_wanted(
     spec: ExpertPoolSpec,
     coverage_bound: int,
-    rate: float | None,
+    sample: ExpertTokenSample | None,
     last_change: float | None,
     now: float,
 ) -> int | None:
     """The server count the autoscaler asks for now (one step from ``servers.replicas``), None
-    if it asks nothing (off, no rate yet, cooling down, or already there)."""
-    a, current = spec.autoscaling, spec.servers.replicas
-    if not a.enabled or a.target_tokens_per_server_per_second is None or rate is None:
-        return None
-    low, high = bounds(spec, coverage_bound)
-    goal = min(high, max(low, math.ceil(rate / a.target_tokens_per_server_per_second)))
-    if goal == current:
+    if it asks nothing (off, no rate yet, cooling down, within the tolerance, a step down not
+    asked for by every sample of the stabilization window, or already there)."""
+    current = spec.servers.replicas
+    wanted = goal(spec, coverage_bound, sample.tokens_per_second if sample else None)
+    if sample is None or wanted is None or wanted == current:
         return None
     if last_change is not None and now - last_change < COOLDOWN_SECONDS:
         return None
+    low, high = bounds(spec, coverage_bound)
     if current < low or current > high:  # outside the bounds (they changed): straight in
         return min(high, max(low, current))
-    return current + (1 if goal > current else -1)
+    if wanted < current:
+        window = sample.goals[-STABILIZATION_SAMPLES:]
+        if len(window) < STABILIZATION_SAMPLES or max(window) >= current:
+            return None
+    return current + (1 if wanted > current else -1)

@@ -529,7 +529,7 @@ def autoscale_stage(view: PoolView, status: ExpertPoolStatus, settled: bool) -> 
         return None
     last = view.previous.last_scale.at if view.previous.last_scale else None
     bound = validation.coverage_bound(spec)
-    want = autoscale.servers_wanted(spec, bound, sample.tokens_per_second, last, view.now)
+    want = autoscale.servers_wanted(spec, bound, sample, last, view.now)
     if want is None:
         return None
     return ScaleServers(
@@ -575,6 +575,12 @@ def pool_status(
         )
     reports = {s: r for s in live if (r := view.report(s)) is not None}
     sample = autoscale.sample(previous.token_sample, reports, view.now)
+    if sample.at == view.now:  # a new sample: the count it asks for, into the window
+        goal = autoscale.goal(spec, validation.coverage_bound(spec), sample.tokens_per_second)
+        if goal is not None:
+            sample = autoscale.recorded(sample, goal)
+        elif not spec.autoscaling.enabled:  # off: what it asked before is no longer a window
+            sample = sample.model_copy(update={"goals": []})
     return ExpertPoolStatus(
         observedGeneration=view.generation,
         selector=selector(view.name),
