@@ -668,6 +668,16 @@ def test_the_autoscaler_holds_within_its_tolerance_and_steps_down_only_when_aske
     assert [autoscale.goal(s, bound, r) for r in (810.0, 900.0, 989.0)] == [9, 9, 9]
     assert autoscale.goal(s, bound, 799.0) == 8
     assert autoscale.goal(s, bound, 991.0) == 10
+    # down, the count the rate asks for, not the tolerance's edge: a walk one step at a time
+    # from 64 reaches 40 for 4,000 tokens/s (held at 10% it would stop at 44)
+    wide = s.model_copy(
+        update={"autoscaling": s.autoscaling.model_copy(update={"max_servers": 64})}
+    )
+    for servers in range(41, 65):
+        at = wide.model_copy(
+            update={"servers": wide.servers.model_copy(update={"replicas": servers})}
+        )
+        assert autoscale.goal(at, bound, 4000.0) == 40, servers
 
     def wanted(goals: list[int]) -> int | None:
         sample = ExpertTokenSample(at=0.0, tokensPerSecond=799.0, goals=goals)
@@ -686,32 +696,36 @@ def test_the_token_rate_is_each_servers_over_its_own_reports_times() -> None:
     def at(name: str, ts: float, tokens: dict[int, dict[int, int]]) -> zl.ExpertServerReport:
         return report(name, "u", STATE.SERVING, tokens=tokens).model_copy(update={"ts": ts})
 
+    c_ts = 98.00000049  # finer than the status keeps (the microsecond)
     first = autoscale.sample(
         None,
         {
             "a": at("a", 99.0, {0: {1: 100, 2: 100}}),
             "b": at("b", 95.0, {0: {1: 50}}),
-            "c": at("c", 98.0, {0: {1: 10}}),
+            "c": at("c", c_ts, {0: {1: 10}}),
         },
         100.0,
     )
     assert first.tokens == {"a": 200, "b": 50, "c": 10}
     assert first.reported_at == {"a": 99.0, "b": 95.0, "c": 98.0}
     assert first.tokens_per_second is None
+    # the next pass reads it back from the status, as it was stored
+    first = ExpertTokenSample.model_validate(first.model_dump(by_alias=True, mode="json"))
     assert autoscale.sample(first, {}, 105.0) is first  # too soon
     second = autoscale.sample(
         first,
         {
             "a": at("a", 109.0, {0: {1: 600, 2: 600}}),  # 1000 over its 10 s: 100/s
             "b": at("b", 105.0, {0: {1: 20}}),  # restarted: its window not known
-            "c": at("c", 98.0, {0: {1: 10}}),  # its report not rewritten yet
-            "d": at("d", 108.0, {0: {1: 70}}),  # new
+            "c": at("c", c_ts, {0: {1: 10}}),  # its report not rewritten yet
+            "d": at("d", 108.0, {0: {1: 70}}),  # new: a scale-up's, no traffic to speak of
         },
         110.0,
     )
-    # a's rate, taken for each of the four (the sample's own 10 s would have said 102/s for
-    # a alone: its reports were 10 s apart, the samples' reads too, but not the same 10 s)
-    assert second.tokens_per_second == 400.0
+    # a's rate, taken for each of the three of both samples (the samples' own 10 s would have
+    # said 102/s for a alone: its reports were 10 s apart, the samples' reads too, but not the
+    # same 10 s); c's report did not move: not a rate of 0
+    assert second.tokens_per_second == 300.0
     # a sample stored before report times were kept: the samples' own times
     old = ExpertTokenSample(at=100.0, tokens={"a": 200})
     third = autoscale.sample(old, {"a": at("a", 200.0, {0: {1: 700}})}, 110.0)
@@ -757,6 +771,15 @@ def test_the_pool_scales_itself_down_one_step_when_traffic_falls() -> None:
     assert scale.patch == {"spec": {"servers": {"replicas": 7}}}
     assert scale.resource_version == "rv1"
     assert scale.describe().reason == "Autoscaled"
+    # autoscaling off: what the samples asked before is no window any more
+    w.spec = w.spec.model_copy(
+        update={"autoscaling": w.spec.autoscaling.model_copy(update={"enabled": False})}
+    )
+    sampled([7] * window)
+    p = w.step()
+    assert not [a for a in p.actions if isinstance(a, ScaleServers)]
+    assert p.status.token_sample is not None
+    assert p.status.token_sample.goals == []
 
 
 def test_a_server_is_priced_by_its_slots_weights_not_the_models() -> None:
