@@ -506,12 +506,18 @@ def test_a_restarted_engine_is_failed_over_and_taken_back() -> None:
     assert w.status.members[name] == "new"
 
 
-def test_scale_down_drains_one_server_keeping_coverage_then_deletes_it() -> None:
+def scaling_down_to_7() -> World:
+    """A settled pool of 8 whose spec now asks 7, its servers loading only when told."""
     w = World(spec())
     w.settle()
     w.spec = spec(servers={"replicas": 7})
     w.generation += 1
     w.auto_load = False
+    return w
+
+
+def test_scale_down_drains_one_server_keeping_coverage_then_deletes_it() -> None:
+    w = scaling_down_to_7()
     p = w.step()
     (write,) = [a for a in p.actions if isinstance(a, WriteMapVersion)]
     # the whole walk written at once, the pointer on its first phase; the victim in its table
@@ -550,11 +556,7 @@ def test_scale_down_drains_one_server_keeping_coverage_then_deletes_it() -> None
 
 
 def test_a_walks_next_phase_rewrites_its_head_alone_a_new_version_is_created_first() -> None:
-    w = World(spec())
-    w.settle()
-    w.spec = spec(servers={"replicas": 7})
-    w.generation += 1
-    w.auto_load = False
+    w = scaling_down_to_7()
     (write,) = [a for a in w.step().actions if isinstance(a, WriteMapVersion)]
     assert not write.stored
     puts = [op for op in write.znodes(PATHS) if isinstance(op, zl.Put) and op.path != PATHS.map]

@@ -182,13 +182,18 @@ class PoolSession:
             version = zl.ExpertMapVersion.parse(raw)
             if (own := self.own) is not None and own not in version.servers:
                 return ExpertMap(version, ())  # out of the table: no rows to read
+            # its rows as ``held`` has them: the same stamp, within one history of the map (its
+            # numbers start again in another)
             since = version.rows_at.get(own or "", 0)
-            # stamps compare within one history of the map (its numbers start again in another)
-            same = held is not None and held.version.origin == version.origin != 0
-            if own is not None and held is not None and since and same:
-                rows = held.rows(own) if held.version.rows_at.get(own) == since else None
-                if rows is not None:
-                    return ExpertMap(version, (), (own, rows))
+            if (
+                own is not None
+                and held is not None
+                and since
+                and held.version.origin == version.origin != 0
+                and held.version.rows_at.get(own) == since
+                and (rows := held.rows(own)) is not None
+            ):
+                return ExpertMap(version, (), (own, rows))
             layers = []
             for layer in range(version.layers):
                 data = self.zk.get(self.paths.layer(number, layer))
